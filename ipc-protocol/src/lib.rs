@@ -1,0 +1,14 @@
+//! PolyGate wire protocol: message types, their byte encoding and the framing.
+//!
+//! No I/O policy lives here: a Rust client can depend on this crate alone.
+//! The byte layout is documented for other languages in `bindings/PROTOCOL.md`.
+
+pub mod messages;
+
+pub use messages::*;
+
+/// The protocol version spoken by this crate; `Hello` and `Welcome` must agree.
+pub const PROTOCOL_VERSION: u32 = 1;
+
+/// Default and recommended maximum frame payload, in bytes.
+pub const DEFAULT_MAX_FRAME: u32 = 65536;

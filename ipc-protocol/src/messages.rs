@@ -1,0 +1,338 @@
+//! Every message that crosses the socket.
+//!
+//! These types *are* the wire format: their field order and variant order define the
+//! bytes (bincode legacy layout, see [`crate::codec`] and `bindings/PROTOCOL.md`).
+//! **Never reorder fields or variants, never insert a variant in the middle**: append
+//! new variants at the end and bump [`crate::PROTOCOL_VERSION`] for anything else.
+//!
+//! A client sends [`ClientFrame`]s; the sidecar answers each with a [`ServerFrame`]
+//! carrying the same `id`. The first frame of a connection must be
+//! [`Request::Hello`].
+
+use serde::{Deserialize, Serialize};
+
+/// One frame from a client to the sidecar.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ClientFrame {
+    /// Client-chosen request id, echoed by the reply, so one connection can carry
+    /// many concurrent requests (an asyncio worker multiplexes all its calls).
+    pub id: u64,
+    /// What the client asks for.
+    pub request: Request,
+}
+
+/// One frame from the sidecar to a client.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ServerFrame {
+    /// The id of the request this answers; 0 when the request could not be decoded
+    /// far enough to know its id.
+    pub id: u64,
+    /// The answer.
+    pub reply: Reply,
+}
+
+/// Requests, in wire-tag order (tag = position, starting at 0).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub enum Request {
+    /// Tag 0. Must be the first frame of a connection.
+    Hello {
+        /// The protocol version the client speaks; must equal the sidecar's.
+        protocol_version: u32,
+        /// Free-form client name for logs (`"polygate-python/0.1"`).
+        client_name: String,
+        /// The client's process id, for logs and status.
+        pid: u32,
+    },
+    /// Tag 1. Start a call in `scope`; the stall clock starts now.
+    BeginCall {
+        /// Scope name from the configuration.
+        scope: String,
+        /// Estimated tokens for each attempt; `None` takes the source's default (§7).
+        est_tokens: Option<u64>,
+    },
+    /// Tag 2. Ask for a permit for the call; may block (wait mode) on the sidecar.
+    Acquire {
+        /// Call id from `CallBegun`.
+        call: u64,
+    },
+    /// Tag 3. Report the outcome of the attempt made under `permit`.
+    Report {
+        /// Permit id from `Granted`.
+        permit: u64,
+        /// What happened upstream.
+        outcome: Outcome,
+    },
+    /// Tag 4. Forget the call; releases anything it still holds.
+    EndCall {
+        /// Call id from `CallBegun`.
+        call: u64,
+    },
+    /// Tag 5. Live state of every scope and source.
+    Status,
+    /// Tag 6. Admin: open the source's breaker for `seconds`.
+    ForceOpen {
+        /// Source name.
+        source: String,
+        /// How long it stays open, in seconds (> 0).
+        seconds: f64,
+    },
+    /// Tag 7. Admin: close the source's breaker now (and clear every host's memo).
+    ForceClose {
+        /// Source name.
+        source: String,
+    },
+    /// Tag 8. Admin: forget all breaker and quota state of the source.
+    Reset {
+        /// Source name.
+        source: String,
+    },
+    /// Tag 9. Liveness check; answered with `Pong`.
+    Ping,
+    /// Tag 10. Cancel the still-pending request `target` (normally an `Acquire`
+    /// waiting on the sidecar). The cancelled request is answered with an error of
+    /// kind `Cancelled`; this request itself is answered with `Ok`, whether or not
+    /// `target` was still pending.
+    Cancel {
+        /// The id of the request to cancel.
+        target: u64,
+    },
+}
+
+/// What a worker reports on a permit.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub enum Outcome {
+    /// Tag 0. The upstream answered usefully.
+    Success {
+        /// Actual tokens used; `None` keeps the estimate.
+        tokens: Option<u64>,
+        /// `false` keeps a success whose result was unusable out of the breaker window.
+        count_attempt: bool,
+    },
+    /// Tag 1. The upstream failed.
+    Failure {
+        /// How it failed.
+        kind: FailureKind,
+    },
+    /// Tag 2. The upstream said 429: backpressure, not failure.
+    RateLimited {
+        /// The upstream's `Retry-After`, if it gave one; blocks the source's quota.
+        retry_after_s: Option<f64>,
+    },
+    /// Tag 3. The worker gave up before (or while) sending.
+    Cancelled,
+}
+
+/// Failure kinds a worker may report.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum FailureKind {
+    /// Tag 0. The upstream did not answer in time (also lowers the pacer ceiling).
+    Timeout,
+    /// Tag 1. 5xx or equivalent.
+    ServerError,
+    /// Tag 2. Could not connect / connection dropped.
+    Connection,
+    /// Tag 3. The answer was unusable (bad JSON, refusal, …).
+    BadResult,
+    /// Tag 4. Anything else.
+    Error,
+}
+
+/// Breaker state as reported on the wire.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum BreakerState {
+    /// Tag 0.
+    Closed,
+    /// Tag 1.
+    Open,
+    /// Tag 2.
+    HalfOpen,
+}
+
+/// Replies, in wire-tag order.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub enum Reply {
+    /// Tag 0. Answer to `Hello`.
+    Welcome {
+        /// The sidecar's protocol version.
+        protocol_version: u32,
+        /// The sidecar's software version (`"0.1.0"`).
+        sidecar_version: String,
+        /// The largest frame payload the sidecar accepts, in bytes.
+        max_frame: u32,
+    },
+    /// Tag 1. Answer to `BeginCall`.
+    CallBegun {
+        /// The call id to use in `Acquire` / `EndCall`.
+        call: u64,
+    },
+    /// Tag 2. Answer to `Acquire`: a permit.
+    Granted {
+        /// Permit id to use in `Report`.
+        permit: u64,
+        /// The source to call.
+        source: String,
+        /// This attempt is the half-open probe of the source.
+        is_probe: bool,
+        /// 1-based attempt number within the call.
+        attempt: u32,
+        /// Tokens reserved for this attempt.
+        est_tokens: u64,
+    },
+    /// Tag 3. Answer to `Report`.
+    Reported {
+        /// `false` when the outcome was fenced out (the breaker moved on meanwhile).
+        applied: bool,
+        /// The source's breaker state after the report.
+        state: BreakerState,
+        /// §6: seconds until a retry is certainly worth attempting (0 = now).
+        retry_after_s: f64,
+    },
+    /// Tag 4. Generic success without data (`EndCall`, admin, `Cancel`).
+    Ok,
+    /// Tag 5. Answer to `Status`.
+    Status(StatusReport),
+    /// Tag 6. Answer to `Ping`.
+    Pong,
+    /// Tag 7. The request failed.
+    Error(ErrorReply),
+}
+
+/// A failed request.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ErrorReply {
+    /// What kind of failure; clients map it to an exception class.
+    pub kind: ErrorKind,
+    /// Human-readable, names the offending thing.
+    pub message: String,
+    /// §6: seconds until a retry is certainly worth attempting (0 when unknown/now).
+    pub retry_after_s: f64,
+    /// Why each source was skipped in the last admission pass (config order).
+    pub per_source_reasons: Vec<(String, SkipReason)>,
+    /// For `AllSourcesExhausted`: which budget ran out.
+    pub exhausted: Option<ExhaustionReason>,
+    /// The scope of the call, when the error concerns one.
+    pub scope: Option<String>,
+}
+
+/// Error kinds, in wire-tag order.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum ErrorKind {
+    /// Tag 0. Every source refused for circuit reasons (fail-fast).
+    CircuitOpen,
+    /// Tag 1. The call's budget is spent; see `exhausted`.
+    AllSourcesExhausted,
+    /// Tag 2. `BeginCall` named a scope the configuration lacks.
+    UnknownScope,
+    /// Tag 3. No live call with that id on this connection.
+    UnknownCall,
+    /// Tag 4. No live permit with that id on this connection.
+    UnknownPermit,
+    /// Tag 5. A request argument is invalid (message says which).
+    InvalidArgument,
+    /// Tag 6. The frame could not be decoded; the connection is closed.
+    Malformed,
+    /// Tag 7. The frame exceeded `max_frame`; the connection is closed.
+    FrameTooLarge,
+    /// Tag 8. `Hello` missing, repeated, or a protocol version mismatch; closed.
+    ProtocolViolation,
+    /// Tag 9. The peer's uid/gid may not do this (admin, or connect at all).
+    PermissionDenied,
+    /// Tag 10. The sidecar is shutting down; waits end with this.
+    ShuttingDown,
+    /// Tag 11. The shared backend is unreachable and `on_backend_error = "fail_closed"`.
+    BackendUnavailable,
+    /// Tag 12. The request was cancelled (by `Cancel`).
+    Cancelled,
+    /// Tag 13. A second `Acquire` while the call already waits or holds a permit.
+    Busy,
+    /// Tag 14. A bug in the sidecar.
+    Internal,
+}
+
+/// Why a source was skipped in an admission pass (§4).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum SkipReason {
+    /// Tag 0. Cooldown memo or breaker refused.
+    CircuitOpen,
+    /// Tag 1. Pacer ceiling reached on this host.
+    Paced,
+    /// Tag 2. Quota bucket (tpm/rpm) or a 429 block.
+    RateLimited,
+    /// Tag 3. The shared backend is unreachable (`fail_closed`).
+    BackendUnavailable,
+}
+
+/// Which budget of the call ran out (§5).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum ExhaustionReason {
+    /// Tag 0. The stall clock passed `stall_window`.
+    Stalled,
+    /// Tag 1. Quota (or pacer) refused and `quota_full = "fail_fast"`.
+    QuotaExhausted,
+    /// Tag 2. `max_attempts` attempts were made.
+    RetryExhausted,
+}
+
+/// Answer to `Status`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct StatusReport {
+    /// The sidecar's software version.
+    pub sidecar_version: String,
+    /// `"memory"` or `"redis"`.
+    pub backend: String,
+    /// Every configured scope, in config order.
+    pub scopes: Vec<ScopeStatus>,
+}
+
+/// One scope in a status report.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ScopeStatus {
+    /// Scope name.
+    pub name: String,
+    /// `"wait"` or `"fail_fast"`.
+    pub circuit_open: String,
+    /// `"wait"` or `"fail_fast"`.
+    pub quota_full: String,
+    /// Calls currently waiting in an `Acquire` of this scope.
+    pub waiters: u32,
+    /// Live calls of this scope.
+    pub calls: u32,
+    /// The scope's sources, in config order.
+    pub sources: Vec<SourceStatus>,
+}
+
+/// One source in a status report.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct SourceStatus {
+    /// Source name.
+    pub name: String,
+    /// Breaker state.
+    pub state: BreakerState,
+    /// Breaker epoch (bumped by every transition).
+    pub epoch: u64,
+    /// §6 retry-after of this source, seconds.
+    pub retry_after_s: f64,
+    /// Cooldown exponent `k` (open duration = cooldown × 2^k, capped).
+    pub cooldown_level: u32,
+    /// Successes counted in the breaker window.
+    pub window_successes: u64,
+    /// Failures counted in the breaker window.
+    pub window_failures: u64,
+    /// Current consecutive-failure streak.
+    pub streak: u32,
+    /// Seconds this host's cooldown memo still skips the source (0 = not skipped).
+    pub memo_remaining_s: f64,
+    /// AIMD pacer ceiling on this host.
+    pub pacer_ceiling: f64,
+    /// Permits in flight on this host.
+    pub in_flight: u32,
+    /// Tokens left in the tpm bucket (negative = debt); `None` without `tpm`.
+    pub tokens_available: Option<f64>,
+    /// Requests left in the rpm bucket; `None` without `rpm`.
+    pub requests_available: Option<f64>,
+    /// Seconds the quota stays blocked by a 429 `retry_after`.
+    pub quota_blocked_s: f64,
+    /// `true` while the shared backend is unreachable and this source is served
+    /// from local state.
+    pub degraded: bool,
+}

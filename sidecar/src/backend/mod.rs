@@ -1,0 +1,401 @@
+//! Where breaker (§6) and quota (§7) state lives.
+//!
+//! [`Backend`] is the contract both the in-process [`memory::MemoryBackend`] and the
+//! shared Redis backend implement; one contract test suite (`tests/contract/`) runs
+//! against each. The primitive operations (`try_enter`, `record_*`, `reserve`,
+//! `settle`, …) are what the contract pins; [`Backend::admit`] and
+//! [`Backend::report`] are the two combined operations the engine calls on its hot
+//! path, so a remote backend can do each in **one round trip** (§10). Their default
+//! bodies compose the primitives; backends override them to make them atomic.
+//!
+//! Methods return `impl Future + Send` rather than boxed futures so the memory
+//! backend's admission path allocates nothing; the daemon picks a backend through the
+//! [`AnyBackend`] enum, not a trait object.
+
+pub mod memory;
+
+use std::future::Future;
+use std::time::Duration;
+
+/// Breaker parameters, taken from the scope doing the operation (§6).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct BreakerParams {
+    /// Streak channel threshold.
+    pub failure_threshold: u32,
+    /// Rate channel threshold, a fraction.
+    pub failure_rate: f64,
+    /// Window samples needed before the rate channel / healthy-window veto apply.
+    pub min_calls: u32,
+    /// Whole window (two buckets of half each).
+    pub window: Duration,
+    /// Base open duration.
+    pub cooldown: Duration,
+    /// Cap of the open duration, and the decay period of the cooldown level.
+    pub max_cooldown: Duration,
+    /// Probe lease: 2 × the slowest source timeout of the scope.
+    pub probe_ttl: Duration,
+}
+
+/// Quota parameters of a source (§7). `None` disables that bucket.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct QuotaParams {
+    /// Tokens per minute.
+    pub tpm: Option<u64>,
+    /// Requests per minute.
+    pub rpm: Option<u64>,
+}
+
+/// Breaker state.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum State {
+    /// Calls flow.
+    Closed,
+    /// Calls refused until the cooldown ends.
+    Open,
+    /// One probe may run.
+    HalfOpen,
+}
+
+/// Answer of [`Backend::try_enter`].
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Entry {
+    /// The caller may proceed.
+    pub granted: bool,
+    /// The caller holds the half-open probe lease.
+    pub is_probe: bool,
+    /// Epoch the grant (or refusal) was made under.
+    pub epoch: u64,
+    /// State after the operation.
+    pub state: State,
+    /// §6 retry-after: OPEN → until − now, else 0.
+    pub retry_after: Duration,
+}
+
+/// Answer of an outcome operation (`record_*`, `release_probe`, `report`).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Applied {
+    /// `false` when fenced out (epoch mismatch): nothing changed.
+    pub applied: bool,
+    /// State after the operation.
+    pub state: State,
+    /// Current epoch after the operation.
+    pub epoch: u64,
+    /// §6 retry-after: OPEN → until − now, else 0.
+    pub retry_after: Duration,
+}
+
+/// Answer of [`Backend::reserve`].
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Reserve {
+    /// Tokens and one request were taken.
+    Reserved,
+    /// Not enough in a bucket, or blocked by a 429; nothing was taken.
+    Denied {
+        /// Estimated time until the reservation could succeed.
+        retry_after: Duration,
+    },
+}
+
+/// How a reservation is finally settled (§7).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Settlement {
+    /// The request counted; the token charge becomes `tokens` (refund or extra debit
+    /// of the difference from the reservation).
+    Charge {
+        /// Actual tokens used.
+        tokens: u64,
+    },
+    /// The request counted but used no tokens (transient failure, 429): the token
+    /// deposit nets to zero.
+    RefundTokens,
+    /// Nothing was sent: both the tokens and the request go back.
+    RefundAll,
+}
+
+/// Answer of the combined admission step ([`Backend::admit`]).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Admit {
+    /// Quota reserved and breaker entered.
+    Granted {
+        /// Epoch of the grant, carried by the permit.
+        epoch: u64,
+        /// The permit is the half-open probe.
+        is_probe: bool,
+    },
+    /// Quota refused (gate 3); the breaker was not consulted.
+    RateLimited {
+        /// Estimated time until quota frees.
+        retry_after: Duration,
+    },
+    /// Breaker refused (gate 4); the quota reservation was released.
+    CircuitOpen {
+        /// Breaker state.
+        state: State,
+        /// §6 retry-after.
+        retry_after: Duration,
+    },
+}
+
+/// Failure kinds (§13), as the engine sees them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FailureKind {
+    /// Timed out (also lowers the pacer ceiling).
+    Timeout,
+    /// 5xx.
+    ServerError,
+    /// Connection trouble.
+    Connection,
+    /// Unusable answer.
+    BadResult,
+    /// Anything else.
+    Error,
+}
+
+/// What happened on one attempt (§2).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Outcome {
+    /// Useful answer.
+    Success {
+        /// Actual tokens; `None` keeps the estimate.
+        tokens: Option<u64>,
+        /// `false` keeps the success out of the breaker window.
+        count_attempt: bool,
+    },
+    /// The upstream failed.
+    Failure(FailureKind),
+    /// 429: backpressure, not failure.
+    RateLimited {
+        /// Upstream retry-after: blocks the quota until then, for every host.
+        retry_after: Option<Duration>,
+    },
+    /// Given up before or while sending.
+    Cancelled,
+}
+
+impl Outcome {
+    /// §7 settlement of the reservation for this outcome.
+    pub fn settlement(&self, reserved_tokens: u64) -> Settlement {
+        match *self {
+            Outcome::Success { tokens, .. } => Settlement::Charge {
+                tokens: tokens.unwrap_or(reserved_tokens),
+            },
+            Outcome::Failure(_) | Outcome::RateLimited { .. } => Settlement::RefundTokens,
+            Outcome::Cancelled => Settlement::RefundAll,
+        }
+    }
+}
+
+/// Everything known about one source, for `status`.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct SourceSnapshot {
+    /// Breaker state.
+    pub state: State,
+    /// Breaker epoch.
+    pub epoch: u64,
+    /// §6 retry-after.
+    pub retry_after: Duration,
+    /// Cooldown level `k`.
+    pub cooldown_level: u32,
+    /// Window successes.
+    pub window_successes: u64,
+    /// Window failures.
+    pub window_failures: u64,
+    /// Consecutive failures.
+    pub streak: u32,
+    /// tpm bucket level (may be negative: debt).
+    pub tokens_available: Option<f64>,
+    /// rpm bucket level.
+    pub requests_available: Option<f64>,
+    /// Remaining 429 block.
+    pub quota_blocked: Duration,
+}
+
+/// Backend failures. The engine maps them per `on_backend_error` (§10).
+#[derive(Debug, Clone, thiserror::Error, PartialEq)]
+pub enum BackendError {
+    /// The shared store cannot be reached (or timed out).
+    #[error("shared backend unreachable: {0}")]
+    Unavailable(String),
+    /// The source is not configured.
+    #[error("unknown source {0:?}")]
+    UnknownSource(String),
+    /// The store answered something this code does not understand.
+    #[error("backend protocol error: {0}")]
+    Protocol(String),
+}
+
+/// Result alias for backend operations.
+pub type BResult<T> = Result<T, BackendError>;
+
+/// The breaker + quota contract (§6, §7, §10).
+pub trait Backend: Send + Sync + 'static {
+    /// Short name for status (`"memory"`, `"redis"`).
+    fn name(&self) -> &'static str;
+
+    /// `true` while `source` is served from local state because the shared store is
+    /// unreachable (always `false` for the memory backend).
+    fn degraded(&self, _source: &str) -> bool {
+        false
+    }
+
+    // ---- breaker (§6) ----
+
+    /// Gate 4: may a caller enter? Grants the probe in HALF_OPEN without a live lease.
+    fn try_enter(
+        &self,
+        source: &str,
+        p: &BreakerParams,
+    ) -> impl Future<Output = BResult<Entry>> + Send;
+
+    /// Record a success under `epoch`.
+    fn record_success(
+        &self,
+        source: &str,
+        epoch: u64,
+        count_attempt: bool,
+        p: &BreakerParams,
+    ) -> impl Future<Output = BResult<Applied>> + Send;
+
+    /// Record a failure under `epoch`.
+    fn record_failure(
+        &self,
+        source: &str,
+        epoch: u64,
+        p: &BreakerParams,
+    ) -> impl Future<Output = BResult<Applied>> + Send;
+
+    /// Release the probe lease held under `epoch` (cancel, 429) without a verdict.
+    fn release_probe(
+        &self,
+        source: &str,
+        epoch: u64,
+    ) -> impl Future<Output = BResult<Applied>> + Send;
+
+    /// Min over `sources` of their §6 retry-after (OPEN: until − now; else 0).
+    fn retry_after(&self, sources: &[&str]) -> impl Future<Output = BResult<Duration>> + Send;
+
+    /// Admin: OPEN for `duration` (epoch bumped).
+    fn force_open(
+        &self,
+        source: &str,
+        duration: Duration,
+    ) -> impl Future<Output = BResult<Applied>> + Send;
+
+    /// Admin: CLOSED now, streak and window cleared (epoch bumped).
+    fn force_close(&self, source: &str) -> impl Future<Output = BResult<Applied>> + Send;
+
+    /// Admin: forget breaker and quota state (epoch bumped, never rewound).
+    fn reset(&self, source: &str) -> impl Future<Output = BResult<Applied>> + Send;
+
+    // ---- quota (§7) ----
+
+    /// Gate 3: reserve `tokens` and one request, or take nothing.
+    fn reserve(
+        &self,
+        source: &str,
+        q: &QuotaParams,
+        tokens: u64,
+    ) -> impl Future<Output = BResult<Reserve>> + Send;
+
+    /// Settle a reservation of `reserved_tokens`.
+    fn settle(
+        &self,
+        source: &str,
+        q: &QuotaParams,
+        reserved_tokens: u64,
+        how: Settlement,
+    ) -> impl Future<Output = BResult<()>> + Send;
+
+    /// A 429 with retry-after: block the source's quota for `for_` (only moves forward).
+    fn block_quota(&self, source: &str, for_: Duration)
+        -> impl Future<Output = BResult<()>> + Send;
+
+    // ---- status ----
+
+    /// Everything about `source`, for status.
+    fn snapshot(
+        &self,
+        source: &str,
+        p: &BreakerParams,
+        q: &QuotaParams,
+    ) -> impl Future<Output = BResult<SourceSnapshot>> + Send;
+
+    // ---- combined hot-path operations ----
+
+    /// Gates 3 and 4 for one source: reserve quota, then `try_enter`; a breaker refusal
+    /// releases the reservation. Remote backends do this in one round trip.
+    fn admit(
+        &self,
+        source: &str,
+        p: &BreakerParams,
+        q: &QuotaParams,
+        tokens: u64,
+    ) -> impl Future<Output = BResult<Admit>> + Send {
+        async move {
+            if let Reserve::Denied { retry_after } = self.reserve(source, q, tokens).await? {
+                return Ok(Admit::RateLimited { retry_after });
+            }
+            let e = self.try_enter(source, p).await?;
+            if e.granted {
+                Ok(Admit::Granted {
+                    epoch: e.epoch,
+                    is_probe: e.is_probe,
+                })
+            } else {
+                self.settle(source, q, tokens, Settlement::RefundAll)
+                    .await?;
+                Ok(Admit::CircuitOpen {
+                    state: e.state,
+                    retry_after: e.retry_after,
+                })
+            }
+        }
+    }
+
+    /// Settle the permit's reservation and feed the outcome to the breaker. Remote
+    /// backends do this in one round trip.
+    #[allow(clippy::too_many_arguments)]
+    fn report(
+        &self,
+        source: &str,
+        p: &BreakerParams,
+        q: &QuotaParams,
+        epoch: u64,
+        is_probe: bool,
+        reserved_tokens: u64,
+        outcome: Outcome,
+    ) -> impl Future<Output = BResult<Applied>> + Send {
+        async move {
+            self.settle(
+                source,
+                q,
+                reserved_tokens,
+                outcome.settlement(reserved_tokens),
+            )
+            .await?;
+            match outcome {
+                Outcome::Success { count_attempt, .. } => {
+                    self.record_success(source, epoch, count_attempt, p).await
+                }
+                Outcome::Failure(_) => self.record_failure(source, epoch, p).await,
+                Outcome::RateLimited { retry_after } => {
+                    if let Some(d) = retry_after {
+                        self.block_quota(source, d).await?;
+                    }
+                    self.neutral(source, epoch, is_probe).await
+                }
+                Outcome::Cancelled => self.neutral(source, epoch, is_probe).await,
+            }
+        }
+    }
+
+    /// An outcome that is no verdict (429, cancel): releases the probe lease if the
+    /// permit was the probe; otherwise changes nothing. `applied` says whether the
+    /// permit's epoch is still current.
+    fn neutral(
+        &self,
+        source: &str,
+        epoch: u64,
+        is_probe: bool,
+    ) -> impl Future<Output = BResult<Applied>> + Send;
+}

@@ -1,0 +1,1 @@
+//! TOML + environment parsing and validation. (Being written.)
