@@ -11,6 +11,64 @@
 //! Methods return `impl Future + Send` rather than boxed futures so the memory
 //! backend's admission path allocates nothing; the daemon picks a backend through the
 //! [`AnyBackend`] enum, not a trait object.
+//!
+//! # Exact semantics (both backends implement exactly this)
+//!
+//! Breaker, per source; `now` is the backend's clock (memory: injected clock; Redis:
+//! `TIME`). Fields: `state`, `epoch` (u64, starts 0), `until` (OPEN), `lease_until`
+//! (HALF_OPEN; "no lease" after a release), `streak`, `k` (cooldown level),
+//! `closed_since`, window buckets.
+//! - **Epoch** bumps (+1) on every transition: CLOSED→OPEN, OPEN→HALF_OPEN,
+//!   HALF_OPEN→CLOSED, HALF_OPEN→OPEN, and on every admin op; **also on every probe
+//!   grant**, including a re-grant after an expired or released lease, so each probe
+//!   has its own epoch and a vanished holder's late report is fenced. `reset` bumps it
+//!   too and never rewinds it (old permits must stay fenced).
+//! - `try_enter`: CLOSED → granted, not probe, epoch unchanged. OPEN and now < until →
+//!   refused, retry_after = until − now. OPEN and now ≥ until → HALF_OPEN, epoch+1,
+//!   lease_until = now + probe_ttl, granted as probe. HALF_OPEN with live lease
+//!   (now < lease_until) → refused, retry_after 0. HALF_OPEN without live lease →
+//!   epoch+1, new lease, granted as probe. Every grant reports retry_after 0.
+//! - Outcome ops apply only when `epoch` equals the current epoch; otherwise they
+//!   change nothing and return `applied=false`, the current state and retry_after
+//!   (OPEN: until − now; else 0).
+//! - `record_success`: CLOSED → streak = 0; window success+1 if `count_attempt`.
+//!   HALF_OPEN → CLOSED (epoch+1), streak = 0, window cleared, closed_since = now
+//!   (also with `count_attempt=false`: the upstream answered).
+//! - `record_failure`: CLOSED → streak+1, window failure+1, then open if
+//!   (a) samples ≥ min_calls and failures/samples ≥ failure_rate (rate channel: k+1),
+//!   or (b) streak ≥ failure_threshold unless samples ≥ min_calls with rate <
+//!   failure_rate (streak channel: k unchanged). HALF_OPEN → OPEN again with k+1.
+//!   Opening: epoch+1, streak = 0, window cleared, until = now + open_duration.
+//! - **open_duration** = min(cooldown × 2^k, max_cooldown) computed *after* k grows,
+//!   so a probe-failure reopen always lasts longer than the open before it (until the
+//!   cap); the first streak open lasts `cooldown`, the first rate open 2 × cooldown.
+//! - **k decay**: whenever the breaker is read in CLOSED with k > 0, each whole
+//!   `max_cooldown` elapsed since `closed_since` takes one off k (and moves
+//!   closed_since forward by that many periods).
+//! - `release_probe` (and `neutral` for a probe): HALF_OPEN with matching epoch →
+//!   lease cleared (state stays HALF_OPEN, epoch unchanged; the next `try_enter`
+//!   grants a new probe). Anything else → `applied=false`.
+//! - `neutral` for a non-probe permit: changes nothing; `applied` = epoch matches.
+//! - Window: buckets of `window/2` aligned to multiples of window/2 on the backend
+//!   clock; the window is the current bucket plus the previous one when it is the
+//!   adjacent one. samples = successes + failures of both.
+//! - `force_open(d)`: OPEN until now + d, epoch+1, k unchanged. `force_close`:
+//!   CLOSED, epoch+1, streak/window cleared, closed_since = now, k unchanged.
+//!   `reset`: CLOSED, epoch+1, k = 0, streak/window cleared, quota buckets full and
+//!   the 429 block removed.
+//!
+//! Quota, per source: a token bucket (capacity `tpm`, refill tpm/60 per second) and a
+//! request bucket (capacity `rpm`, refill rpm/60 per second), continuous refill,
+//! starting full, absent when `None`; plus `blocked_until` from 429s.
+//! - `reserve(tokens)`: refused while now < blocked_until (retry_after = the rest of
+//!   the block). Otherwise it needs level ≥ min(tokens, capacity) in the token bucket
+//!   (an estimate larger than the bucket goes through when the bucket is full, and
+//!   leaves debt) and ≥ 1 in the request bucket; on success both are debited,
+//!   otherwise nothing is taken and retry_after = the longest refill time needed.
+//! - `settle(reserved, how)`: `Charge{tokens}` → token level += reserved − tokens
+//!   (may go negative: debt). `RefundTokens` → token level += reserved. `RefundAll` →
+//!   token level += reserved, request level += 1. Levels never exceed capacity.
+//! - `block_quota(d)`: blocked_until = max(blocked_until, now + d).
 
 pub mod memory;
 
