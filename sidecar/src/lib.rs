@@ -8,3 +8,7 @@
 pub mod backend;
 pub mod clock;
 pub mod config;
+pub mod engine;
+pub mod notify;
+pub mod peer;
+pub mod server;

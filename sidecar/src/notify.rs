@@ -1,0 +1,1 @@
+//! sd_notify (being written).

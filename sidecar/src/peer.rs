@@ -1,0 +1,1 @@
+//! Peer credential policy (being written).

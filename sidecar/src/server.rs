@@ -1,0 +1,1 @@
+//! Socket server (being written).
