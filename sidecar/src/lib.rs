@@ -6,6 +6,8 @@
 //! server (wire types ↔ engine).
 
 pub mod backend;
+pub mod breaker;
+pub mod quota;
 pub mod clock;
 pub mod config;
 pub mod engine;

@@ -1,1 +1,233 @@
-//! In-process backend (being written).
+//! In-process backend: breaker and quota state in this process, one host (§10).
+//!
+//! Each configured source has its own mutex-protected cell, created at start-up, so
+//! operations on different sources never contend and the admission path allocates
+//! nothing. The combined operations (`admit`, `report`) run under one lock
+//! acquisition, which makes them atomic like the Redis scripts.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use super::{
+    Admit, Applied, BResult, Backend, BackendError, BreakerParams, Entry, Outcome, QuotaParams,
+    Reserve, Settlement, SourceSnapshot,
+};
+use crate::breaker::Breaker;
+use crate::clock::Clock;
+use crate::quota::Quota;
+
+/// Breaker and quota of one source.
+#[derive(Debug)]
+struct Cell {
+    /// §6 state machine.
+    breaker: Breaker,
+    /// §7 buckets.
+    quota: Quota,
+}
+
+/// The memory backend.
+pub struct MemoryBackend {
+    /// Time source (injected so tests drive it).
+    clock: Arc<dyn Clock>,
+    /// One cell per configured source; the map itself never changes after start-up.
+    cells: HashMap<String, Mutex<Cell>>,
+}
+
+impl MemoryBackend {
+    /// A backend knowing `sources` (operations on other names fail with
+    /// [`BackendError::UnknownSource`]).
+    pub fn new(
+        clock: Arc<dyn Clock>,
+        sources: impl IntoIterator<Item = impl Into<String>>,
+    ) -> Self {
+        let now = clock.now();
+        let cells = sources
+            .into_iter()
+            .map(|s| {
+                (
+                    s.into(),
+                    Mutex::new(Cell {
+                        breaker: Breaker::new(now),
+                        quota: Quota::new(),
+                    }),
+                )
+            })
+            .collect();
+        MemoryBackend { clock, cells }
+    }
+
+    fn with<T>(&self, source: &str, f: impl FnOnce(&mut Cell, Duration) -> T) -> BResult<T> {
+        let cell = self
+            .cells
+            .get(source)
+            .ok_or_else(|| BackendError::UnknownSource(source.to_string()))?;
+        let mut guard = cell.lock().unwrap_or_else(|e| e.into_inner());
+        let now = self.clock.now();
+        Ok(f(&mut guard, now))
+    }
+}
+
+impl Backend for MemoryBackend {
+    fn name(&self) -> &'static str {
+        "memory"
+    }
+
+    async fn try_enter(&self, source: &str, p: &BreakerParams) -> BResult<Entry> {
+        self.with(source, |c, now| c.breaker.try_enter(now, p))
+    }
+
+    async fn record_success(
+        &self,
+        source: &str,
+        epoch: u64,
+        count_attempt: bool,
+        p: &BreakerParams,
+    ) -> BResult<Applied> {
+        self.with(source, |c, now| {
+            c.breaker.record_success(now, epoch, count_attempt, p)
+        })
+    }
+
+    async fn record_failure(
+        &self,
+        source: &str,
+        epoch: u64,
+        p: &BreakerParams,
+    ) -> BResult<Applied> {
+        self.with(source, |c, now| c.breaker.record_failure(now, epoch, p))
+    }
+
+    async fn release_probe(&self, source: &str, epoch: u64) -> BResult<Applied> {
+        self.with(source, |c, now| c.breaker.release_probe(now, epoch))
+    }
+
+    async fn retry_after(&self, sources: &[&str]) -> BResult<Duration> {
+        let mut min: Option<Duration> = None;
+        for s in sources {
+            let r = self.with(s, |c, now| c.breaker.retry_after(now))?;
+            min = Some(min.map_or(r, |m| m.min(r)));
+        }
+        Ok(min.unwrap_or(Duration::ZERO))
+    }
+
+    async fn force_open(&self, source: &str, duration: Duration) -> BResult<Applied> {
+        self.with(source, |c, now| c.breaker.force_open(now, duration))
+    }
+
+    async fn force_close(&self, source: &str) -> BResult<Applied> {
+        self.with(source, |c, now| c.breaker.force_close(now))
+    }
+
+    async fn reset(&self, source: &str) -> BResult<Applied> {
+        self.with(source, |c, now| {
+            c.quota = Quota::new();
+            c.breaker.reset(now)
+        })
+    }
+
+    async fn reserve(&self, source: &str, q: &QuotaParams, tokens: u64) -> BResult<Reserve> {
+        self.with(source, |c, now| c.quota.reserve(q, tokens, now))
+    }
+
+    async fn settle(
+        &self,
+        source: &str,
+        q: &QuotaParams,
+        reserved_tokens: u64,
+        how: Settlement,
+    ) -> BResult<()> {
+        self.with(source, |c, now| {
+            c.quota.settle(q, reserved_tokens, how, now)
+        })
+    }
+
+    async fn block_quota(&self, source: &str, for_: Duration) -> BResult<()> {
+        self.with(source, |c, now| c.quota.block(for_, now))
+    }
+
+    async fn snapshot(
+        &self,
+        source: &str,
+        p: &BreakerParams,
+        q: &QuotaParams,
+    ) -> BResult<SourceSnapshot> {
+        self.with(source, |c, now| {
+            let b = c.breaker.view(now, p);
+            let qv = c.quota.view(q, now);
+            SourceSnapshot {
+                state: b.state,
+                epoch: b.epoch,
+                retry_after: b.retry_after,
+                cooldown_level: b.level,
+                window_successes: b.successes,
+                window_failures: b.failures,
+                streak: b.streak,
+                tokens_available: qv.tokens,
+                requests_available: qv.requests,
+                quota_blocked: qv.blocked,
+            }
+        })
+    }
+
+    async fn admit(
+        &self,
+        source: &str,
+        p: &BreakerParams,
+        q: &QuotaParams,
+        tokens: u64,
+    ) -> BResult<Admit> {
+        self.with(source, |c, now| {
+            if let Reserve::Denied { retry_after } = c.quota.reserve(q, tokens, now) {
+                return Admit::RateLimited { retry_after };
+            }
+            let e = c.breaker.try_enter(now, p);
+            if e.granted {
+                Admit::Granted {
+                    epoch: e.epoch,
+                    is_probe: e.is_probe,
+                }
+            } else {
+                c.quota.settle(q, tokens, Settlement::RefundAll, now);
+                Admit::CircuitOpen {
+                    state: e.state,
+                    retry_after: e.retry_after,
+                }
+            }
+        })
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    async fn report(
+        &self,
+        source: &str,
+        p: &BreakerParams,
+        q: &QuotaParams,
+        epoch: u64,
+        is_probe: bool,
+        reserved_tokens: u64,
+        outcome: Outcome,
+    ) -> BResult<Applied> {
+        self.with(source, |c, now| {
+            c.quota
+                .settle(q, reserved_tokens, outcome.settlement(reserved_tokens), now);
+            match outcome {
+                Outcome::Success { count_attempt, .. } => {
+                    c.breaker.record_success(now, epoch, count_attempt, p)
+                }
+                Outcome::Failure(_) => c.breaker.record_failure(now, epoch, p),
+                Outcome::RateLimited { retry_after } => {
+                    if let Some(d) = retry_after {
+                        c.quota.block(d, now);
+                    }
+                    c.breaker.neutral(now, epoch, is_probe)
+                }
+                Outcome::Cancelled => c.breaker.neutral(now, epoch, is_probe),
+            }
+        })
+    }
+
+    async fn neutral(&self, source: &str, epoch: u64, is_probe: bool) -> BResult<Applied> {
+        self.with(source, |c, now| c.breaker.neutral(now, epoch, is_probe))
+    }
+}

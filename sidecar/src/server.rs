@@ -1,1 +1,0 @@
-//! Socket server (being written).

@@ -1,0 +1,842 @@
+//! The backend contract suite (§6, §7, §10): written once, run against every backend.
+//!
+//! A backend test file implements [`Harness`] and invokes [`contract_tests!`], which
+//! expands to one `#[tokio::test]` per case. Cases use short durations (cooldown
+//! 100 ms) so a real-time backend (Redis, whose clock is `TIME`) runs them with real
+//! waits; a manual-clock backend advances its clock instead. Duration assertions
+//! allow `tolerance()` *below* the exact value (real time only ever moves further
+//! than asked) and 1 ms above.
+//!
+//! Every `retry_after` assertion is made together with the state and the `applied` /
+//! `granted` flag, so a case cannot pass on the wrong branch.
+
+#![allow(dead_code)]
+
+use std::future::Future;
+use std::time::Duration;
+
+use polygate::backend::{
+    Admit, Applied, Backend, BreakerParams, Entry, FailureKind, Outcome, QuotaParams, Reserve,
+    Settlement, State,
+};
+
+/// What a backend test file provides.
+pub trait Harness: Sync {
+    /// The backend under test.
+    type B: Backend;
+    /// A backend with fresh state that knows the sources `s1`..`s4`.
+    fn fresh(&self) -> impl Future<Output = Self::B> + Send;
+    /// Let `d` pass on the backend's clock.
+    fn advance(&self, d: Duration) -> impl Future<Output = ()> + Send;
+    /// How far below an exact expected duration a reading may be.
+    fn tolerance(&self) -> Duration;
+}
+
+pub const S1: &str = "s1";
+pub const S2: &str = "s2";
+pub const S3: &str = "s3";
+pub const SOURCES: [&str; 4] = ["s1", "s2", "s3", "s4"];
+
+pub fn ms(n: u64) -> Duration {
+    Duration::from_millis(n)
+}
+
+/// Breaker parameters of the suite: streak 3, rate 0.5 over ≥ 10 samples, a long
+/// window (so real-time runs never cross a bucket edge by accident), cooldown 100 ms
+/// capped at 400 ms, probe lease 150 ms.
+pub fn bp() -> BreakerParams {
+    BreakerParams {
+        failure_threshold: 3,
+        failure_rate: 0.5,
+        min_calls: 10,
+        window: Duration::from_secs(60),
+        cooldown: ms(100),
+        max_cooldown: ms(400),
+        probe_ttl: ms(150),
+    }
+}
+
+/// Quota parameters: 60 tokens and 2 requests per minute (refill 1 token/s, so the
+/// few milliseconds a real-time run takes refill < 1 token).
+pub fn qp() -> QuotaParams {
+    QuotaParams {
+        tpm: Some(60),
+        rpm: Some(2),
+    }
+}
+
+pub fn qp_tokens_only() -> QuotaParams {
+    QuotaParams {
+        tpm: Some(60),
+        rpm: None,
+    }
+}
+
+#[track_caller]
+pub fn assert_dur<H: Harness>(h: &H, actual: Duration, expected: Duration, what: &str) {
+    let lo = expected.saturating_sub(h.tolerance());
+    let hi = expected + ms(1);
+    assert!(
+        actual >= lo && actual <= hi,
+        "{what}: {actual:?} not within [{lo:?}, {hi:?}] (expected {expected:?})"
+    );
+}
+
+#[track_caller]
+fn assert_level(actual: Option<f64>, expected: f64, what: &str) {
+    let a = actual.unwrap_or_else(|| panic!("{what}: bucket missing"));
+    assert!(
+        (a - expected).abs() < 0.5,
+        "{what}: level {a} != {expected}"
+    );
+}
+
+async fn fail_n<B: Backend>(b: &B, source: &str, n: u32) -> Applied {
+    let mut last = None;
+    for _ in 0..n {
+        let e = b.try_enter(source, &bp()).await.unwrap();
+        assert!(e.granted, "fail_n: entry refused early: {e:?}");
+        last = Some(b.record_failure(source, e.epoch, &bp()).await.unwrap());
+    }
+    last.expect("n > 0")
+}
+
+async fn succeed_n<B: Backend>(b: &B, source: &str, n: u32) {
+    for _ in 0..n {
+        let e = b.try_enter(source, &bp()).await.unwrap();
+        assert!(e.granted);
+        assert!(
+            b.record_success(source, e.epoch, true, &bp())
+                .await
+                .unwrap()
+                .applied
+        );
+    }
+}
+
+/// Open `source` via the streak channel and wait out the cooldown, then take the
+/// probe. Returns the probe entry.
+async fn open_then_probe<H: Harness>(h: &H, b: &H::B, source: &str) -> Entry {
+    let a = fail_n(b, source, 3).await;
+    assert_eq!(a.state, State::Open);
+    h.advance(ms(110)).await;
+    let e = b.try_enter(source, &bp()).await.unwrap();
+    assert!(e.granted && e.is_probe, "expected probe: {e:?}");
+    assert_eq!(e.state, State::HalfOpen);
+    e
+}
+
+// ---------------------------------------------------------------- breaker: basics
+
+pub async fn closed_grants_without_probe<H: Harness>(h: &H) {
+    let b = h.fresh().await;
+    let e = b.try_enter(S1, &bp()).await.unwrap();
+    assert_eq!(
+        (e.granted, e.is_probe, e.state, e.retry_after),
+        (true, false, State::Closed, Duration::ZERO)
+    );
+}
+
+pub async fn cold_start_streak_opens<H: Harness>(h: &H) {
+    let b = h.fresh().await;
+    let before = b.try_enter(S1, &bp()).await.unwrap().epoch;
+    let a = fail_n(&b, S1, 2).await;
+    assert_eq!((a.applied, a.state), (true, State::Closed));
+    let a = fail_n(&b, S1, 1).await;
+    assert_eq!((a.applied, a.state), (true, State::Open));
+    assert!(a.epoch > before, "opening bumps the epoch");
+    // First streak open lasts exactly `cooldown` (k stays 0).
+    assert_dur(h, a.retry_after, ms(100), "retry_after at open");
+    let e = b.try_enter(S1, &bp()).await.unwrap();
+    assert_eq!((e.granted, e.state), (false, State::Open));
+    assert_dur(h, e.retry_after, ms(100), "try_enter rejected in OPEN");
+    h.advance(ms(40)).await;
+    let e = b.try_enter(S1, &bp()).await.unwrap();
+    assert_eq!((e.granted, e.state), (false, State::Open));
+    assert_dur(h, e.retry_after, ms(60), "retry_after counts down");
+}
+
+pub async fn success_resets_streak<H: Harness>(h: &H) {
+    let b = h.fresh().await;
+    fail_n(&b, S1, 2).await;
+    succeed_n(&b, S1, 1).await;
+    let a = fail_n(&b, S1, 2).await;
+    assert_eq!(a.state, State::Closed, "streak restarted after a success");
+    let a = fail_n(&b, S1, 1).await;
+    assert_eq!(a.state, State::Open);
+}
+
+pub async fn healthy_window_vetoes_streak<H: Harness>(h: &H) {
+    let b = h.fresh().await;
+    succeed_n(&b, S1, 20).await;
+    // 5 consecutive failures: streak ≥ 3, but 5/25 = 0.2 < 0.5 over ≥ 10 samples.
+    let a = fail_n(&b, S1, 5).await;
+    assert_eq!((a.applied, a.state), (true, State::Closed));
+    let snap = b.snapshot(S1, &bp(), &qp()).await.unwrap();
+    assert_eq!(
+        (snap.streak, snap.window_successes, snap.window_failures),
+        (5, 20, 5)
+    );
+}
+
+pub async fn rate_channel_opens_and_grows_level<H: Harness>(h: &H) {
+    let b = h.fresh().await;
+    let p = BreakerParams {
+        failure_threshold: 100,
+        ..bp()
+    };
+    // Alternate so no streak forms: 4 ok + 5 fail = 9 samples < min_calls.
+    for i in 0..9 {
+        let e = b.try_enter(S1, &p).await.unwrap();
+        let a = if i % 2 == 0 {
+            b.record_failure(S1, e.epoch, &p).await.unwrap()
+        } else {
+            b.record_success(S1, e.epoch, true, &p).await.unwrap()
+        };
+        assert_eq!(
+            a.state,
+            State::Closed,
+            "no open below min_calls (sample {i})"
+        );
+    }
+    // 10th sample: 5 ok + 5 fail, rate 0.5 ≥ 0.5.
+    let e = b.try_enter(S1, &p).await.unwrap();
+    let a = b.record_success(S1, e.epoch, true, &p).await.unwrap();
+    assert_eq!(a.state, State::Closed);
+    let e = b.try_enter(S1, &p).await.unwrap();
+    let a = b.record_failure(S1, e.epoch, &p).await.unwrap();
+    assert_eq!(
+        (a.applied, a.state),
+        (true, State::Open),
+        "6/11 failures opens"
+    );
+    // Rate open grows k to 1: 2 × cooldown.
+    assert_dur(h, a.retry_after, ms(200), "rate-channel open duration");
+    let snap = b.snapshot(S1, &p, &qp()).await.unwrap();
+    assert_eq!(snap.cooldown_level, 1);
+}
+
+pub async fn count_attempt_false_stays_out_of_window<H: Harness>(h: &H) {
+    let b = h.fresh().await;
+    fail_n(&b, S1, 2).await;
+    let e = b.try_enter(S1, &bp()).await.unwrap();
+    let a = b.record_success(S1, e.epoch, false, &bp()).await.unwrap();
+    assert!(a.applied);
+    let snap = b.snapshot(S1, &bp(), &qp()).await.unwrap();
+    assert_eq!(
+        (snap.streak, snap.window_successes, snap.window_failures),
+        (0, 0, 2),
+        "streak reset, success not counted"
+    );
+}
+
+// ---------------------------------------------------------------- half-open and probe
+
+pub async fn probe_after_cooldown_then_half_open_rejects_with_zero<H: Harness>(h: &H) {
+    let b = h.fresh().await;
+    let opened = fail_n(&b, S1, 3).await;
+    h.advance(ms(110)).await;
+    let probe = b.try_enter(S1, &bp()).await.unwrap();
+    assert_eq!(
+        (
+            probe.granted,
+            probe.is_probe,
+            probe.state,
+            probe.retry_after
+        ),
+        (true, true, State::HalfOpen, Duration::ZERO),
+        "try_enter granted as probe reports 0"
+    );
+    assert!(probe.epoch > opened.epoch);
+    let e = b.try_enter(S1, &bp()).await.unwrap();
+    assert_eq!(
+        (e.granted, e.is_probe, e.state, e.retry_after),
+        (false, false, State::HalfOpen, Duration::ZERO),
+        "try_enter rejected in HALF_OPEN reports 0"
+    );
+}
+
+pub async fn probe_success_closes<H: Harness>(h: &H) {
+    let b = h.fresh().await;
+    let probe = open_then_probe(h, &b, S1).await;
+    let a = b
+        .record_success(S1, probe.epoch, true, &bp())
+        .await
+        .unwrap();
+    assert_eq!(
+        (a.applied, a.state, a.retry_after),
+        (true, State::Closed, Duration::ZERO)
+    );
+    assert!(a.epoch > probe.epoch);
+    let e = b.try_enter(S1, &bp()).await.unwrap();
+    assert_eq!(
+        (e.granted, e.is_probe, e.state),
+        (true, false, State::Closed)
+    );
+    let snap = b.snapshot(S1, &bp(), &qp()).await.unwrap();
+    assert_eq!(
+        (snap.streak, snap.window_failures),
+        (0, 0),
+        "close starts a fresh window"
+    );
+}
+
+pub async fn probe_failure_reopens_with_doubled_cooldown<H: Harness>(h: &H) {
+    let b = h.fresh().await;
+    let probe = open_then_probe(h, &b, S1).await;
+    let a = b.record_failure(S1, probe.epoch, &bp()).await.unwrap();
+    assert_eq!((a.applied, a.state), (true, State::Open));
+    assert_dur(h, a.retry_after, ms(200), "k=1 after a probe failure");
+}
+
+pub async fn cooldown_doubles_up_to_cap<H: Harness>(h: &H) {
+    let b = h.fresh().await;
+    let mut probe = open_then_probe(h, &b, S1).await;
+    for (expect, wait) in [(200u64, 210u64), (400, 410), (400, 410)] {
+        let a = b.record_failure(S1, probe.epoch, &bp()).await.unwrap();
+        assert_eq!(a.state, State::Open);
+        assert_dur(h, a.retry_after, ms(expect), "open duration");
+        h.advance(ms(wait)).await;
+        probe = b.try_enter(S1, &bp()).await.unwrap();
+        assert!(probe.is_probe);
+    }
+    let snap = b.snapshot(S1, &bp(), &qp()).await.unwrap();
+    assert_eq!(
+        snap.cooldown_level, 3,
+        "level keeps growing even when capped"
+    );
+}
+
+pub async fn cooldown_level_decays_while_closed<H: Harness>(h: &H) {
+    let b = h.fresh().await;
+    let probe = open_then_probe(h, &b, S1).await;
+    let a = b.record_failure(S1, probe.epoch, &bp()).await.unwrap(); // k = 1
+    h.advance(a.retry_after + ms(10)).await;
+    let probe = b.try_enter(S1, &bp()).await.unwrap();
+    let a = b
+        .record_success(S1, probe.epoch, true, &bp())
+        .await
+        .unwrap();
+    assert_eq!(a.state, State::Closed);
+    assert_eq!(
+        b.snapshot(S1, &bp(), &qp()).await.unwrap().cooldown_level,
+        1
+    );
+    // Closed for one whole max_cooldown (400 ms): k decays by one.
+    h.advance(ms(420)).await;
+    assert_eq!(
+        b.snapshot(S1, &bp(), &qp()).await.unwrap().cooldown_level,
+        0
+    );
+    // A streak open now lasts the base cooldown again.
+    let a = fail_n(&b, S1, 3).await;
+    assert_dur(h, a.retry_after, ms(100), "decayed level");
+}
+
+pub async fn expired_lease_regranted_and_old_holder_fenced<H: Harness>(h: &H) {
+    let b = h.fresh().await;
+    let first = open_then_probe(h, &b, S1).await;
+    h.advance(ms(160)).await; // probe_ttl 150 ms: the holder vanished
+    let second = b.try_enter(S1, &bp()).await.unwrap();
+    assert_eq!(
+        (second.granted, second.is_probe, second.state),
+        (true, true, State::HalfOpen)
+    );
+    assert!(
+        second.epoch > first.epoch,
+        "a re-granted probe has its own epoch"
+    );
+    let late = b
+        .record_success(S1, first.epoch, true, &bp())
+        .await
+        .unwrap();
+    assert_eq!(
+        (late.applied, late.state, late.retry_after),
+        (false, State::HalfOpen, Duration::ZERO),
+        "record_success fenced out in HALF_OPEN reports 0"
+    );
+    let a = b
+        .record_success(S1, second.epoch, true, &bp())
+        .await
+        .unwrap();
+    assert_eq!((a.applied, a.state), (true, State::Closed));
+}
+
+pub async fn rate_limited_probe_releases_lease<H: Harness>(h: &H) {
+    let b = h.fresh().await;
+    let probe = open_then_probe(h, &b, S1).await;
+    let a = b
+        .report(
+            S1,
+            &bp(),
+            &QuotaParams::default(),
+            probe.epoch,
+            true,
+            0,
+            Outcome::RateLimited { retry_after: None },
+        )
+        .await
+        .unwrap();
+    assert_eq!(
+        (a.applied, a.state, a.retry_after),
+        (true, State::HalfOpen, Duration::ZERO)
+    );
+    let next = b.try_enter(S1, &bp()).await.unwrap();
+    assert_eq!(
+        (next.granted, next.is_probe),
+        (true, true),
+        "next caller may probe at once"
+    );
+    let snap = b.snapshot(S1, &bp(), &qp()).await.unwrap();
+    assert_eq!(snap.cooldown_level, 0, "429 is not a failure");
+}
+
+pub async fn cancelled_probe_releases_lease<H: Harness>(h: &H) {
+    let b = h.fresh().await;
+    let probe = open_then_probe(h, &b, S1).await;
+    let a = b.release_probe(S1, probe.epoch).await.unwrap();
+    assert_eq!((a.applied, a.state), (true, State::HalfOpen));
+    let next = b.try_enter(S1, &bp()).await.unwrap();
+    assert!(next.granted && next.is_probe);
+    // The same through report(Cancelled).
+    let a = b
+        .report(
+            S1,
+            &bp(),
+            &QuotaParams::default(),
+            next.epoch,
+            true,
+            0,
+            Outcome::Cancelled,
+        )
+        .await
+        .unwrap();
+    assert_eq!((a.applied, a.state), (true, State::HalfOpen));
+    assert!(b.try_enter(S1, &bp()).await.unwrap().is_probe);
+}
+
+pub async fn rate_limited_is_not_failure<H: Harness>(h: &H) {
+    let b = h.fresh().await;
+    let q = QuotaParams::default();
+    fail_n(&b, S1, 2).await;
+    for _ in 0..5 {
+        let e = b.try_enter(S1, &bp()).await.unwrap();
+        let a = b
+            .report(
+                S1,
+                &bp(),
+                &q,
+                e.epoch,
+                false,
+                0,
+                Outcome::RateLimited { retry_after: None },
+            )
+            .await
+            .unwrap();
+        assert_eq!((a.applied, a.state), (true, State::Closed));
+    }
+    let snap = b.snapshot(S1, &bp(), &qp()).await.unwrap();
+    assert_eq!(
+        (snap.streak, snap.window_failures, snap.window_successes),
+        (2, 2, 0),
+        "429 touches neither streak nor window"
+    );
+    let a = fail_n(&b, S1, 1).await;
+    assert_eq!(a.state, State::Open, "streak continued across the 429s");
+}
+
+// ---------------------------------------------------------------- fencing and the §6 table
+
+pub async fn fenced_outcomes_in_open_report_remaining_cooldown<H: Harness>(h: &H) {
+    let b = h.fresh().await;
+    let stale = b.try_enter(S1, &bp()).await.unwrap();
+    let opened = fail_n(&b, S1, 3).await;
+    assert_eq!(opened.state, State::Open);
+    h.advance(ms(30)).await;
+    let a = b
+        .record_success(S1, stale.epoch, true, &bp())
+        .await
+        .unwrap();
+    assert_eq!((a.applied, a.state), (false, State::Open));
+    assert_dur(
+        h,
+        a.retry_after,
+        ms(70),
+        "record_success fenced out in OPEN",
+    );
+    let a = b.record_failure(S1, stale.epoch, &bp()).await.unwrap();
+    assert_eq!((a.applied, a.state), (false, State::Open));
+    assert_dur(
+        h,
+        a.retry_after,
+        ms(70),
+        "record_failure fenced out in OPEN",
+    );
+    let a = b.release_probe(S1, stale.epoch).await.unwrap();
+    assert_eq!((a.applied, a.state), (false, State::Open));
+    assert_dur(h, a.retry_after, ms(70), "release_probe fenced out in OPEN");
+    let snap = b.snapshot(S1, &bp(), &qp()).await.unwrap();
+    assert_eq!(
+        (snap.cooldown_level, snap.epoch),
+        (0, opened.epoch),
+        "fenced ops change nothing"
+    );
+}
+
+pub async fn fenced_outcomes_in_closed_and_half_open_report_zero<H: Harness>(h: &H) {
+    let b = h.fresh().await;
+    let stale = b.try_enter(S1, &bp()).await.unwrap();
+    let probe = open_then_probe(h, &b, S1).await;
+    for a in [
+        b.record_failure(S1, stale.epoch, &bp()).await.unwrap(),
+        b.release_probe(S1, stale.epoch).await.unwrap(),
+    ] {
+        assert_eq!(
+            (a.applied, a.state, a.retry_after),
+            (false, State::HalfOpen, Duration::ZERO)
+        );
+    }
+    b.record_success(S1, probe.epoch, true, &bp())
+        .await
+        .unwrap();
+    for a in [
+        b.record_success(S1, probe.epoch, true, &bp())
+            .await
+            .unwrap(),
+        b.record_failure(S1, probe.epoch, &bp()).await.unwrap(),
+        b.release_probe(S1, probe.epoch).await.unwrap(),
+    ] {
+        assert_eq!(
+            (a.applied, a.state, a.retry_after),
+            (false, State::Closed, Duration::ZERO),
+            "stale probe epoch after close"
+        );
+    }
+    let snap = b.snapshot(S1, &bp(), &qp()).await.unwrap();
+    assert_eq!((snap.streak, snap.window_failures), (0, 0));
+}
+
+pub async fn retry_after_query_is_min_over_sources<H: Harness>(h: &H) {
+    let b = h.fresh().await;
+    b.force_open(S1, ms(300)).await.unwrap();
+    b.force_open(S2, ms(200)).await.unwrap();
+    let r = b.retry_after(&[S1, S2]).await.unwrap();
+    assert_dur(h, r, ms(200), "min over two OPEN sources");
+    let r = b.retry_after(&[S1, S2, S3]).await.unwrap();
+    assert_eq!(r, Duration::ZERO, "a CLOSED source makes it 0");
+    // HALF_OPEN reports 0 as well.
+    fail_n(&b, S3, 3).await;
+    h.advance(ms(110)).await;
+    assert!(b.try_enter(S3, &bp()).await.unwrap().is_probe);
+    let r = b.retry_after(&[S1, S3]).await.unwrap();
+    assert_eq!(r, Duration::ZERO, "HALF_OPEN counts as 0");
+    let r = b.retry_after(&[S1]).await.unwrap();
+    assert_dur(h, r, ms(190), "single OPEN source");
+}
+
+// ---------------------------------------------------------------- admin
+
+pub async fn admin_force_open_close_reset<H: Harness>(h: &H) {
+    let b = h.fresh().await;
+    let before = b.try_enter(S1, &bp()).await.unwrap();
+    let a = b.force_open(S1, ms(250)).await.unwrap();
+    assert_eq!((a.applied, a.state), (true, State::Open));
+    assert_dur(h, a.retry_after, ms(250), "force_open duration");
+    assert!(a.epoch > before.epoch);
+    let e = b.try_enter(S1, &bp()).await.unwrap();
+    assert_eq!((e.granted, e.state), (false, State::Open));
+    let a = b.force_close(S1).await.unwrap();
+    assert_eq!(
+        (a.applied, a.state, a.retry_after),
+        (true, State::Closed, Duration::ZERO)
+    );
+    assert!(b.try_enter(S1, &bp()).await.unwrap().granted);
+    // Build up a level, then reset.
+    let probe = open_then_probe(h, &b, S1).await;
+    b.record_failure(S1, probe.epoch, &bp()).await.unwrap();
+    assert!(b.reserve(S1, &qp(), 50).await.unwrap() == Reserve::Reserved);
+    let a = b.reset(S1).await.unwrap();
+    assert_eq!((a.applied, a.state), (true, State::Closed));
+    assert!(a.epoch > probe.epoch, "reset never rewinds the epoch");
+    let snap = b.snapshot(S1, &bp(), &qp()).await.unwrap();
+    assert_eq!((snap.cooldown_level, snap.streak), (0, 0));
+    assert_level(snap.tokens_available, 60.0, "reset refills tokens");
+    assert_level(snap.requests_available, 2.0, "reset refills requests");
+    let stale = b.record_failure(S1, probe.epoch, &bp()).await.unwrap();
+    assert!(!stale.applied, "permits from before the reset are fenced");
+}
+
+// ---------------------------------------------------------------- quota
+
+pub async fn quota_reserve_and_settle_net_to_zero<H: Harness>(h: &H) {
+    let b = h.fresh().await;
+    let q = qp_tokens_only();
+    assert_eq!(b.reserve(S1, &q, 40).await.unwrap(), Reserve::Reserved);
+    assert_eq!(b.reserve(S1, &q, 10).await.unwrap(), Reserve::Reserved);
+    assert_level(
+        b.snapshot(S1, &bp(), &q).await.unwrap().tokens_available,
+        10.0,
+        "after reserving",
+    );
+    // Transient failure: the token deposit nets to zero.
+    b.settle(S1, &q, 40, Settlement::RefundTokens)
+        .await
+        .unwrap();
+    assert_level(
+        b.snapshot(S1, &bp(), &q).await.unwrap().tokens_available,
+        50.0,
+        "refund",
+    );
+    // Success charging exactly the estimate: nothing moves.
+    b.settle(S1, &q, 10, Settlement::Charge { tokens: 10 })
+        .await
+        .unwrap();
+    assert_level(
+        b.snapshot(S1, &bp(), &q).await.unwrap().tokens_available,
+        50.0,
+        "exact charge",
+    );
+    // Success with fewer tokens: the difference comes back.
+    assert_eq!(b.reserve(S1, &q, 30).await.unwrap(), Reserve::Reserved);
+    b.settle(S1, &q, 30, Settlement::Charge { tokens: 5 })
+        .await
+        .unwrap();
+    assert_level(
+        b.snapshot(S1, &bp(), &q).await.unwrap().tokens_available,
+        45.0,
+        "partial refund",
+    );
+}
+
+pub async fn quota_debt_delays_admission<H: Harness>(h: &H) {
+    let b = h.fresh().await;
+    let q = qp_tokens_only();
+    assert_eq!(b.reserve(S1, &q, 50).await.unwrap(), Reserve::Reserved);
+    b.settle(S1, &q, 50, Settlement::Charge { tokens: 100 })
+        .await
+        .unwrap();
+    assert_level(
+        b.snapshot(S1, &bp(), &q).await.unwrap().tokens_available,
+        -40.0,
+        "debt",
+    );
+    match b.reserve(S1, &q, 1).await.unwrap() {
+        Reserve::Denied { retry_after } => {
+            // 41 tokens at 1 token/s.
+            assert!(
+                retry_after > Duration::from_secs(39),
+                "refill estimate {retry_after:?}"
+            );
+        }
+        r => panic!("debt must refuse: {r:?}"),
+    }
+    assert_level(
+        b.snapshot(S1, &bp(), &q).await.unwrap().tokens_available,
+        -40.0,
+        "denial takes nothing",
+    );
+}
+
+pub async fn quota_oversized_estimate_passes_when_full<H: Harness>(h: &H) {
+    let b = h.fresh().await;
+    let q = qp_tokens_only();
+    assert_eq!(b.reserve(S1, &q, 100).await.unwrap(), Reserve::Reserved);
+    assert_level(
+        b.snapshot(S1, &bp(), &q).await.unwrap().tokens_available,
+        -40.0,
+        "oversized",
+    );
+}
+
+pub async fn quota_request_bucket_and_refund_all<H: Harness>(h: &H) {
+    let b = h.fresh().await;
+    let q = QuotaParams {
+        tpm: None,
+        rpm: Some(2),
+    };
+    assert_eq!(b.reserve(S1, &q, 0).await.unwrap(), Reserve::Reserved);
+    assert_eq!(b.reserve(S1, &q, 0).await.unwrap(), Reserve::Reserved);
+    assert!(matches!(
+        b.reserve(S1, &q, 0).await.unwrap(),
+        Reserve::Denied { .. }
+    ));
+    // Cancelled before sending: the request comes back.
+    b.settle(S1, &q, 0, Settlement::RefundAll).await.unwrap();
+    assert_eq!(b.reserve(S1, &q, 0).await.unwrap(), Reserve::Reserved);
+    // A transient failure keeps the request spent.
+    b.settle(S1, &q, 0, Settlement::RefundTokens).await.unwrap();
+    assert!(matches!(
+        b.reserve(S1, &q, 0).await.unwrap(),
+        Reserve::Denied { .. }
+    ));
+}
+
+pub async fn quota_block_from_429<H: Harness>(h: &H) {
+    let b = h.fresh().await;
+    let q = qp();
+    assert_eq!(b.reserve(S1, &q, 5).await.unwrap(), Reserve::Reserved);
+    let e = b.try_enter(S1, &bp()).await.unwrap();
+    let a = b
+        .report(
+            S1,
+            &bp(),
+            &q,
+            e.epoch,
+            false,
+            5,
+            Outcome::RateLimited {
+                retry_after: Some(ms(120)),
+            },
+        )
+        .await
+        .unwrap();
+    assert_eq!((a.applied, a.state), (true, State::Closed));
+    match b.reserve(S1, &q, 1).await.unwrap() {
+        Reserve::Denied { retry_after } => assert_dur(h, retry_after, ms(120), "429 block"),
+        r => panic!("blocked quota must refuse: {r:?}"),
+    }
+    // A shorter block never shortens the existing one.
+    b.block_quota(S1, ms(10)).await.unwrap();
+    let snap = b.snapshot(S1, &bp(), &q).await.unwrap();
+    assert_dur(h, snap.quota_blocked, ms(120), "block only moves forward");
+    assert_level(snap.tokens_available, 60.0, "a 429 refunds the tokens");
+    h.advance(ms(130)).await;
+    assert_eq!(b.reserve(S1, &q, 1).await.unwrap(), Reserve::Reserved);
+}
+
+// ---------------------------------------------------------------- combined operations
+
+pub async fn admit_releases_reservation_when_breaker_refuses<H: Harness>(h: &H) {
+    let b = h.fresh().await;
+    let q = qp_tokens_only();
+    b.force_open(S1, ms(300)).await.unwrap();
+    match b.admit(S1, &bp(), &q, 25).await.unwrap() {
+        Admit::CircuitOpen { state, retry_after } => {
+            assert_eq!(state, State::Open);
+            assert_dur(h, retry_after, ms(300), "admit refused by breaker");
+        }
+        a => panic!("expected CircuitOpen: {a:?}"),
+    }
+    let snap = b.snapshot(S1, &bp(), &q).await.unwrap();
+    assert_level(snap.tokens_available, 60.0, "reservation released");
+    let q2 = QuotaParams {
+        tpm: None,
+        rpm: Some(2),
+    };
+    b.admit(S2, &bp(), &q2, 0).await.unwrap();
+    b.force_open(S2, ms(300)).await.unwrap();
+    b.admit(S2, &bp(), &q2, 0).await.unwrap();
+    let snap = b.snapshot(S2, &bp(), &q2).await.unwrap();
+    assert_level(snap.requests_available, 1.0, "request released too");
+}
+
+pub async fn admit_quota_refusal_does_not_touch_breaker<H: Harness>(h: &H) {
+    let b = h.fresh().await;
+    let q = qp_tokens_only();
+    fail_n(&b, S1, 3).await;
+    h.advance(ms(110)).await; // cooldown over: a try_enter would take the probe
+    b.block_quota(S1, ms(500)).await.unwrap();
+    match b.admit(S1, &bp(), &q, 5).await.unwrap() {
+        Admit::RateLimited { .. } => {}
+        a => panic!("expected RateLimited: {a:?}"),
+    }
+    let snap = b.snapshot(S1, &bp(), &q).await.unwrap();
+    assert_eq!(
+        snap.state,
+        State::Open,
+        "breaker not consulted, no probe taken"
+    );
+}
+
+pub async fn admit_grants_probe_and_report_settles<H: Harness>(h: &H) {
+    let b = h.fresh().await;
+    let q = qp_tokens_only();
+    let Admit::Granted { epoch, is_probe } = b.admit(S1, &bp(), &q, 20).await.unwrap() else {
+        panic!("fresh source must admit")
+    };
+    assert!(!is_probe);
+    let a = b
+        .report(
+            S1,
+            &bp(),
+            &q,
+            epoch,
+            false,
+            20,
+            Outcome::Success {
+                tokens: Some(12),
+                count_attempt: true,
+            },
+        )
+        .await
+        .unwrap();
+    assert_eq!((a.applied, a.state), (true, State::Closed));
+    let snap = b.snapshot(S1, &bp(), &q).await.unwrap();
+    assert_level(snap.tokens_available, 48.0, "charged the actual tokens");
+    assert_eq!(snap.window_successes, 1);
+    let Admit::Granted { epoch, .. } = b.admit(S1, &bp(), &q, 20).await.unwrap() else {
+        panic!()
+    };
+    let a = b
+        .report(
+            S1,
+            &bp(),
+            &q,
+            epoch,
+            false,
+            20,
+            Outcome::Failure(FailureKind::ServerError),
+        )
+        .await
+        .unwrap();
+    assert!(a.applied);
+    let snap = b.snapshot(S1, &bp(), &q).await.unwrap();
+    assert_level(snap.tokens_available, 48.0, "failure refunds the tokens");
+    assert_eq!((snap.window_failures, snap.streak), (1, 1));
+}
+
+/// Expands to one `#[tokio::test]` per contract case. `$harness` is an expression
+/// (it may `.await`) producing the harness.
+#[macro_export]
+macro_rules! contract_tests {
+    ($harness:expr) => {
+        $crate::contract_tests!(@cases $harness;
+            closed_grants_without_probe,
+            cold_start_streak_opens,
+            success_resets_streak,
+            healthy_window_vetoes_streak,
+            rate_channel_opens_and_grows_level,
+            count_attempt_false_stays_out_of_window,
+            probe_after_cooldown_then_half_open_rejects_with_zero,
+            probe_success_closes,
+            probe_failure_reopens_with_doubled_cooldown,
+            cooldown_doubles_up_to_cap,
+            cooldown_level_decays_while_closed,
+            expired_lease_regranted_and_old_holder_fenced,
+            rate_limited_probe_releases_lease,
+            cancelled_probe_releases_lease,
+            rate_limited_is_not_failure,
+            fenced_outcomes_in_open_report_remaining_cooldown,
+            fenced_outcomes_in_closed_and_half_open_report_zero,
+            retry_after_query_is_min_over_sources,
+            admin_force_open_close_reset,
+            quota_reserve_and_settle_net_to_zero,
+            quota_debt_delays_admission,
+            quota_oversized_estimate_passes_when_full,
+            quota_request_bucket_and_refund_all,
+            quota_block_from_429,
+            admit_releases_reservation_when_breaker_refuses,
+            admit_quota_refusal_does_not_touch_breaker,
+            admit_grants_probe_and_report_settles,
+        );
+    };
+    (@cases $harness:expr; $($case:ident),* $(,)?) => {
+        $(
+            #[tokio::test]
+            async fn $case() {
+                let h = $harness;
+                contract::$case(&h).await;
+            }
+        )*
+    };
+}
