@@ -5,12 +5,16 @@
 //! breaker and quota state lives), the engine modules (no socket code), and the
 //! server (wire types ↔ engine).
 
+pub mod admission;
 pub mod backend;
 pub mod breaker;
 pub mod quota;
 pub mod clock;
 pub mod config;
 pub mod engine;
+pub mod health;
+pub mod memo;
+pub mod pacer;
 pub mod notify;
 pub mod peer;
-pub mod server;
+

@@ -296,6 +296,15 @@ pub trait Backend: Send + Sync + 'static {
         false
     }
 
+    /// `true` when operations really wait on I/O (Redis). The engine then runs each
+    /// state-changing operation in its own task so that a cancelled Acquire (its future
+    /// dropped mid-round-trip) can never leave a grant half-made: the task finishes
+    /// and releases what the dropped caller would have owned. The memory backend's
+    /// futures complete in their first poll, so they run inline, allocation-free.
+    fn is_remote(&self) -> bool {
+        false
+    }
+
     // ---- breaker (§6) ----
 
     /// Gate 4: may a caller enter? Grants the probe in HALF_OPEN without a live lease.

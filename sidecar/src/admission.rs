@@ -1,0 +1,180 @@
+//! One admission pass over a scope's candidates (§4) and the nap formula (§5).
+//!
+//! The pass visits candidates in selector order with the call's failed sources moved
+//! to the back, and asks each gate in turn: memo → pacer → quota → breaker (the last
+//! two in one backend operation). It allocates one small vector per pass for the
+//! order, nothing per candidate; an OPEN source remembered in the memo costs no
+//! backend traffic at all.
+
+use std::time::Duration;
+
+use crate::backend::{Admit, Backend, State};
+use crate::config::Selector;
+use crate::engine::{Engine, SkipReason};
+use crate::health::rank;
+use crate::pacer::Signal;
+
+/// A grant made by a pass and not yet recorded as a permit.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Granted {
+    /// Source index (engine-wide).
+    pub source: usize,
+    /// Breaker epoch of the grant.
+    pub epoch: u64,
+    /// The grant is the probe.
+    pub is_probe: bool,
+    /// Tokens reserved.
+    pub tokens: u64,
+}
+
+/// What a pass that granted nothing saw.
+#[derive(Debug, Default)]
+pub(crate) struct Refused {
+    /// Sources refused for circuit reasons (memo or breaker): §5 `gate_rejections`.
+    pub gate_rejections: usize,
+    /// Min retry-after over the circuit refusals (memo remainder or breaker's).
+    pub circuit_retry_after: Option<Duration>,
+    /// A backend error under `fail_closed`, if any source hit one.
+    pub unavailable: Option<String>,
+}
+
+/// Result of a pass.
+#[derive(Debug)]
+pub(crate) enum Pass {
+    /// The first candidate that passed every gate.
+    Granted(Granted),
+    /// Nothing runnable.
+    Refused(Refused),
+}
+
+/// §5 nap: `r` is a uniform random number in [0, 1).
+pub fn nap(
+    hint: Duration,
+    poll: Duration,
+    stall_window: Duration,
+    stall: Duration,
+    r: f64,
+) -> Duration {
+    let jitter = poll.mul_f64(0.5 + 0.5 * r.clamp(0.0, 1.0));
+    let budget = (stall_window + poll).saturating_sub(stall);
+    let wait = if hint > Duration::ZERO {
+        hint + jitter
+    } else {
+        jitter
+    };
+    jitter.max(wait.min(budget))
+}
+
+impl<B: Backend> Engine<B> {
+    /// Candidate order for a pass: selector order, then this call's failed sources
+    /// moved to the back (their order kept). Entries are (position in scope, source).
+    fn candidates(&self, scope: usize, failed: &[usize]) -> Vec<(usize, usize)> {
+        let sc = &self.scopes[scope];
+        let mut order: Vec<(usize, usize)> = sc.sources.iter().copied().enumerate().collect();
+        if sc.cfg.selector == Selector::Health {
+            order.sort_by_cached_key(|&(pos, idx)| (rank(self.sources[idx].health.score()), pos));
+        }
+        if !failed.is_empty() {
+            // Stable: keeps the relative order within both groups.
+            order.sort_by_key(|&(_, idx)| failed.contains(&idx));
+        }
+        order
+    }
+
+    /// One pass (§4). `reasons` is indexed by position in the scope and persists
+    /// across the passes of one Acquire (`paced` never overwrites a recorded reason).
+    pub(crate) async fn pass(
+        &self,
+        scope: usize,
+        failed: &[usize],
+        est_tokens: Option<u64>,
+        reasons: &mut [Option<SkipReason>],
+    ) -> Pass {
+        let mut refused = Refused::default();
+        let note_retry = |r: &mut Refused, d: Duration| {
+            r.circuit_retry_after = Some(r.circuit_retry_after.map_or(d, |m| m.min(d)));
+        };
+        for (pos, idx) in self.candidates(scope, failed) {
+            let src = &self.sources[idx];
+            let now = self.clock.now();
+            // Gate 1: cooldown memo.
+            let rem = src.memo.remaining(now);
+            if !rem.is_zero() {
+                reasons[pos] = Some(SkipReason::CircuitOpen);
+                refused.gate_rejections += 1;
+                note_retry(&mut refused, rem);
+                continue;
+            }
+            // Gate 2: pacer (check and take in one step).
+            if !src.pacer.try_take() {
+                reasons[pos].get_or_insert(SkipReason::Paced);
+                continue;
+            }
+            // Gates 3 + 4: quota then breaker, one backend operation.
+            let tokens = est_tokens.unwrap_or(src.est_tokens);
+            match self.backend_admit(scope, idx, tokens).await {
+                Ok(Admit::Granted { epoch, is_probe }) => {
+                    return Pass::Granted(Granted {
+                        source: idx,
+                        epoch,
+                        is_probe,
+                        tokens,
+                    })
+                }
+                Ok(Admit::RateLimited { .. }) => {
+                    src.pacer.release(Signal::Hold);
+                    reasons[pos] = Some(SkipReason::RateLimited);
+                }
+                Ok(Admit::CircuitOpen { state, retry_after }) => {
+                    src.pacer.release(Signal::Hold);
+                    reasons[pos] = Some(SkipReason::CircuitOpen);
+                    refused.gate_rejections += 1;
+                    note_retry(&mut refused, retry_after);
+                    // Only an OPEN refusal has a deadline worth remembering (§9).
+                    if state == State::Open && !retry_after.is_zero() {
+                        src.memo.set_until(self.clock.now() + retry_after);
+                    }
+                }
+                Err(e) => {
+                    src.pacer.release(Signal::Hold);
+                    reasons[pos] = Some(SkipReason::BackendUnavailable);
+                    refused.unavailable = Some(e.to_string());
+                }
+            }
+        }
+        Pass::Refused(refused)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ms(n: u64) -> Duration {
+        Duration::from_millis(n)
+    }
+
+    #[test]
+    fn nap_without_hint_is_jitter_in_half_to_full_poll() {
+        for i in 0..=100 {
+            let r = i as f64 / 100.0;
+            let n = nap(Duration::ZERO, ms(50), ms(300_000), ms(0), r);
+            assert!(n >= ms(25) && n <= ms(50), "{n:?}");
+        }
+        assert_eq!(nap(Duration::ZERO, ms(50), ms(1000), ms(0), 0.0), ms(25));
+        assert_eq!(nap(Duration::ZERO, ms(50), ms(1000), ms(0), 1.0), ms(50));
+    }
+
+    #[test]
+    fn nap_with_hint_sleeps_hint_plus_jitter_clamped_to_budget() {
+        // Plenty of budget: hint + jitter.
+        assert_eq!(nap(ms(1000), ms(50), ms(300_000), ms(0), 0.0), ms(1025));
+        // Budget = stall_window − stall + poll = 10 000 − 4 000 + 50.
+        assert_eq!(
+            nap(ms(60_000), ms(50), ms(10_000), ms(4_000), 0.0),
+            ms(6_050)
+        );
+        // Never below the jitter, even with no budget left.
+        assert_eq!(nap(ms(60_000), ms(50), ms(10_000), ms(10_040), 1.0), ms(50));
+    }
+}

@@ -1,0 +1,499 @@
+//! Engine behaviour (§3–§9) on the memory backend with tokio's paused clock: waits
+//! auto-advance virtual time, so every case is deterministic and costs no real time.
+
+#[path = "support/engine_cfg.rs"]
+mod cfg;
+
+use std::time::Duration;
+
+use cfg::*;
+use polygate::backend::{FailureKind, Outcome, State};
+use polygate::config::{Mode, Selector};
+use polygate::engine::{EngineError, Exhaustion, SkipReason};
+use tokio::time::Instant;
+
+const OWNER: u64 = 1;
+
+fn success() -> Outcome {
+    Outcome::Success {
+        tokens: None,
+        count_attempt: true,
+    }
+}
+
+fn failure() -> Outcome {
+    Outcome::Failure(FailureKind::ServerError)
+}
+
+fn reasons(v: &[(&str, SkipReason)]) -> Vec<(String, SkipReason)> {
+    v.iter().map(|(s, r)| (s.to_string(), *r)).collect()
+}
+
+#[tokio::test(start_paused = true)]
+async fn success_flow_and_failover_to_next_source() {
+    let e = engine(&config(vec![scope("chat", vec![source("a"), source("b")])]));
+    let call = e.begin_call(OWNER, "chat", Some(10)).unwrap();
+    let g = e.acquire(OWNER, call).await.unwrap();
+    assert_eq!(
+        (&*g.source, g.attempt, g.is_probe, g.est_tokens),
+        ("a", 1, false, 10)
+    );
+    e.report(OWNER, g.permit, failure()).await.unwrap();
+    // Call-local demotion: the failed source goes to the back.
+    let g = e.acquire(OWNER, call).await.unwrap();
+    assert_eq!((&*g.source, g.attempt), ("b", 2));
+    let a = e.report(OWNER, g.permit, success()).await.unwrap();
+    assert!(a.applied);
+    e.end_call(OWNER, call).await.unwrap();
+    assert_eq!(e.live_counts().calls, 0);
+    // A new call starts with priority order again.
+    let call = e.begin_call(OWNER, "chat", None).unwrap();
+    assert_eq!(&*e.acquire(OWNER, call).await.unwrap().source, "a");
+}
+
+#[tokio::test(start_paused = true)]
+async fn fail_fast_defaults_report_circuit_open_with_retry_after_and_reasons() {
+    let e = engine(&config(vec![scope("chat", vec![source("a"), source("b")])]));
+    e.force_open("a", secs(30)).await.unwrap();
+    e.force_open("b", secs(20)).await.unwrap();
+    let call = e.begin_call(OWNER, "chat", None).unwrap();
+    let t0 = Instant::now();
+    match e.acquire(OWNER, call).await {
+        Err(EngineError::CircuitOpen {
+            scope,
+            retry_after,
+            reasons: r,
+        }) => {
+            assert_eq!(scope, "chat");
+            assert_eq!(retry_after, secs(20), "min over sources");
+            assert_eq!(
+                r,
+                reasons(&[
+                    ("a", SkipReason::CircuitOpen),
+                    ("b", SkipReason::CircuitOpen)
+                ])
+            );
+        }
+        other => panic!("expected CircuitOpen, got {other:?}"),
+    }
+    assert_eq!(t0.elapsed(), Duration::ZERO, "fail-fast does not sleep");
+    // The memo now answers for both (same numbers, no backend needed).
+    match e.acquire(OWNER, call).await {
+        Err(EngineError::CircuitOpen { retry_after, .. }) => assert_eq!(retry_after, secs(20)),
+        other => panic!("expected CircuitOpen, got {other:?}"),
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn wait_mode_sleeps_until_the_probe_then_succeeds() {
+    let mut sc = scope("chat", vec![source("a"), source("b")]);
+    sc.circuit_open = Mode::Wait;
+    let e = engine(&config(vec![sc]));
+    e.force_open("a", secs(30)).await.unwrap();
+    e.force_open("b", secs(20)).await.unwrap();
+    let call = e.begin_call(OWNER, "chat", None).unwrap();
+    let t0 = Instant::now();
+    let g = e.acquire(OWNER, call).await.unwrap();
+    let waited = t0.elapsed();
+    assert_eq!(&*g.source, "b", "the first source out of cooldown");
+    assert!(g.is_probe);
+    assert!(
+        waited >= secs(20) && waited <= secs(20) + ms(50),
+        "slept the cooldown plus one jitter: {waited:?}"
+    );
+    let a = e.report(OWNER, g.permit, success()).await.unwrap();
+    assert_eq!((a.applied, a.state), (true, State::Closed));
+}
+
+#[tokio::test(start_paused = true)]
+async fn wait_circuit_with_fail_fast_quota_waits_and_never_reports_quota_exhausted() {
+    let mut sc = scope("chat", vec![source("a"), source("b")]);
+    sc.circuit_open = Mode::Wait;
+    sc.quota_full = Mode::FailFast;
+    let e = engine(&config(vec![sc]));
+    e.force_open("a", secs(5)).await.unwrap();
+    e.force_open("b", secs(5)).await.unwrap();
+    let call = e.begin_call(OWNER, "chat", None).unwrap();
+    let t0 = Instant::now();
+    let g = e
+        .acquire(OWNER, call)
+        .await
+        .expect("all open + wait must wait, not fail");
+    assert!(g.is_probe);
+    assert!(t0.elapsed() >= secs(5), "it waited for the cooldown");
+}
+
+#[tokio::test(start_paused = true)]
+async fn cooldown_longer_than_stall_window_ends_stalled_within_window_plus_poll() {
+    let mut sc = scope("chat", vec![source("a")]);
+    sc.circuit_open = Mode::Wait;
+    sc.stall_window = secs(10);
+    sc.poll_interval = secs(1);
+    let e = engine(&config(vec![sc]));
+    e.force_open("a", secs(600)).await.unwrap();
+    let call = e.begin_call(OWNER, "chat", None).unwrap();
+    let t0 = Instant::now();
+    match e.acquire(OWNER, call).await {
+        Err(EngineError::Exhausted {
+            reason: Exhaustion::Stalled,
+            reasons: r,
+            ..
+        }) => assert_eq!(r, reasons(&[("a", SkipReason::CircuitOpen)])),
+        other => panic!("expected stalled, got {other:?}"),
+    }
+    let took = t0.elapsed();
+    assert!(took > secs(10), "not before the window: {took:?}");
+    assert!(
+        took <= secs(11),
+        "within stall_window + poll_interval: {took:?}"
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_source_that_keeps_failing_ends_retry_exhausted() {
+    let mut sc = scope("chat", vec![source("a")]);
+    sc.circuit_open = Mode::Wait;
+    sc.max_attempts = 3;
+    sc.breaker.failure_threshold = 1;
+    sc.breaker.cooldown = secs(2);
+    sc.breaker.max_cooldown = secs(60);
+    let e = engine(&config(vec![sc]));
+    let call = e.begin_call(OWNER, "chat", None).unwrap();
+    let mut probes = 0;
+    for attempt in 1..=3 {
+        let g = e.acquire(OWNER, call).await.unwrap();
+        assert_eq!(g.attempt, attempt);
+        probes += g.is_probe as u32;
+        e.report(OWNER, g.permit, failure()).await.unwrap();
+    }
+    assert_eq!(
+        probes, 2,
+        "attempts 2 and 3 were probes after cooldowns, and burned attempts"
+    );
+    match e.acquire(OWNER, call).await {
+        Err(EngineError::Exhausted {
+            reason: Exhaustion::RetryExhausted,
+            ..
+        }) => {}
+        other => panic!("expected retry_exhausted, got {other:?}"),
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn mixed_reasons_take_the_quota_branch_with_reasons_as_they_are() {
+    let mut sc = scope(
+        "chat",
+        vec![
+            source("a"),
+            polygate::config::SourceConfig {
+                rpm: Some(1),
+                ..source("b")
+            },
+        ],
+    );
+    sc.quota_full = Mode::FailFast;
+    sc.circuit_open = Mode::Wait;
+    let e = engine(&config(vec![sc]));
+    // Use b's only request, then open a.
+    let c0 = e.begin_call(OWNER, "chat", None).unwrap();
+    e.force_open("a", secs(60)).await.unwrap();
+    let g = e.acquire(OWNER, c0).await.unwrap();
+    assert_eq!(&*g.source, "b");
+    e.report(OWNER, g.permit, success()).await.unwrap();
+    let call = e.begin_call(OWNER, "chat", None).unwrap();
+    match e.acquire(OWNER, call).await {
+        Err(EngineError::Exhausted {
+            reason: Exhaustion::QuotaExhausted,
+            reasons: r,
+            retry_after,
+            ..
+        }) => {
+            assert_eq!(
+                r,
+                reasons(&[
+                    ("a", SkipReason::CircuitOpen),
+                    ("b", SkipReason::RateLimited)
+                ])
+            );
+            assert_eq!(retry_after, Duration::ZERO);
+        }
+        other => panic!("expected quota_exhausted, got {other:?}"),
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn quota_wait_uses_plain_jitter_not_a_hint() {
+    let mut sc = scope(
+        "chat",
+        vec![polygate::config::SourceConfig {
+            rpm: Some(60),
+            ..source("a")
+        }],
+    );
+    sc.poll_interval = ms(100);
+    let e = engine(&config(vec![sc]));
+    // A 429 with retry_after blocks the quota for 3 s.
+    let c0 = e.begin_call(OWNER, "chat", None).unwrap();
+    let g = e.acquire(OWNER, c0).await.unwrap();
+    e.report(
+        OWNER,
+        g.permit,
+        Outcome::RateLimited {
+            retry_after: Some(secs(3)),
+        },
+    )
+    .await
+    .unwrap();
+    let call = e.begin_call(OWNER, "chat", None).unwrap();
+    let t0 = Instant::now();
+    let g = e.acquire(OWNER, call).await.unwrap();
+    let took = t0.elapsed();
+    assert_eq!(&*g.source, "a");
+    // Polled every [50, 100] ms: granted within one poll of the block ending.
+    assert!(took >= secs(3) && took <= secs(3) + ms(100), "{took:?}");
+}
+
+#[tokio::test(start_paused = true)]
+async fn cancelled_wait_leaves_nothing_behind() {
+    let mut sc = scope(
+        "chat",
+        vec![polygate::config::SourceConfig {
+            tpm: Some(600),
+            est_tokens: Some(100),
+            ..source("a")
+        }],
+    );
+    sc.circuit_open = Mode::Wait;
+    let e = engine(&config(vec![sc]));
+    e.force_open("a", secs(30)).await.unwrap();
+    let call = e.begin_call(OWNER, "chat", None).unwrap();
+    let r = tokio::time::timeout(secs(5), e.acquire(OWNER, call)).await;
+    assert!(r.is_err(), "still waiting after 5 s");
+    let counts = e.live_counts();
+    assert_eq!(
+        (counts.permits, counts.probes, counts.pacer_in_flight),
+        (0, 0, 0)
+    );
+    let st = e.status().await;
+    let a = &st[0].sources[0];
+    assert_eq!(a.tokens_available, Some(600.0), "no reservation left");
+    assert_eq!(st[0].waiters, 0, "waiter count released");
+    // The call is usable again (not stuck "acquiring").
+    e.force_close("a").await.unwrap();
+    let g = e.acquire(OWNER, call).await.unwrap();
+    assert!(!g.is_probe);
+}
+
+#[tokio::test(start_paused = true)]
+async fn after_a_probe_succeeds_the_source_is_selectable_at_once() {
+    let mut sc = scope("chat", vec![source("a")]);
+    sc.breaker.failure_threshold = 1;
+    sc.breaker.cooldown = secs(10);
+    let e = engine(&config(vec![sc]));
+    let c1 = e.begin_call(OWNER, "chat", None).unwrap();
+    let g = e.acquire(OWNER, c1).await.unwrap();
+    e.report(OWNER, g.permit, failure()).await.unwrap();
+    tokio::time::advance(secs(11)).await;
+    let probe = e.acquire(OWNER, c1).await.unwrap();
+    assert!(probe.is_probe);
+    // Another call meets the live lease: refused, retry_after 0, no memo entry.
+    let c2 = e.begin_call(OWNER, "chat", None).unwrap();
+    match e.acquire(OWNER, c2).await {
+        Err(EngineError::CircuitOpen { retry_after, .. }) => {
+            assert_eq!(retry_after, Duration::ZERO)
+        }
+        other => panic!("expected CircuitOpen during the probe, got {other:?}"),
+    }
+    assert_eq!(
+        e.status().await[0].sources[0].memo_remaining,
+        Duration::ZERO
+    );
+    e.report(OWNER, probe.permit, success()).await.unwrap();
+    let t0 = Instant::now();
+    let g = e.acquire(OWNER, c2).await.unwrap();
+    assert_eq!(t0.elapsed(), Duration::ZERO);
+    assert!(!g.is_probe);
+}
+
+#[tokio::test(start_paused = true)]
+async fn stall_clock_counts_only_time_outside_attempts() {
+    let mut sc = scope("chat", vec![source("a"), source("b")]);
+    sc.stall_window = secs(5);
+    sc.circuit_open = Mode::Wait;
+    sc.max_attempts = 10;
+    let e = engine(&config(vec![sc]));
+    let call = e.begin_call(OWNER, "chat", None).unwrap();
+    let g = e.acquire(OWNER, call).await.unwrap();
+    tokio::time::advance(secs(60)).await; // a long attempt: not stalled time
+    e.report(OWNER, g.permit, failure()).await.unwrap();
+    let g = e
+        .acquire(OWNER, call)
+        .await
+        .expect("60 s attempting is not stalling");
+    assert_eq!(&*g.source, "b");
+    e.report(OWNER, g.permit, failure()).await.unwrap();
+    tokio::time::advance(secs(6)).await; // stalled between attempts
+    match e.acquire(OWNER, call).await {
+        Err(EngineError::Exhausted {
+            reason: Exhaustion::Stalled,
+            ..
+        }) => {}
+        other => panic!("expected stalled, got {other:?}"),
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_freed_pacer_slot_wakes_a_waiter_before_its_nap_ends() {
+    let mut sc = scope("chat", vec![source("a")]);
+    sc.pacer.initial = 1.0;
+    sc.pacer.min = 1.0;
+    sc.poll_interval = secs(10);
+    let e = engine(&config(vec![sc]));
+    let c1 = e.begin_call(OWNER, "chat", None).unwrap();
+    let held = e.acquire(OWNER, c1).await.unwrap();
+    let c2 = e.begin_call(OWNER, "chat", None).unwrap();
+    let e2 = e.clone();
+    let t0 = Instant::now();
+    let waiter = tokio::spawn(async move { e2.acquire(OWNER, c2).await });
+    tokio::time::sleep(secs(1)).await;
+    assert_eq!(e.status().await[0].waiters, 1);
+    e.report(OWNER, held.permit, success()).await.unwrap();
+    let g = waiter.await.unwrap().unwrap();
+    assert_eq!(&*g.source, "a");
+    assert!(
+        t0.elapsed() < secs(2),
+        "woken by the freed slot, not the 5–10 s nap: {:?}",
+        t0.elapsed()
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn busy_unknown_and_owner_checks() {
+    let e = engine(&config(vec![scope("chat", vec![source("a")])]));
+    assert_eq!(
+        e.begin_call(OWNER, "nope", None),
+        Err(EngineError::UnknownScope("nope".into()))
+    );
+    let call = e.begin_call(OWNER, "chat", None).unwrap();
+    let g = e.acquire(OWNER, call).await.unwrap();
+    assert_eq!(e.acquire(OWNER, call).await, Err(EngineError::Busy(call)));
+    assert_eq!(
+        e.acquire(2, call).await,
+        Err(EngineError::UnknownCall(call)),
+        "other owner"
+    );
+    assert_eq!(
+        e.report(2, g.permit, success()).await,
+        Err(EngineError::UnknownPermit(g.permit)),
+        "other owner"
+    );
+    e.report(OWNER, g.permit, success()).await.unwrap();
+    assert_eq!(
+        e.report(OWNER, g.permit, success()).await,
+        Err(EngineError::UnknownPermit(g.permit)),
+        "reported twice"
+    );
+    assert_eq!(
+        e.force_open("zzz", secs(1)).await,
+        Err(EngineError::UnknownSource("zzz".into()))
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn release_owner_frees_permits_probes_and_calls() {
+    let mut sc = scope("chat", vec![source("a"), source("b")]);
+    sc.breaker.failure_threshold = 1;
+    sc.breaker.cooldown = secs(1);
+    let e = engine(&config(vec![sc]));
+    let c = e.begin_call(7, "chat", None).unwrap();
+    let g = e.acquire(7, c).await.unwrap();
+    e.report(7, g.permit, failure()).await.unwrap(); // a opens
+    tokio::time::advance(secs(2)).await;
+    let c2 = e.begin_call(7, "chat", None).unwrap();
+    let probe = e.acquire(7, c2).await.unwrap();
+    assert!(probe.is_probe && &*probe.source == "a");
+    let _other = e.acquire(7, c).await.unwrap();
+    assert_eq!(e.live_counts().permits, 2);
+    e.release_owner(7).await;
+    let counts = e.live_counts();
+    assert_eq!(
+        (counts.calls, counts.permits, counts.pacer_in_flight),
+        (0, 0, 0)
+    );
+    // The probe lease is free: another worker probes at once.
+    let c3 = e.begin_call(8, "chat", None).unwrap();
+    let g = e.acquire(8, c3).await.unwrap();
+    assert!(g.is_probe && &*g.source == "a", "{g:?}");
+}
+
+#[tokio::test(start_paused = true)]
+async fn unreported_permit_is_reclaimed_after_its_lease() {
+    let e = engine(&config(vec![scope("chat", vec![source("a")])])); // timeout 10 s → lease 20 s
+    let call = e.begin_call(OWNER, "chat", None).unwrap();
+    let g = e.acquire(OWNER, call).await.unwrap();
+    tokio::time::advance(secs(19)).await;
+    assert_eq!(e.reclaim_expired().await, 0);
+    tokio::time::advance(secs(2)).await;
+    assert_eq!(e.reclaim_expired().await, 1);
+    assert_eq!(e.live_counts().pacer_in_flight, 0);
+    assert_eq!(
+        e.report(OWNER, g.permit, success()).await,
+        Err(EngineError::UnknownPermit(g.permit))
+    );
+    let g2 = e.acquire(OWNER, call).await.unwrap();
+    assert_eq!(g2.attempt, 2, "the reclaimed attempt counted");
+}
+
+#[tokio::test(start_paused = true)]
+async fn health_selector_prefers_the_healthier_source() {
+    let mut sc = scope("chat", vec![source("a"), source("b")]);
+    sc.selector = Selector::Health;
+    sc.breaker.failure_threshold = 100;
+    let e = engine(&config(vec![sc]));
+    // Equal health: config order decides.
+    let call = e.begin_call(OWNER, "chat", None).unwrap();
+    let g = e.acquire(OWNER, call).await.unwrap();
+    assert_eq!(&*g.source, "a");
+    e.report(OWNER, g.permit, failure()).await.unwrap();
+    e.end_call(OWNER, call).await.unwrap();
+    // A new call (no call-local demotion) still prefers b, the healthier one.
+    for _ in 0..3 {
+        let call = e.begin_call(OWNER, "chat", None).unwrap();
+        let g = e.acquire(OWNER, call).await.unwrap();
+        assert_eq!(&*g.source, "b");
+        e.report(OWNER, g.permit, success()).await.unwrap();
+        e.end_call(OWNER, call).await.unwrap();
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn shutdown_ends_waits() {
+    let mut sc = scope("chat", vec![source("a")]);
+    sc.circuit_open = Mode::Wait;
+    let e = engine(&config(vec![sc]));
+    e.force_open("a", secs(100)).await.unwrap();
+    let call = e.begin_call(OWNER, "chat", None).unwrap();
+    let e2 = e.clone();
+    let w = tokio::spawn(async move { e2.acquire(OWNER, call).await });
+    tokio::time::sleep(secs(1)).await;
+    e.shutdown();
+    assert_eq!(w.await.unwrap(), Err(EngineError::ShuttingDown));
+}
+
+#[tokio::test(start_paused = true)]
+async fn est_tokens_default_derives_from_quota() {
+    let e = engine(&config(vec![scope(
+        "chat",
+        vec![polygate::config::SourceConfig {
+            tpm: Some(30_000),
+            rpm: Some(500),
+            ..source("a")
+        }],
+    )]));
+    let call = e.begin_call(OWNER, "chat", None).unwrap();
+    assert_eq!(
+        e.acquire(OWNER, call).await.unwrap().est_tokens,
+        60,
+        "ceil(30000 / 500)"
+    );
+}
