@@ -14,3 +14,4 @@ pub mod engine;
 pub mod notify;
 pub mod peer;
 pub mod server;
+pub mod status_print;
