@@ -3,8 +3,12 @@
 //! No I/O policy lives here: a Rust client can depend on this crate alone.
 //! The byte layout is documented for other languages in `bindings/PROTOCOL.md`.
 
+pub mod codec;
+pub mod framing;
 pub mod messages;
 
+pub use codec::{decode_client, decode_server, encode_client, encode_server, peek_id, CodecError};
+pub use framing::{length_codec, ClientCodec, FrameError, ServerCodec};
 pub use messages::*;
 
 /// The protocol version spoken by this crate; `Hello` and `Welcome` must agree.

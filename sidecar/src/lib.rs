@@ -8,13 +8,14 @@
 pub mod admission;
 pub mod backend;
 pub mod breaker;
-pub mod quota;
 pub mod clock;
 pub mod config;
 pub mod engine;
 pub mod health;
 pub mod memo;
-pub mod pacer;
 pub mod notify;
+pub mod pacer;
 pub mod peer;
-
+pub mod quota;
+pub mod server;
+pub mod status_print;

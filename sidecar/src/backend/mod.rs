@@ -71,6 +71,7 @@
 //! - `block_quota(d)`: blocked_until = max(blocked_until, now + d).
 
 pub mod memory;
+pub mod redis; pub mod any; pub use any::AnyBackend;
 
 use std::future::Future;
 use std::time::Duration;

@@ -1,0 +1,170 @@
+//! [`AnyBackend`]: the daemon's choice of backend, by configuration, without a trait
+//! object (the [`Backend`] methods return `impl Future`, which is not object safe).
+
+use std::time::Duration;
+
+use tokio::sync::broadcast;
+
+use super::memory::MemoryBackend;
+use super::redis::{AdminEvent, RedisBackend};
+use super::{
+    Admit, Applied, BResult, Backend, BreakerParams, Entry, Outcome, QuotaParams, Reserve,
+    Settlement, SourceSnapshot,
+};
+
+/// Either backend; every [`Backend`] method delegates.
+pub enum AnyBackend {
+    /// In-process (one host).
+    Memory(MemoryBackend),
+    /// Shared through Redis (many hosts).
+    Redis(RedisBackend),
+}
+
+impl AnyBackend {
+    /// Admin events broadcast by other hosts (Redis only; `None` for memory, where
+    /// there are no other hosts).
+    pub fn admin_events(&self) -> Option<broadcast::Receiver<AdminEvent>> {
+        match self {
+            AnyBackend::Memory(_) => None,
+            AnyBackend::Redis(r) => Some(r.admin_events()),
+        }
+    }
+}
+
+impl std::fmt::Debug for AnyBackend {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            AnyBackend::Memory(_) => f.write_str("AnyBackend::Memory"),
+            AnyBackend::Redis(r) => f.debug_tuple("AnyBackend::Redis").field(r).finish(),
+        }
+    }
+}
+
+impl From<MemoryBackend> for AnyBackend {
+    fn from(b: MemoryBackend) -> Self {
+        AnyBackend::Memory(b)
+    }
+}
+
+impl From<RedisBackend> for AnyBackend {
+    fn from(b: RedisBackend) -> Self {
+        AnyBackend::Redis(b)
+    }
+}
+
+macro_rules! delegate {
+    ($self:ident, $b:ident => $e:expr) => {
+        match $self {
+            AnyBackend::Memory($b) => $e,
+            AnyBackend::Redis($b) => $e,
+        }
+    };
+}
+
+impl Backend for AnyBackend {
+    fn name(&self) -> &'static str {
+        delegate!(self, b => b.name())
+    }
+
+    fn degraded(&self, source: &str) -> bool {
+        delegate!(self, b => b.degraded(source))
+    }
+
+    async fn try_enter(&self, source: &str, p: &BreakerParams) -> BResult<Entry> {
+        delegate!(self, b => b.try_enter(source, p).await)
+    }
+
+    async fn record_success(
+        &self,
+        source: &str,
+        epoch: u64,
+        count_attempt: bool,
+        p: &BreakerParams,
+    ) -> BResult<Applied> {
+        delegate!(self, b => b.record_success(source, epoch, count_attempt, p).await)
+    }
+
+    async fn record_failure(
+        &self,
+        source: &str,
+        epoch: u64,
+        p: &BreakerParams,
+    ) -> BResult<Applied> {
+        delegate!(self, b => b.record_failure(source, epoch, p).await)
+    }
+
+    async fn release_probe(&self, source: &str, epoch: u64) -> BResult<Applied> {
+        delegate!(self, b => b.release_probe(source, epoch).await)
+    }
+
+    async fn retry_after(&self, sources: &[&str]) -> BResult<Duration> {
+        delegate!(self, b => b.retry_after(sources).await)
+    }
+
+    async fn force_open(&self, source: &str, duration: Duration) -> BResult<Applied> {
+        delegate!(self, b => b.force_open(source, duration).await)
+    }
+
+    async fn force_close(&self, source: &str) -> BResult<Applied> {
+        delegate!(self, b => b.force_close(source).await)
+    }
+
+    async fn reset(&self, source: &str) -> BResult<Applied> {
+        delegate!(self, b => b.reset(source).await)
+    }
+
+    async fn reserve(&self, source: &str, q: &QuotaParams, tokens: u64) -> BResult<Reserve> {
+        delegate!(self, b => b.reserve(source, q, tokens).await)
+    }
+
+    async fn settle(
+        &self,
+        source: &str,
+        q: &QuotaParams,
+        reserved_tokens: u64,
+        how: Settlement,
+    ) -> BResult<()> {
+        delegate!(self, b => b.settle(source, q, reserved_tokens, how).await)
+    }
+
+    async fn block_quota(&self, source: &str, for_: Duration) -> BResult<()> {
+        delegate!(self, b => b.block_quota(source, for_).await)
+    }
+
+    async fn snapshot(
+        &self,
+        source: &str,
+        p: &BreakerParams,
+        q: &QuotaParams,
+    ) -> BResult<SourceSnapshot> {
+        delegate!(self, b => b.snapshot(source, p, q).await)
+    }
+
+    async fn admit(
+        &self,
+        source: &str,
+        p: &BreakerParams,
+        q: &QuotaParams,
+        tokens: u64,
+    ) -> BResult<Admit> {
+        delegate!(self, b => b.admit(source, p, q, tokens).await)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    async fn report(
+        &self,
+        source: &str,
+        p: &BreakerParams,
+        q: &QuotaParams,
+        epoch: u64,
+        is_probe: bool,
+        reserved_tokens: u64,
+        outcome: Outcome,
+    ) -> BResult<Applied> {
+        delegate!(self, b => b.report(source, p, q, epoch, is_probe, reserved_tokens, outcome).await)
+    }
+
+    async fn neutral(&self, source: &str, epoch: u64, is_probe: bool) -> BResult<Applied> {
+        delegate!(self, b => b.neutral(source, epoch, is_probe).await)
+    }
+}

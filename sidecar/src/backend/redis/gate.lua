@@ -1,0 +1,437 @@
+-- PolyGate breaker (§6) + quota (§7) for one source, atomically, in one script.
+--
+-- KEYS[1] = {prefix:source}:b  breaker hash     KEYS[2] = {prefix:source}:q  quota hash
+-- ARGV[1]  op: try_enter | record_success | record_failure | release_probe | neutral
+--              | peek | force_open | force_close | reset | reserve | settle | block
+--              | admit | report | snapshot
+-- ARGV[2..8]  breaker params: failure_threshold, failure_rate, min_calls, window_us,
+--             cooldown_us, max_cooldown_us, probe_ttl_us (0s when the op has none)
+-- ARGV[9..10] tpm, rpm (-1 = bucket disabled)
+-- ARGV[11] epoch   ARGV[12] flag (count_attempt / is_probe, 0|1)
+-- ARGV[13] tokens (reserve amount / reserved tokens)
+-- ARGV[14] kind (settlement: charge|refund_tokens|refund_all; report: S|F|R|C)
+-- ARGV[15] amount (charged tokens, -1 = the estimate / block or force_open µs, -1 = none)
+-- ARGV[16] admin pub/sub channel   ARGV[17] source name
+-- ARGV[18] is_probe (report only; ARGV[12] is then count_attempt)
+--
+-- Every clock reading is this server's TIME, in microseconds (exact in a double until
+-- 2^53 µs ≈ year 2255). Durations cross as integer microseconds. Floats are returned
+-- as strings (a Lua number reply would be truncated to an integer).
+
+local BK, QK = KEYS[1], KEYS[2]
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
+local op = ARGV[1]
+
+local FTH, FRATE, MINC = tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4])
+local WIN, CD, MCD, PTTL = tonumber(ARGV[5]), tonumber(ARGV[6]), tonumber(ARGV[7]), tonumber(ARGV[8])
+local HAVE_P = WIN > 0
+local TPM, RPM = tonumber(ARGV[9]), tonumber(ARGV[10])
+local EPOCH, FLAG = tonumber(ARGV[11]), ARGV[12] == '1'
+local TOKENS, KIND, AMOUNT = tonumber(ARGV[13]), ARGV[14], tonumber(ARGV[15])
+
+local MIN = 60000000 -- one minute in µs
+local CLOSED, OPEN, HALF = 0, 1, 2
+
+local function num(v, d)
+  if v then return tonumber(v) end
+  return d
+end
+
+local function fmt(x)
+  return string.format('%.17g', x)
+end
+
+-- ------------------------------------------------------------------ breaker
+
+local BF = { 'st', 'e', 'u', 'l', 's', 'k', 'cs', 'bi', 'co', 'cf', 'po', 'pf', 'tb' }
+
+local function bload()
+  local v = redis.call('HMGET', BK, unpack(BF))
+  return {
+    st = num(v[1], CLOSED), e = num(v[2], 0), u = num(v[3], 0),
+    l = num(v[4], -1),            -- lease_until; -1 = no lease
+    s = num(v[5], 0), k = num(v[6], 0),
+    cs = num(v[7], now),          -- closed_since
+    bi = num(v[8], 0),            -- current window bucket index
+    co = num(v[9], 0), cf = num(v[10], 0), -- current bucket ok / fail
+    po = num(v[11], 0), pf = num(v[12], 0), -- previous bucket ok / fail
+    tb = num(v[13], 0),           -- TTL basis (µs) from the last params seen
+    dirty = false,
+  }
+end
+
+-- Idle breakers expire, but only long after anything that matters: the TTL basis is
+-- max(4 × max(window, max_cooldown, 60 s), 4 × probe_ttl), refreshed on EVERY script
+-- that touches the source (reads included), plus whatever is left of an OPEN period
+-- or a lease. Every permit was granted by such a script and lives at most its lease
+-- (probe_ttl, after which the engine reclaims it), so the hash — and the epoch in it —
+-- cannot expire while a permit carrying that epoch may still report: the epoch never
+-- rewinds under a live permit. An expired breaker is a fresh CLOSED one (streak and
+-- window would have aged out of relevance; the cooldown level would have decayed).
+local function bttl(b)
+  local basis = b.tb
+  if HAVE_P then
+    basis = math.max(4 * math.max(WIN, MCD, MIN), 4 * PTTL)
+    if basis ~= b.tb then b.tb = basis; b.dirty = true end
+  end
+  if basis <= 0 then basis = 3600000000 end
+  local ttl = basis
+  if b.st == OPEN and b.u > now then ttl = ttl + (b.u - now) end
+  if b.st == HALF and b.l > now then ttl = ttl + (b.l - now) end
+  return math.ceil(ttl / 1000)
+end
+
+local function bsave(b)
+  if b.dirty then
+    redis.call('HSET', BK, 'st', b.st, 'e', b.e, 'u', fmt(b.u), 'l', fmt(b.l), 's', b.s,
+      'k', b.k, 'cs', fmt(b.cs), 'bi', fmt(b.bi), 'co', b.co, 'cf', b.cf, 'po', b.po,
+      'pf', b.pf, 'tb', fmt(b.tb))
+  end
+  -- Refresh on every touch (no-op when the hash does not exist: nothing to keep).
+  redis.call('PEXPIRE', BK, bttl(b))
+end
+
+local function bra(b)
+  if b.st == OPEN and b.u > now then return b.u - now end
+  return 0
+end
+
+-- k decay: each whole max_cooldown spent CLOSED takes one off k.
+local function decay(b)
+  if not HAVE_P or b.st ~= CLOSED or b.k == 0 or MCD <= 0 then return end
+  local n = math.floor((now - b.cs) / MCD)
+  if n > 0 then
+    b.k = math.max(0, b.k - n)
+    b.cs = b.cs + n * MCD
+    b.dirty = true
+  end
+end
+
+local function half()
+  return math.max(WIN / 2, 1)
+end
+
+-- Move the window so the current bucket contains now.
+local function roll(b)
+  local idx = math.floor(now / half())
+  if idx == b.bi then return end
+  if idx == b.bi + 1 then
+    b.po, b.pf = b.co, b.cf
+  else
+    b.po, b.pf = 0, 0
+  end
+  b.co, b.cf, b.bi = 0, 0, idx
+  b.dirty = true
+end
+
+local function clear_counts(b)
+  b.s, b.co, b.cf, b.po, b.pf = 0, 0, 0, 0, 0
+  b.dirty = true
+end
+
+local function bopen(b, grow)
+  if grow then b.k = b.k + 1 end
+  local d = math.min(CD * (2 ^ math.min(b.k, 64)), MCD)
+  b.st, b.e, b.u, b.l = OPEN, b.e + 1, now + d, -1
+  clear_counts(b)
+end
+
+local function bclose(b)
+  b.st, b.e, b.l, b.cs = CLOSED, b.e + 1, -1, now
+  clear_counts(b)
+end
+
+-- Returns granted, is_probe.
+local function try_enter(b)
+  decay(b)
+  if b.st == CLOSED then return true, false end
+  if b.st == OPEN and now < b.u then return false, false end
+  if b.st == HALF and b.l >= 0 and now < b.l then return false, false end
+  b.st, b.e, b.l = HALF, b.e + 1, now + PTTL
+  b.dirty = true
+  return true, true
+end
+
+-- Returns applied.
+local function record_success(b, count)
+  decay(b)
+  if EPOCH ~= b.e then return false end
+  if b.st == CLOSED then
+    b.s = 0
+    b.dirty = true
+    if count then
+      roll(b)
+      b.co = b.co + 1
+    end
+    return true
+  elseif b.st == HALF then
+    bclose(b)
+    return true
+  end
+  return false
+end
+
+local function record_failure(b)
+  decay(b)
+  if EPOCH ~= b.e then return false end
+  if b.st == CLOSED then
+    b.s = b.s + 1
+    roll(b)
+    b.cf = b.cf + 1
+    b.dirty = true
+    local ok, fail = b.co + b.po, b.cf + b.pf
+    local samples = ok + fail
+    local enough = samples >= MINC
+    local rate = 0
+    if samples > 0 then rate = fail / samples end
+    if enough and rate >= FRATE then
+      bopen(b, true)
+    elseif b.s >= FTH and not (enough and rate < FRATE) then
+      bopen(b, false)
+    end
+    return true
+  elseif b.st == HALF then
+    bopen(b, true)
+    return true
+  end
+  return false
+end
+
+local function release_probe(b)
+  if EPOCH ~= b.e or b.st ~= HALF then return false end
+  b.l = -1
+  b.dirty = true
+  return true
+end
+
+local function neutral(b, is_probe)
+  if is_probe then return release_probe(b) end
+  return EPOCH == b.e
+end
+
+local function applied_reply(b, ok)
+  local a = 0
+  if ok then a = 1 end
+  return { a, b.st, b.e, bra(b) }
+end
+
+local function publish(what)
+  redis.call('PUBLISH', ARGV[16], what .. ' ' .. ARGV[17])
+end
+
+-- ------------------------------------------------------------------ quota
+
+local function qload()
+  local v = redis.call('HMGET', QK, 't', 'r', 'ts', 'bu')
+  local q = { t = num(v[1], nil), r = num(v[2], nil), ts = num(v[3], now), bu = num(v[4], 0) }
+  local dt = math.max(now - q.ts, 0)
+  if TPM >= 0 then
+    q.t = math.min((q.t or TPM) + dt * TPM / MIN, TPM)
+  else
+    q.t = nil
+  end
+  if RPM >= 0 then
+    q.r = math.min((q.r or RPM) + dt * RPM / MIN, RPM)
+  else
+    q.r = nil
+  end
+  q.ts = math.max(q.ts, now)
+  return q
+end
+
+-- Time (µs) until a bucket of capacity `cap` at `level` is full again.
+local function to_full(level, cap)
+  if level == nil or cap <= 0 or level >= cap then return 0 end
+  return (cap - level) * MIN / cap
+end
+
+-- A quota hash expires once it would read as absent anyway: both buckets full again and
+-- the 429 block over (plus a minute of slack). Absent = full buckets, no block.
+local function qsave(q)
+  redis.call('HSET', QK, 'ts', fmt(q.ts), 'bu', fmt(q.bu))
+  if q.t then redis.call('HSET', QK, 't', fmt(q.t)) else redis.call('HDEL', QK, 't') end
+  if q.r then redis.call('HSET', QK, 'r', fmt(q.r)) else redis.call('HDEL', QK, 'r') end
+  local ttl = math.max(to_full(q.t, TPM), to_full(q.r, RPM), q.bu - now, 0) + MIN
+  redis.call('PEXPIRE', QK, math.ceil(ttl / 1000))
+end
+
+local function wait_for(level, cap, need)
+  if level == nil or level >= need or cap <= 0 then return 0 end
+  return (need - level) * MIN / cap
+end
+
+-- Returns ok, retry_after_us. Takes nothing.
+local function qcheck(q, tokens)
+  if now < q.bu then return false, q.bu - now end
+  local w = 0
+  if TPM >= 0 then w = math.max(w, wait_for(q.t, TPM, math.min(tokens, TPM))) end
+  if RPM >= 0 then w = math.max(w, wait_for(q.r, RPM, 1)) end
+  if w > 0 then return false, math.max(math.ceil(w), 1) end
+  return true, 0
+end
+
+local function qdebit(q, tokens)
+  if q.t then q.t = q.t - tokens end
+  if q.r then q.r = q.r - 1 end
+end
+
+local function qsettle(q, reserved, kind, charged)
+  local tc, rc = 0, 0
+  if kind == 'charge' then
+    tc = reserved - charged
+  elseif kind == 'refund_tokens' then
+    tc = reserved
+  else
+    tc, rc = reserved, 1
+  end
+  if q.t then q.t = math.min(q.t + tc, TPM) end
+  if q.r then q.r = math.min(q.r + rc, RPM) end
+end
+
+local function qblock(d)
+  local bu = num(redis.call('HGET', QK, 'bu'), 0)
+  local nb = math.max(bu, now + d)
+  redis.call('HSET', QK, 'bu', fmt(nb))
+  local ttl = redis.call('PTTL', QK)
+  local want = math.ceil((nb - now + MIN) / 1000)
+  if ttl < want then redis.call('PEXPIRE', QK, want) end
+end
+
+-- ------------------------------------------------------------------ dispatch
+
+if op == 'try_enter' then
+  local b = bload()
+  local g, p = try_enter(b)
+  bsave(b)
+  return { g and 1 or 0, p and 1 or 0, b.e, b.st, bra(b) }
+
+elseif op == 'record_success' then
+  local b = bload()
+  local a = record_success(b, FLAG)
+  bsave(b)
+  return applied_reply(b, a)
+
+elseif op == 'record_failure' then
+  local b = bload()
+  local a = record_failure(b)
+  bsave(b)
+  return applied_reply(b, a)
+
+elseif op == 'release_probe' then
+  local b = bload()
+  local a = release_probe(b)
+  bsave(b)
+  return applied_reply(b, a)
+
+elseif op == 'neutral' then
+  local b = bload()
+  local a = neutral(b, FLAG)
+  bsave(b)
+  return applied_reply(b, a)
+
+elseif op == 'peek' then
+  local b = bload()
+  return { bra(b) }
+
+elseif op == 'force_open' then
+  local b = bload()
+  b.st, b.e, b.u, b.l, b.dirty = OPEN, b.e + 1, now + AMOUNT, -1, true
+  bsave(b)
+  publish('force_open')
+  return applied_reply(b, true)
+
+elseif op == 'force_close' then
+  local b = bload()
+  bclose(b)
+  bsave(b)
+  publish('force_close')
+  return applied_reply(b, true)
+
+elseif op == 'reset' then
+  local b = bload()
+  -- Everything but the epoch is forgotten; the epoch is bumped, never rewound.
+  local e = b.e + 1
+  b = { st = CLOSED, e = e, u = 0, l = -1, s = 0, k = 0, cs = now, bi = 0, co = 0, cf = 0,
+        po = 0, pf = 0, tb = b.tb, dirty = true }
+  bsave(b)
+  redis.call('DEL', QK)
+  publish('reset')
+  return applied_reply(b, true)
+
+elseif op == 'reserve' then
+  local q = qload()
+  local ok, ra = qcheck(q, TOKENS)
+  if ok then
+    qdebit(q, TOKENS)
+    qsave(q)
+    return { 1, 0 }
+  end
+  return { 0, ra }
+
+elseif op == 'settle' then
+  local q = qload()
+  qsettle(q, TOKENS, KIND, AMOUNT)
+  qsave(q)
+  return { 1 }
+
+elseif op == 'block' then
+  qblock(AMOUNT)
+  return { 1 }
+
+elseif op == 'admit' then
+  -- Gate 3 then gate 4; a breaker refusal takes nothing (same as reserve + refund).
+  local q = qload()
+  local ok, ra = qcheck(q, TOKENS)
+  if not ok then return { 1, 0, 0, 0, ra } end
+  local b = bload()
+  local g, p = try_enter(b)
+  bsave(b)
+  if g then
+    qdebit(q, TOKENS)
+    qsave(q)
+    return { 0, b.e, p and 1 or 0, b.st, 0 }
+  end
+  return { 2, b.e, 0, b.st, bra(b) }
+
+elseif op == 'report' then
+  -- Settle, then the verdict (S success, F failure, R 429, C cancelled).
+  local q = qload()
+  local b = bload()
+  local a
+  if KIND == 'S' then
+    local charged = AMOUNT
+    if charged < 0 then charged = TOKENS end
+    qsettle(q, TOKENS, 'charge', charged)
+    qsave(q)
+    a = record_success(b, FLAG)
+  elseif KIND == 'F' then
+    qsettle(q, TOKENS, 'refund_tokens', 0)
+    qsave(q)
+    a = record_failure(b)
+  elseif KIND == 'R' then
+    qsettle(q, TOKENS, 'refund_tokens', 0)
+    qsave(q)
+    if AMOUNT >= 0 then qblock(AMOUNT) end
+    a = neutral(b, tonumber(ARGV[18]) == 1)
+  else
+    qsettle(q, TOKENS, 'refund_all', 0)
+    qsave(q)
+    a = neutral(b, tonumber(ARGV[18]) == 1)
+  end
+  bsave(b)
+  return applied_reply(b, a)
+
+elseif op == 'snapshot' then
+  local b = bload()
+  decay(b)
+  roll(b)
+  -- Status reads persist nothing (decay and roll are recomputed on the next write).
+  local q = qload()
+  local ts, rs = '', ''
+  if q.t then ts = fmt(q.t) end
+  if q.r then rs = fmt(q.r) end
+  return { b.st, b.e, bra(b), b.k, b.co + b.po, b.cf + b.pf, b.s, ts, rs, math.max(q.bu - now, 0) }
+end
+
+return redis.error_reply('polygate: unknown op ' .. tostring(op))

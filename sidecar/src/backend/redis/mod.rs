@@ -1,0 +1,1023 @@
+//! Shared backend: breaker (§6) and quota (§7) state in Redis, for many hosts (§10).
+//!
+//! # Scripts and keys
+//!
+//! Every operation is one call of one Lua script (`gate.lua`, dispatching on its first
+//! argument) through [`::redis::Script`], i.e. `EVALSHA` with an automatic `SCRIPT
+//! LOAD` + retry on `NOSCRIPT` (after a Redis restart or `SCRIPT FLUSH`). The combined
+//! hot-path operations are one script call each: [`Backend::admit`] = reserve +
+//! try_enter (a breaker refusal takes nothing), [`Backend::report`] = settle + verdict
+//! (+ the 429 block). Every clock reading inside a script is `redis.call('TIME')`
+//! (never a host clock; Redis ≥ 5 replicates effects, so TIME followed by writes is
+//! fine). Durations cross as integer microseconds.
+//!
+//! A source has two keys, both passed with `.key()` and hash-tagged into one slot so
+//! Redis Cluster routes the script by its first key: `{<prefix>:<source>}:b` (breaker
+//! hash) and `{<prefix>:<source>}:q` (quota hash).
+//!
+//! # Expiry and the epoch
+//!
+//! Idle sources vanish. The quota hash expires once it would read as absent anyway
+//! (both buckets refilled, the 429 block over, plus a minute). The breaker hash — which
+//! holds the epoch — gets a TTL of `max(4 × max(window, max_cooldown, 60 s), 4 ×
+//! probe_ttl)` plus any remaining OPEN period or probe lease, **refreshed by every
+//! script that touches the source**, reads included. A permit is granted by such a
+//! script and lives at most its lease (probe_ttl; the engine reclaims it after that),
+//! so the epoch cannot expire, and hence cannot rewind, while a permit that carries it
+//! may still report. `reset` bumps the epoch in place (it never deletes the breaker
+//! hash).
+//!
+//! # Degradation (§10)
+//!
+//! Every Redis call is bounded by `timeout` (connect and response; plus an outer
+//! `tokio::time::timeout` over the whole operation, NOSCRIPT reload included). When a
+//! call fails or times out:
+//! - `on_backend_error = local`: the operation is served by an embedded
+//!   [`MemoryBackend`], the source is marked degraded ([`Backend::degraded`]) and one
+//!   line is logged per transition. While degraded, Redis is retried at most once per
+//!   [`RETRY_INTERVAL`] per source (the other calls go straight to local state), so a
+//!   dead Redis does not cost a timeout per admission; the first answer restores the
+//!   source (logged once). Local and Redis state are not merged: permits granted
+//!   locally report to Redis after the restore, where the epoch fence (usually) drops
+//!   them, and their quota settlement is applied to the Redis buckets (capped).
+//! - `fail_closed`: [`BackendError::Unavailable`] naming the Redis target; within
+//!   [`RETRY_INTERVAL`] of a failure the error is returned at once, without waiting
+//!   for another timeout.
+//!
+//! # Admin broadcast (§9)
+//!
+//! `force_open`, `force_close` and `reset` publish `"<op> <source>"` on
+//! `<prefix>:admin` from inside their script. A subscriber task (reconnecting, pinging)
+//! turns those messages into [`AdminEvent`]s on [`RedisBackend::admin_events`], so
+//! every host can clear its cooldown memo. An admin op served from local state
+//! (degraded) is delivered to this host's receivers directly. Messages published while
+//! a host's subscriber is disconnected are lost for that host (pub/sub has no replay).
+
+use std::collections::HashMap;
+use std::sync::{Arc, LazyLock, Mutex};
+use std::time::{Duration, Instant};
+
+use ::redis::aio::{ConnectionManager, ConnectionManagerConfig};
+use ::redis::cluster::ClusterClientBuilder;
+use ::redis::cluster_async::ClusterConnection;
+use ::redis::{Client, RedisError, Script, Value};
+use futures_util::StreamExt;
+use tokio::sync::broadcast;
+
+use super::memory::MemoryBackend;
+use super::{
+    Admit, Applied, BResult, Backend, BackendError, BreakerParams, Entry, Outcome, QuotaParams,
+    Reserve, Settlement, SourceSnapshot, State,
+};
+use crate::clock::Clock;
+use crate::config::OnBackendError;
+
+/// While a source is degraded, Redis is retried at most this often for it.
+pub const RETRY_INTERVAL: Duration = Duration::from_secs(1);
+
+/// Capacity of the admin event channel (a lagging receiver loses the oldest events).
+const ADMIN_CHANNEL_CAPACITY: usize = 256;
+
+/// How often the subscriber pings its connection to detect a silent death.
+const SUBSCRIBER_PING: Duration = Duration::from_secs(5);
+
+/// The one script; every operation dispatches on its first argument.
+static SCRIPT: LazyLock<Script> = LazyLock::new(|| Script::new(include_str!("gate.lua")));
+
+/// How to reach Redis and what to do when it cannot be reached.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RedisOptions {
+    /// Single node (`redis://host:port/db`); used when `cluster_nodes` is empty.
+    pub url: String,
+    /// Redis Cluster seed nodes; non-empty selects cluster mode.
+    pub cluster_nodes: Vec<String>,
+    /// Key prefix inside the hash tag (`{prefix:source}`), also names the admin channel.
+    pub key_prefix: String,
+    /// Connect and per-command response timeout; no operation waits on Redis longer.
+    pub timeout: Duration,
+    /// Degrade to local state or refuse when Redis is unreachable.
+    pub on_backend_error: OnBackendError,
+    /// Configured sources (others fail with [`BackendError::UnknownSource`]).
+    pub sources: Vec<String>,
+}
+
+/// An operator action broadcast to every host.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct AdminEvent {
+    /// The source acted on.
+    pub source: String,
+    /// What was done.
+    pub op: AdminOp,
+}
+
+/// Admin operations that are broadcast.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AdminOp {
+    /// `force_open`.
+    ForceOpen,
+    /// `force_close`.
+    ForceClose,
+    /// `reset`.
+    Reset,
+}
+
+impl AdminOp {
+    fn wire(self) -> &'static str {
+        match self {
+            AdminOp::ForceOpen => "force_open",
+            AdminOp::ForceClose => "force_close",
+            AdminOp::Reset => "reset",
+        }
+    }
+
+    fn from_wire(s: &str) -> Option<Self> {
+        match s {
+            "force_open" => Some(AdminOp::ForceOpen),
+            "force_close" => Some(AdminOp::ForceClose),
+            "reset" => Some(AdminOp::Reset),
+            _ => None,
+        }
+    }
+}
+
+impl AdminEvent {
+    /// Parse a `"<op> <source>"` payload.
+    fn parse(payload: &str) -> Option<Self> {
+        let (op, source) = payload.split_once(' ')?;
+        Some(AdminEvent {
+            source: source.to_string(),
+            op: AdminOp::from_wire(op)?,
+        })
+    }
+}
+
+/// A live connection (both kinds are cheap to clone and multiplex).
+#[derive(Clone)]
+enum Conn {
+    Single(ConnectionManager),
+    Cluster(ClusterConnection),
+}
+
+/// How to (re)build a connection.
+enum Target {
+    Single(Client, ConnectionManagerConfig),
+    Cluster(::redis::cluster::ClusterClient),
+}
+
+/// Per-source reachability.
+#[derive(Debug)]
+struct Health {
+    /// The last Redis call for this source failed.
+    down: bool,
+    /// While down: when Redis may be tried again.
+    next_try: Instant,
+    /// While down: the last error, for fail_closed's fast refusals.
+    last_error: String,
+}
+
+/// The Redis backend.
+pub struct RedisBackend {
+    /// How connections are made.
+    target: Target,
+    /// The current connection (`None` until first use or after an invalidation).
+    conn: Mutex<Option<Conn>>,
+    /// Serialises (re)connecting in cluster mode.
+    connect_lock: tokio::sync::Mutex<()>,
+    /// When the connection was last thrown away (at most once per RETRY_INTERVAL).
+    last_invalidate: Mutex<Option<Instant>>,
+    /// Human-readable target for error messages (`redis://…` or the cluster seeds).
+    describe: String,
+    prefix: String,
+    timeout: Duration,
+    on_error: OnBackendError,
+    /// Configured sources and their reachability.
+    health: HashMap<String, Mutex<Health>>,
+    /// Served when degraded.
+    local: MemoryBackend,
+    /// Admin channel name (`<prefix>:admin`).
+    channel: String,
+    admin_tx: broadcast::Sender<AdminEvent>,
+    /// `true` while the subscriber holds a live subscription.
+    subscribed: Arc<std::sync::atomic::AtomicBool>,
+    /// The subscriber task, stopped on drop.
+    subscriber: tokio::task::AbortHandle,
+}
+
+impl Drop for RedisBackend {
+    fn drop(&mut self) {
+        self.subscriber.abort();
+    }
+}
+
+impl std::fmt::Debug for RedisBackend {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RedisBackend")
+            .field("target", &self.describe)
+            .field("prefix", &self.prefix)
+            .field("timeout", &self.timeout)
+            .field("on_error", &self.on_error)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Arguments of one script call (see the header of `gate.lua`).
+#[derive(Default)]
+struct Call<'a> {
+    op: &'static str,
+    p: Option<&'a BreakerParams>,
+    q: Option<&'a QuotaParams>,
+    epoch: u64,
+    flag: bool,
+    tokens: u64,
+    kind: &'static str,
+    amount: Option<Duration>,
+    amount_raw: Option<u64>,
+    probe: bool,
+}
+
+fn micros(d: Duration) -> u64 {
+    u64::try_from(d.as_micros()).unwrap_or(u64::MAX)
+}
+
+fn bucket(v: Option<u64>) -> i64 {
+    v.map_or(-1, |x| i64::try_from(x).unwrap_or(i64::MAX))
+}
+
+impl RedisBackend {
+    /// Build the backend. Never waits for Redis: connections are made on first use and
+    /// re-made after failures, so this succeeds while Redis is down. Must be called
+    /// inside a Tokio runtime (it spawns the admin subscriber).
+    pub async fn connect(opts: RedisOptions, local_clock: Arc<dyn Clock>) -> BResult<Self> {
+        let bad =
+            |e: RedisError| BackendError::Unavailable(format!("invalid redis configuration: {e}"));
+        let (target, describe, sub_urls) = if opts.cluster_nodes.is_empty() {
+            let client = Client::open(opts.url.as_str()).map_err(bad)?;
+            let cfg = ConnectionManagerConfig::new()
+                .set_connection_timeout(Some(opts.timeout))
+                .set_response_timeout(Some(opts.timeout))
+                .set_number_of_retries(1)
+                .set_min_delay(Duration::from_millis(50))
+                .set_max_delay(Duration::from_millis(500));
+            (
+                Target::Single(client, cfg),
+                opts.url.clone(),
+                vec![opts.url.clone()],
+            )
+        } else {
+            let client = ClusterClientBuilder::new(opts.cluster_nodes.clone())
+                .connection_timeout(opts.timeout)
+                .response_timeout(opts.timeout)
+                .retries(1)
+                .build()
+                .map_err(bad)?;
+            (
+                Target::Cluster(client),
+                format!("cluster [{}]", opts.cluster_nodes.join(", ")),
+                opts.cluster_nodes.clone(),
+            )
+        };
+        for u in &sub_urls {
+            Client::open(u.as_str()).map_err(bad)?;
+        }
+        let now = Instant::now();
+        let health = opts
+            .sources
+            .iter()
+            .map(|s| {
+                (
+                    s.clone(),
+                    Mutex::new(Health {
+                        down: false,
+                        next_try: now,
+                        last_error: String::new(),
+                    }),
+                )
+            })
+            .collect();
+        let channel = format!("{}:admin", opts.key_prefix);
+        let (admin_tx, _) = broadcast::channel(ADMIN_CHANNEL_CAPACITY);
+        let subscribed = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let subscriber = tokio::spawn(subscriber(
+            sub_urls,
+            channel.clone(),
+            admin_tx.clone(),
+            opts.timeout,
+            subscribed.clone(),
+        ))
+        .abort_handle();
+        Ok(RedisBackend {
+            target,
+            conn: Mutex::new(None),
+            connect_lock: tokio::sync::Mutex::new(()),
+            last_invalidate: Mutex::new(None),
+            describe,
+            prefix: opts.key_prefix,
+            timeout: opts.timeout,
+            on_error: opts.on_backend_error,
+            health,
+            local: MemoryBackend::new(local_clock, opts.sources),
+            channel,
+            admin_tx,
+            subscribed,
+            subscriber,
+        })
+    }
+
+    /// Admin events published by any host (this one included), for clearing memos.
+    pub fn admin_events(&self) -> broadcast::Receiver<AdminEvent> {
+        self.admin_tx.subscribe()
+    }
+
+    /// `true` while the admin subscriber holds a live subscription.
+    pub fn admin_subscribed(&self) -> bool {
+        self.subscribed.load(std::sync::atomic::Ordering::SeqCst)
+    }
+
+    /// The breaker key of `source`.
+    pub fn breaker_key(&self, source: &str) -> String {
+        format!("{{{}:{}}}:b", self.prefix, source)
+    }
+
+    /// The quota key of `source`.
+    pub fn quota_key(&self, source: &str) -> String {
+        format!("{{{}:{}}}:q", self.prefix, source)
+    }
+
+    /// The admin pub/sub channel.
+    pub fn admin_channel(&self) -> &str {
+        &self.channel
+    }
+
+    /// The current connection, made if needed.
+    async fn conn(&self) -> Result<Conn, RedisError> {
+        if let Some(c) = self.conn.lock().unwrap_or_else(|e| e.into_inner()).clone() {
+            return Ok(c);
+        }
+        let _g = self.connect_lock.lock().await;
+        if let Some(c) = self.conn.lock().unwrap_or_else(|e| e.into_inner()).clone() {
+            return Ok(c);
+        }
+        let c = match &self.target {
+            Target::Single(client, cfg) => Conn::Single(ConnectionManager::new_lazy_with_config(
+                client.clone(),
+                cfg.clone(),
+            )?),
+            Target::Cluster(client) => Conn::Cluster(client.get_async_connection().await?),
+        };
+        *self.conn.lock().unwrap_or_else(|e| e.into_inner()) = Some(c.clone());
+        Ok(c)
+    }
+
+    /// Throw the connection away after a failure (at most once per RETRY_INTERVAL), so
+    /// a connection that cannot recover by itself is rebuilt on the next try.
+    fn invalidate(&self) {
+        let now = Instant::now();
+        let mut last = self
+            .last_invalidate
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        if last.is_some_and(|t| now.duration_since(t) < RETRY_INTERVAL) {
+            return;
+        }
+        *last = Some(now);
+        *self.conn.lock().unwrap_or_else(|e| e.into_inner()) = None;
+    }
+
+    async fn invoke(&self, source: &str, c: &Call<'_>) -> Result<Vec<Value>, RedisError> {
+        let mut conn = self.conn().await?;
+        let mut inv = SCRIPT.prepare_invoke();
+        inv.key(self.breaker_key(source))
+            .key(self.quota_key(source));
+        let (fth, frate, minc, win, cd, mcd, pttl) = match c.p {
+            Some(p) => (
+                p.failure_threshold,
+                p.failure_rate,
+                p.min_calls,
+                micros(p.window),
+                micros(p.cooldown),
+                micros(p.max_cooldown),
+                micros(p.probe_ttl),
+            ),
+            None => (0, 0.0, 0, 0, 0, 0, 0),
+        };
+        let (tpm, rpm) = c.q.map_or((-1, -1), |q| (bucket(q.tpm), bucket(q.rpm)));
+        let amount: i64 = match (c.amount, c.amount_raw) {
+            (Some(d), _) => i64::try_from(micros(d)).unwrap_or(i64::MAX),
+            (None, Some(n)) => i64::try_from(n).unwrap_or(i64::MAX),
+            (None, None) => -1,
+        };
+        inv.arg(c.op)
+            .arg(fth)
+            .arg(frate.to_string())
+            .arg(minc)
+            .arg(win)
+            .arg(cd)
+            .arg(mcd)
+            .arg(pttl)
+            .arg(tpm)
+            .arg(rpm)
+            .arg(c.epoch)
+            .arg(u8::from(c.flag))
+            .arg(c.tokens)
+            .arg(c.kind)
+            .arg(amount)
+            .arg(&self.channel)
+            .arg(source)
+            .arg(u8::from(c.probe));
+        match &mut conn {
+            Conn::Single(m) => inv.invoke_async(m).await,
+            Conn::Cluster(cl) => inv.invoke_async(cl).await,
+        }
+    }
+
+    /// Run one script call for `source`. `Ok(Some(reply))` when Redis answered,
+    /// `Ok(None)` when the caller must serve the operation from local state.
+    async fn exec(&self, source: &str, c: Call<'_>) -> BResult<Option<Vec<Value>>> {
+        let h = self
+            .health
+            .get(source)
+            .ok_or_else(|| BackendError::UnknownSource(source.to_string()))?;
+        {
+            let mut g = h.lock().unwrap_or_else(|e| e.into_inner());
+            if g.down {
+                let now = Instant::now();
+                if now < g.next_try {
+                    return match self.on_error {
+                        OnBackendError::Local => Ok(None),
+                        OnBackendError::FailClosed => Err(self.unavailable(&g.last_error)),
+                    };
+                }
+                // This caller probes; the others keep going local until next_try.
+                g.next_try = now + RETRY_INTERVAL;
+            }
+        }
+        let result = match tokio::time::timeout(self.timeout, self.invoke(source, &c)).await {
+            Ok(Ok(v)) => Ok(v),
+            Ok(Err(e)) => Err(e.to_string()),
+            Err(_) => Err(format!("no answer within {:?}", self.timeout)),
+        };
+        let mut g = h.lock().unwrap_or_else(|e| e.into_inner());
+        match result {
+            Ok(v) => {
+                if g.down {
+                    g.down = false;
+                    g.last_error.clear();
+                    match self.on_error {
+                        OnBackendError::Local => tracing::info!(
+                            source,
+                            redis = %self.describe,
+                            "redis reachable again; source served from redis"
+                        ),
+                        OnBackendError::FailClosed => tracing::info!(
+                            source,
+                            redis = %self.describe,
+                            "redis reachable again; source admitting"
+                        ),
+                    }
+                }
+                Ok(Some(v))
+            }
+            Err(msg) => {
+                let was_down = g.down;
+                g.down = true;
+                g.next_try = Instant::now() + RETRY_INTERVAL;
+                g.last_error = msg;
+                drop(g);
+                self.invalidate();
+                let g = h.lock().unwrap_or_else(|e| e.into_inner());
+                if !was_down {
+                    match self.on_error {
+                        OnBackendError::Local => tracing::warn!(
+                            source,
+                            redis = %self.describe,
+                            error = %g.last_error,
+                            "redis unreachable; source degraded to local state"
+                        ),
+                        OnBackendError::FailClosed => tracing::warn!(
+                            source,
+                            redis = %self.describe,
+                            error = %g.last_error,
+                            "redis unreachable; source refused (fail_closed)"
+                        ),
+                    }
+                }
+                match self.on_error {
+                    OnBackendError::Local => Ok(None),
+                    OnBackendError::FailClosed => Err(self.unavailable(&g.last_error)),
+                }
+            }
+        }
+    }
+
+    fn unavailable(&self, why: &str) -> BackendError {
+        BackendError::Unavailable(format!(
+            "redis backend {} unreachable: {why} (on_backend_error = fail_closed)",
+            self.describe
+        ))
+    }
+
+    /// Deliver an admin op done from local state to this host's receivers.
+    fn local_admin(&self, source: &str, op: AdminOp) {
+        let _ = self.admin_tx.send(AdminEvent {
+            source: source.to_string(),
+            op,
+        });
+    }
+
+    async fn admin(&self, source: &str, op: AdminOp, d: Option<Duration>) -> BResult<Applied> {
+        let call = Call {
+            op: op.wire(),
+            amount: d,
+            ..Call::default()
+        };
+        match self.exec(source, call).await? {
+            Some(v) => parse_applied(&v),
+            None => {
+                let a = match op {
+                    AdminOp::ForceOpen => {
+                        self.local.force_open(source, d.unwrap_or_default()).await?
+                    }
+                    AdminOp::ForceClose => self.local.force_close(source).await?,
+                    AdminOp::Reset => self.local.reset(source).await?,
+                };
+                self.local_admin(source, op);
+                Ok(a)
+            }
+        }
+    }
+}
+
+// ------------------------------------------------------------------ reply parsing
+
+fn proto(what: &str, v: &[Value]) -> BackendError {
+    BackendError::Protocol(format!("unexpected script reply ({what}): {v:?}"))
+}
+
+fn int_at(v: &[Value], i: usize) -> BResult<i64> {
+    match v.get(i) {
+        Some(Value::Int(n)) => Ok(*n),
+        Some(Value::BulkString(b)) => std::str::from_utf8(b)
+            .ok()
+            .and_then(|s| s.parse::<f64>().ok())
+            .map(|f| f as i64)
+            .ok_or_else(|| proto("integer", v)),
+        _ => Err(proto("integer", v)),
+    }
+}
+
+fn u64_at(v: &[Value], i: usize) -> BResult<u64> {
+    Ok(int_at(v, i)?.max(0) as u64)
+}
+
+fn dur_at(v: &[Value], i: usize) -> BResult<Duration> {
+    Ok(Duration::from_micros(u64_at(v, i)?))
+}
+
+fn bool_at(v: &[Value], i: usize) -> BResult<bool> {
+    Ok(int_at(v, i)? != 0)
+}
+
+fn state_at(v: &[Value], i: usize) -> BResult<State> {
+    match int_at(v, i)? {
+        0 => Ok(State::Closed),
+        1 => Ok(State::Open),
+        2 => Ok(State::HalfOpen),
+        _ => Err(proto("state", v)),
+    }
+}
+
+fn level_at(v: &[Value], i: usize) -> BResult<Option<f64>> {
+    match v.get(i) {
+        Some(Value::BulkString(b)) if b.is_empty() => Ok(None),
+        Some(Value::BulkString(b)) => std::str::from_utf8(b)
+            .ok()
+            .and_then(|s| s.parse::<f64>().ok())
+            .map(Some)
+            .ok_or_else(|| proto("level", v)),
+        Some(Value::Int(n)) => Ok(Some(*n as f64)),
+        _ => Err(proto("level", v)),
+    }
+}
+
+fn parse_applied(v: &[Value]) -> BResult<Applied> {
+    Ok(Applied {
+        applied: bool_at(v, 0)?,
+        state: state_at(v, 1)?,
+        epoch: u64_at(v, 2)?,
+        retry_after: dur_at(v, 3)?,
+    })
+}
+
+fn parse_entry(v: &[Value]) -> BResult<Entry> {
+    Ok(Entry {
+        granted: bool_at(v, 0)?,
+        is_probe: bool_at(v, 1)?,
+        epoch: u64_at(v, 2)?,
+        state: state_at(v, 3)?,
+        retry_after: dur_at(v, 4)?,
+    })
+}
+
+fn settlement_kind(how: Settlement) -> (&'static str, Option<u64>) {
+    match how {
+        Settlement::Charge { tokens } => ("charge", Some(tokens)),
+        Settlement::RefundTokens => ("refund_tokens", None),
+        Settlement::RefundAll => ("refund_all", None),
+    }
+}
+
+// ------------------------------------------------------------------ the contract
+
+impl Backend for RedisBackend {
+    fn name(&self) -> &'static str {
+        "redis"
+    }
+
+    fn degraded(&self, source: &str) -> bool {
+        self.on_error == OnBackendError::Local
+            && self
+                .health
+                .get(source)
+                .is_some_and(|h| h.lock().unwrap_or_else(|e| e.into_inner()).down)
+    }
+
+    async fn try_enter(&self, source: &str, p: &BreakerParams) -> BResult<Entry> {
+        let call = Call {
+            op: "try_enter",
+            p: Some(p),
+            ..Call::default()
+        };
+        match self.exec(source, call).await? {
+            Some(v) => parse_entry(&v),
+            None => self.local.try_enter(source, p).await,
+        }
+    }
+
+    async fn record_success(
+        &self,
+        source: &str,
+        epoch: u64,
+        count_attempt: bool,
+        p: &BreakerParams,
+    ) -> BResult<Applied> {
+        let call = Call {
+            op: "record_success",
+            p: Some(p),
+            epoch,
+            flag: count_attempt,
+            ..Call::default()
+        };
+        match self.exec(source, call).await? {
+            Some(v) => parse_applied(&v),
+            None => {
+                self.local
+                    .record_success(source, epoch, count_attempt, p)
+                    .await
+            }
+        }
+    }
+
+    async fn record_failure(
+        &self,
+        source: &str,
+        epoch: u64,
+        p: &BreakerParams,
+    ) -> BResult<Applied> {
+        let call = Call {
+            op: "record_failure",
+            p: Some(p),
+            epoch,
+            ..Call::default()
+        };
+        match self.exec(source, call).await? {
+            Some(v) => parse_applied(&v),
+            None => self.local.record_failure(source, epoch, p).await,
+        }
+    }
+
+    async fn release_probe(&self, source: &str, epoch: u64) -> BResult<Applied> {
+        let call = Call {
+            op: "release_probe",
+            epoch,
+            ..Call::default()
+        };
+        match self.exec(source, call).await? {
+            Some(v) => parse_applied(&v),
+            None => self.local.release_probe(source, epoch).await,
+        }
+    }
+
+    async fn retry_after(&self, sources: &[&str]) -> BResult<Duration> {
+        let each = futures_util::future::join_all(sources.iter().map(|s| async move {
+            let call = Call {
+                op: "peek",
+                ..Call::default()
+            };
+            match self.exec(s, call).await? {
+                Some(v) => dur_at(&v, 0),
+                None => self.local.retry_after(&[s]).await,
+            }
+        }))
+        .await;
+        let mut min: Option<Duration> = None;
+        for r in each {
+            let r = r?;
+            min = Some(min.map_or(r, |m| m.min(r)));
+        }
+        Ok(min.unwrap_or(Duration::ZERO))
+    }
+
+    async fn force_open(&self, source: &str, duration: Duration) -> BResult<Applied> {
+        self.admin(source, AdminOp::ForceOpen, Some(duration)).await
+    }
+
+    async fn force_close(&self, source: &str) -> BResult<Applied> {
+        self.admin(source, AdminOp::ForceClose, None).await
+    }
+
+    async fn reset(&self, source: &str) -> BResult<Applied> {
+        self.admin(source, AdminOp::Reset, None).await
+    }
+
+    async fn reserve(&self, source: &str, q: &QuotaParams, tokens: u64) -> BResult<Reserve> {
+        let call = Call {
+            op: "reserve",
+            q: Some(q),
+            tokens,
+            ..Call::default()
+        };
+        match self.exec(source, call).await? {
+            Some(v) => Ok(if bool_at(&v, 0)? {
+                Reserve::Reserved
+            } else {
+                Reserve::Denied {
+                    retry_after: dur_at(&v, 1)?,
+                }
+            }),
+            None => self.local.reserve(source, q, tokens).await,
+        }
+    }
+
+    async fn settle(
+        &self,
+        source: &str,
+        q: &QuotaParams,
+        reserved_tokens: u64,
+        how: Settlement,
+    ) -> BResult<()> {
+        let (kind, charged) = settlement_kind(how);
+        let call = Call {
+            op: "settle",
+            q: Some(q),
+            tokens: reserved_tokens,
+            kind,
+            amount_raw: charged,
+            ..Call::default()
+        };
+        match self.exec(source, call).await? {
+            Some(_) => Ok(()),
+            None => self.local.settle(source, q, reserved_tokens, how).await,
+        }
+    }
+
+    async fn block_quota(&self, source: &str, for_: Duration) -> BResult<()> {
+        let call = Call {
+            op: "block",
+            amount: Some(for_),
+            ..Call::default()
+        };
+        match self.exec(source, call).await? {
+            Some(_) => Ok(()),
+            None => self.local.block_quota(source, for_).await,
+        }
+    }
+
+    async fn snapshot(
+        &self,
+        source: &str,
+        p: &BreakerParams,
+        q: &QuotaParams,
+    ) -> BResult<SourceSnapshot> {
+        let call = Call {
+            op: "snapshot",
+            p: Some(p),
+            q: Some(q),
+            ..Call::default()
+        };
+        match self.exec(source, call).await? {
+            Some(v) => Ok(SourceSnapshot {
+                state: state_at(&v, 0)?,
+                epoch: u64_at(&v, 1)?,
+                retry_after: dur_at(&v, 2)?,
+                cooldown_level: u32::try_from(u64_at(&v, 3)?).unwrap_or(u32::MAX),
+                window_successes: u64_at(&v, 4)?,
+                window_failures: u64_at(&v, 5)?,
+                streak: u32::try_from(u64_at(&v, 6)?).unwrap_or(u32::MAX),
+                tokens_available: level_at(&v, 7)?,
+                requests_available: level_at(&v, 8)?,
+                quota_blocked: dur_at(&v, 9)?,
+            }),
+            None => self.local.snapshot(source, p, q).await,
+        }
+    }
+
+    async fn admit(
+        &self,
+        source: &str,
+        p: &BreakerParams,
+        q: &QuotaParams,
+        tokens: u64,
+    ) -> BResult<Admit> {
+        let call = Call {
+            op: "admit",
+            p: Some(p),
+            q: Some(q),
+            tokens,
+            ..Call::default()
+        };
+        match self.exec(source, call).await? {
+            Some(v) => match int_at(&v, 0)? {
+                0 => Ok(Admit::Granted {
+                    epoch: u64_at(&v, 1)?,
+                    is_probe: bool_at(&v, 2)?,
+                }),
+                1 => Ok(Admit::RateLimited {
+                    retry_after: dur_at(&v, 4)?,
+                }),
+                2 => Ok(Admit::CircuitOpen {
+                    state: state_at(&v, 3)?,
+                    retry_after: dur_at(&v, 4)?,
+                }),
+                _ => Err(proto("admit", &v)),
+            },
+            None => self.local.admit(source, p, q, tokens).await,
+        }
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    async fn report(
+        &self,
+        source: &str,
+        p: &BreakerParams,
+        q: &QuotaParams,
+        epoch: u64,
+        is_probe: bool,
+        reserved_tokens: u64,
+        outcome: Outcome,
+    ) -> BResult<Applied> {
+        let (kind, flag, amount, amount_raw) = match outcome {
+            Outcome::Success {
+                tokens,
+                count_attempt,
+            } => ("S", count_attempt, None, tokens),
+            Outcome::Failure(_) => ("F", false, None, None),
+            Outcome::RateLimited { retry_after } => ("R", false, retry_after, None),
+            Outcome::Cancelled => ("C", false, None, None),
+        };
+        let call = Call {
+            op: "report",
+            p: Some(p),
+            q: Some(q),
+            epoch,
+            flag,
+            tokens: reserved_tokens,
+            kind,
+            amount,
+            amount_raw,
+            probe: is_probe,
+        };
+        match self.exec(source, call).await? {
+            Some(v) => parse_applied(&v),
+            None => {
+                self.local
+                    .report(source, p, q, epoch, is_probe, reserved_tokens, outcome)
+                    .await
+            }
+        }
+    }
+
+    async fn neutral(&self, source: &str, epoch: u64, is_probe: bool) -> BResult<Applied> {
+        let call = Call {
+            op: "neutral",
+            epoch,
+            flag: is_probe,
+            ..Call::default()
+        };
+        match self.exec(source, call).await? {
+            Some(v) => parse_applied(&v),
+            None => self.local.neutral(source, epoch, is_probe).await,
+        }
+    }
+}
+
+// ------------------------------------------------------------------ admin subscriber
+
+/// Keep one subscription to the admin channel alive (rotating over `urls` on
+/// failure), forwarding every parsable message to `tx`.
+async fn subscriber(
+    urls: Vec<String>,
+    channel: String,
+    tx: broadcast::Sender<AdminEvent>,
+    timeout: Duration,
+    subscribed: Arc<std::sync::atomic::AtomicBool>,
+) {
+    let mut i = 0usize;
+    // Log once per transition, not per reconnect attempt.
+    let mut failing = false;
+    loop {
+        let url = &urls[i % urls.len()];
+        i = i.wrapping_add(1);
+        let err = subscribe_once(url, &channel, &tx, timeout, &subscribed).await;
+        let was_live = subscribed.swap(false, std::sync::atomic::Ordering::SeqCst);
+        if was_live {
+            failing = false;
+            tracing::warn!(redis = %url, channel = %channel, error = %err,
+                "admin subscription lost; reconnecting");
+        } else if !failing {
+            failing = true;
+            tracing::warn!(redis = %url, channel = %channel, error = %err,
+                "admin subscription unavailable; retrying");
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+/// One subscription, until it fails (it never ends otherwise). Returns why it ended.
+async fn subscribe_once(
+    url: &str,
+    channel: &str,
+    tx: &broadcast::Sender<AdminEvent>,
+    timeout: Duration,
+    subscribed: &std::sync::atomic::AtomicBool,
+) -> String {
+    match subscribe_inner(url, channel, tx, timeout, subscribed).await {
+        Ok(never) => match never {},
+        Err(e) => e,
+    }
+}
+
+async fn subscribe_inner(
+    url: &str,
+    channel: &str,
+    tx: &broadcast::Sender<AdminEvent>,
+    timeout: Duration,
+    subscribed: &std::sync::atomic::AtomicBool,
+) -> Result<std::convert::Infallible, String> {
+    let client = Client::open(url).map_err(|e| e.to_string())?;
+    let ps = tokio::time::timeout(timeout, client.get_async_pubsub())
+        .await
+        .map_err(|_| format!("connect timed out after {timeout:?}"))?
+        .map_err(|e| e.to_string())?;
+    let (mut sink, mut stream) = ps.split();
+    tokio::time::timeout(timeout, sink.subscribe(channel))
+        .await
+        .map_err(|_| format!("subscribe timed out after {timeout:?}"))?
+        .map_err(|e| e.to_string())?;
+    subscribed.store(true, std::sync::atomic::Ordering::SeqCst);
+    tracing::debug!(redis = %url, channel, "admin subscription established");
+    let mut ping = tokio::time::interval(SUBSCRIBER_PING);
+    ping.tick().await;
+    loop {
+        tokio::select! {
+            msg = stream.next() => {
+                let Some(msg) = msg else {
+                    return Err("subscription connection closed".into());
+                };
+                let payload = String::from_utf8_lossy(msg.get_payload_bytes()).into_owned();
+                match AdminEvent::parse(&payload) {
+                    Some(ev) => {
+                        let _ = tx.send(ev);
+                    }
+                    None => tracing::debug!(payload, "ignoring unknown admin message"),
+                }
+            }
+            _ = ping.tick() => {
+                tokio::time::timeout(timeout, sink.ping::<Value>())
+                    .await
+                    .map_err(|_| format!("ping timed out after {timeout:?}"))?
+                    .map_err(|e| e.to_string())?;
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn admin_payload_round_trip() {
+        for op in [AdminOp::ForceOpen, AdminOp::ForceClose, AdminOp::Reset] {
+            let ev = AdminEvent::parse(&format!("{} my source", op.wire())).unwrap();
+            assert_eq!(
+                ev,
+                AdminEvent {
+                    source: "my source".into(),
+                    op
+                }
+            );
+        }
+        assert!(AdminEvent::parse("bogus x").is_none());
+        assert!(AdminEvent::parse("reset").is_none());
+    }
+}

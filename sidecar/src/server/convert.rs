@@ -1,0 +1,275 @@
+//! Engine types ↔ wire types. Pure functions, no I/O.
+
+use std::time::Duration;
+
+use ipc_protocol as wire;
+
+use crate::backend::{self, Applied, State};
+use crate::engine::{self, EngineError, Exhaustion, Grant};
+
+/// A wire argument the engine cannot take.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum ArgumentError {
+    /// A `seconds` / `retry_after_s` value that is NaN, infinite, negative or too big.
+    #[error("{name} must be a finite number {bound}, got {value}")]
+    Seconds {
+        /// The field name as it appears on the wire.
+        name: &'static str,
+        /// `">= 0"` or `"> 0"`.
+        bound: &'static str,
+        /// What the client sent.
+        value: f64,
+    },
+}
+
+/// A wire `f64` seconds value → `Duration`; `positive` additionally refuses 0.
+pub fn seconds(name: &'static str, value: f64, positive: bool) -> Result<Duration, ArgumentError> {
+    let bound = if positive { "> 0" } else { ">= 0" };
+    let err = ArgumentError::Seconds { name, bound, value };
+    if !value.is_finite() || value < 0.0 || (positive && value == 0.0) {
+        return Err(err);
+    }
+    Duration::try_from_secs_f64(value).map_err(|_| err)
+}
+
+/// Wire outcome → engine outcome, validating `retry_after_s`.
+pub fn outcome(o: wire::Outcome) -> Result<backend::Outcome, ArgumentError> {
+    Ok(match o {
+        wire::Outcome::Success {
+            tokens,
+            count_attempt,
+        } => backend::Outcome::Success {
+            tokens,
+            count_attempt,
+        },
+        wire::Outcome::Failure { kind } => backend::Outcome::Failure(failure_kind(kind)),
+        wire::Outcome::RateLimited { retry_after_s } => backend::Outcome::RateLimited {
+            retry_after: retry_after_s
+                .map(|s| seconds("retry_after_s", s, false))
+                .transpose()?,
+        },
+        wire::Outcome::Cancelled => backend::Outcome::Cancelled,
+    })
+}
+
+fn failure_kind(k: wire::FailureKind) -> backend::FailureKind {
+    match k {
+        wire::FailureKind::Timeout => backend::FailureKind::Timeout,
+        wire::FailureKind::ServerError => backend::FailureKind::ServerError,
+        wire::FailureKind::Connection => backend::FailureKind::Connection,
+        wire::FailureKind::BadResult => backend::FailureKind::BadResult,
+        wire::FailureKind::Error => backend::FailureKind::Error,
+    }
+}
+
+/// Breaker state → wire.
+pub fn state(s: State) -> wire::BreakerState {
+    match s {
+        State::Closed => wire::BreakerState::Closed,
+        State::Open => wire::BreakerState::Open,
+        State::HalfOpen => wire::BreakerState::HalfOpen,
+    }
+}
+
+fn skip_reason(r: engine::SkipReason) -> wire::SkipReason {
+    match r {
+        engine::SkipReason::CircuitOpen => wire::SkipReason::CircuitOpen,
+        engine::SkipReason::Paced => wire::SkipReason::Paced,
+        engine::SkipReason::RateLimited => wire::SkipReason::RateLimited,
+        engine::SkipReason::BackendUnavailable => wire::SkipReason::BackendUnavailable,
+    }
+}
+
+fn exhaustion(r: Exhaustion) -> wire::ExhaustionReason {
+    match r {
+        Exhaustion::Stalled => wire::ExhaustionReason::Stalled,
+        Exhaustion::QuotaExhausted => wire::ExhaustionReason::QuotaExhausted,
+        Exhaustion::RetryExhausted => wire::ExhaustionReason::RetryExhausted,
+    }
+}
+
+fn reasons(r: &[(String, engine::SkipReason)]) -> Vec<(String, wire::SkipReason)> {
+    r.iter()
+        .map(|(s, r)| (s.clone(), skip_reason(*r)))
+        .collect()
+}
+
+/// A plain error reply: no retry hint, no reasons, no scope.
+pub fn error(kind: wire::ErrorKind, message: impl Into<String>) -> wire::ErrorReply {
+    wire::ErrorReply {
+        kind,
+        message: message.into(),
+        retry_after_s: 0.0,
+        per_source_reasons: vec![],
+        exhausted: None,
+        scope: None,
+    }
+}
+
+/// Engine error → wire error reply (kind, message, retry hint, reasons, scope).
+pub fn engine_error(e: &EngineError) -> wire::ErrorReply {
+    use wire::ErrorKind as K;
+    let message = e.to_string();
+    let mut reply = match e {
+        EngineError::CircuitOpen {
+            scope,
+            retry_after,
+            reasons: r,
+        } => wire::ErrorReply {
+            retry_after_s: retry_after.as_secs_f64(),
+            per_source_reasons: reasons(r),
+            scope: Some(scope.clone()),
+            ..error(K::CircuitOpen, "")
+        },
+        EngineError::Exhausted {
+            scope,
+            reason,
+            retry_after,
+            reasons: r,
+        } => wire::ErrorReply {
+            retry_after_s: retry_after.as_secs_f64(),
+            per_source_reasons: reasons(r),
+            exhausted: Some(exhaustion(*reason)),
+            scope: Some(scope.clone()),
+            ..error(K::AllSourcesExhausted, "")
+        },
+        EngineError::BackendUnavailable {
+            scope, reasons: r, ..
+        } => wire::ErrorReply {
+            per_source_reasons: reasons(r),
+            scope: Some(scope.clone()),
+            ..error(K::BackendUnavailable, "")
+        },
+        EngineError::UnknownScope(scope) => wire::ErrorReply {
+            scope: Some(scope.clone()),
+            ..error(K::UnknownScope, "")
+        },
+        EngineError::UnknownCall(_) => error(K::UnknownCall, ""),
+        EngineError::UnknownPermit(_) => error(K::UnknownPermit, ""),
+        // The wire has no UnknownSource kind: the request named something invalid.
+        EngineError::UnknownSource(_) | EngineError::InvalidArgument(_) => {
+            error(K::InvalidArgument, "")
+        }
+        EngineError::Busy(_) => error(K::Busy, ""),
+        EngineError::ShuttingDown => error(K::ShuttingDown, ""),
+    };
+    reply.message = message;
+    reply
+}
+
+/// A grant → `Granted`.
+pub fn granted(g: &Grant) -> wire::Reply {
+    wire::Reply::Granted {
+        permit: g.permit,
+        source: g.source.to_string(),
+        is_probe: g.is_probe,
+        attempt: g.attempt,
+        est_tokens: g.est_tokens,
+    }
+}
+
+/// A report's result → `Reported`.
+pub fn reported(a: &Applied) -> wire::Reply {
+    wire::Reply::Reported {
+        applied: a.applied,
+        state: state(a.state),
+        retry_after_s: a.retry_after.as_secs_f64(),
+    }
+}
+
+/// Engine status → wire status report.
+pub fn status_report(backend: &str, scopes: Vec<engine::ScopeStatus>) -> wire::StatusReport {
+    wire::StatusReport {
+        sidecar_version: env!("CARGO_PKG_VERSION").to_string(),
+        backend: backend.to_string(),
+        scopes: scopes.into_iter().map(scope_status).collect(),
+    }
+}
+
+fn scope_status(s: engine::ScopeStatus) -> wire::ScopeStatus {
+    wire::ScopeStatus {
+        name: s.name,
+        circuit_open: s.circuit_open.to_string(),
+        quota_full: s.quota_full.to_string(),
+        waiters: s.waiters,
+        calls: s.calls,
+        sources: s.sources.into_iter().map(source_status).collect(),
+    }
+}
+
+fn source_status(s: engine::SourceStatus) -> wire::SourceStatus {
+    wire::SourceStatus {
+        name: s.name,
+        state: state(s.state),
+        epoch: s.epoch,
+        retry_after_s: s.retry_after.as_secs_f64(),
+        cooldown_level: s.cooldown_level,
+        window_successes: s.window_successes,
+        window_failures: s.window_failures,
+        streak: s.streak,
+        memo_remaining_s: s.memo_remaining.as_secs_f64(),
+        pacer_ceiling: s.pacer_ceiling,
+        in_flight: s.in_flight,
+        tokens_available: s.tokens_available,
+        requests_available: s.requests_available,
+        quota_blocked_s: s.quota_blocked.as_secs_f64(),
+        degraded: s.degraded,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn seconds_validation() {
+        assert_eq!(seconds("s", 1.5, true), Ok(Duration::from_millis(1500)));
+        assert_eq!(seconds("s", 0.0, false), Ok(Duration::ZERO));
+        for bad in [0.0, -1.0, f64::NAN, f64::INFINITY, 1e300] {
+            let e = seconds("seconds", bad, true).unwrap_err();
+            assert!(e.to_string().starts_with("seconds must be"), "{e}");
+        }
+        assert!(seconds("retry_after_s", -0.5, false).is_err());
+    }
+
+    #[test]
+    fn outcome_maps_retry_after() {
+        let o = outcome(wire::Outcome::RateLimited {
+            retry_after_s: Some(2.0),
+        })
+        .unwrap();
+        assert_eq!(
+            o,
+            backend::Outcome::RateLimited {
+                retry_after: Some(Duration::from_secs(2))
+            }
+        );
+        let e = outcome(wire::Outcome::RateLimited {
+            retry_after_s: Some(f64::NAN),
+        })
+        .unwrap_err();
+        assert!(e.to_string().contains("retry_after_s"));
+    }
+
+    #[test]
+    fn engine_errors_keep_their_details() {
+        let e = EngineError::Exhausted {
+            scope: "chat".into(),
+            reason: Exhaustion::Stalled,
+            retry_after: Duration::from_secs(3),
+            reasons: vec![("a".into(), engine::SkipReason::CircuitOpen)],
+        };
+        let r = engine_error(&e);
+        assert_eq!(r.kind, wire::ErrorKind::AllSourcesExhausted);
+        assert_eq!(r.exhausted, Some(wire::ExhaustionReason::Stalled));
+        assert_eq!(r.scope.as_deref(), Some("chat"));
+        assert_eq!(r.retry_after_s, 3.0);
+        assert_eq!(
+            r.per_source_reasons,
+            vec![("a".to_string(), wire::SkipReason::CircuitOpen)]
+        );
+        let r = engine_error(&EngineError::UnknownScope("nope".into()));
+        assert_eq!(r.kind, wire::ErrorKind::UnknownScope);
+        assert!(r.message.contains("nope"));
+    }
+}

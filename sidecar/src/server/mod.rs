@@ -1,0 +1,182 @@
+//! The socket server: wire frames ↔ engine calls (§11, §12).
+//!
+//! [`run`] accepts connections on a Unix listener until `shutdown` resolves. Each
+//! connection checks the peer's credentials, requires a `Hello` first, then serves
+//! many concurrent requests multiplexed by id: every request runs as its own task,
+//! replies go through one writer task, `Cancel` aborts a pending request. When a
+//! connection ends (EOF, error, protocol violation, shutdown) its in-flight requests
+//! are aborted and [`Engine::release_owner`] releases everything it held.
+//!
+//! Shutdown: stop accepting, [`Engine::shutdown`] (waits end with `ShuttingDown`),
+//! let connections drain for up to [`ServerOptions::shutdown_grace`] (a connection
+//! closes as soon as it has no pending request and no unreported permit), then drop
+//! whatever is left and release it.
+
+mod conn;
+pub mod convert;
+
+use std::future::Future;
+use std::io;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::net::UnixListener;
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+use tracing::{debug, info, warn};
+
+use crate::backend::Backend;
+use crate::config::SidecarConfig;
+use crate::engine::Engine;
+use crate::peer::AccessPolicy;
+
+/// How the server behaves; everything but `access` has a sensible default.
+#[derive(Debug, Clone)]
+pub struct ServerOptions {
+    /// Largest accepted frame payload, in bytes (announced in `Welcome`).
+    pub max_frame: u32,
+    /// Who may connect and who may send admin requests.
+    pub access: AccessPolicy,
+    /// How long shutdown lets connections drain before dropping them.
+    pub shutdown_grace: Duration,
+    /// How long a new connection has to send its `Hello`.
+    pub handshake_timeout: Duration,
+    /// Period of [`Engine::reclaim_expired`].
+    pub reclaim_interval: Duration,
+}
+
+impl ServerOptions {
+    /// Defaults (1 s reclaim, 10 s handshake) with the given frame limit and policy.
+    pub fn new(max_frame: u32, access: AccessPolicy) -> Self {
+        ServerOptions {
+            max_frame,
+            access,
+            shutdown_grace: Duration::from_secs(5),
+            handshake_timeout: Duration::from_secs(10),
+            reclaim_interval: Duration::from_secs(1),
+        }
+    }
+
+    /// Options from the `[sidecar]` section.
+    pub fn from_config(c: &SidecarConfig) -> Self {
+        ServerOptions {
+            shutdown_grace: c.shutdown_grace,
+            ..Self::new(c.max_frame, AccessPolicy::from_config(c))
+        }
+    }
+}
+
+/// Why [`run`] stopped other than by its shutdown signal.
+#[derive(Debug, thiserror::Error)]
+pub enum ServerError {
+    /// `accept` failed with an error that retrying cannot fix.
+    #[error("accepting connections failed: {0}")]
+    Accept(#[source] io::Error),
+}
+
+/// Serve `listener` until `shutdown` resolves (or accepting fails for good), then shut
+/// down gracefully: see the module docs. Returns once every connection is gone.
+pub async fn run<B, F>(
+    listener: UnixListener,
+    engine: Arc<Engine<B>>,
+    opts: ServerOptions,
+    shutdown: F,
+) -> Result<(), ServerError>
+where
+    B: Backend,
+    F: Future<Output = ()>,
+{
+    let shared = Arc::new(conn::Shared {
+        opts,
+        draining: CancellationToken::new(),
+        hard_stop: CancellationToken::new(),
+    });
+    let tracker = TaskTracker::new();
+    tracker.spawn(reclaim_loop(
+        engine.clone(),
+        shared.opts.reclaim_interval,
+        shared.draining.clone(),
+    ));
+    let next_id = AtomicU64::new(1);
+
+    tokio::pin!(shutdown);
+    let result = loop {
+        tokio::select! {
+            () = &mut shutdown => break Ok(()),
+            accepted = listener.accept() => match accepted {
+                Ok((stream, _)) => {
+                    let id = next_id.fetch_add(1, Ordering::Relaxed);
+                    tracker.spawn(conn::serve(stream, id, engine.clone(), shared.clone()));
+                }
+                Err(e) if is_transient(&e) => {
+                    warn!(error = %e, "accept failed; retrying");
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                }
+                Err(e) => break Err(ServerError::Accept(e)),
+            },
+        }
+    };
+    drop(listener);
+
+    info!(
+        connections = tracker.len().saturating_sub(1),
+        grace = ?shared.opts.shutdown_grace,
+        "shutting down: no longer accepting"
+    );
+    engine.shutdown();
+    shared.draining.cancel();
+    tracker.close();
+    if tokio::time::timeout(shared.opts.shutdown_grace, tracker.wait())
+        .await
+        .is_err()
+    {
+        warn!(
+            connections = tracker.len(),
+            "shutdown grace elapsed; dropping remaining connections"
+        );
+        shared.hard_stop.cancel();
+        tracker.wait().await;
+    }
+    debug!("server stopped");
+    result
+}
+
+/// Accept errors that come and go (resource exhaustion, aborted handshakes).
+fn is_transient(e: &io::Error) -> bool {
+    use nix::errno::Errno;
+    matches!(
+        e.kind(),
+        io::ErrorKind::ConnectionAborted
+            | io::ErrorKind::ConnectionReset
+            | io::ErrorKind::Interrupted
+            | io::ErrorKind::WouldBlock
+            | io::ErrorKind::OutOfMemory
+    ) || e.raw_os_error().is_some_and(|n| {
+        [Errno::EMFILE, Errno::ENFILE, Errno::ENOBUFS, Errno::ENOMEM]
+            .iter()
+            .any(|x| *x as i32 == n)
+    })
+}
+
+/// Reclaim permits whose lease expired, every `every`, until `stop`.
+async fn reclaim_loop<B: Backend>(
+    engine: Arc<Engine<B>>,
+    every: Duration,
+    stop: CancellationToken,
+) {
+    let mut tick = tokio::time::interval(every);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    tick.tick().await;
+    loop {
+        tokio::select! {
+            () = stop.cancelled() => return,
+            _ = tick.tick() => {
+                let n = engine.reclaim_expired().await;
+                if n > 0 {
+                    warn!(permits = n, "reclaimed permits whose lease expired unreported");
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,206 @@
+//! Human-readable rendering of a [`StatusReport`] (`polygate-sidecar status`).
+
+use std::fmt::Write as _;
+
+use ipc_protocol::{BreakerState, ScopeStatus, SourceStatus, StatusReport};
+
+/// Column alignment.
+#[derive(Clone, Copy)]
+enum Align {
+    Left,
+    Right,
+}
+
+const COLUMNS: &[(&str, Align)] = &[
+    ("SOURCE", Align::Left),
+    ("STATE", Align::Left),
+    ("EPOCH", Align::Right),
+    ("RETRY", Align::Right),
+    ("LEVEL", Align::Right),
+    ("WIN OK/FAIL", Align::Right),
+    ("STREAK", Align::Right),
+    ("MEMO", Align::Right),
+    ("PACER", Align::Right),
+    ("IN-FLIGHT", Align::Right),
+    ("TOKENS", Align::Right),
+    ("REQUESTS", Align::Right),
+    ("BLOCKED", Align::Right),
+    ("DEGRADED", Align::Left),
+];
+
+/// The whole report as a text table per scope, ending with a newline.
+pub fn render(report: &StatusReport) -> String {
+    let mut out = String::new();
+    let _ = writeln!(
+        out,
+        "polygate-sidecar {} (backend: {})",
+        report.sidecar_version, report.backend
+    );
+    if report.scopes.is_empty() {
+        out.push_str("\nno scopes configured\n");
+    }
+    for scope in &report.scopes {
+        out.push('\n');
+        render_scope(&mut out, scope);
+    }
+    out
+}
+
+fn render_scope(out: &mut String, s: &ScopeStatus) {
+    let _ = writeln!(
+        out,
+        "scope {}: circuit_open={} quota_full={} calls={} waiters={}",
+        s.name, s.circuit_open, s.quota_full, s.calls, s.waiters
+    );
+    let rows: Vec<Vec<String>> = s.sources.iter().map(source_row).collect();
+    let mut widths: Vec<usize> = COLUMNS.iter().map(|(h, _)| h.len()).collect();
+    for row in &rows {
+        for (w, cell) in widths.iter_mut().zip(row) {
+            *w = (*w).max(cell.chars().count());
+        }
+    }
+    let header: Vec<String> = COLUMNS.iter().map(|(h, _)| h.to_string()).collect();
+    for row in std::iter::once(&header).chain(&rows) {
+        let mut line = String::from(" ");
+        for ((cell, w), (_, align)) in row.iter().zip(&widths).zip(COLUMNS) {
+            line.push(' ');
+            let pad = w - cell.chars().count();
+            match align {
+                Align::Left => {
+                    line.push_str(cell);
+                    line.extend(std::iter::repeat_n(' ', pad));
+                }
+                Align::Right => {
+                    line.extend(std::iter::repeat_n(' ', pad));
+                    line.push_str(cell);
+                }
+            }
+            line.push(' ');
+        }
+        out.push_str(line.trim_end());
+        out.push('\n');
+    }
+}
+
+fn source_row(s: &SourceStatus) -> Vec<String> {
+    vec![
+        s.name.clone(),
+        state(s.state).to_string(),
+        s.epoch.to_string(),
+        secs(s.retry_after_s),
+        s.cooldown_level.to_string(),
+        format!("{}/{}", s.window_successes, s.window_failures),
+        s.streak.to_string(),
+        secs(s.memo_remaining_s),
+        format!("{:.2}", s.pacer_ceiling),
+        s.in_flight.to_string(),
+        level(s.tokens_available),
+        level(s.requests_available),
+        secs(s.quota_blocked_s),
+        if s.degraded { "yes" } else { "no" }.to_string(),
+    ]
+}
+
+fn state(s: BreakerState) -> &'static str {
+    match s {
+        BreakerState::Closed => "closed",
+        BreakerState::Open => "OPEN",
+        BreakerState::HalfOpen => "half-open",
+    }
+}
+
+/// Seconds for a person: `-` for none, `0.25s`, `12.5s`, `4m05s`, `2h03m`.
+fn secs(s: f64) -> String {
+    if !s.is_finite() || s <= 0.0 {
+        return "-".into();
+    }
+    if s < 10.0 {
+        return format!("{s:.2}s");
+    }
+    if s < 60.0 {
+        return format!("{s:.1}s");
+    }
+    let whole = s.round() as u64;
+    if whole < 3600 {
+        format!("{}m{:02}s", whole / 60, whole % 60)
+    } else {
+        format!("{}h{:02}m", whole / 3600, whole % 3600 / 60)
+    }
+}
+
+/// A bucket level: `-` without that bucket, whole units otherwise (negative = debt).
+fn level(l: Option<f64>) -> String {
+    match l {
+        None => "-".into(),
+        Some(v) => format!("{:.0}", v.floor()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn source(name: &str) -> SourceStatus {
+        SourceStatus {
+            name: name.into(),
+            state: BreakerState::Open,
+            epoch: 7,
+            retry_after_s: 42.3,
+            cooldown_level: 2,
+            window_successes: 10,
+            window_failures: 3,
+            streak: 1,
+            memo_remaining_s: 0.0,
+            pacer_ceiling: 7.5,
+            in_flight: 2,
+            tokens_available: Some(-120.4),
+            requests_available: None,
+            quota_blocked_s: 125.0,
+            degraded: true,
+        }
+    }
+
+    #[test]
+    fn renders_every_field() {
+        let report = StatusReport {
+            sidecar_version: "0.1.0".into(),
+            backend: "memory".into(),
+            scopes: vec![ScopeStatus {
+                name: "chat".into(),
+                circuit_open: "wait".into(),
+                quota_full: "fail_fast".into(),
+                waiters: 1,
+                calls: 4,
+                sources: vec![source("openai-gpt4o-eu"), source("b")],
+            }],
+        };
+        let text = render(&report);
+        assert!(text.starts_with("polygate-sidecar 0.1.0 (backend: memory)\n"));
+        assert!(
+            text.contains("scope chat: circuit_open=wait quota_full=fail_fast calls=4 waiters=1")
+        );
+        let row = text
+            .lines()
+            .find(|l| l.contains("openai-gpt4o-eu"))
+            .unwrap();
+        for cell in ["OPEN", "42.3s", "10/3", "7.50", "-121", "2m05s", "yes"] {
+            assert!(row.contains(cell), "{cell:?} missing from {row:?}");
+        }
+        // Columns line up: the header and both rows have the same width.
+        let lens: Vec<usize> = text
+            .lines()
+            .filter(|l| l.starts_with("  "))
+            .map(|l| l.find("DEGRADED").or_else(|| l.find("yes")).unwrap())
+            .collect();
+        assert_eq!(lens.len(), 3);
+        assert!(lens.windows(2).all(|w| w[0] == w[1]), "{text}");
+    }
+
+    #[test]
+    fn durations_read_well() {
+        assert_eq!(secs(0.0), "-");
+        assert_eq!(secs(0.25), "0.25s");
+        assert_eq!(secs(59.94), "59.9s");
+        assert_eq!(secs(3725.0), "1h02m");
+    }
+}

@@ -1,0 +1,720 @@
+//! Black-box tests of the socket server: a real Unix socket in a temp dir, the server
+//! started in-process with `server::run` over the memory backend, and a client built
+//! on `ipc_protocol::ClientCodec`.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures_util::{SinkExt, StreamExt};
+use ipc_protocol::{
+    BreakerState, ClientCodec, ClientFrame, ErrorKind, ErrorReply, Outcome, Reply, Request,
+    ServerFrame, SourceStatus, StatusReport, PROTOCOL_VERSION,
+};
+use polygate::backend::memory::MemoryBackend;
+use polygate::clock::{Clock, TokioClock};
+use polygate::config::parse::parse_str;
+use polygate::engine::Engine;
+use polygate::server::{self, ServerError, ServerOptions};
+use tokio::io::AsyncWriteExt;
+use tokio::net::{UnixListener, UnixStream};
+use tokio::sync::oneshot;
+use tokio::task::JoinHandle;
+use tokio_util::codec::Framed;
+
+const MAX_FRAME: u32 = 4096;
+/// Upper bound for any single expected reply.
+const REPLY_TIMEOUT: Duration = Duration::from_secs(5);
+
+fn my_uid() -> u32 {
+    nix::unistd::getuid().as_raw()
+}
+
+/// A uid that is not ours.
+fn other_uid() -> u32 {
+    my_uid().wrapping_add(4242)
+}
+
+/// Scopes: `chat` (fail-fast, sources a and b) and `slow` (circuit_open = wait,
+/// source s1), plus whatever `[sidecar]` lines the test adds.
+fn config_toml(sidecar: &str) -> String {
+    format!(
+        r#"
+[sidecar]
+max_frame = {MAX_FRAME}
+shutdown_grace = "2s"
+{sidecar}
+
+[scopes.chat]
+circuit_open = "fail_fast"
+quota_full = "fail_fast"
+
+[[scopes.chat.sources]]
+name = "a"
+timeout = "10s"
+
+[[scopes.chat.sources]]
+name = "b"
+timeout = "10s"
+
+[scopes.slow]
+circuit_open = "wait"
+poll_interval = "20ms"
+stall_window = "10m"
+
+[[scopes.slow.sources]]
+name = "s1"
+timeout = "10s"
+"#
+    )
+}
+
+struct Server {
+    _dir: tempfile::TempDir,
+    path: PathBuf,
+    stop: Option<oneshot::Sender<()>>,
+    task: JoinHandle<Result<(), ServerError>>,
+}
+
+impl Server {
+    /// Start with `admin_uids = [my uid]`.
+    async fn start() -> Server {
+        Self::start_with(&format!("admin_uids = [{}]", my_uid())).await
+    }
+
+    async fn start_with(sidecar: &str) -> Server {
+        let config = parse_str(&config_toml(sidecar), std::iter::empty()).expect("test config");
+        let clock: Arc<dyn Clock> = Arc::new(TokioClock::new());
+        let mut names: Vec<String> = config
+            .scopes
+            .iter()
+            .flat_map(|s| s.sources.iter().map(|x| x.name.clone()))
+            .collect();
+        names.dedup();
+        let backend = MemoryBackend::new(clock.clone(), names);
+        let engine = Engine::new(&config, backend, clock);
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("sidecar.sock");
+        let listener = UnixListener::bind(&path).unwrap();
+        let opts = ServerOptions::from_config(&config.sidecar);
+        let (stop, stopped) = oneshot::channel::<()>();
+        let task = tokio::spawn(server::run(listener, engine, opts, async move {
+            let _ = stopped.await;
+        }));
+        Server {
+            _dir: dir,
+            path,
+            stop: Some(stop),
+            task,
+        }
+    }
+
+    async fn client(&self) -> Client {
+        Client::connect(&self.path).await
+    }
+
+    /// Trigger shutdown and wait for `run` to return.
+    async fn shutdown(mut self) -> Result<(), ServerError> {
+        let _ = self.stop.take().unwrap().send(());
+        tokio::time::timeout(Duration::from_secs(10), self.task)
+            .await
+            .expect("server stops within its grace")
+            .expect("server task")
+    }
+}
+
+struct Client {
+    framed: Framed<UnixStream, ClientCodec>,
+    next_id: u64,
+}
+
+impl Client {
+    /// Connected, no Hello sent yet.
+    async fn raw(path: &Path) -> Client {
+        let stream = UnixStream::connect(path).await.unwrap();
+        Client {
+            framed: Framed::new(stream, ClientCodec::new(1 << 20)),
+            next_id: 1000,
+        }
+    }
+
+    /// Connected and greeted.
+    async fn connect(path: &Path) -> Client {
+        let mut c = Self::raw(path).await;
+        match c.call(hello(PROTOCOL_VERSION)).await {
+            Reply::Welcome { .. } => c,
+            other => panic!("expected Welcome, got {other:?}"),
+        }
+    }
+
+    async fn send(&mut self, id: u64, request: Request) {
+        self.framed.send(ClientFrame { id, request }).await.unwrap();
+    }
+
+    async fn recv(&mut self) -> ServerFrame {
+        match tokio::time::timeout(REPLY_TIMEOUT, self.framed.next()).await {
+            Ok(Some(Ok(f))) => f,
+            Ok(other) => panic!("expected a frame, got {other:?}"),
+            Err(_) => panic!("no reply within {REPLY_TIMEOUT:?}"),
+        }
+    }
+
+    /// Send with a fresh id and wait for its reply (no other request in flight).
+    async fn call(&mut self, request: Request) -> Reply {
+        self.next_id += 1;
+        let id = self.next_id;
+        self.send(id, request).await;
+        let f = self.recv().await;
+        assert_eq!(f.id, id, "reply id");
+        f.reply
+    }
+
+    /// The server closes the connection (EOF, or a reset).
+    async fn expect_closed(&mut self) {
+        match tokio::time::timeout(REPLY_TIMEOUT, self.framed.next()).await {
+            Ok(None) | Ok(Some(Err(_))) => {}
+            Ok(Some(Ok(f))) => panic!("expected the connection to close, got {f:?}"),
+            Err(_) => panic!("connection still open after {REPLY_TIMEOUT:?}"),
+        }
+    }
+
+    async fn status(&mut self) -> StatusReport {
+        match self.call(Request::Status).await {
+            Reply::Status(s) => s,
+            other => panic!("expected Status, got {other:?}"),
+        }
+    }
+
+    async fn source(&mut self, name: &str) -> SourceStatus {
+        let report = self.status().await;
+        report
+            .scopes
+            .iter()
+            .flat_map(|s| s.sources.iter())
+            .find(|s| s.name == name)
+            .cloned()
+            .unwrap_or_else(|| panic!("source {name} missing from {report:?}"))
+    }
+
+    async fn begin(&mut self, scope: &str) -> u64 {
+        match self
+            .call(Request::BeginCall {
+                scope: scope.into(),
+                est_tokens: None,
+            })
+            .await
+        {
+            Reply::CallBegun { call } => call,
+            other => panic!("expected CallBegun, got {other:?}"),
+        }
+    }
+
+    async fn force_open(&mut self, source: &str, seconds: f64) {
+        let r = self
+            .call(Request::ForceOpen {
+                source: source.into(),
+                seconds,
+            })
+            .await;
+        assert_eq!(r, Reply::Ok);
+    }
+}
+
+fn hello(protocol_version: u32) -> Request {
+    Request::Hello {
+        protocol_version,
+        client_name: "server-test".into(),
+        pid: std::process::id(),
+    }
+}
+
+fn error_of(reply: Reply) -> ErrorReply {
+    match reply {
+        Reply::Error(e) => e,
+        other => panic!("expected an error, got {other:?}"),
+    }
+}
+
+fn error_frame(f: ServerFrame, id: u64, kind: ErrorKind) -> ErrorReply {
+    assert_eq!(f.id, id, "error id in {f:?}");
+    let e = error_of(f.reply);
+    assert_eq!(e.kind, kind, "{e:?}");
+    e
+}
+
+/// Poll `source` until `pred` holds (engine bookkeeping may settle asynchronously).
+async fn eventually(c: &mut Client, source: &str, pred: impl Fn(&SourceStatus) -> bool) {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(3);
+    loop {
+        let s = c.source(source).await;
+        if pred(&s) {
+            return;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "condition never held: {s:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+#[tokio::test]
+async fn handshake_welcome_and_version_mismatch() {
+    let server = Server::start().await;
+
+    let mut c = Client::raw(&server.path).await;
+    c.send(7, hello(PROTOCOL_VERSION)).await;
+    let f = c.recv().await;
+    assert_eq!(f.id, 7);
+    assert_eq!(
+        f.reply,
+        Reply::Welcome {
+            protocol_version: PROTOCOL_VERSION,
+            sidecar_version: env!("CARGO_PKG_VERSION").into(),
+            max_frame: MAX_FRAME,
+        }
+    );
+
+    let mut old = Client::raw(&server.path).await;
+    old.send(1, hello(PROTOCOL_VERSION + 98)).await;
+    let e = error_frame(old.recv().await, 1, ErrorKind::ProtocolViolation);
+    assert!(
+        e.message.contains(&(PROTOCOL_VERSION + 98).to_string()),
+        "{e:?}"
+    );
+    old.expect_closed().await;
+
+    // The first frame must be Hello.
+    let mut rude = Client::raw(&server.path).await;
+    rude.send(3, Request::Ping).await;
+    let e = error_frame(rude.recv().await, 3, ErrorKind::ProtocolViolation);
+    assert!(e.message.contains("Hello"), "{e:?}");
+    rude.expect_closed().await;
+
+    // A second Hello is a violation too.
+    let mut twice = server.client().await;
+    twice.send(4, hello(PROTOCOL_VERSION)).await;
+    error_frame(twice.recv().await, 4, ErrorKind::ProtocolViolation);
+    twice.expect_closed().await;
+
+    // None of that disturbed the first connection.
+    assert_eq!(c.call(Request::Ping).await, Reply::Pong);
+    server.shutdown().await.unwrap();
+}
+
+#[tokio::test]
+async fn ping_pong() {
+    let server = Server::start().await;
+    let mut c = server.client().await;
+    for _ in 0..3 {
+        assert_eq!(c.call(Request::Ping).await, Reply::Pong);
+    }
+    server.shutdown().await.unwrap();
+}
+
+#[tokio::test]
+async fn unknown_scope_and_unknown_permit_are_named() {
+    let server = Server::start().await;
+    let mut c = server.client().await;
+
+    let e = error_of(
+        c.call(Request::BeginCall {
+            scope: "no-such-scope".into(),
+            est_tokens: None,
+        })
+        .await,
+    );
+    assert_eq!(e.kind, ErrorKind::UnknownScope);
+    assert!(e.message.contains("no-such-scope"), "{e:?}");
+
+    let e = error_of(
+        c.call(Request::Report {
+            permit: 424242,
+            outcome: Outcome::Cancelled,
+        })
+        .await,
+    );
+    assert_eq!(e.kind, ErrorKind::UnknownPermit);
+    assert!(e.message.contains("424242"), "{e:?}");
+
+    let e = error_of(c.call(Request::Acquire { call: 777 }).await);
+    assert_eq!(e.kind, ErrorKind::UnknownCall);
+    assert!(e.message.contains("777"), "{e:?}");
+
+    // Bad outcome arguments are refused before they reach the engine.
+    let e = error_of(
+        c.call(Request::Report {
+            permit: 1,
+            outcome: Outcome::RateLimited {
+                retry_after_s: Some(f64::NAN),
+            },
+        })
+        .await,
+    );
+    assert_eq!(e.kind, ErrorKind::InvalidArgument);
+    assert!(e.message.contains("retry_after_s"), "{e:?}");
+    server.shutdown().await.unwrap();
+}
+
+#[tokio::test]
+async fn success_flow() {
+    let server = Server::start().await;
+    let mut c = server.client().await;
+
+    let call = c.begin("chat").await;
+    let permit = match c.call(Request::Acquire { call }).await {
+        Reply::Granted {
+            permit,
+            source,
+            is_probe,
+            attempt,
+            ..
+        } => {
+            assert_eq!(source, "a", "priority order picks the first source");
+            assert!(!is_probe);
+            assert_eq!(attempt, 1);
+            permit
+        }
+        other => panic!("expected Granted, got {other:?}"),
+    };
+    let report = c.status().await;
+    let chat = report.scopes.iter().find(|s| s.name == "chat").unwrap();
+    assert_eq!(chat.calls, 1);
+    assert_eq!(chat.sources[0].in_flight, 1);
+    assert_eq!(report.backend, "memory");
+
+    let r = c
+        .call(Request::Report {
+            permit,
+            outcome: Outcome::Success {
+                tokens: Some(12),
+                count_attempt: true,
+            },
+        })
+        .await;
+    assert_eq!(
+        r,
+        Reply::Reported {
+            applied: true,
+            state: BreakerState::Closed,
+            retry_after_s: 0.0
+        }
+    );
+    assert_eq!(c.call(Request::EndCall { call }).await, Reply::Ok);
+
+    let a = c.source("a").await;
+    assert_eq!(a.in_flight, 0);
+    assert_eq!(a.window_successes, 1);
+    let report = c.status().await;
+    assert_eq!(report.scopes[0].calls, 0);
+
+    // The permit is gone once reported.
+    let e = error_of(
+        c.call(Request::Report {
+            permit,
+            outcome: Outcome::Cancelled,
+        })
+        .await,
+    );
+    assert_eq!(e.kind, ErrorKind::UnknownPermit);
+    server.shutdown().await.unwrap();
+}
+
+#[tokio::test]
+async fn concurrent_requests_are_multiplexed_by_id() {
+    let server = Server::start().await;
+    let mut c = server.client().await;
+    c.force_open("s1", 60.0).await;
+
+    // A waiting Acquire must not hold up anything else on the connection.
+    let call = c.begin("slow").await;
+    c.send(1, Request::Acquire { call }).await;
+
+    let n = 60u64;
+    for i in 0..n {
+        let id = 100 + i;
+        let request = match i % 3 {
+            0 => Request::Ping,
+            1 => Request::BeginCall {
+                scope: "chat".into(),
+                est_tokens: Some(i),
+            },
+            _ => Request::Status,
+        };
+        c.send(id, request).await;
+    }
+    // A duplicate of an in-flight id is refused (the Acquire still waits).
+    c.send(1, Request::Ping).await;
+
+    let mut seen = std::collections::HashSet::new();
+    let mut duplicate_refused = false;
+    for _ in 0..=n {
+        let f = c.recv().await;
+        if f.id == 1 {
+            let e = error_of(f.reply);
+            assert_eq!(e.kind, ErrorKind::InvalidArgument);
+            assert!(e.message.contains("already in flight"), "{e:?}");
+            duplicate_refused = true;
+            continue;
+        }
+        let i = f.id - 100;
+        match (i % 3, &f.reply) {
+            (0, Reply::Pong) | (1, Reply::CallBegun { .. }) | (2, Reply::Status(_)) => {}
+            _ => panic!("reply {:?} does not match request {}", f.reply, f.id),
+        }
+        assert!(seen.insert(f.id), "two replies for {}", f.id);
+    }
+    assert!(duplicate_refused);
+    assert_eq!(seen.len() as u64, n);
+
+    // The Acquire was waiting all along.
+    let report = c.status().await;
+    let slow = report.scopes.iter().find(|s| s.name == "slow").unwrap();
+    assert_eq!(slow.waiters, 1);
+    server.shutdown().await.unwrap();
+}
+
+#[tokio::test]
+async fn cancel_ends_a_waiting_acquire_and_leaves_nothing_in_flight() {
+    let server = Server::start().await;
+    let mut c = server.client().await;
+    c.force_open("s1", 60.0).await;
+
+    let call = c.begin("slow").await;
+    c.send(10, Request::Acquire { call }).await;
+    tokio::time::sleep(Duration::from_millis(150)).await;
+    c.send(11, Request::Cancel { target: 10 }).await;
+
+    let f = c.recv().await;
+    let e = error_frame(f, 10, ErrorKind::Cancelled);
+    assert!(e.message.contains("10"), "{e:?}");
+    let f = c.recv().await;
+    assert_eq!((f.id, f.reply), (11, Reply::Ok));
+
+    // Cancelling something no longer pending is still Ok.
+    c.send(12, Request::Cancel { target: 10 }).await;
+    let f = c.recv().await;
+    assert_eq!((f.id, f.reply), (12, Reply::Ok));
+
+    eventually(&mut c, "s1", |s| s.in_flight == 0).await;
+    let report = c.status().await;
+    let slow = report.scopes.iter().find(|s| s.name == "slow").unwrap();
+    assert_eq!(slow.waiters, 0, "{slow:?}");
+
+    // The call is usable again: once the source is closed it gets a permit.
+    assert_eq!(
+        c.call(Request::ForceClose {
+            source: "s1".into()
+        })
+        .await,
+        Reply::Ok
+    );
+    match c.call(Request::Acquire { call }).await {
+        Reply::Granted { source, .. } => assert_eq!(source, "s1"),
+        other => panic!("expected Granted, got {other:?}"),
+    }
+    server.shutdown().await.unwrap();
+}
+
+#[tokio::test]
+async fn garbage_frame_closes_only_its_connection() {
+    let server = Server::start().await;
+    let mut good = server.client().await;
+
+    // Too short to even hold an id.
+    let mut bad = server.client().await;
+    bad.framed
+        .get_mut()
+        .write_all(&[0, 0, 0, 3, 1, 2, 3])
+        .await
+        .unwrap();
+    let e = error_frame(bad.recv().await, 0, ErrorKind::Malformed);
+    assert!(!e.message.is_empty());
+    bad.expect_closed().await;
+
+    // An id, then a request tag that does not exist: the error carries the id.
+    let mut bad = server.client().await;
+    let mut frame = 12u32.to_be_bytes().to_vec();
+    frame.extend_from_slice(&77u64.to_le_bytes());
+    frame.extend_from_slice(&99u32.to_le_bytes());
+    bad.framed.get_mut().write_all(&frame).await.unwrap();
+    error_frame(bad.recv().await, 77, ErrorKind::Malformed);
+    bad.expect_closed().await;
+
+    assert_eq!(good.call(Request::Ping).await, Reply::Pong);
+    let mut fresh = server.client().await;
+    assert_eq!(fresh.call(Request::Ping).await, Reply::Pong);
+    server.shutdown().await.unwrap();
+}
+
+#[tokio::test]
+async fn oversize_frame_closes_only_its_connection() {
+    let server = Server::start().await;
+    let mut good = server.client().await;
+    let mut bad = server.client().await;
+    // Only the length prefix: the server must refuse before reading the payload.
+    bad.framed
+        .get_mut()
+        .write_all(&(MAX_FRAME + 1).to_be_bytes())
+        .await
+        .unwrap();
+    let e = error_frame(bad.recv().await, 0, ErrorKind::FrameTooLarge);
+    assert!(e.message.contains(&MAX_FRAME.to_string()), "{e:?}");
+    bad.expect_closed().await;
+
+    // Also before the handshake.
+    let mut early = Client::raw(&server.path).await;
+    early
+        .framed
+        .get_mut()
+        .write_all(&u32::MAX.to_be_bytes())
+        .await
+        .unwrap();
+    error_frame(early.recv().await, 0, ErrorKind::FrameTooLarge);
+    early.expect_closed().await;
+
+    assert_eq!(good.call(Request::Ping).await, Reply::Pong);
+    server.shutdown().await.unwrap();
+}
+
+#[tokio::test]
+async fn dropped_connection_releases_its_permit() {
+    let server = Server::start().await;
+    let mut watcher = server.client().await;
+    let mut worker = server.client().await;
+
+    let call = worker.begin("chat").await;
+    match worker.call(Request::Acquire { call }).await {
+        Reply::Granted { source, .. } => assert_eq!(source, "a"),
+        other => panic!("expected Granted, got {other:?}"),
+    }
+    assert_eq!(watcher.source("a").await.in_flight, 1);
+    assert_eq!(watcher.status().await.scopes[0].calls, 1);
+
+    drop(worker);
+    eventually(&mut watcher, "a", |s| s.in_flight == 0).await;
+    assert_eq!(watcher.status().await.scopes[0].calls, 0);
+    server.shutdown().await.unwrap();
+}
+
+#[tokio::test]
+async fn shutdown_ends_a_waiting_acquire_with_shutting_down() {
+    let server = Server::start().await;
+    let mut c = server.client().await;
+    c.force_open("s1", 60.0).await;
+    let call = c.begin("slow").await;
+    c.send(5, Request::Acquire { call }).await;
+    tokio::time::sleep(Duration::from_millis(100)).await;
+
+    let path = server.path.clone();
+    let started = tokio::time::Instant::now();
+    let stopping = tokio::spawn(server.shutdown());
+
+    let e = error_frame(c.recv().await, 5, ErrorKind::ShuttingDown);
+    assert!(!e.message.is_empty());
+    // Nothing left to drain on this connection: it closes without waiting for the grace.
+    c.expect_closed().await;
+    stopping.await.unwrap().unwrap();
+    assert!(
+        started.elapsed() < Duration::from_secs(2),
+        "idle connections should not hold shutdown for the whole grace"
+    );
+    // No longer accepting.
+    assert!(UnixStream::connect(&path).await.is_err());
+}
+
+#[tokio::test]
+async fn shutdown_drops_connections_after_the_grace() {
+    let server = Server::start().await;
+    let mut c = server.client().await;
+    let call = c.begin("chat").await;
+    // Holding an unreported permit keeps the connection open while draining.
+    assert!(matches!(
+        c.call(Request::Acquire { call }).await,
+        Reply::Granted { .. }
+    ));
+    let started = tokio::time::Instant::now();
+    let stopping = tokio::spawn(server.shutdown());
+    c.expect_closed().await;
+    stopping.await.unwrap().unwrap();
+    let took = started.elapsed();
+    assert!(
+        took >= Duration::from_millis(1900) && took < Duration::from_secs(4),
+        "grace is 2s, took {took:?}"
+    );
+}
+
+#[tokio::test]
+async fn admin_requests_need_an_admin_uid() {
+    let server = Server::start_with(&format!("admin_uids = [{}]", other_uid())).await;
+    let mut c = server.client().await;
+    for request in [
+        Request::ForceOpen {
+            source: "a".into(),
+            seconds: 5.0,
+        },
+        Request::ForceClose { source: "a".into() },
+        Request::Reset { source: "a".into() },
+    ] {
+        let e = error_of(c.call(request).await);
+        assert_eq!(e.kind, ErrorKind::PermissionDenied);
+        assert!(e.message.contains(&my_uid().to_string()), "{e:?}");
+    }
+    // Nothing changed.
+    assert_eq!(c.source("a").await.state, BreakerState::Closed);
+    // Non-admin requests still work.
+    assert_eq!(c.call(Request::Ping).await, Reply::Pong);
+    server.shutdown().await.unwrap();
+}
+
+#[tokio::test]
+async fn admin_arguments_are_validated() {
+    let server = Server::start().await;
+    let mut c = server.client().await;
+    for seconds in [0.0, -1.0, f64::NAN, f64::INFINITY] {
+        let e = error_of(
+            c.call(Request::ForceOpen {
+                source: "a".into(),
+                seconds,
+            })
+            .await,
+        );
+        assert_eq!(e.kind, ErrorKind::InvalidArgument, "seconds = {seconds}");
+        assert!(e.message.contains("seconds"), "{e:?}");
+    }
+    let e = error_of(
+        c.call(Request::Reset {
+            source: "zzz".into(),
+        })
+        .await,
+    );
+    assert_eq!(e.kind, ErrorKind::InvalidArgument);
+    assert!(e.message.contains("zzz"), "{e:?}");
+
+    c.force_open("a", 30.0).await;
+    let a = c.source("a").await;
+    assert_eq!(a.state, BreakerState::Open);
+    assert!(a.retry_after_s > 29.0 && a.retry_after_s <= 30.0, "{a:?}");
+    // Fail-fast scope with `a` open: the call goes to `b`.
+    let call = c.begin("chat").await;
+    match c.call(Request::Acquire { call }).await {
+        Reply::Granted { source, .. } => assert_eq!(source, "b"),
+        other => panic!("expected Granted, got {other:?}"),
+    }
+    server.shutdown().await.unwrap();
+}
+
+#[tokio::test]
+async fn peers_outside_the_allowed_lists_are_refused() {
+    let server = Server::start_with(&format!(
+        "allowed_uids = [{}]\nadmin_uids = [{}]",
+        other_uid(),
+        other_uid()
+    ))
+    .await;
+    let mut c = Client::raw(&server.path).await;
+    let e = error_frame(c.recv().await, 0, ErrorKind::PermissionDenied);
+    assert!(e.message.contains(&my_uid().to_string()), "{e:?}");
+    c.expect_closed().await;
+    server.shutdown().await.unwrap();
+}
