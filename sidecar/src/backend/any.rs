@@ -70,6 +70,10 @@ impl Backend for AnyBackend {
         delegate!(self, b => b.degraded(source))
     }
 
+    fn is_remote(&self) -> bool {
+        delegate!(self, b => b.is_remote())
+    }
+
     async fn try_enter(&self, source: &str, p: &BreakerParams) -> BResult<Entry> {
         delegate!(self, b => b.try_enter(source, p).await)
     }

@@ -633,6 +633,10 @@ impl Backend for RedisBackend {
         "redis"
     }
 
+    fn is_remote(&self) -> bool {
+        true
+    }
+
     fn degraded(&self, source: &str) -> bool {
         self.on_error == OnBackendError::Local
             && self
