@@ -1,1 +1,294 @@
-//! sd_notify (being written).
+//! A tiny sd_notify(3) and sd_listen_fds(3), without libsystemd (sozu style).
+//!
+//! * [`notify`] sends one datagram (`READY=1`, `STOPPING=1`, …) to `$NOTIFY_SOCKET`,
+//!   a filesystem path or an abstract name written `@name`; without
+//!   `$NOTIFY_SOCKET` (not run by systemd, or `Type=` other than `notify`) it does
+//!   nothing.
+//! * [`watchdog_interval`] reads `$WATCHDOG_USEC` (honouring `$WATCHDOG_PID`); the
+//!   daemon should call [`watchdog`] at half that period.
+//! * [`listen_fds`] takes the listening socket passed by a systemd socket unit.
+//!
+//! The environment is read only in the thin wrappers; the `*_to` / `*_from`
+//! functions take everything as parameters, so they can be tested in parallel.
+
+use std::ffi::OsStr;
+use std::io;
+use std::os::unix::ffi::OsStrExt;
+use std::os::unix::net::{SocketAddr, UnixDatagram, UnixListener};
+use std::path::Path;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+/// The first file descriptor systemd passes (`SD_LISTEN_FDS_START`).
+const LISTEN_FDS_START: i32 = 3;
+
+/// Sends `state` to `$NOTIFY_SOCKET`; a no-op when the variable is unset or empty.
+pub fn notify(state: &str) -> io::Result<()> {
+    match std::env::var_os("NOTIFY_SOCKET") {
+        Some(socket) if !socket.is_empty() => notify_to(&socket, state),
+        _ => Ok(()),
+    }
+}
+
+/// Sends `state` as one datagram to the notification socket `socket`: a path, or
+/// `@name` for a Linux abstract socket.
+pub fn notify_to(socket: &OsStr, state: &str) -> io::Result<()> {
+    let addr = notify_addr(socket)?;
+    let sock = UnixDatagram::unbound()?;
+    let sent = sock.send_to_addr(state.as_bytes(), &addr)?;
+    if sent != state.len() {
+        return Err(io::Error::new(
+            io::ErrorKind::WriteZero,
+            format!("sd_notify: sent {sent} of {} bytes", state.len()),
+        ));
+    }
+    Ok(())
+}
+
+fn notify_addr(socket: &OsStr) -> io::Result<SocketAddr> {
+    let bytes = socket.as_bytes();
+    match bytes.first() {
+        Some(b'@') => abstract_addr(&bytes[1..]),
+        Some(b'/') => SocketAddr::from_pathname(Path::new(socket)),
+        _ => Err(io::Error::new(
+            io::ErrorKind::Unsupported,
+            format!("NOTIFY_SOCKET={socket:?}: expected an absolute path or @abstract name"),
+        )),
+    }
+}
+
+#[cfg(any(target_os = "linux", target_os = "android"))]
+fn abstract_addr(name: &[u8]) -> io::Result<SocketAddr> {
+    #[cfg(target_os = "android")]
+    use std::os::android::net::SocketAddrExt;
+    #[cfg(target_os = "linux")]
+    use std::os::linux::net::SocketAddrExt;
+    SocketAddr::from_abstract_name(name)
+}
+
+#[cfg(not(any(target_os = "linux", target_os = "android")))]
+fn abstract_addr(_name: &[u8]) -> io::Result<SocketAddr> {
+    Err(io::Error::new(
+        io::ErrorKind::Unsupported,
+        "abstract NOTIFY_SOCKET addresses exist only on Linux",
+    ))
+}
+
+/// `READY=1`: startup (or a reload) finished; the socket is accepting.
+pub fn ready() -> io::Result<()> {
+    notify("READY=1")
+}
+
+/// `STOPPING=1`: shutdown has begun.
+pub fn stopping() -> io::Result<()> {
+    notify("STOPPING=1")
+}
+
+/// `RELOADING=1` with the `MONOTONIC_USEC=` stamp systemd wants; send [`ready`]
+/// when the reload is done.
+pub fn reloading() -> io::Result<()> {
+    notify(&reloading_state(monotonic_usec()?))
+}
+
+/// `WATCHDOG=1`: keep-alive ping; send at least every [`watchdog_interval`] / 2.
+pub fn watchdog() -> io::Result<()> {
+    notify("WATCHDOG=1")
+}
+
+fn reloading_state(monotonic_usec: u64) -> String {
+    format!("RELOADING=1\nMONOTONIC_USEC={monotonic_usec}")
+}
+
+fn monotonic_usec() -> io::Result<u64> {
+    use nix::time::{clock_gettime, ClockId};
+    let ts = clock_gettime(ClockId::CLOCK_MONOTONIC).map_err(io::Error::from)?;
+    let secs = u64::try_from(ts.tv_sec()).unwrap_or(0);
+    let nanos = u64::try_from(ts.tv_nsec()).unwrap_or(0);
+    Ok(secs * 1_000_000 + nanos / 1_000)
+}
+
+/// The watchdog timeout systemd expects pings within (`WatchdogSec=`), if the
+/// watchdog is enabled for this process.
+pub fn watchdog_interval() -> Option<Duration> {
+    let usec = std::env::var("WATCHDOG_USEC").ok();
+    let pid = std::env::var("WATCHDOG_PID").ok();
+    watchdog_interval_from(usec.as_deref(), pid.as_deref(), std::process::id())
+}
+
+/// [`watchdog_interval`] from explicit values: `WATCHDOG_USEC` must be a positive
+/// integer, and `WATCHDOG_PID`, when set, must be `my_pid` (else the variables were
+/// meant for another process, e.g. our parent).
+pub fn watchdog_interval_from(
+    watchdog_usec: Option<&str>,
+    watchdog_pid: Option<&str>,
+    my_pid: u32,
+) -> Option<Duration> {
+    if let Some(pid) = watchdog_pid {
+        if pid.trim().parse::<u32>().ok()? != my_pid {
+            return None;
+        }
+    }
+    let usec: u64 = watchdog_usec?.trim().parse().ok()?;
+    (usec > 0).then(|| Duration::from_micros(usec))
+}
+
+/// How many sockets systemd passed to this process, from `LISTEN_PID` and
+/// `LISTEN_FDS`: `None` when not socket-activated (unset, or meant for another
+/// pid); an error when the values are malformed.
+pub fn listen_fd_count_from(
+    listen_pid: Option<&str>,
+    listen_fds: Option<&str>,
+    my_pid: u32,
+) -> io::Result<Option<u32>> {
+    let (Some(pid), Some(fds)) = (listen_pid, listen_fds) else {
+        return Ok(None);
+    };
+    let bad = |what: &str, v: &str| {
+        io::Error::new(
+            io::ErrorKind::InvalidInput,
+            format!("socket activation: {what}={v:?} is not a number"),
+        )
+    };
+    let pid: u32 = pid.trim().parse().map_err(|_| bad("LISTEN_PID", pid))?;
+    if pid != my_pid {
+        return Ok(None);
+    }
+    let n: u32 = fds.trim().parse().map_err(|_| bad("LISTEN_FDS", fds))?;
+    Ok((n >= 1).then_some(n))
+}
+
+/// Whether fd 3 has already been taken by [`listen_fds`]: it has one owner only.
+static LISTEN_FD_TAKEN: AtomicBool = AtomicBool::new(false);
+
+/// The listening Unix stream socket passed by systemd socket activation
+/// (`polygate.socket`), or `None` when not socket-activated. Takes the first passed
+/// fd (3); further fds are left alone. The fd is set close-on-exec and checked to be
+/// a Unix stream socket. It is returned in blocking mode: call
+/// `set_nonblocking(true)` before handing it to tokio. Only the first call can
+/// return a listener; later calls return `None`.
+pub fn listen_fds() -> io::Result<Option<UnixListener>> {
+    let pid = std::env::var("LISTEN_PID").ok();
+    let fds = std::env::var("LISTEN_FDS").ok();
+    if listen_fd_count_from(pid.as_deref(), fds.as_deref(), std::process::id())?.is_none() {
+        return Ok(None);
+    }
+    if LISTEN_FD_TAKEN.swap(true, Ordering::SeqCst) {
+        return Ok(None);
+    }
+    use nix::fcntl::{fcntl, FcntlArg, FdFlag};
+    use nix::sys::socket::{getsockopt, sockopt, SockType};
+    use std::os::fd::{FromRawFd, OwnedFd};
+
+    // SAFETY: systemd passed fd 3 to this very process (LISTEN_PID == our pid,
+    // LISTEN_FDS >= 1), so it is open and nothing else in the process owns it; the
+    // LISTEN_FD_TAKEN guard above makes this the only place that ever takes
+    // ownership, so the OwnedFd is its unique owner and closes it exactly once.
+    let fd = unsafe { OwnedFd::from_raw_fd(LISTEN_FDS_START) };
+    fcntl(&fd, FcntlArg::F_SETFD(FdFlag::FD_CLOEXEC)).map_err(io::Error::from)?;
+    if getsockopt(&fd, sockopt::SockType).map_err(io::Error::from)? != SockType::Stream {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidInput,
+            "socket activation: fd 3 is not a stream socket (use ListenStream=)",
+        ));
+    }
+    let listener = UnixListener::from(fd);
+    // std checks the address family here: a TCP socket would fail.
+    listener.local_addr().map_err(|e| {
+        io::Error::new(
+            e.kind(),
+            format!("socket activation: fd 3 is not a Unix socket: {e}"),
+        )
+    })?;
+    Ok(Some(listener))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn recv(sock: &UnixDatagram) -> String {
+        let mut buf = [0u8; 256];
+        let n = sock.recv(&mut buf).unwrap();
+        String::from_utf8(buf[..n].to_vec()).unwrap()
+    }
+
+    #[test]
+    fn notify_to_path_socket() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("notify.sock");
+        let server = UnixDatagram::bind(&path).unwrap();
+        notify_to(path.as_os_str(), "READY=1").unwrap();
+        assert_eq!(recv(&server), "READY=1");
+        notify_to(path.as_os_str(), "STOPPING=1").unwrap();
+        assert_eq!(recv(&server), "STOPPING=1");
+        notify_to(path.as_os_str(), &reloading_state(42)).unwrap();
+        assert_eq!(recv(&server), "RELOADING=1\nMONOTONIC_USEC=42");
+    }
+
+    #[cfg(target_os = "linux")]
+    #[test]
+    fn notify_to_abstract_socket() {
+        use std::os::linux::net::SocketAddrExt;
+        let name = format!("polygate-notify-test-{}", std::process::id());
+        let addr = SocketAddr::from_abstract_name(name.as_bytes()).unwrap();
+        let server = UnixDatagram::bind_addr(&addr).unwrap();
+        notify_to(OsStr::new(&format!("@{name}")), "WATCHDOG=1").unwrap();
+        assert_eq!(recv(&server), "WATCHDOG=1");
+    }
+
+    #[test]
+    fn notify_to_missing_socket_fails_and_relative_path_is_rejected() {
+        let dir = tempfile::tempdir().unwrap();
+        let missing = dir.path().join("nobody-listens.sock");
+        assert!(notify_to(missing.as_os_str(), "READY=1").is_err());
+        let e = notify_to(OsStr::new("relative.sock"), "READY=1").unwrap_err();
+        assert_eq!(e.kind(), io::ErrorKind::Unsupported);
+    }
+
+    #[test]
+    fn monotonic_clock_reads() {
+        assert!(monotonic_usec().unwrap() > 0);
+    }
+
+    #[test]
+    fn watchdog_interval_parsing() {
+        let me = 4242;
+        assert_eq!(watchdog_interval_from(None, None, me), None);
+        assert_eq!(
+            watchdog_interval_from(Some("30000000"), None, me),
+            Some(Duration::from_secs(30))
+        );
+        assert_eq!(
+            watchdog_interval_from(Some("30000000"), Some("4242"), me),
+            Some(Duration::from_secs(30))
+        );
+        assert_eq!(
+            watchdog_interval_from(Some("30000000"), Some("1"), me),
+            None
+        );
+        assert_eq!(watchdog_interval_from(Some("0"), None, me), None);
+        assert_eq!(watchdog_interval_from(Some("soon"), None, me), None);
+        assert_eq!(watchdog_interval_from(Some("5"), Some("x"), me), None);
+    }
+
+    #[test]
+    fn listen_fd_count_parsing() {
+        let me = 77;
+        assert_eq!(listen_fd_count_from(None, None, me).unwrap(), None);
+        assert_eq!(listen_fd_count_from(Some("77"), None, me).unwrap(), None);
+        assert_eq!(
+            listen_fd_count_from(Some("76"), Some("1"), me).unwrap(),
+            None
+        );
+        assert_eq!(
+            listen_fd_count_from(Some("77"), Some("0"), me).unwrap(),
+            None
+        );
+        assert_eq!(
+            listen_fd_count_from(Some("77"), Some("2"), me).unwrap(),
+            Some(2)
+        );
+        assert!(listen_fd_count_from(Some("x"), Some("1"), me).is_err());
+        assert!(listen_fd_count_from(Some("77"), Some("one"), me).is_err());
+    }
+}

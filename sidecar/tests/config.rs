@@ -1,0 +1,745 @@
+//! Config parsing and validation (§12, §12a): the shipped example, defaults, every
+//! class of bad value, environment overrides, cross-scope quota conflicts.
+
+use std::time::Duration;
+
+use polygate::config::parse::{load_file, parse_str, ConfigError, EXAMPLE_CONFIG};
+use polygate::config::{
+    BackendKind, BreakerConfig, Config, Mode, OnBackendError, PacerConfig, Selector, SidecarConfig,
+    DEFAULT_MAX_ATTEMPTS, DEFAULT_POLL_INTERVAL, DEFAULT_SOURCE_TIMEOUT, DEFAULT_STALL_WINDOW,
+};
+
+const MINIMAL: &str = r#"
+[[scopes.chat.sources]]
+name = "a"
+"#;
+
+fn no_env() -> Vec<(String, String)> {
+    Vec::new()
+}
+
+fn env(pairs: &[(&str, &str)]) -> Vec<(String, String)> {
+    pairs
+        .iter()
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect()
+}
+
+fn parse(toml: &str) -> Result<Config, ConfigError> {
+    parse_str(toml, no_env())
+}
+
+/// Parses and expects an error whose message contains every needle.
+fn err(toml: &str, needles: &[&str]) -> String {
+    err_env(toml, &[], needles)
+}
+
+fn err_env(toml: &str, vars: &[(&str, &str)], needles: &[&str]) -> String {
+    let msg = match parse_str(toml, env(vars)) {
+        Ok(c) => panic!("expected an error containing {needles:?}, got {c:#?}"),
+        Err(e) => e.to_string(),
+    };
+    for n in needles {
+        assert!(msg.contains(n), "error {msg:?} lacks {n:?}");
+    }
+    msg
+}
+
+/// MINIMAL with `line` added to the `[scopes.chat]` table.
+fn scope_with(line: &str) -> String {
+    format!("[scopes.chat]\n{line}\n{MINIMAL}")
+}
+
+fn breaker_with(line: &str) -> String {
+    format!("[scopes.chat.breaker]\n{line}\n{MINIMAL}")
+}
+
+fn pacer_with(line: &str) -> String {
+    format!("[scopes.chat.pacer]\n{line}\n{MINIMAL}")
+}
+
+fn sidecar_with(line: &str) -> String {
+    format!("[sidecar]\n{line}\n{MINIMAL}")
+}
+
+fn source_with(line: &str) -> String {
+    format!("[[scopes.chat.sources]]\nname = \"a\"\n{line}\n")
+}
+
+// ---------------------------------------------------------------------------------
+
+#[test]
+fn example_parses() {
+    let c = parse_str(EXAMPLE_CONFIG, no_env()).unwrap();
+    assert_eq!(c.sidecar.socket, "/run/polygate/sidecar.sock");
+    assert_eq!(c.sidecar.socket_mode, 0o660);
+    assert_eq!(c.sidecar.backend, BackendKind::Memory);
+    let names: Vec<&str> = c.scopes.iter().map(|s| s.name.as_str()).collect();
+    assert_eq!(names, ["chat", "embedding"], "scopes keep config order");
+    let chat = &c.scopes[0];
+    assert!((2..=3).contains(&chat.sources.len()));
+    assert_eq!(chat.quota_full, Mode::Wait);
+    assert_eq!(chat.circuit_open, Mode::FailFast);
+    assert_eq!(chat.breaker.max_cooldown, Duration::from_secs(600));
+    assert_eq!(chat.sources[0].name, "openai-gpt4o");
+    assert_eq!(chat.sources[0].tpm, Some(30000));
+    assert_eq!(chat.sources[0].est_tokens, Some(1000));
+    let emb = &c.scopes[1];
+    assert_eq!(emb.sources.len(), 2);
+    assert_eq!(emb.selector, Selector::Health);
+    assert_eq!(emb.circuit_open, Mode::Wait);
+}
+
+#[test]
+fn example_loads_from_file() {
+    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../examples/polygate.toml");
+    let c = load_file(std::path::Path::new(path), no_env()).unwrap();
+    assert_eq!(c, parse(EXAMPLE_CONFIG).unwrap());
+}
+
+#[test]
+fn missing_file_names_the_path() {
+    let e = load_file(std::path::Path::new("/nonexistent/polygate.toml"), no_env()).unwrap_err();
+    assert!(matches!(e, ConfigError::Read { .. }));
+    assert!(e.to_string().contains("/nonexistent/polygate.toml"));
+}
+
+#[test]
+fn defaults_fill_everything_but_sources() {
+    let c = parse(MINIMAL).unwrap();
+    assert_eq!(c.sidecar, SidecarConfig::default());
+    assert_eq!(c.scopes.len(), 1);
+    let s = &c.scopes[0];
+    assert_eq!(s.name, "chat");
+    assert_eq!(s.quota_full, Mode::Wait);
+    assert_eq!(s.circuit_open, Mode::FailFast);
+    assert_eq!(s.selector, Selector::Priority);
+    assert_eq!(s.max_attempts, DEFAULT_MAX_ATTEMPTS);
+    assert_eq!(s.poll_interval, DEFAULT_POLL_INTERVAL);
+    assert_eq!(s.stall_window, DEFAULT_STALL_WINDOW);
+    assert_eq!(s.breaker, BreakerConfig::default());
+    assert_eq!(s.pacer, PacerConfig::default());
+    let src = &s.sources[0];
+    assert_eq!(src.name, "a");
+    assert_eq!((src.tpm, src.rpm, src.est_tokens), (None, None, None));
+    assert_eq!(src.timeout, DEFAULT_SOURCE_TIMEOUT);
+}
+
+#[test]
+fn values_are_read() {
+    let c = parse(
+        r#"
+[sidecar]
+socket = "/tmp/pg.sock"
+socket_mode = "0600"
+allowed_uids = [1000]
+allowed_gids = [990, 991]
+admin_uids = [0, 1000]
+backend = "redis"
+redis_url = "redis://10.0.0.1:6380/2"
+redis_cluster_nodes = ["redis://a:1", "redis://b:2"]
+key_prefix = "pg"
+on_backend_error = "fail_closed"
+redis_timeout = "100ms"
+max_frame = 1048576
+shutdown_grace = "2s"
+
+[scopes.x]
+quota_full = "fail_fast"
+circuit_open = "wait"
+max_attempts = 7
+poll_interval = "5ms"
+stall_window = "1m"
+selector = "health"
+breaker = { failure_threshold = 2, failure_rate = 1, min_calls = 1, window = "10s", cooldown = "1s", max_cooldown = "1s" }
+pacer = { initial = 2, min = 1.5, max = 2, increase = 0.25, decrease = 0.9 }
+
+[[scopes.x.sources]]
+name = "s"
+tpm = 100
+rpm = 7
+est_tokens = 3
+timeout = "250ms"
+"#,
+    )
+    .unwrap();
+    let sc = &c.sidecar;
+    assert_eq!(sc.socket, "/tmp/pg.sock");
+    assert_eq!(sc.socket_mode, 0o600);
+    assert_eq!(sc.allowed_uids, [1000]);
+    assert_eq!(sc.allowed_gids, [990, 991]);
+    assert_eq!(sc.admin_uids, [0, 1000]);
+    assert_eq!(sc.backend, BackendKind::Redis);
+    assert_eq!(sc.redis_url, "redis://10.0.0.1:6380/2");
+    assert_eq!(sc.redis_cluster_nodes, ["redis://a:1", "redis://b:2"]);
+    assert_eq!(sc.key_prefix, "pg");
+    assert_eq!(sc.on_backend_error, OnBackendError::FailClosed);
+    assert_eq!(sc.redis_timeout, Duration::from_millis(100));
+    assert_eq!(sc.max_frame, 1 << 20);
+    assert_eq!(sc.shutdown_grace, Duration::from_secs(2));
+    let s = &c.scopes[0];
+    assert_eq!(s.quota_full, Mode::FailFast);
+    assert_eq!(s.circuit_open, Mode::Wait);
+    assert_eq!(s.max_attempts, 7);
+    assert_eq!(s.poll_interval, Duration::from_millis(5));
+    assert_eq!(s.stall_window, Duration::from_secs(60));
+    assert_eq!(s.selector, Selector::Health);
+    assert_eq!(
+        s.breaker,
+        BreakerConfig {
+            failure_threshold: 2,
+            failure_rate: 1.0,
+            min_calls: 1,
+            window: Duration::from_secs(10),
+            cooldown: Duration::from_secs(1),
+            max_cooldown: Duration::from_secs(1),
+        }
+    );
+    assert_eq!(
+        s.pacer,
+        PacerConfig {
+            initial: 2.0,
+            min: 1.5,
+            max: 2.0,
+            increase: 0.25,
+            decrease: 0.9,
+        }
+    );
+    let src = &s.sources[0];
+    assert_eq!(
+        (src.tpm, src.rpm, src.est_tokens),
+        (Some(100), Some(7), Some(3))
+    );
+    assert_eq!(src.timeout, Duration::from_millis(250));
+}
+
+#[test]
+fn scopes_keep_config_order() {
+    let c = parse(
+        "[[scopes.zeta.sources]]\nname='a'\n[[scopes.alpha.sources]]\nname='b'\n\
+         [[scopes.mid.sources]]\nname='c'\n",
+    )
+    .unwrap();
+    let names: Vec<&str> = c.scopes.iter().map(|s| s.name.as_str()).collect();
+    assert_eq!(names, ["zeta", "alpha", "mid"]);
+}
+
+// ---------------------------------------------------------------------------------
+// Bad values: each names the full key, the value, and the allowed values.
+
+#[test]
+fn bad_enums_name_key_value_and_allowed_values() {
+    err(
+        &scope_with("quota_full = \"sometimes\""),
+        &[
+            "scopes.chat.quota_full",
+            "sometimes",
+            "expected one of: wait, fail_fast",
+        ],
+    );
+    err(
+        &scope_with("circuit_open = \"later\""),
+        &[
+            "scopes.chat.circuit_open",
+            "later",
+            "expected one of: wait, fail_fast",
+        ],
+    );
+    err(
+        &scope_with("selector = \"random\""),
+        &[
+            "scopes.chat.selector",
+            "random",
+            "expected one of: priority, health",
+        ],
+    );
+    err(
+        &sidecar_with("backend = \"etcd\""),
+        &["sidecar.backend", "etcd", "expected one of: memory, redis"],
+    );
+    err(
+        &sidecar_with("on_backend_error = \"panic\""),
+        &[
+            "sidecar.on_backend_error",
+            "panic",
+            "expected one of: local, fail_closed",
+        ],
+    );
+}
+
+#[test]
+fn bad_counts() {
+    err(
+        &scope_with("max_attempts = 0"),
+        &["scopes.chat.max_attempts = 0", "at least 1"],
+    );
+    err(
+        &scope_with("max_attempts = -3"),
+        &["scopes.chat.max_attempts", "at least 1"],
+    );
+    err(
+        &breaker_with("failure_threshold = 0"),
+        &["scopes.chat.breaker.failure_threshold = 0", "at least 1"],
+    );
+    err(
+        &breaker_with("min_calls = 0"),
+        &["scopes.chat.breaker.min_calls = 0", "at least 1"],
+    );
+    err(
+        &scope_with("max_attempts = 99999999999"),
+        &["scopes.chat.max_attempts", "at most"],
+    );
+}
+
+#[test]
+fn bad_failure_rate() {
+    for v in ["0", "0.0", "1.5", "-0.1", "nan"] {
+        err(
+            &breaker_with(&format!("failure_rate = {v}")),
+            &["scopes.chat.breaker.failure_rate", "(0, 1]"],
+        );
+    }
+}
+
+#[test]
+fn bad_durations() {
+    for key in ["window", "cooldown", "max_cooldown"] {
+        err(
+            &breaker_with(&format!("{key} = \"0s\"")),
+            &[&format!("scopes.chat.breaker.{key}"), "greater than zero"],
+        );
+    }
+    for key in ["poll_interval", "stall_window"] {
+        err(
+            &scope_with(&format!("{key} = \"0ms\"")),
+            &[&format!("scopes.chat.{key}"), "greater than zero"],
+        );
+        err(
+            &scope_with(&format!("{key} = \"soon\"")),
+            &[
+                &format!("scopes.chat.{key}"),
+                "\"soon\"",
+                "50ms, 30s or 10m",
+            ],
+        );
+    }
+    err(
+        &source_with("timeout = \"0s\""),
+        &["scopes.chat.sources[0].timeout", "greater than zero"],
+    );
+    err(
+        &sidecar_with("redis_timeout = \"fast\""),
+        &["sidecar.redis_timeout", "fast", "duration"],
+    );
+    err(
+        &sidecar_with("shutdown_grace = \"0s\""),
+        &["sidecar.shutdown_grace", "greater than zero"],
+    );
+    // A bare number is not a duration (the unit is required).
+    err(
+        &scope_with("poll_interval = \"50\""),
+        &["scopes.chat.poll_interval"],
+    );
+    // Wrong TOML type: the key path and the line are named.
+    err(
+        &scope_with("poll_interval = 50"),
+        &["scopes.chat.poll_interval", "line 2"],
+    );
+}
+
+#[test]
+fn cooldown_must_not_exceed_max_cooldown() {
+    err(
+        &breaker_with("cooldown = \"20m\"\nmax_cooldown = \"10m\""),
+        &[
+            "scopes.chat.breaker.cooldown",
+            "scopes.chat.breaker.max_cooldown",
+            "20m",
+            "10m",
+        ],
+    );
+}
+
+#[test]
+fn bad_pacer() {
+    err(
+        &pacer_with("min = 0.5\ninitial = 1"),
+        &["scopes.chat.pacer.min", "at least 1"],
+    );
+    err(
+        &pacer_with("min = 4\ninitial = 2\nmax = 8"),
+        &[
+            "scopes.chat.pacer.min",
+            "scopes.chat.pacer.initial",
+            "min <= initial <= max",
+        ],
+    );
+    err(
+        &pacer_with("initial = 100\nmax = 64"),
+        &[
+            "scopes.chat.pacer.initial",
+            "scopes.chat.pacer.max",
+            "initial = 100",
+        ],
+    );
+    err(
+        &pacer_with("increase = 0"),
+        &["scopes.chat.pacer.increase", "greater than 0"],
+    );
+    err(
+        &pacer_with("increase = -1"),
+        &["scopes.chat.pacer.increase"],
+    );
+    for d in ["0", "1", "1.5", "-0.5"] {
+        err(
+            &pacer_with(&format!("decrease = {d}")),
+            &["scopes.chat.pacer.decrease", "(0, 1)"],
+        );
+    }
+    err(
+        &pacer_with("max = inf"),
+        &["scopes.chat.pacer.max", "finite"],
+    );
+}
+
+#[test]
+fn bad_sources() {
+    err(
+        "[scopes.chat]\nmax_attempts = 2\n",
+        &["scopes.chat.sources", "at least one source"],
+    );
+    err(
+        "[scopes.chat]\nsources = []\n",
+        &["scopes.chat.sources", "at least one source"],
+    );
+    err(
+        "[[scopes.chat.sources]]\ntpm = 5\n",
+        &["scopes.chat.sources[0].name", "name"],
+    );
+    err(
+        "[[scopes.chat.sources]]\nname = \"\"\n",
+        &["scopes.chat.sources[0].name", "empty"],
+    );
+    err(
+        "[[scopes.chat.sources]]\nname = \"a\"\n[[scopes.chat.sources]]\nname = \"b\"\n\
+         [[scopes.chat.sources]]\nname = \"a\"\n",
+        &["scopes.chat.sources[2].name", "\"a\"", "unique"],
+    );
+    for key in ["tpm", "rpm", "est_tokens"] {
+        err(
+            &source_with(&format!("{key} = 0")),
+            &[
+                &format!("scopes.chat.sources[0].{key} = 0"),
+                "greater than zero",
+            ],
+        );
+        err(
+            &source_with(&format!("{key} = -5")),
+            &[
+                &format!("scopes.chat.sources[0].{key}"),
+                "greater than zero",
+            ],
+        );
+    }
+}
+
+#[test]
+fn bad_sidecar_values() {
+    for v in ["600", "0660"] {
+        // Both octal spellings are fine.
+        let c = parse(&sidecar_with(&format!("socket_mode = \"{v}\""))).unwrap();
+        assert_eq!(c.sidecar.socket_mode, u32::from_str_radix(v, 8).unwrap());
+    }
+    err(
+        &sidecar_with("socket_mode = \"0999\""),
+        &["sidecar.socket_mode", "0999", "octal"],
+    );
+    err(
+        &sidecar_with("socket_mode = \"01777\""),
+        &["sidecar.socket_mode", "octal"],
+    );
+    err(&sidecar_with("socket_mode = 660"), &["sidecar.socket_mode"]);
+    err(
+        &sidecar_with("max_frame = 1023"),
+        &["sidecar.max_frame = 1023", "1024", "16777216"],
+    );
+    err(
+        &sidecar_with("max_frame = 16777217"),
+        &["sidecar.max_frame", "16777216"],
+    );
+    parse(&sidecar_with("max_frame = 1024")).unwrap();
+    parse(&sidecar_with("max_frame = 16777216")).unwrap();
+    err(&sidecar_with("socket = \"\""), &["sidecar.socket", "empty"]);
+    err(
+        &sidecar_with(&format!("socket = \"/{}\"", "x".repeat(120))),
+        &["sidecar.socket", "at most"],
+    );
+    err(
+        &sidecar_with("key_prefix = \"\""),
+        &["sidecar.key_prefix", "empty"],
+    );
+    err(
+        &sidecar_with("key_prefix = \"{pg}\""),
+        &["sidecar.key_prefix", "hash tag"],
+    );
+    err(
+        &sidecar_with("redis_url = \"http://x\""),
+        &["sidecar.redis_url", "redis://"],
+    );
+    err(
+        &sidecar_with("redis_cluster_nodes = [\"redis://a:1\", \"b:2\"]"),
+        &["sidecar.redis_cluster_nodes[1]", "\"b:2\""],
+    );
+    err(&sidecar_with("admin_uids = [-1]"), &["sidecar.admin_uids"]);
+}
+
+#[test]
+fn scopes_required_and_named() {
+    err("", &["scopes", "at least one scope"]);
+    err("[sidecar]\nbackend = \"memory\"\n", &["at least one scope"]);
+    err(
+        "[[scopes.\"\".sources]]\nname = \"a\"\n",
+        &["scope name", "empty"],
+    );
+}
+
+#[test]
+fn unknown_keys_are_named() {
+    err(
+        &scope_with("max_atempts = 3"),
+        &["scopes.chat.max_atempts", "unknown key"],
+    );
+    err(
+        &breaker_with("cooldwn = \"1s\""),
+        &["scopes.chat.breaker.cooldwn", "unknown key"],
+    );
+    err(
+        &pacer_with("ceiling = 3"),
+        &["scopes.chat.pacer.ceiling", "unknown key"],
+    );
+    err(
+        &sidecar_with("sockett = \"/x\""),
+        &["sidecar.sockett", "unknown key"],
+    );
+    err(
+        &source_with("tmp = 5"),
+        &["scopes.chat.sources[0].tmp", "unknown key"],
+    );
+    err(
+        &format!("verbose = true\n{MINIMAL}"),
+        &["verbose", "unknown key"],
+    );
+    err(
+        &format!("[metrics]\nport = 1\n{MINIMAL}"),
+        &["metrics", "unknown key"],
+    );
+}
+
+#[test]
+fn syntax_errors_give_a_line() {
+    err("[scopes.chat\n", &["line 1"]);
+    err(&format!("{MINIMAL}\nname = \"dup\"\n"), &["line"]);
+}
+
+#[test]
+fn shared_source_must_agree_on_quota() {
+    let two = |tpm2: &str, rpm2: &str| {
+        format!(
+            "[[scopes.chat.sources]]\nname = \"gpt\"\ntpm = 1000\nrpm = 10\n\
+             [[scopes.batch.sources]]\nname = \"gpt\"\n{tpm2}\n{rpm2}\n"
+        )
+    };
+    // Same quota, different timeout and estimate: fine (one global quota).
+    let ok = parse(&two(
+        "tpm = 1000",
+        "rpm = 10\ntimeout = \"5s\"\nest_tokens = 9",
+    ))
+    .unwrap();
+    assert_eq!(ok.scopes.len(), 2);
+    let e = err(
+        &two("tpm = 2000", "rpm = 10"),
+        &["gpt", "scopes.chat", "scopes.batch", "tpm", "1000", "2000"],
+    );
+    assert!(e.contains("global quota"), "{e}");
+    err(
+        &two("tpm = 1000", ""),
+        &["gpt", "scopes.chat", "scopes.batch", "rpm", "unset"],
+    );
+    let e = parse(&two("tpm = 1000", "rpm = 11")).unwrap_err();
+    assert!(matches!(
+        e,
+        ConfigError::SourceConflict { field: "rpm", ref first_scope, ref second_scope, .. }
+            if first_scope == "chat" && second_scope == "batch"
+    ));
+}
+
+// ---------------------------------------------------------------------------------
+// Environment overrides.
+
+#[test]
+fn env_overrides_apply() {
+    let toml = format!("{MINIMAL}\n[[scopes.long-jobs.sources]]\nname = \"b\"\n");
+    let c = parse_str(
+        &toml,
+        env(&[
+            ("CHAT__QUOTA_FULL", "fail_fast"),
+            ("CHAT__CIRCUIT_OPEN", "wait"),
+            ("CHAT__MAX_ATTEMPTS", "9"),
+            ("CHAT__STALL_WINDOW", "90s"),
+            ("CHAT__POLL_INTERVAL", "20ms"),
+            ("CHAT__SELECTOR", "health"),
+            ("CHAT__BREAKER__COOLDOWN", "5s"),
+            ("CHAT__PACER__MAX", "10"),
+            ("LONG_JOBS__CIRCUIT_OPEN", "wait"),
+            ("SIDECAR__BACKEND", "redis"),
+            ("SIDECAR__REDIS_URL", "redis://redis.internal:6379/1"),
+            ("SIDECAR__SOCKET", "/tmp/override.sock"),
+            ("SIDECAR__ON_BACKEND_ERROR", "fail_closed"),
+            ("SIDECAR__KEY_PREFIX", "staging"),
+        ]),
+    )
+    .unwrap();
+    let chat = &c.scopes[0];
+    assert_eq!(chat.quota_full, Mode::FailFast);
+    assert_eq!(chat.circuit_open, Mode::Wait);
+    assert_eq!(chat.max_attempts, 9);
+    assert_eq!(chat.stall_window, Duration::from_secs(90));
+    assert_eq!(chat.poll_interval, Duration::from_millis(20));
+    assert_eq!(chat.selector, Selector::Health);
+    assert_eq!(chat.breaker.cooldown, Duration::from_secs(5));
+    assert_eq!(chat.pacer.max, 10.0);
+    assert_eq!(c.scopes[1].name, "long-jobs");
+    assert_eq!(c.scopes[1].circuit_open, Mode::Wait);
+    assert_eq!(c.scopes[1].quota_full, Mode::Wait, "untouched");
+    assert_eq!(c.sidecar.backend, BackendKind::Redis);
+    assert_eq!(c.sidecar.redis_url, "redis://redis.internal:6379/1");
+    assert_eq!(c.sidecar.socket, "/tmp/override.sock");
+    assert_eq!(c.sidecar.on_backend_error, OnBackendError::FailClosed);
+    assert_eq!(c.sidecar.key_prefix, "staging");
+}
+
+#[test]
+fn env_overrides_beat_the_file() {
+    let c = parse_str(
+        &scope_with("circuit_open = \"fail_fast\"\nmax_attempts = 2"),
+        env(&[("CHAT__CIRCUIT_OPEN", "wait"), ("CHAT__MAX_ATTEMPTS", "4")]),
+    )
+    .unwrap();
+    assert_eq!(c.scopes[0].circuit_open, Mode::Wait);
+    assert_eq!(c.scopes[0].max_attempts, 4);
+}
+
+#[test]
+fn unrelated_env_is_ignored() {
+    let c = parse_str(
+        MINIMAL,
+        env(&[
+            ("PATH", "/usr/bin"),
+            ("OTHER__QUOTA_FULL", "nonsense"),
+            ("RUST__LOG", "x"),
+            ("chat__quota_full", "nonsense"),
+            ("CHATTY__QUOTA_FULL", "nonsense"),
+        ]),
+    )
+    .unwrap();
+    assert_eq!(c.scopes[0].quota_full, Mode::Wait);
+}
+
+#[test]
+fn bad_env_values_name_the_variable() {
+    let msg = err_env(MINIMAL, &[("CHAT__CIRCUIT_OPEN", "sometimes")], &[]);
+    assert_eq!(
+        msg,
+        "CHAT__CIRCUIT_OPEN=sometimes: expected one of: wait, fail_fast"
+    );
+    err_env(
+        MINIMAL,
+        &[("CHAT__QUOTA_FULL", "never")],
+        &["CHAT__QUOTA_FULL=never", "expected one of: wait, fail_fast"],
+    );
+    err_env(
+        MINIMAL,
+        &[("CHAT__SELECTOR", "best")],
+        &["CHAT__SELECTOR=best", "expected one of: priority, health"],
+    );
+    err_env(
+        MINIMAL,
+        &[("CHAT__MAX_ATTEMPTS", "many")],
+        &["CHAT__MAX_ATTEMPTS=many", "integer"],
+    );
+    err_env(
+        MINIMAL,
+        &[("CHAT__MAX_ATTEMPTS", "0")],
+        &["CHAT__MAX_ATTEMPTS=0", "at least 1"],
+    );
+    err_env(
+        MINIMAL,
+        &[("CHAT__STALL_WINDOW", "forever")],
+        &["CHAT__STALL_WINDOW=forever", "duration"],
+    );
+    err_env(
+        MINIMAL,
+        &[("CHAT__POLL_INTERVAL", "0s")],
+        &["CHAT__POLL_INTERVAL=0s", "greater than zero"],
+    );
+    err_env(
+        MINIMAL,
+        &[("SIDECAR__BACKEND", "etcd")],
+        &["SIDECAR__BACKEND=etcd", "expected one of: memory, redis"],
+    );
+    err_env(
+        MINIMAL,
+        &[("SIDECAR__ON_BACKEND_ERROR", "ignore")],
+        &[
+            "SIDECAR__ON_BACKEND_ERROR=ignore",
+            "expected one of: local, fail_closed",
+        ],
+    );
+    err_env(
+        MINIMAL,
+        &[("SIDECAR__SOCKET", "")],
+        &["SIDECAR__SOCKET=", "empty"],
+    );
+    err_env(
+        MINIMAL,
+        &[("SIDECAR__REDIS_URL", "localhost")],
+        &["SIDECAR__REDIS_URL=localhost"],
+    );
+    err_env(
+        MINIMAL,
+        &[("SIDECAR__KEY_PREFIX", "{x}")],
+        &["SIDECAR__KEY_PREFIX={x}"],
+    );
+    // An override that breaks a pair of keys names the variable too.
+    err_env(
+        MINIMAL,
+        &[("CHAT__BREAKER__COOLDOWN", "1h")],
+        &["CHAT__BREAKER__COOLDOWN", "max_cooldown"],
+    );
+}
+
+#[test]
+fn unknown_key_under_known_prefix_is_an_error() {
+    err_env(
+        MINIMAL,
+        &[("CHAT__QUOTA", "wait")],
+        &["CHAT__QUOTA", "unknown key", "QUOTA_FULL", "CIRCUIT_OPEN"],
+    );
+    err_env(
+        MINIMAL,
+        &[("SIDECAR__SOCKETPATH", "/x")],
+        &["SIDECAR__SOCKETPATH", "unknown key", "SOCKET", "BACKEND"],
+    );
+}
+
+#[test]
+fn env_prefix_collisions_are_rejected() {
+    err(
+        "[[scopes.a-b.sources]]\nname = \"x\"\n[[scopes.a_b.sources]]\nname = \"y\"\n",
+        &["scopes.a-b", "scopes.a_b", "A_B__"],
+    );
+    err(
+        "[[scopes.sidecar.sources]]\nname = \"x\"\n",
+        &["scopes.sidecar", "SIDECAR__"],
+    );
+}
