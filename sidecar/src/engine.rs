@@ -294,6 +294,8 @@ pub struct LiveCounts {
     pub pacer_in_flight: u32,
     /// Tokens reserved by live permits.
     pub reserved_tokens: u64,
+    /// The most live probe permits any one source has (must never exceed 1).
+    pub max_probes_per_source: usize,
 }
 
 /// The engine. Cheap to share behind an `Arc`.
@@ -564,7 +566,11 @@ impl<B: Backend> Engine<B> {
                         scope: si,
                         grant: Some(g),
                     };
-                    return self.record_grant(owner, call, ticket);
+                    let (grant, stale) = self.record_grant(owner, call, ticket)?;
+                    for p in stale {
+                        self.abandon(p).await;
+                    }
+                    return Ok(grant);
                 }
                 Pass::Refused(r) => r,
             };
@@ -638,13 +644,16 @@ impl<B: Backend> Engine<B> {
     }
 
     /// Turn a pass's grant into a permit of the call (or give it back if the call
-    /// ended meanwhile).
+    /// ended meanwhile). A new probe means the breaker saw the previous probe's lease
+    /// expire: any older probe permit of the source still held here is returned for
+    /// reclaiming at once, so this host never holds two probes of one source (the
+    /// periodic reclaim could otherwise lag the lease by up to its period).
     fn record_grant(
         &self,
         owner: OwnerId,
         call: u64,
         mut ticket: Ticket<'_, B>,
-    ) -> Result<Grant, EngineError> {
+    ) -> Result<(Grant, Vec<PermitRec>), EngineError> {
         let g = ticket.grant.expect("ticket armed");
         let src = &self.sources[g.source];
         let now = self.clock.now();
@@ -674,15 +683,27 @@ impl<B: Backend> Engine<B> {
                 expires: now + src.lease,
             },
         );
+        let stale = if g.is_probe {
+            let ids: Vec<u64> = t
+                .permits
+                .iter()
+                .filter(|(&id, p)| id != permit && p.is_probe && p.source == g.source)
+                .map(|(&id, _)| id)
+                .collect();
+            self.detach_permits(&mut t, &ids, now)
+        } else {
+            Vec::new()
+        };
         drop(t);
         ticket.grant = None;
-        Ok(Grant {
+        let grant = Grant {
             permit,
             source: src.name.clone(),
             is_probe: g.is_probe,
             attempt,
             est_tokens: g.tokens,
-        })
+        };
+        Ok((grant, stale))
     }
 
     /// Give back a grant that never became a permit: nothing was sent.
@@ -940,6 +961,19 @@ impl<B: Backend> Engine<B> {
         }
     }
 
+    /// Take permits out of the tables as reclaimed: their calls go on (the attempt
+    /// counted, stall clock running again); the caller must `abandon` them.
+    fn detach_permits(&self, t: &mut Tables, ids: &[u64], now: Duration) -> Vec<PermitRec> {
+        let ps: Vec<PermitRec> = ids.iter().filter_map(|id| t.permits.remove(id)).collect();
+        for p in &ps {
+            if let Some(c) = t.calls.get_mut(&p.call) {
+                c.permit = None;
+                c.stalled_since = Some(now);
+            }
+        }
+        ps
+    }
+
     /// Reclaim permits whose lease (2 × source timeout) expired; returns how many.
     /// The daemon calls this periodically.
     pub async fn reclaim_expired(&self) -> usize {
@@ -1109,6 +1143,15 @@ impl<B: Backend> Engine<B> {
             probes: t.permits.values().filter(|p| p.is_probe).count(),
             pacer_in_flight: self.sources.iter().map(|s| s.pacer.view().1).sum(),
             reserved_tokens: t.permits.values().map(|p| p.tokens).sum(),
+            max_probes_per_source: (0..self.sources.len())
+                .map(|s| {
+                    t.permits
+                        .values()
+                        .filter(|p| p.is_probe && p.source == s)
+                        .count()
+                })
+                .max()
+                .unwrap_or(0),
         }
     }
 

@@ -1,0 +1,313 @@
+//! Property tests: random interleavings of begin / acquire (possibly cancelled while
+//! waiting) / report / end / connection drop / reclaim / admin / clock advance, with
+//! the engine's invariants checked after every step:
+//! - at most one live probe per source;
+//! - pacer in-flight equals live permits;
+//! - quota reservations outstanding in the backend equal the live permits' ones
+//!   (counted by a wrapper backend, independently of the engine's bookkeeping);
+//! - after a reclaim, no permit has outlived its lease;
+//! - when every owner disconnects, nothing at all is left.
+
+#[path = "support/engine_cfg.rs"]
+mod cfg;
+
+use std::sync::atomic::{AtomicI64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use cfg::*;
+use polygate::backend::memory::MemoryBackend;
+use polygate::backend::*;
+use polygate::clock::{Clock, TokioClock};
+use polygate::config::{Mode, SourceConfig};
+use polygate::engine::Engine;
+use proptest::prelude::*;
+
+/// Delegates to the memory backend and counts reservations made by grants and
+/// released by settlements.
+struct Counting {
+    inner: MemoryBackend,
+    tokens: AtomicI64,
+    requests: AtomicI64,
+}
+
+impl Counting {
+    fn release(&self, tokens: u64) {
+        self.tokens.fetch_sub(tokens as i64, Ordering::SeqCst);
+        self.requests.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
+impl Backend for Counting {
+    fn name(&self) -> &'static str {
+        "counting"
+    }
+    async fn try_enter(&self, s: &str, p: &BreakerParams) -> BResult<Entry> {
+        self.inner.try_enter(s, p).await
+    }
+    async fn record_success(
+        &self,
+        s: &str,
+        e: u64,
+        c: bool,
+        p: &BreakerParams,
+    ) -> BResult<Applied> {
+        self.inner.record_success(s, e, c, p).await
+    }
+    async fn record_failure(&self, s: &str, e: u64, p: &BreakerParams) -> BResult<Applied> {
+        self.inner.record_failure(s, e, p).await
+    }
+    async fn release_probe(&self, s: &str, e: u64) -> BResult<Applied> {
+        self.inner.release_probe(s, e).await
+    }
+    async fn retry_after(&self, s: &[&str]) -> BResult<Duration> {
+        self.inner.retry_after(s).await
+    }
+    async fn force_open(&self, s: &str, d: Duration) -> BResult<Applied> {
+        self.inner.force_open(s, d).await
+    }
+    async fn force_close(&self, s: &str) -> BResult<Applied> {
+        self.inner.force_close(s).await
+    }
+    async fn reset(&self, s: &str) -> BResult<Applied> {
+        self.inner.reset(s).await
+    }
+    async fn reserve(&self, s: &str, q: &QuotaParams, t: u64) -> BResult<Reserve> {
+        self.inner.reserve(s, q, t).await
+    }
+    async fn settle(&self, s: &str, q: &QuotaParams, t: u64, how: Settlement) -> BResult<()> {
+        self.release(t);
+        self.inner.settle(s, q, t, how).await
+    }
+    async fn block_quota(&self, s: &str, d: Duration) -> BResult<()> {
+        self.inner.block_quota(s, d).await
+    }
+    async fn snapshot(
+        &self,
+        s: &str,
+        p: &BreakerParams,
+        q: &QuotaParams,
+    ) -> BResult<SourceSnapshot> {
+        self.inner.snapshot(s, p, q).await
+    }
+    async fn admit(&self, s: &str, p: &BreakerParams, q: &QuotaParams, t: u64) -> BResult<Admit> {
+        let r = self.inner.admit(s, p, q, t).await;
+        if let Ok(Admit::Granted { .. }) = r {
+            self.tokens.fetch_add(t as i64, Ordering::SeqCst);
+            self.requests.fetch_add(1, Ordering::SeqCst);
+        }
+        r
+    }
+    #[allow(clippy::too_many_arguments)]
+    async fn report(
+        &self,
+        s: &str,
+        p: &BreakerParams,
+        q: &QuotaParams,
+        e: u64,
+        probe: bool,
+        t: u64,
+        o: Outcome,
+    ) -> BResult<Applied> {
+        self.release(t);
+        self.inner.report(s, p, q, e, probe, t, o).await
+    }
+    async fn neutral(&self, s: &str, e: u64, probe: bool) -> BResult<Applied> {
+        self.inner.neutral(s, e, probe).await
+    }
+}
+
+#[derive(Debug, Clone)]
+enum Op {
+    Begin { owner: u64, scope: usize },
+    Acquire { call: usize, patience_ms: u64 },
+    Report { permit: usize, outcome: u8 },
+    End { call: usize },
+    Drop { owner: u64 },
+    Reclaim,
+    Advance { ms: u64 },
+    ForceOpen { source: usize, ms: u64 },
+    ForceClose { source: usize },
+}
+
+fn op() -> impl Strategy<Value = Op> {
+    prop_oneof![
+        3 => (0u64..3, 0usize..2).prop_map(|(owner, scope)| Op::Begin { owner, scope }),
+        5 => (0usize..16, 0u64..3_000).prop_map(|(call, patience_ms)| Op::Acquire { call, patience_ms }),
+        4 => (0usize..16, 0u8..6).prop_map(|(permit, outcome)| Op::Report { permit, outcome }),
+        1 => (0usize..16).prop_map(|call| Op::End { call }),
+        1 => (0u64..3).prop_map(|owner| Op::Drop { owner }),
+        1 => Just(Op::Reclaim),
+        2 => (0u64..30_000).prop_map(|ms| Op::Advance { ms }),
+        1 => (0usize..3, 1u64..5_000).prop_map(|(source, ms)| Op::ForceOpen { source, ms }),
+        1 => (0usize..3).prop_map(|source| Op::ForceClose { source }),
+    ]
+}
+
+const SOURCES: [&str; 3] = ["a", "b", "c"];
+
+fn outcome(n: u8) -> Outcome {
+    match n {
+        0 => Outcome::Success {
+            tokens: Some(7),
+            count_attempt: true,
+        },
+        1 => Outcome::Success {
+            tokens: None,
+            count_attempt: false,
+        },
+        2 => Outcome::Failure(FailureKind::ServerError),
+        3 => Outcome::Failure(FailureKind::Timeout),
+        4 => Outcome::RateLimited {
+            retry_after: Some(Duration::from_millis(500)),
+        },
+        _ => Outcome::Cancelled,
+    }
+}
+
+fn build() -> (Arc<Engine<Counting>>, Arc<dyn Clock>) {
+    let src = |n: &str| SourceConfig {
+        tpm: Some(6_000),
+        rpm: Some(120),
+        est_tokens: Some(25),
+        timeout: Duration::from_secs(5),
+        ..source(n)
+    };
+    let mut chat = scope("chat", vec![src("a"), src("b"), src("c")]);
+    chat.circuit_open = Mode::Wait;
+    chat.stall_window = Duration::from_secs(20);
+    chat.poll_interval = Duration::from_millis(200);
+    chat.breaker.failure_threshold = 2;
+    chat.breaker.cooldown = Duration::from_secs(1);
+    chat.breaker.max_cooldown = Duration::from_secs(8);
+    chat.pacer.initial = 2.0;
+    chat.pacer.max = 3.0;
+    let mut emb = scope("emb", vec![src("b"), src("c")]);
+    emb.quota_full = Mode::FailFast;
+    emb.breaker = chat.breaker;
+    let config = config(vec![chat, emb]);
+    let clock: Arc<dyn Clock> = Arc::new(TokioClock::new());
+    let backend = Counting {
+        inner: MemoryBackend::new(clock.clone(), SOURCES),
+        tokens: AtomicI64::new(0),
+        requests: AtomicI64::new(0),
+    };
+    (Engine::new(&config, backend, clock.clone()), clock)
+}
+
+fn check(e: &Engine<Counting>) -> Result<(), TestCaseError> {
+    let c = e.live_counts();
+    prop_assert!(
+        c.max_probes_per_source <= 1,
+        "two live probes on one source: {c:?}"
+    );
+    prop_assert_eq!(
+        c.pacer_in_flight as usize,
+        c.permits,
+        "pacer in-flight vs live permits"
+    );
+    let b = e.backend();
+    prop_assert_eq!(
+        b.tokens.load(Ordering::SeqCst),
+        c.reserved_tokens as i64,
+        "reserved tokens"
+    );
+    prop_assert_eq!(
+        b.requests.load(Ordering::SeqCst),
+        c.permits as i64,
+        "reserved requests"
+    );
+    Ok(())
+}
+
+async fn run(ops: Vec<Op>) -> Result<(), TestCaseError> {
+    let (e, clock) = build();
+    let mut calls: Vec<(u64, u64)> = Vec::new();
+    let mut permits: Vec<(u64, u64)> = Vec::new();
+    for op in ops {
+        match op {
+            Op::Begin { owner, scope } => {
+                let id = e.begin_call(owner, ["chat", "emb"][scope], None).unwrap();
+                calls.push((owner, id));
+            }
+            Op::Acquire { call, patience_ms } => {
+                if calls.is_empty() {
+                    continue;
+                }
+                let (owner, id) = calls[call % calls.len()];
+                let r =
+                    tokio::time::timeout(Duration::from_millis(patience_ms), e.acquire(owner, id))
+                        .await;
+                if let Ok(Ok(g)) = r {
+                    permits.push((owner, g.permit));
+                }
+            }
+            Op::Report { permit, outcome: o } => {
+                if permits.is_empty() {
+                    continue;
+                }
+                let (owner, id) = permits.remove(permit % permits.len());
+                // May already be reclaimed or released: then UnknownPermit.
+                let _ = e.report(owner, id, outcome(o)).await;
+            }
+            Op::End { call } => {
+                if calls.is_empty() {
+                    continue;
+                }
+                let (owner, id) = calls.remove(call % calls.len());
+                let _ = e.end_call(owner, id).await;
+            }
+            Op::Drop { owner } => {
+                e.release_owner(owner).await;
+                calls.retain(|c| c.0 != owner);
+                permits.retain(|p| p.0 != owner);
+            }
+            Op::Reclaim => {
+                e.reclaim_expired().await;
+                if let Some(exp) = e.oldest_permit_expiry() {
+                    prop_assert!(exp > clock.now(), "a permit outlived its lease");
+                }
+            }
+            Op::Advance { ms } => tokio::time::advance(Duration::from_millis(ms)).await,
+            Op::ForceOpen { source, ms } => {
+                e.force_open(SOURCES[source], Duration::from_millis(ms))
+                    .await
+                    .unwrap();
+            }
+            Op::ForceClose { source } => {
+                e.force_close(SOURCES[source]).await.unwrap();
+            }
+        }
+        check(&e)?;
+    }
+    for owner in 0..3 {
+        e.release_owner(owner).await;
+    }
+    check(&e)?;
+    let c = e.live_counts();
+    prop_assert_eq!(
+        (c.calls, c.permits, c.pacer_in_flight, c.reserved_tokens),
+        (0, 0, 0, 0)
+    );
+    for sc in e.status().await {
+        prop_assert_eq!(sc.waiters, 0);
+        for s in sc.sources {
+            prop_assert_eq!(s.in_flight, 0);
+        }
+    }
+    Ok(())
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 200, ..ProptestConfig::default() })]
+
+    #[test]
+    fn invariants_hold_under_random_interleavings(ops in prop::collection::vec(op(), 1..80)) {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_time()
+            .start_paused(true)
+            .build()
+            .unwrap();
+        rt.block_on(run(ops))?;
+    }
+}
