@@ -13,6 +13,9 @@ use super::{
 };
 
 /// Either backend; every [`Backend`] method delegates.
+// One per process, built once and never moved on a hot path: the size gap between the
+// variants costs nothing, and boxing would add an indirection to every call.
+#[allow(clippy::large_enum_variant)]
 pub enum AnyBackend {
     /// In-process (one host).
     Memory(MemoryBackend),

@@ -1,0 +1,691 @@
+//! Redis backend specifics against real, throwaway Redis servers (real time, short
+//! waits): one script call per admission and per report, key layout and expiry,
+//! NOSCRIPT recovery, degradation to local state and back, fail_closed, the admin
+//! broadcast, a Redis Cluster. The breaker/quota semantics themselves are pinned by
+//! the contract suite (`backend_redis_contract.rs`).
+
+#[path = "support/redis_server.rs"]
+mod redis_server;
+
+use std::io::Write;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use polygate::backend::redis::{AdminEvent, AdminOp, RedisBackend, RedisOptions};
+use polygate::backend::{
+    Admit, AnyBackend, Backend, BackendError, BreakerParams, Outcome, QuotaParams, State,
+};
+use polygate::clock::TokioClock;
+use polygate::config::OnBackendError;
+use redis_server::{RedisCluster, RedisServer};
+
+const SOURCES: [&str; 3] = ["s1", "s2", "s3"];
+static NEXT: AtomicU64 = AtomicU64::new(0);
+
+fn ms(n: u64) -> Duration {
+    Duration::from_millis(n)
+}
+
+fn bp() -> BreakerParams {
+    BreakerParams {
+        failure_threshold: 3,
+        failure_rate: 0.5,
+        min_calls: 10,
+        window: Duration::from_secs(60),
+        cooldown: ms(100),
+        max_cooldown: ms(400),
+        probe_ttl: ms(150),
+    }
+}
+
+fn qp() -> QuotaParams {
+    QuotaParams {
+        tpm: Some(60_000),
+        rpm: Some(600),
+    }
+}
+
+fn prefix() -> String {
+    format!(
+        "t{}-{}",
+        std::process::id(),
+        NEXT.fetch_add(1, Ordering::SeqCst)
+    )
+}
+
+fn opts(url: &str, prefix: &str, timeout: Duration, on: OnBackendError) -> RedisOptions {
+    RedisOptions {
+        url: url.to_string(),
+        cluster_nodes: vec![],
+        key_prefix: prefix.to_string(),
+        timeout,
+        on_backend_error: on,
+        sources: SOURCES.iter().map(|s| s.to_string()).collect(),
+    }
+}
+
+async fn backend(
+    srv: &RedisServer,
+    prefix: &str,
+    timeout: Duration,
+    on: OnBackendError,
+) -> RedisBackend {
+    RedisBackend::connect(
+        opts(&srv.url(), prefix, timeout, on),
+        Arc::new(TokioClock::new()),
+    )
+    .await
+    .expect("connect never fails on an unreachable Redis")
+}
+
+async fn admit_report<B: Backend>(b: &B, source: &str) {
+    let Admit::Granted { epoch, is_probe } = b.admit(source, &bp(), &qp(), 10).await.unwrap()
+    else {
+        panic!("admit refused")
+    };
+    let a = b
+        .report(
+            source,
+            &bp(),
+            &qp(),
+            epoch,
+            is_probe,
+            10,
+            Outcome::Success {
+                tokens: Some(7),
+                count_attempt: true,
+            },
+        )
+        .await
+        .unwrap();
+    assert!(a.applied);
+}
+
+/// Captured tracing output of the whole test binary (a global subscriber: scoped
+/// ones race with the callsite interest cache when tests run in parallel). Tests
+/// filter lines by their own server's URL.
+#[derive(Clone, Default)]
+struct Logs(Arc<Mutex<Vec<u8>>>);
+
+static LOGS: std::sync::OnceLock<Logs> = std::sync::OnceLock::new();
+
+impl Logs {
+    fn global() -> &'static Logs {
+        LOGS.get_or_init(|| {
+            let logs = Logs::default();
+            let me = logs.clone();
+            let sub = tracing_subscriber::fmt()
+                .with_writer(move || me.clone())
+                .with_ansi(false)
+                .with_max_level(tracing::Level::INFO)
+                .finish();
+            tracing::subscriber::set_global_default(sub).expect("no other global subscriber");
+            logs
+        })
+    }
+
+    fn count(&self, needle: &str, url: &str) -> usize {
+        let s = String::from_utf8_lossy(&self.0.lock().unwrap()).into_owned();
+        s.lines()
+            .filter(|l| l.contains(needle) && l.contains(url))
+            .count()
+    }
+}
+
+impl Write for Logs {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().unwrap().extend_from_slice(buf);
+        Ok(buf.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+// ---------------------------------------------------------------- round trips, keys
+
+#[tokio::test]
+async fn one_evalsha_per_admit_and_per_report() {
+    let Some(srv) = RedisServer::start() else {
+        return;
+    };
+    let b = backend(&srv, &prefix(), ms(500), OnBackendError::FailClosed).await;
+    admit_report(&b, "s1").await; // loads the script (NOSCRIPT once)
+    srv.cli(&["CONFIG", "RESETSTAT"]);
+    for _ in 0..10 {
+        admit_report(&b, "s1").await;
+    }
+    assert_eq!(
+        srv.command_calls("evalsha"),
+        20,
+        "one EVALSHA per admit and per report"
+    );
+    assert_eq!(srv.command_calls("eval"), 0);
+    assert_eq!(srv.command_calls("script|load"), 0, "script already loaded");
+    let snap = b.snapshot("s1", &bp(), &qp()).await.unwrap();
+    assert_eq!(snap.window_successes, 11);
+}
+
+#[tokio::test]
+async fn keys_are_hash_tagged_and_expire() {
+    let Some(srv) = RedisServer::start() else {
+        return;
+    };
+    let p = prefix();
+    let b = backend(&srv, &p, ms(500), OnBackendError::FailClosed).await;
+    admit_report(&b, "s1").await;
+    let bk = format!("{{{p}:s1}}:b");
+    let qk = format!("{{{p}:s1}}:q");
+    assert_eq!(b.breaker_key("s1"), bk);
+    assert_eq!(b.quota_key("s1"), qk);
+    let mut keys: Vec<String> = srv
+        .cli(&["KEYS", &format!("*{p}*")])
+        .lines()
+        .map(str::to_string)
+        .collect();
+    keys.sort();
+    assert_eq!(keys, vec![bk.clone(), qk.clone()]);
+    assert_eq!(
+        srv.cli(&["CLUSTER", "KEYSLOT", &bk]).trim(),
+        srv.cli(&["CLUSTER", "KEYSLOT", &qk]).trim(),
+        "one slot per source"
+    );
+    // Breaker: 4 × max(window 60 s, max_cooldown, 60 s) = 240 s.
+    let pttl: i64 = srv.cli(&["PTTL", &bk]).trim().parse().unwrap();
+    assert!((235_000..=240_000).contains(&pttl), "breaker PTTL {pttl}");
+    // Quota: time to refill (3 tokens of 60000/min ≈ 3 ms; 1 of 600 rpm = 100 ms) + 60 s.
+    let pttl: i64 = srv.cli(&["PTTL", &qk]).trim().parse().unwrap();
+    assert!((59_000..=60_200).contains(&pttl), "quota PTTL {pttl}");
+    // An OPEN period longer than the basis extends the breaker's TTL.
+    b.force_open("s1", Duration::from_secs(1000)).await.unwrap();
+    let pttl: i64 = srv.cli(&["PTTL", &bk]).trim().parse().unwrap();
+    assert!(pttl > 1_230_000, "TTL covers the OPEN period: {pttl}");
+    // A reset keeps the breaker hash (its epoch) and drops the quota hash.
+    let before = b.snapshot("s1", &bp(), &qp()).await.unwrap().epoch;
+    let a = b.reset("s1").await.unwrap();
+    assert_eq!(a.epoch, before + 1);
+    assert_eq!(srv.cli(&["EXISTS", &qk]).trim(), "0");
+    assert_eq!(srv.cli(&["EXISTS", &bk]).trim(), "1");
+}
+
+#[tokio::test]
+async fn durations_are_exact_server_time() {
+    let Some(srv) = RedisServer::start() else {
+        return;
+    };
+    let b = backend(&srv, &prefix(), ms(500), OnBackendError::FailClosed).await;
+    let a = b.force_open("s1", ms(250)).await.unwrap();
+    assert_eq!((a.state, a.retry_after), (State::Open, ms(250)));
+    let a = b
+        .force_open("s2", Duration::from_micros(1_234_567))
+        .await
+        .unwrap();
+    assert_eq!(a.retry_after, Duration::from_micros(1_234_567));
+    let e = b.try_enter("s1", &bp()).await.unwrap();
+    assert!(!e.granted && e.retry_after < ms(250) && e.retry_after > ms(150));
+}
+
+#[tokio::test]
+async fn unknown_source_is_refused() {
+    let Some(srv) = RedisServer::start() else {
+        return;
+    };
+    let b = backend(&srv, &prefix(), ms(500), OnBackendError::Local).await;
+    let r = b.try_enter("nope", &bp()).await;
+    assert_eq!(r, Err(BackendError::UnknownSource("nope".into())));
+    assert!(!b.degraded("nope"));
+}
+
+#[tokio::test]
+async fn two_hosts_share_one_breaker() {
+    let Some(srv) = RedisServer::start() else {
+        return;
+    };
+    let p = prefix();
+    let h1 = backend(&srv, &p, ms(500), OnBackendError::FailClosed).await;
+    let h2 = backend(&srv, &p, ms(500), OnBackendError::FailClosed).await;
+    for _ in 0..3 {
+        let e = h1.try_enter("s1", &bp()).await.unwrap();
+        h1.record_failure("s1", e.epoch, &bp()).await.unwrap();
+    }
+    let e = h2.try_enter("s1", &bp()).await.unwrap();
+    assert_eq!((e.granted, e.state), (false, State::Open));
+    tokio::time::sleep(ms(110)).await;
+    // Exactly one host gets the probe.
+    let p = bp();
+    let (a, b) = tokio::join!(h1.try_enter("s1", &p), h2.try_enter("s1", &p));
+    let probes = [a.unwrap(), b.unwrap()]
+        .iter()
+        .filter(|e| e.is_probe)
+        .count();
+    assert_eq!(probes, 1);
+}
+
+// ---------------------------------------------------------------- script cache
+
+#[tokio::test]
+async fn noscript_after_script_flush_reloads() {
+    let Some(srv) = RedisServer::start() else {
+        return;
+    };
+    let b = backend(&srv, &prefix(), ms(500), OnBackendError::FailClosed).await;
+    admit_report(&b, "s1").await;
+    assert!(srv.cli(&["SCRIPT", "FLUSH"]).contains("OK"));
+    admit_report(&b, "s1").await;
+    assert!(!b.degraded("s1"));
+    assert_eq!(
+        b.snapshot("s1", &bp(), &qp())
+            .await
+            .unwrap()
+            .window_successes,
+        2
+    );
+}
+
+#[tokio::test]
+async fn redis_restart_reconnects_and_reloads_script() {
+    let Some(mut srv) = RedisServer::start() else {
+        return;
+    };
+    let b = backend(&srv, &prefix(), ms(300), OnBackendError::FailClosed).await;
+    admit_report(&b, "s1").await;
+    srv.restart(); // empty server: no script cached, no keys
+    let deadline = Instant::now() + Duration::from_secs(4);
+    loop {
+        match b.admit("s1", &bp(), &qp(), 10).await {
+            Ok(Admit::Granted { .. }) => break,
+            Ok(a) => panic!("unexpected {a:?}"),
+            Err(e) => {
+                assert!(Instant::now() < deadline, "no recovery after restart: {e}");
+                tokio::time::sleep(ms(50)).await;
+            }
+        }
+    }
+    admit_report(&b, "s2").await;
+}
+
+// ---------------------------------------------------------------- degradation
+
+#[tokio::test]
+async fn degrades_to_local_when_killed_and_restores_when_back() {
+    let logs = Logs::global();
+    let Some(mut srv) = RedisServer::start() else {
+        return;
+    };
+    let timeout = ms(200);
+    let b = backend(&srv, &prefix(), timeout, OnBackendError::Local).await;
+    admit_report(&b, "s1").await;
+    assert!(!b.degraded("s1"));
+    srv.kill();
+
+    // Served locally, within the timeout, and marked degraded.
+    let t0 = Instant::now();
+    admit_report(&b, "s1").await;
+    assert!(
+        t0.elapsed() < timeout + ms(150),
+        "first failure bounded: {:?}",
+        t0.elapsed()
+    );
+    assert!(b.degraded("s1"));
+    assert!(!b.degraded("s2"), "degradation is per source");
+    // While degraded, calls do not wait on Redis.
+    let t0 = Instant::now();
+    for _ in 0..20 {
+        admit_report(&b, "s1").await;
+    }
+    assert!(
+        t0.elapsed() < ms(300),
+        "degraded calls are local: {:?}",
+        t0.elapsed()
+    );
+    assert_eq!(
+        logs.count("source degraded to local state", &srv.url()),
+        1,
+        "one line per transition"
+    );
+
+    srv.restart();
+    let deadline = Instant::now() + Duration::from_secs(4);
+    while b.degraded("s1") {
+        assert!(Instant::now() < deadline, "not restored after restart");
+        admit_report(&b, "s1").await;
+        tokio::time::sleep(ms(20)).await;
+    }
+    assert_eq!(logs.count("redis reachable again", &srv.url()), 1);
+    assert_eq!(logs.count("source degraded to local state", &srv.url()), 1);
+    // Back on Redis: state lands in the (fresh) server.
+    admit_report(&b, "s1").await;
+    assert_eq!(srv.cli(&["EXISTS", &b.breaker_key("s1")]).trim(), "1");
+}
+
+#[tokio::test]
+async fn stalled_redis_costs_at_most_the_timeout() {
+    let Some(srv) = RedisServer::start() else {
+        return;
+    };
+    let timeout = ms(150);
+    let b = backend(&srv, &prefix(), timeout, OnBackendError::Local).await;
+    admit_report(&b, "s1").await;
+    srv.pause(); // accepts, never answers
+    let t0 = Instant::now();
+    let r = b.admit("s1", &bp(), &qp(), 10).await.unwrap();
+    let took = t0.elapsed();
+    srv.resume();
+    assert!(matches!(r, Admit::Granted { .. }), "served locally: {r:?}");
+    assert!(
+        took >= timeout && took < timeout + ms(150),
+        "bounded by the timeout: {took:?}"
+    );
+    assert!(b.degraded("s1"));
+    // Redis answers again: restored on the next try after the retry interval.
+    let deadline = Instant::now() + Duration::from_secs(4);
+    while b.degraded("s1") {
+        assert!(Instant::now() < deadline, "not restored after SIGCONT");
+        admit_report(&b, "s1").await;
+        tokio::time::sleep(ms(50)).await;
+    }
+}
+
+#[tokio::test]
+async fn connect_succeeds_while_redis_is_down() {
+    let Some(mut srv) = RedisServer::start() else {
+        return;
+    };
+    srv.kill();
+    let b = backend(&srv, &prefix(), ms(200), OnBackendError::Local).await;
+    let e = b.try_enter("s1", &bp()).await.unwrap();
+    assert!(e.granted);
+    assert!(b.degraded("s1"));
+    srv.restart();
+    let deadline = Instant::now() + Duration::from_secs(4);
+    while b.degraded("s1") {
+        assert!(Instant::now() < deadline, "not restored once Redis came up");
+        let _ = b.try_enter("s1", &bp()).await.unwrap();
+        tokio::time::sleep(ms(50)).await;
+    }
+}
+
+#[tokio::test]
+async fn fail_closed_refuses_with_a_clear_error() {
+    let Some(mut srv) = RedisServer::start() else {
+        return;
+    };
+    let b = backend(&srv, &prefix(), ms(200), OnBackendError::FailClosed).await;
+    admit_report(&b, "s1").await;
+    srv.kill();
+    let t0 = Instant::now();
+    let err = b.admit("s1", &bp(), &qp(), 10).await.unwrap_err();
+    assert!(t0.elapsed() < ms(400));
+    let BackendError::Unavailable(msg) = &err else {
+        panic!("expected Unavailable: {err:?}")
+    };
+    assert!(
+        msg.contains("redis://127.0.0.1:") && msg.contains("unreachable"),
+        "{msg}"
+    );
+    assert!(!b.degraded("s1"), "fail_closed never serves local state");
+    // Within the retry interval the refusal is immediate.
+    let t0 = Instant::now();
+    assert!(b
+        .report("s1", &bp(), &qp(), 0, false, 10, Outcome::Cancelled)
+        .await
+        .is_err());
+    assert!(t0.elapsed() < ms(50));
+    srv.restart();
+    let deadline = Instant::now() + Duration::from_secs(4);
+    while b.try_enter("s1", &bp()).await.is_err() {
+        assert!(Instant::now() < deadline, "not recovered");
+        tokio::time::sleep(ms(50)).await;
+    }
+}
+
+// ---------------------------------------------------------------- admin broadcast
+
+async fn wait_subscribed(b: &RedisBackend) {
+    let deadline = Instant::now() + Duration::from_secs(3);
+    while !b.admin_subscribed() {
+        assert!(
+            Instant::now() < deadline,
+            "admin subscriber never subscribed"
+        );
+        tokio::time::sleep(ms(10)).await;
+    }
+}
+
+async fn next_event(rx: &mut tokio::sync::broadcast::Receiver<AdminEvent>) -> AdminEvent {
+    tokio::time::timeout(Duration::from_secs(2), rx.recv())
+        .await
+        .expect("admin event within 2 s")
+        .expect("channel open")
+}
+
+#[tokio::test]
+async fn admin_ops_reach_other_hosts() {
+    let Some(mut srv) = RedisServer::start() else {
+        return;
+    };
+    let p = prefix();
+    let h1 = backend(&srv, &p, ms(300), OnBackendError::Local).await;
+    let h2 = backend(&srv, &p, ms(300), OnBackendError::Local).await;
+    assert_eq!(h2.admin_channel(), format!("{p}:admin"));
+    let mut rx = h2.admin_events();
+    wait_subscribed(&h2).await;
+    h1.force_open("s1", ms(500)).await.unwrap();
+    h1.force_close("s2").await.unwrap();
+    h1.reset("s3").await.unwrap();
+    let got = [
+        next_event(&mut rx).await,
+        next_event(&mut rx).await,
+        next_event(&mut rx).await,
+    ];
+    assert_eq!(
+        got,
+        [
+            AdminEvent {
+                source: "s1".into(),
+                op: AdminOp::ForceOpen
+            },
+            AdminEvent {
+                source: "s2".into(),
+                op: AdminOp::ForceClose
+            },
+            AdminEvent {
+                source: "s3".into(),
+                op: AdminOp::Reset
+            },
+        ]
+    );
+    // Another prefix's channel is not ours.
+    let other = backend(&srv, &prefix(), ms(300), OnBackendError::Local).await;
+    other.force_close("s1").await.unwrap();
+    // The subscriber comes back after a Redis restart.
+    srv.restart();
+    let deadline = Instant::now() + Duration::from_secs(4);
+    loop {
+        tokio::time::sleep(ms(50)).await;
+        if h2.admin_subscribed() && h1.force_close("s1").await.is_ok() && !h1.degraded("s1") {
+            break;
+        }
+        assert!(Instant::now() < deadline, "subscriber did not come back");
+    }
+    let ev = next_event(&mut rx).await;
+    assert_eq!(
+        ev,
+        AdminEvent {
+            source: "s1".into(),
+            op: AdminOp::ForceClose
+        },
+        "other prefix leaked or lost"
+    );
+}
+
+#[tokio::test]
+async fn degraded_admin_op_is_delivered_locally() {
+    let Some(mut srv) = RedisServer::start() else {
+        return;
+    };
+    let b = backend(&srv, &prefix(), ms(200), OnBackendError::Local).await;
+    let mut rx = b.admin_events();
+    srv.kill();
+    let a = b.force_close("s1").await.unwrap();
+    assert_eq!(a.state, State::Closed);
+    assert!(b.degraded("s1"));
+    assert_eq!(
+        next_event(&mut rx).await,
+        AdminEvent {
+            source: "s1".into(),
+            op: AdminOp::ForceClose
+        }
+    );
+}
+
+#[tokio::test]
+async fn any_backend_delegates() {
+    let Some(srv) = RedisServer::start() else {
+        return;
+    };
+    let b = AnyBackend::Redis(backend(&srv, &prefix(), ms(300), OnBackendError::FailClosed).await);
+    assert_eq!(b.name(), "redis");
+    assert!(b.admin_events().is_some());
+    admit_report(&b, "s1").await;
+    assert_eq!(
+        b.snapshot("s1", &bp(), &qp())
+            .await
+            .unwrap()
+            .window_successes,
+        1
+    );
+    let m = AnyBackend::Memory(polygate::backend::memory::MemoryBackend::new(
+        Arc::new(TokioClock::new()),
+        SOURCES,
+    ));
+    assert_eq!(m.name(), "memory");
+    assert!(m.admin_events().is_none());
+    admit_report(&m, "s1").await;
+}
+
+// ---------------------------------------------------------------- cluster
+
+#[tokio::test]
+async fn cluster_ops_admin_and_routing() {
+    let Some(cl) = RedisCluster::start() else {
+        return;
+    };
+    let p = prefix();
+    let mk = |p: String| {
+        let o = RedisOptions {
+            url: String::new(),
+            cluster_nodes: cl.urls(),
+            key_prefix: p,
+            timeout: ms(500),
+            on_backend_error: OnBackendError::FailClosed,
+            sources: SOURCES.iter().map(|s| s.to_string()).collect(),
+        };
+        RedisBackend::connect(o, Arc::new(TokioClock::new()))
+    };
+    let h1 = mk(p.clone()).await.unwrap();
+    let h2 = mk(p.clone()).await.unwrap();
+    let mut rx = h2.admin_events();
+    wait_subscribed(&h2).await;
+    for s in SOURCES {
+        admit_report(&h1, s).await;
+        // Both keys live on the node owning the source's slot.
+        let node = cl.node_for(&h1.breaker_key(s));
+        assert_eq!(
+            node.cli(&["EXISTS", &h1.breaker_key(s), &h1.quota_key(s)])
+                .trim(),
+            "2"
+        );
+    }
+    cl.nodes.iter().for_each(|n| {
+        n.cli(&["CONFIG", "RESETSTAT"]);
+    });
+    admit_report(&h1, "s2").await;
+    assert_eq!(
+        cl.command_calls("evalsha"),
+        2,
+        "one EVALSHA per admit and per report"
+    );
+    // Admin broadcast crosses nodes (h2 subscribes on the first seed).
+    for s in SOURCES {
+        h1.force_close(s).await.unwrap();
+        assert_eq!(
+            next_event(&mut rx).await,
+            AdminEvent {
+                source: s.into(),
+                op: AdminOp::ForceClose
+            }
+        );
+    }
+    let a = h1.force_open("s3", ms(300)).await.unwrap();
+    assert_eq!(a.retry_after, ms(300));
+    let r = h2.retry_after(&["s3"]).await.unwrap();
+    assert!(r <= ms(300) && r > ms(200));
+    assert_eq!(h2.retry_after(&["s1", "s3"]).await.unwrap(), Duration::ZERO);
+    // NOSCRIPT recovery on every node.
+    for n in &cl.nodes {
+        n.cli(&["SCRIPT", "FLUSH"]);
+    }
+    for s in ["s1", "s2"] {
+        admit_report(&h2, s).await;
+    }
+}
+
+#[tokio::test]
+async fn cluster_node_down_degrades_only_its_sources() {
+    let Some(mut cl) = RedisCluster::start() else {
+        return;
+    };
+    let o = RedisOptions {
+        url: String::new(),
+        cluster_nodes: cl.urls(),
+        key_prefix: prefix(),
+        timeout: ms(200),
+        on_backend_error: OnBackendError::Local,
+        sources: SOURCES.iter().map(|s| s.to_string()).collect(),
+    };
+    let b = RedisBackend::connect(o, Arc::new(TokioClock::new()))
+        .await
+        .unwrap();
+    for s in SOURCES {
+        admit_report(&b, s).await;
+    }
+    let port_of = |cl: &RedisCluster, s: &str| cl.node_for(&b.breaker_key(s)).port;
+    let dead_port = port_of(&cl, "s1");
+    let (down, up): (Vec<&str>, Vec<&str>) =
+        SOURCES.iter().partition(|s| port_of(&cl, s) == dead_port);
+    let i = cl.nodes.iter().position(|n| n.port == dead_port).unwrap();
+    cl.nodes[i].kill();
+    for _ in 0..3 {
+        for s in SOURCES {
+            let t0 = Instant::now();
+            admit_report(&b, s).await;
+            assert!(
+                t0.elapsed() < ms(2 * 200 + 150),
+                "{s}: bounded: {:?}",
+                t0.elapsed()
+            );
+        }
+    }
+    for s in &down {
+        assert!(b.degraded(s), "{s} lives on the dead node");
+    }
+    for s in &up {
+        assert!(!b.degraded(s), "{s} lives on a live node");
+    }
+    // The node comes back with its slots (nodes.conf survives): its sources return.
+    cl.nodes[i].restart();
+    let t0 = Instant::now();
+    while down.iter().any(|s| b.degraded(s)) {
+        assert!(
+            t0.elapsed() < Duration::from_secs(8),
+            "not restored after the node came back"
+        );
+        for s in &down {
+            admit_report(&b, s).await;
+        }
+        tokio::time::sleep(ms(50)).await;
+    }
+    eprintln!("restored after {:?}", t0.elapsed());
+}
