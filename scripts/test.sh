@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# Runs every PolyGate test on a fresh machine: formatting and lints, the Rust tests
+# (engine, the backend contract suite on memory / Redis / Redis Cluster, Redis fault
+# tests, protocol vectors, server and binary tests), then the Python binding's tests
+# (golden vectors, fake sidecar) and the end-to-end tests against the real daemon.
+#
+# It installs what it needs: redis-server (Debian package) if missing, and a Python
+# venv in .venv with pytest and the `polygate` binding (editable). Tests start their
+# own redis-server instances on free ports; with CI=true a Redis that cannot start
+# fails the run instead of skipping.
+set -euo pipefail
+
+root=$(cd "$(dirname "$0")/.." && pwd)
+cd "$root"
+
+step() { printf '\n==> %s\n' "$*"; }
+
+if ! command -v redis-server >/dev/null 2>&1; then
+    step "installing redis-server (tests start their own instances)"
+    if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
+        apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null
+    else
+        echo "redis-server is missing and cannot be installed here (need root + apt-get)" >&2
+        exit 1
+    fi
+fi
+
+step "cargo fmt --check"
+cargo fmt --all -- --check
+
+step "cargo clippy (all targets, warnings are errors)"
+cargo clippy --workspace --all-targets --quiet -- -D warnings
+
+step "Rust tests"
+cargo build --workspace --quiet
+cargo test --workspace
+
+step "Python venv (.venv) with pytest and the polygate binding"
+if [ ! -x .venv/bin/python ]; then
+    python3 -m venv .venv
+fi
+.venv/bin/python -m pip install --quiet --disable-pip-version-check --upgrade pytest
+.venv/bin/python -m pip install --quiet --disable-pip-version-check -e bindings/python
+
+step "Python tests (binding, vectors, end-to-end against the real daemon)"
+export POLYGATE_SIDECAR_BIN="$root/target/debug/polygate-sidecar"
+.venv/bin/python -m pytest -q bindings/python/tests tests
