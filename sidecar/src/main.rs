@@ -3,7 +3,7 @@
 //! A thin shell over the `polygate` library: configuration, socket setup, systemd
 //! integration and signals live here; everything else is [`polygate::server::run`].
 
-use std::io;
+use std::io::{self, IsTerminal};
 use std::os::unix::fs::{FileTypeExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
@@ -231,10 +231,16 @@ fn daemon(config: Config, path: Option<PathBuf>) -> ExitCode {
 fn init_tracing() {
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
-    tracing_subscriber::fmt()
+    let fmt = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(io::stderr)
-        .init();
+        .with_ansi(io::stderr().is_terminal());
+    // Under systemd the journal stamps every line itself.
+    if std::env::var_os("JOURNAL_STREAM").is_some() {
+        fmt.without_time().init();
+    } else {
+        fmt.init();
+    }
 }
 
 /// A bound listener, and the socket file to remove on exit when we created it.
