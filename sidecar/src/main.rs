@@ -95,11 +95,7 @@ fn main() -> ExitCode {
 /// The configuration from `path` (or the embedded example) with environment
 /// overrides; on error the message goes to stderr and the exit code is returned.
 fn load_config(path: Option<&Path>) -> Result<Config, ExitCode> {
-    let loaded = match path {
-        Some(p) => config::parse::load_file(p, std::env::vars()),
-        None => config::parse::parse_str(config::parse::EXAMPLE_CONFIG, std::env::vars()),
-    };
-    loaded.map_err(|e| {
+    read_config(path).map_err(|e| {
         let origin = path.map_or("embedded example configuration".into(), |p| {
             p.display().to_string()
         });
@@ -426,7 +422,7 @@ fn reload(path: Option<&Path>) {
     sd_notify("RELOADING", notify::reloading());
     match path {
         None => info!("SIGHUP: running on the embedded example configuration; nothing to reload"),
-        Some(_) => match load_config_quiet(path) {
+        Some(_) => match read_config(path) {
             Ok(c) => info!(
                 scopes = c.scopes.len(),
                 "SIGHUP: the configuration file is valid; live reload is not supported yet, changes apply on restart"
@@ -437,11 +433,12 @@ fn reload(path: Option<&Path>) {
     sd_notify("READY", notify::ready());
 }
 
-fn load_config_quiet(path: Option<&Path>) -> Result<Config, String> {
+/// The configuration from `path` (or the embedded example) with the environment's
+/// `{SCOPE}__{KEY}` overrides applied.
+fn read_config(path: Option<&Path>) -> Result<Config, config::parse::ConfigError> {
     match path {
-        Some(p) => config::parse::load_file(p, std::env::vars()).map_err(|e| e.to_string()),
-        None => config::parse::parse_str(config::parse::EXAMPLE_CONFIG, std::env::vars())
-            .map_err(|e| e.to_string()),
+        Some(p) => config::parse::load_file(p, std::env::vars()),
+        None => config::parse::parse_str(config::parse::EXAMPLE_CONFIG, std::env::vars()),
     }
 }
 
