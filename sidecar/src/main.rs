@@ -13,8 +13,7 @@ use std::time::Duration;
 use clap::{Parser, Subcommand};
 use futures_util::{SinkExt, StreamExt};
 use ipc_protocol::{ClientCodec, ClientFrame, Reply, Request};
-use polygate::backend::memory::MemoryBackend;
-use polygate::backend::redis::{AdminEvent, AdminOp, RedisBackend, RedisOptions};
+use polygate::backend::redis::{AdminEvent, AdminOp};
 use polygate::backend::AnyBackend;
 use polygate::clock::{Clock, TokioClock};
 use polygate::config::{self, BackendKind, Config};
@@ -104,6 +103,13 @@ fn load_config(path: Option<&Path>) -> Result<Config, ExitCode> {
     })
 }
 
+fn backend_name(b: BackendKind) -> &'static str {
+    match b {
+        BackendKind::Memory => "memory",
+        BackendKind::Redis => "redis",
+    }
+}
+
 /// One line: what `--check-config` validated.
 fn summary(c: &Config, path: Option<&Path>) -> String {
     let scopes: Vec<String> = c
@@ -118,10 +124,7 @@ fn summary(c: &Config, path: Option<&Path>) -> String {
             )
         })
         .collect();
-    let backend = match c.sidecar.backend {
-        BackendKind::Memory => "memory",
-        BackendKind::Redis => "redis",
-    };
+    let backend = backend_name(c.sidecar.backend);
     format!(
         "configuration OK ({}): {} scope{}: {}; backend {backend}; socket {}",
         path.map_or("embedded example".into(), |p| p.display().to_string()),
@@ -247,10 +250,11 @@ struct Bound {
 
 async fn serve(config: Config, path: Option<PathBuf>) -> ExitCode {
     let clock: Arc<dyn Clock> = Arc::new(TokioClock::new());
-    let backend = match build_backend(&config, clock.clone()).await {
+    // Redis is connected lazily: this succeeds while it is down.
+    let backend = match AnyBackend::from_config(&config, clock.clone()).await {
         Ok(b) => b,
         Err(e) => {
-            error!("{e}");
+            error!("{} backend: {e}", backend_name(config.sidecar.backend));
             return ExitCode::FAILURE;
         }
     };
@@ -271,39 +275,6 @@ async fn serve(config: Config, path: Option<PathBuf>) -> ExitCode {
     }
     info!("stopped");
     code
-}
-
-/// The configured backend. Redis is connected lazily: this succeeds while it is down.
-async fn build_backend(c: &Config, clock: Arc<dyn Clock>) -> Result<AnyBackend, String> {
-    let sources = source_names(c);
-    match c.sidecar.backend {
-        BackendKind::Memory => Ok(MemoryBackend::new(clock, sources).into()),
-        BackendKind::Redis => {
-            let opts = RedisOptions {
-                url: c.sidecar.redis_url.clone(),
-                cluster_nodes: c.sidecar.redis_cluster_nodes.clone(),
-                key_prefix: c.sidecar.key_prefix.clone(),
-                timeout: c.sidecar.redis_timeout,
-                on_backend_error: c.sidecar.on_backend_error,
-                sources,
-            };
-            RedisBackend::connect(opts, clock)
-                .await
-                .map(Into::into)
-                .map_err(|e| format!("redis backend: {e}"))
-        }
-    }
-}
-
-fn source_names(c: &Config) -> Vec<String> {
-    let mut names: Vec<String> = c
-        .scopes
-        .iter()
-        .flat_map(|s| s.sources.iter().map(|x| x.name.clone()))
-        .collect();
-    names.sort();
-    names.dedup();
-    names
 }
 
 async fn run_engine(
