@@ -3,7 +3,7 @@
 //! A thin shell over the `polygate` library: configuration, socket setup, systemd
 //! integration and signals live here; everything else is [`polygate::server::run`].
 
-use std::io;
+use std::io::{self, IsTerminal};
 use std::os::unix::fs::{FileTypeExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
@@ -13,8 +13,7 @@ use std::time::Duration;
 use clap::{Parser, Subcommand};
 use futures_util::{SinkExt, StreamExt};
 use ipc_protocol::{ClientCodec, ClientFrame, Reply, Request};
-use polygate::backend::memory::MemoryBackend;
-use polygate::backend::redis::{AdminEvent, AdminOp, RedisBackend, RedisOptions};
+use polygate::backend::redis::{AdminEvent, AdminOp};
 use polygate::backend::AnyBackend;
 use polygate::clock::{Clock, TokioClock};
 use polygate::config::{self, BackendKind, Config};
@@ -95,17 +94,20 @@ fn main() -> ExitCode {
 /// The configuration from `path` (or the embedded example) with environment
 /// overrides; on error the message goes to stderr and the exit code is returned.
 fn load_config(path: Option<&Path>) -> Result<Config, ExitCode> {
-    let loaded = match path {
-        Some(p) => config::parse::load_file(p, std::env::vars()),
-        None => config::parse::parse_str(config::parse::EXAMPLE_CONFIG, std::env::vars()),
-    };
-    loaded.map_err(|e| {
+    read_config(path).map_err(|e| {
         let origin = path.map_or("embedded example configuration".into(), |p| {
             p.display().to_string()
         });
         eprintln!("polygate-sidecar: invalid configuration ({origin}): {e}");
         ExitCode::from(EXIT_CONFIG)
     })
+}
+
+fn backend_name(b: BackendKind) -> &'static str {
+    match b {
+        BackendKind::Memory => "memory",
+        BackendKind::Redis => "redis",
+    }
 }
 
 /// One line: what `--check-config` validated.
@@ -122,10 +124,7 @@ fn summary(c: &Config, path: Option<&Path>) -> String {
             )
         })
         .collect();
-    let backend = match c.sidecar.backend {
-        BackendKind::Memory => "memory",
-        BackendKind::Redis => "redis",
-    };
+    let backend = backend_name(c.sidecar.backend);
     format!(
         "configuration OK ({}): {} scope{}: {}; backend {backend}; socket {}",
         path.map_or("embedded example".into(), |p| p.display().to_string()),
@@ -231,10 +230,16 @@ fn daemon(config: Config, path: Option<PathBuf>) -> ExitCode {
 fn init_tracing() {
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
-    tracing_subscriber::fmt()
+    let fmt = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(io::stderr)
-        .init();
+        .with_ansi(io::stderr().is_terminal());
+    // Under systemd the journal stamps every line itself.
+    if std::env::var_os("JOURNAL_STREAM").is_some() {
+        fmt.without_time().init();
+    } else {
+        fmt.init();
+    }
 }
 
 /// A bound listener, and the socket file to remove on exit when we created it.
@@ -245,10 +250,11 @@ struct Bound {
 
 async fn serve(config: Config, path: Option<PathBuf>) -> ExitCode {
     let clock: Arc<dyn Clock> = Arc::new(TokioClock::new());
-    let backend = match build_backend(&config, clock.clone()).await {
+    // Redis is connected lazily: this succeeds while it is down.
+    let backend = match AnyBackend::from_config(&config, clock.clone()).await {
         Ok(b) => b,
         Err(e) => {
-            error!("{e}");
+            error!("{} backend: {e}", backend_name(config.sidecar.backend));
             return ExitCode::FAILURE;
         }
     };
@@ -269,39 +275,6 @@ async fn serve(config: Config, path: Option<PathBuf>) -> ExitCode {
     }
     info!("stopped");
     code
-}
-
-/// The configured backend. Redis is connected lazily: this succeeds while it is down.
-async fn build_backend(c: &Config, clock: Arc<dyn Clock>) -> Result<AnyBackend, String> {
-    let sources = source_names(c);
-    match c.sidecar.backend {
-        BackendKind::Memory => Ok(MemoryBackend::new(clock, sources).into()),
-        BackendKind::Redis => {
-            let opts = RedisOptions {
-                url: c.sidecar.redis_url.clone(),
-                cluster_nodes: c.sidecar.redis_cluster_nodes.clone(),
-                key_prefix: c.sidecar.key_prefix.clone(),
-                timeout: c.sidecar.redis_timeout,
-                on_backend_error: c.sidecar.on_backend_error,
-                sources,
-            };
-            RedisBackend::connect(opts, clock)
-                .await
-                .map(Into::into)
-                .map_err(|e| format!("redis backend: {e}"))
-        }
-    }
-}
-
-fn source_names(c: &Config) -> Vec<String> {
-    let mut names: Vec<String> = c
-        .scopes
-        .iter()
-        .flat_map(|s| s.sources.iter().map(|x| x.name.clone()))
-        .collect();
-    names.sort();
-    names.dedup();
-    names
 }
 
 async fn run_engine(
@@ -420,7 +393,7 @@ fn reload(path: Option<&Path>) {
     sd_notify("RELOADING", notify::reloading());
     match path {
         None => info!("SIGHUP: running on the embedded example configuration; nothing to reload"),
-        Some(_) => match load_config_quiet(path) {
+        Some(_) => match read_config(path) {
             Ok(c) => info!(
                 scopes = c.scopes.len(),
                 "SIGHUP: the configuration file is valid; live reload is not supported yet, changes apply on restart"
@@ -431,11 +404,12 @@ fn reload(path: Option<&Path>) {
     sd_notify("READY", notify::ready());
 }
 
-fn load_config_quiet(path: Option<&Path>) -> Result<Config, String> {
+/// The configuration from `path` (or the embedded example) with the environment's
+/// `{SCOPE}__{KEY}` overrides applied.
+fn read_config(path: Option<&Path>) -> Result<Config, config::parse::ConfigError> {
     match path {
-        Some(p) => config::parse::load_file(p, std::env::vars()).map_err(|e| e.to_string()),
-        None => config::parse::parse_str(config::parse::EXAMPLE_CONFIG, std::env::vars())
-            .map_err(|e| e.to_string()),
+        Some(p) => config::parse::load_file(p, std::env::vars()),
+        None => config::parse::parse_str(config::parse::EXAMPLE_CONFIG, std::env::vars()),
     }
 }
 

@@ -689,3 +689,53 @@ async fn cluster_node_down_degrades_only_its_sources() {
     }
     eprintln!("restored after {:?}", t0.elapsed());
 }
+
+#[tokio::test]
+async fn any_backend_from_config() {
+    let Some(srv) = RedisServer::start() else {
+        return;
+    };
+    let toml = format!(
+        r#"
+[sidecar]
+backend = "redis"
+redis_url = "{}"
+key_prefix = "{}"
+on_backend_error = "fail_closed"
+redis_timeout = "300ms"
+
+[[scopes.chat.sources]]
+name = "a"
+timeout = "1s"
+[[scopes.chat.sources]]
+name = "b"
+timeout = "1s"
+
+[[scopes.embed.sources]]
+name = "a"
+timeout = "1s"
+"#,
+        srv.url(),
+        prefix()
+    );
+    let cfg = polygate::config::parse::parse_str(&toml, std::iter::empty()).expect("config");
+    let o = RedisOptions::from_config(&cfg);
+    assert_eq!(
+        o.sources,
+        vec!["a".to_string(), "b".to_string()],
+        "deduplicated"
+    );
+    assert_eq!(
+        (o.timeout, o.on_backend_error),
+        (ms(300), OnBackendError::FailClosed)
+    );
+    let b = AnyBackend::from_config(&cfg, Arc::new(TokioClock::new()))
+        .await
+        .unwrap();
+    assert_eq!(b.name(), "redis");
+    admit_report(&b, "a").await;
+    assert!(matches!(
+        b.try_enter("s1", &bp()).await,
+        Err(BackendError::UnknownSource(_))
+    ));
+}

@@ -74,6 +74,7 @@ struct Server {
     path: PathBuf,
     stop: Option<oneshot::Sender<()>>,
     task: JoinHandle<Result<(), ServerError>>,
+    engine: Arc<Engine<MemoryBackend>>,
 }
 
 impl Server {
@@ -83,6 +84,10 @@ impl Server {
     }
 
     async fn start_with(sidecar: &str) -> Server {
+        Self::start_opts(sidecar, |_| {}).await
+    }
+
+    async fn start_opts(sidecar: &str, tweak: impl FnOnce(&mut ServerOptions)) -> Server {
         let config = parse_str(&config_toml(sidecar), std::iter::empty()).expect("test config");
         let clock: Arc<dyn Clock> = Arc::new(TokioClock::new());
         let mut names: Vec<String> = config
@@ -96,9 +101,10 @@ impl Server {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("sidecar.sock");
         let listener = UnixListener::bind(&path).unwrap();
-        let opts = ServerOptions::from_config(&config.sidecar);
+        let mut opts = ServerOptions::from_config(&config.sidecar);
+        tweak(&mut opts);
         let (stop, stopped) = oneshot::channel::<()>();
-        let task = tokio::spawn(server::run(listener, engine, opts, async move {
+        let task = tokio::spawn(server::run(listener, engine.clone(), opts, async move {
             let _ = stopped.await;
         }));
         Server {
@@ -106,6 +112,18 @@ impl Server {
             path,
             stop: Some(stop),
             task,
+            engine,
+        }
+    }
+
+    /// The engine holds no permit and no reservation (and, if `calls`, no call).
+    fn assert_nothing_held(&self, calls: bool) {
+        let live = self.engine.live_counts();
+        assert_eq!(live.permits, 0, "{live:?}");
+        assert_eq!(live.pacer_in_flight, 0, "{live:?}");
+        assert_eq!(live.reserved_tokens, 0, "{live:?}");
+        if calls {
+            assert_eq!(live.calls, 0, "{live:?}");
         }
     }
 
@@ -500,6 +518,7 @@ async fn cancel_ends_a_waiting_acquire_and_leaves_nothing_in_flight() {
     let report = c.status().await;
     let slow = report.scopes.iter().find(|s| s.name == "slow").unwrap();
     assert_eq!(slow.waiters, 0, "{slow:?}");
+    server.assert_nothing_held(false);
 
     // The call is usable again: once the source is closed it gets a permit.
     assert_eq!(
@@ -513,6 +532,7 @@ async fn cancel_ends_a_waiting_acquire_and_leaves_nothing_in_flight() {
         Reply::Granted { source, .. } => assert_eq!(source, "s1"),
         other => panic!("expected Granted, got {other:?}"),
     }
+    assert_eq!(c.call(Request::EndCall { call }).await, Reply::Ok);
     server.shutdown().await.unwrap();
 }
 
@@ -594,6 +614,7 @@ async fn dropped_connection_releases_its_permit() {
     drop(worker);
     eventually(&mut watcher, "a", |s| s.in_flight == 0).await;
     assert_eq!(watcher.status().await.scopes[0].calls, 0);
+    server.assert_nothing_held(true);
     server.shutdown().await.unwrap();
 }
 
@@ -715,6 +736,16 @@ async fn peers_outside_the_allowed_lists_are_refused() {
     let mut c = Client::raw(&server.path).await;
     let e = error_frame(c.recv().await, 0, ErrorKind::PermissionDenied);
     assert!(e.message.contains(&my_uid().to_string()), "{e:?}");
+    c.expect_closed().await;
+    server.shutdown().await.unwrap();
+}
+
+#[tokio::test]
+async fn a_silent_client_is_closed_after_the_handshake_timeout() {
+    let server = Server::start_opts("", |o| o.handshake_timeout = Duration::from_millis(200)).await;
+    let mut c = Client::raw(&server.path).await;
+    let e = error_frame(c.recv().await, 0, ErrorKind::ProtocolViolation);
+    assert!(e.message.contains("Hello"), "{e:?}");
     c.expect_closed().await;
     server.shutdown().await.unwrap();
 }

@@ -1,16 +1,19 @@
 //! [`AnyBackend`]: the daemon's choice of backend, by configuration, without a trait
 //! object (the [`Backend`] methods return `impl Future`, which is not object safe).
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use tokio::sync::broadcast;
 
 use super::memory::MemoryBackend;
-use super::redis::{AdminEvent, RedisBackend};
+use super::redis::{AdminEvent, RedisBackend, RedisOptions};
 use super::{
     Admit, Applied, BResult, Backend, BreakerParams, Entry, Outcome, QuotaParams, Reserve,
     Settlement, SourceSnapshot,
 };
+use crate::clock::Clock;
+use crate::config::BackendKind;
 
 /// Either backend; every [`Backend`] method delegates.
 // One per process, built once and never moved on a hot path: the size gap between the
@@ -24,6 +27,20 @@ pub enum AnyBackend {
 }
 
 impl AnyBackend {
+    /// The backend `config.sidecar.backend` names, knowing every configured source.
+    /// Never waits for Redis (it connects lazily), so start-up succeeds while Redis is
+    /// down. Must run inside a Tokio runtime.
+    pub async fn from_config(
+        config: &crate::config::Config,
+        clock: Arc<dyn Clock>,
+    ) -> BResult<Self> {
+        let opts = RedisOptions::from_config(config);
+        Ok(match config.sidecar.backend {
+            BackendKind::Memory => AnyBackend::Memory(MemoryBackend::new(clock, opts.sources)),
+            BackendKind::Redis => AnyBackend::Redis(RedisBackend::connect(opts, clock).await?),
+        })
+    }
+
     /// Admin events broadcast by other hosts (Redis only; `None` for memory, where
     /// there are no other hosts).
     pub fn admin_events(&self) -> Option<broadcast::Receiver<AdminEvent>> {

@@ -38,6 +38,8 @@ const REPLY_QUEUE: usize = 256;
 const DRAIN_POLL: Duration = Duration::from_millis(50);
 /// How long teardown waits for the writer to flush the last replies.
 const FLUSH_TIMEOUT: Duration = Duration::from_secs(1);
+/// How long teardown lets non-abortable requests (Report, EndCall, admin) finish.
+const FINISH_TIMEOUT: Duration = Duration::from_secs(2);
 
 /// Per-connection state the request tasks share.
 struct Conn<B: Backend> {
@@ -47,10 +49,19 @@ struct Conn<B: Backend> {
     shared: Arc<Shared>,
     /// Requests still running, by request id. Whoever removes an entry (the task when
     /// it finishes, or a `Cancel`) owns the request's reply.
-    pending: Mutex<HashMap<u64, AbortHandle>>,
+    pending: Mutex<HashMap<u64, Pending>>,
     /// Permits granted and not yet reported, to the call they belong to. Only used to
     /// tell when a draining connection holds nothing any more.
     permits: Mutex<HashMap<u64, u64>>,
+}
+
+/// A running request.
+struct Pending {
+    task: AbortHandle,
+    /// Safe to abort at any await point: `Acquire` (its engine future is cancel-safe
+    /// and is where a request can wait for long) and `Status` (read-only). Other
+    /// requests change engine state in several steps and are short; they finish.
+    abortable: bool,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -124,10 +135,18 @@ pub(super) async fn serve<B: Backend>(
     let mut tasks = JoinSet::new();
     let end = serve_frames(&conn, reader, &tx, &mut tasks).await;
 
-    // Teardown: abort what still runs (dropping its engine futures ends its waits),
-    // then release everything the connection held.
-    tasks.abort_all();
-    while tasks.join_next().await.is_some() {}
+    // Teardown: abort the waits (dropping their engine futures ends them), let the
+    // short state-changing requests finish (bounded), then release everything the
+    // connection held.
+    for p in lock(&conn.pending).values().filter(|p| p.abortable) {
+        p.task.abort();
+    }
+    let finish = async { while tasks.join_next().await.is_some() {} };
+    if tokio::time::timeout(FINISH_TIMEOUT, finish).await.is_err() {
+        warn!(conn = id, "requests still running at close; aborting them");
+        tasks.abort_all();
+        while tasks.join_next().await.is_some() {}
+    }
     lock(&conn.pending).clear();
     drop(tx);
     conn.engine.release_owner(id).await;
@@ -253,9 +272,15 @@ async fn serve_frames<B: Backend>(
                 return End::Violation;
             }
             Request::Cancel { target } => {
-                let handle = lock(&conn.pending).remove(&target);
-                if let Some(handle) = handle {
-                    handle.abort();
+                let cancelled = {
+                    let mut pending = lock(&conn.pending);
+                    match pending.get(&target) {
+                        Some(p) if p.abortable => pending.remove(&target),
+                        _ => None,
+                    }
+                };
+                if let Some(p) = cancelled {
+                    p.task.abort();
                     debug!(conn = conn.id, request = target, "cancelled");
                     let e = convert::error(
                         ErrorKind::Cancelled,
@@ -271,12 +296,10 @@ async fn serve_frames<B: Backend>(
                 let duplicate = match lock(&conn.pending).entry(id) {
                     Entry::Occupied(_) => true,
                     Entry::Vacant(slot) => {
-                        slot.insert(tasks.spawn(request_task(
-                            conn.clone(),
-                            tx.clone(),
-                            id,
-                            request,
-                        )));
+                        let abortable =
+                            matches!(request, Request::Acquire { .. } | Request::Status);
+                        let task = tasks.spawn(request_task(conn.clone(), tx.clone(), id, request));
+                        slot.insert(Pending { task, abortable });
                         false
                     }
                 };

@@ -3,9 +3,12 @@
 //! [`run`] accepts connections on a Unix listener until `shutdown` resolves. Each
 //! connection checks the peer's credentials, requires a `Hello` first, then serves
 //! many concurrent requests multiplexed by id: every request runs as its own task,
-//! replies go through one writer task, `Cancel` aborts a pending request. When a
-//! connection ends (EOF, error, protocol violation, shutdown) its in-flight requests
-//! are aborted and [`Engine::release_owner`] releases everything it held.
+//! replies go through one writer task. `Cancel` aborts a pending `Acquire` (or
+//! `Status`), which is answered `Cancelled`; other requests are short and change
+//! engine state in steps, so they are left to finish and answer normally. When a
+//! connection ends (EOF, error, protocol violation, shutdown) its waits are aborted,
+//! its other requests finish, and [`Engine::release_owner`] releases everything it
+//! held.
 //!
 //! Shutdown: stop accepting, [`Engine::shutdown`] (waits end with `ShuttingDown`),
 //! let connections drain for up to [`ServerOptions::shutdown_grace`] (a connection

@@ -101,6 +101,27 @@ pub struct RedisOptions {
     pub sources: Vec<String>,
 }
 
+impl RedisOptions {
+    /// Options from the `[sidecar]` section (§12a) and every source of every scope
+    /// (deduplicated: a source in two scopes is one breaker and one quota).
+    pub fn from_config(c: &crate::config::Config) -> Self {
+        let mut sources: Vec<String> = Vec::new();
+        for s in c.scopes.iter().flat_map(|sc| sc.sources.iter()) {
+            if !sources.contains(&s.name) {
+                sources.push(s.name.clone());
+            }
+        }
+        RedisOptions {
+            url: c.sidecar.redis_url.clone(),
+            cluster_nodes: c.sidecar.redis_cluster_nodes.clone(),
+            key_prefix: c.sidecar.key_prefix.clone(),
+            timeout: c.sidecar.redis_timeout,
+            on_backend_error: c.sidecar.on_backend_error,
+            sources,
+        }
+    }
+}
+
 /// An operator action broadcast to every host.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct AdminEvent {

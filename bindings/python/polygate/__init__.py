@@ -1,0 +1,38 @@
+"""PolyGate client: ask the per-host admission sidecar which source to call.
+
+::
+
+    import polygate
+    client = polygate.connect()
+    with client.call("chat", est_tokens=1200) as call:
+        permit = call.acquire()
+        ...
+        permit.success(tokens=1234)
+
+``polygate.aio`` has the same names, awaitable. See README.md.
+"""
+
+from ._core import CLIENT_VERSION as __version__
+from ._core import ReportResult
+from ._sync import Call, Client, Permit, connect
+from .errors import (
+    AllSourcesExhausted,
+    CircuitOpenError,
+    GatewayUnavailableError,
+    PolyGateError,
+    SidecarError,
+)
+
+__all__ = [
+    "connect",
+    "Client",
+    "Call",
+    "Permit",
+    "ReportResult",
+    "PolyGateError",
+    "SidecarError",
+    "GatewayUnavailableError",
+    "CircuitOpenError",
+    "AllSourcesExhausted",
+    "__version__",
+]

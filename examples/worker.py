@@ -1,0 +1,32 @@
+#!/usr/bin/env python3
+"""Example PolyGate worker: the README's quick start, runnable as written.
+
+Start the sidecar first (`cargo run --release -p polygate-sidecar`), then run this.
+The upstream is simulated: 20% of requests time out, so you can watch failover,
+and `status()` shows the breaker, pacer and quota state that results.
+"""
+import random
+
+import polygate
+
+
+def do_request(source):
+    """Stand-in for your upstream call (OpenAI, Azure, vLLM, …)."""
+    if random.random() < 0.2:
+        raise TimeoutError(source)
+    return {"text": "hello from " + source, "total_tokens": random.randint(200, 900)}
+
+
+client = polygate.connect()            # path: arg, else $POLYGATE_SOCKET, else /run/polygate/sidecar.sock
+with client.call("chat", est_tokens=1200) as call:
+    while True:
+        permit = call.acquire()        # blocks in wait mode; raises CircuitOpenError / AllSourcesExhausted
+        try:
+            reply = do_request(permit.source)
+        except TimeoutError:
+            permit.failure("timeout")
+            continue                   # the next acquire fails over; failed sources go last
+        permit.success(tokens=reply["total_tokens"])
+        break
+print(reply["text"])
+print(client.status()["scopes"]["chat"]["sources"]["openai-gpt4o"]["state"])
