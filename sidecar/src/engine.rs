@@ -929,7 +929,7 @@ impl<B: Backend> Engine<B> {
     pub async fn end_call(&self, owner: OwnerId, call: u64) -> Result<(), EngineError> {
         let permit = {
             let mut t = self.lock();
-            if !t.calls.get(&call).is_some_and(|c| c.owner == owner) {
+            if t.calls.get(&call).is_none_or(|c| c.owner != owner) {
                 return Err(EngineError::UnknownCall(call));
             }
             let c = t.calls.remove(&call).expect("checked");

@@ -70,8 +70,10 @@
 //!   token level += reserved, request level += 1. Levels never exceed capacity.
 //! - `block_quota(d)`: blocked_until = max(blocked_until, now + d).
 
+pub mod any;
 pub mod memory;
-pub mod redis; pub mod any; pub use any::AnyBackend;
+pub mod redis;
+pub use any::AnyBackend;
 
 use std::future::Future;
 use std::time::Duration;
