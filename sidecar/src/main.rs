@@ -258,14 +258,27 @@ async fn serve(config: Config, path: Option<PathBuf>) -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
+    // Signal handlers go in before the socket exists: a client (or systemd) may signal
+    // as soon as it can connect, and an early SIGTERM/SIGINT must shut down cleanly
+    // rather than kill the process with the default action.
+    let stop = CancellationToken::new();
+    let signals = match spawn_signal_handlers(stop.clone(), path) {
+        Ok(h) => h,
+        Err(e) => {
+            error!(error = %e, "cannot install signal handlers");
+            return ExitCode::FAILURE;
+        }
+    };
     let bound = match listen(&config) {
         Ok(b) => b,
         Err(e) => {
             error!("{e}");
+            signals.abort();
             return ExitCode::FAILURE;
         }
     };
-    let code = run_engine(&config, path, backend, clock, bound.listener).await;
+    let code = run_engine(&config, stop, backend, clock, bound.listener).await;
+    signals.abort();
     if let Some(p) = bound.created {
         match std::fs::remove_file(&p) {
             Ok(()) => {}
@@ -279,7 +292,7 @@ async fn serve(config: Config, path: Option<PathBuf>) -> ExitCode {
 
 async fn run_engine(
     config: &Config,
-    path: Option<PathBuf>,
+    stop: CancellationToken,
     backend: AnyBackend,
     clock: Arc<dyn Clock>,
     listener: UnixListener,
@@ -289,14 +302,6 @@ async fn run_engine(
     let admin_sync = admin_events.map(|rx| tokio::spawn(apply_admin_events(rx, engine.clone())));
     let opts = ServerOptions::from_config(&config.sidecar);
     let grace = opts.shutdown_grace;
-    let stop = CancellationToken::new();
-    let signals = match spawn_signal_handlers(stop.clone(), path) {
-        Ok(h) => h,
-        Err(e) => {
-            error!(error = %e, "cannot install signal handlers");
-            return ExitCode::FAILURE;
-        }
-    };
     let watchdog = notify::watchdog_interval().map(|every| {
         tokio::spawn(async move {
             let mut tick = tokio::time::interval(every / 2);
@@ -333,7 +338,6 @@ async fn run_engine(
             ExitCode::SUCCESS
         }
     };
-    signals.abort();
     for task in [watchdog, admin_sync].into_iter().flatten() {
         task.abort();
     }
