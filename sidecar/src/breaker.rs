@@ -86,8 +86,14 @@ fn half(p: &BreakerParams) -> u128 {
 impl Breaker {
     /// A closed breaker whose decay clock starts at `now`.
     pub fn new(now: Duration) -> Self {
+        Self::with_epoch(now, 0)
+    }
+
+    /// A closed breaker whose epoch starts at `epoch`.
+    pub fn with_epoch(now: Duration, epoch: u64) -> Self {
         Breaker {
             closed_since: now,
+            epoch,
             ..Breaker::default()
         }
     }

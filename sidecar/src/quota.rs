@@ -29,16 +29,21 @@ impl Bucket {
         self.at = self.at.max(now);
     }
 
-    /// Seconds until the level reaches `need`.
+    /// Time until the level reaches `need`; never zero while it has not (a wait
+    /// that rounds to nothing would let a reservation through below `need`).
     fn wait_for(&self, cap: u64, need: f64) -> Duration {
         if self.level >= need || cap == 0 {
             return Duration::ZERO;
         }
-        Duration::from_secs_f64((need - self.level) * 60.0 / cap as f64)
+        let secs = (need - self.level) * 60.0 / cap as f64;
+        Duration::try_from_secs_f64(secs)
+            .unwrap_or(Duration::MAX)
+            .max(Duration::from_micros(1))
     }
 
+    /// Add `amount` (negative: debit), keeping the level within [−capacity, capacity].
     fn credit(&mut self, cap: u64, amount: f64) {
-        self.level = (self.level + amount).min(cap as f64);
+        self.level = (self.level + amount).clamp(-(cap as f64), cap as f64);
     }
 }
 
@@ -110,11 +115,11 @@ impl Quota {
         if !wait.is_zero() {
             return Reserve::Denied { retry_after: wait };
         }
-        if let Some(b) = &mut self.tokens {
-            b.level -= tokens as f64;
+        if let (Some(cap), Some(b)) = (q.tpm, &mut self.tokens) {
+            b.credit(cap, -(tokens as f64));
         }
-        if let Some(b) = &mut self.requests {
-            b.level -= 1.0;
+        if let (Some(cap), Some(b)) = (q.rpm, &mut self.requests) {
+            b.credit(cap, -1.0);
         }
         Reserve::Reserved
     }

@@ -41,6 +41,18 @@ impl MemoryBackend {
         clock: Arc<dyn Clock>,
         sources: impl IntoIterator<Item = impl Into<String>>,
     ) -> Self {
+        Self::with_epoch_base(clock, sources, 0)
+    }
+
+    /// Like [`MemoryBackend::new`], with every breaker's epoch starting at `base`.
+    /// A local fallback for a shared backend uses a large random base, so a permit
+    /// granted by one can never match an epoch of the other (fencing across a
+    /// degrade/restore).
+    pub fn with_epoch_base(
+        clock: Arc<dyn Clock>,
+        sources: impl IntoIterator<Item = impl Into<String>>,
+        base: u64,
+    ) -> Self {
         let now = clock.now();
         let cells = sources
             .into_iter()
@@ -48,7 +60,7 @@ impl MemoryBackend {
                 (
                     s.into(),
                     Mutex::new(Cell {
-                        breaker: Breaker::new(now),
+                        breaker: Breaker::with_epoch(now, base),
                         quota: Quota::new(),
                     }),
                 )

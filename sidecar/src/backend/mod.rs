@@ -67,7 +67,9 @@
 //!   otherwise nothing is taken and retry_after = the longest refill time needed.
 //! - `settle(reserved, how)`: `Charge{tokens}` → token level += reserved − tokens
 //!   (may go negative: debt). `RefundTokens` → token level += reserved. `RefundAll` →
-//!   token level += reserved, request level += 1. Levels never exceed capacity.
+//!   token level += reserved, request level += 1. Levels never exceed capacity, and
+//!   never fall below −capacity: debt delays later admissions by at most one more
+//!   minute of refill, so one absurd token count cannot lock a source for ages.
 //! - `block_quota(d)`: blocked_until = max(blocked_until, now + d).
 
 pub mod any;

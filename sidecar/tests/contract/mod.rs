@@ -637,6 +637,34 @@ pub async fn quota_debt_delays_admission<H: Harness>(h: &H) {
     );
 }
 
+pub async fn quota_debt_is_floored_at_minus_capacity<H: Harness>(h: &H) {
+    let b = h.fresh().await;
+    let q = qp_tokens_only();
+    assert_eq!(b.reserve(S1, &q, 50).await.unwrap(), Reserve::Reserved);
+    b.settle(
+        S1,
+        &q,
+        50,
+        Settlement::Charge {
+            tokens: u64::MAX / 4,
+        },
+    )
+    .await
+    .unwrap();
+    assert_level(
+        b.snapshot(S1, &bp(), &q).await.unwrap().tokens_available,
+        -60.0,
+        "debt floor",
+    );
+    match b.reserve(S1, &q, 1).await.unwrap() {
+        // From −60 back to 1 token at 1 token/s: about a minute, not an eternity.
+        Reserve::Denied { retry_after } => {
+            assert!(retry_after <= Duration::from_secs(62), "{retry_after:?}")
+        }
+        r => panic!("debt must refuse: {r:?}"),
+    }
+}
+
 pub async fn quota_oversized_estimate_passes_when_full<H: Harness>(h: &H) {
     let b = h.fresh().await;
     let q = qp_tokens_only();
@@ -822,6 +850,7 @@ macro_rules! contract_tests {
             admin_force_open_close_reset,
             quota_reserve_and_settle_net_to_zero,
             quota_debt_delays_admission,
+            quota_debt_is_floored_at_minus_capacity,
             quota_oversized_estimate_passes_when_full,
             quota_request_bucket_and_refund_all,
             quota_block_from_429,
