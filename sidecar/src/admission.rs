@@ -12,7 +12,6 @@ use crate::backend::{Admit, Backend, State};
 use crate::config::Selector;
 use crate::engine::{Engine, SkipReason};
 use crate::health::rank;
-use crate::pacer::Signal;
 
 /// A grant made by a pass and not yet recorded as a permit.
 #[derive(Debug, Clone, Copy)]
@@ -71,7 +70,7 @@ impl<B: Backend> Engine<B> {
     fn candidates(&self, scope: usize, failed: &[usize]) -> Vec<(usize, usize)> {
         let sc = &self.scopes[scope];
         let mut order: Vec<(usize, usize)> = sc.sources.iter().copied().enumerate().collect();
-        if sc.cfg.selector == Selector::Health {
+        if sc.policy().cfg.selector == Selector::Health {
             order.sort_by_cached_key(|&(pos, idx)| (rank(self.sources[idx].health.score()), pos));
         }
         if !failed.is_empty() {
@@ -105,28 +104,30 @@ impl<B: Backend> Engine<B> {
                 note_retry(&mut refused, rem);
                 continue;
             }
-            // Gate 2: pacer (check and take in one step).
-            if !src.pacer.try_take() {
+            // Gate 2: pacer (check and take in one step). The slot is a guard: any
+            // way out of this iteration but a grant gives it back, including a
+            // cancelled Acquire dropping this future mid-round-trip.
+            let Some(slot) = src.pacer.try_slot() else {
                 reasons[pos].get_or_insert(SkipReason::Paced);
                 continue;
-            }
+            };
             // Gates 3 + 4: quota then breaker, one backend operation.
-            let tokens = est_tokens.unwrap_or(src.est_tokens);
+            let tokens = est_tokens.unwrap_or_else(|| src.params().est_tokens);
             match self.backend_admit(scope, idx, tokens).await {
                 Ok(Admit::Granted { epoch, is_probe }) => {
+                    // From here the grant's Ticket owns the slot (no await between).
+                    slot.keep();
                     return Pass::Granted(Granted {
                         source: idx,
                         epoch,
                         is_probe,
                         tokens,
-                    })
+                    });
                 }
                 Ok(Admit::RateLimited { .. }) => {
-                    src.pacer.release(Signal::Hold);
                     reasons[pos] = Some(SkipReason::RateLimited);
                 }
                 Ok(Admit::CircuitOpen { state, retry_after }) => {
-                    src.pacer.release(Signal::Hold);
                     reasons[pos] = Some(SkipReason::CircuitOpen);
                     refused.gate_rejections += 1;
                     note_retry(&mut refused, retry_after);
@@ -136,7 +137,6 @@ impl<B: Backend> Engine<B> {
                     }
                 }
                 Err(e) => {
-                    src.pacer.release(Signal::Hold);
                     reasons[pos] = Some(SkipReason::BackendUnavailable);
                     refused.unavailable = Some(e.to_string());
                 }

@@ -9,7 +9,7 @@
 use std::collections::HashMap;
 use std::future::Future;
 use std::sync::atomic::{AtomicU32, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, Weak};
+use std::sync::{Arc, Mutex, MutexGuard, RwLock, Weak};
 use std::time::Duration;
 
 use tokio::sync::Notify;
@@ -21,7 +21,7 @@ use crate::backend::{
     State,
 };
 use crate::clock::Clock;
-use crate::config::{Config, Mode, ScopeConfig};
+use crate::config::{Config, Mode, ScopeConfig, SourceConfig};
 use crate::health::Health;
 use crate::memo::Memo;
 use crate::pacer::{Pacer, Signal};
@@ -95,7 +95,7 @@ pub enum EngineError {
         reasons: Vec<(String, SkipReason)>,
     },
     /// Shared backend unreachable and `on_backend_error = fail_closed`.
-    #[error("scope {scope:?}: shared backend unreachable: {message}")]
+    #[error("{}", scoped(scope, message))]
     BackendUnavailable {
         /// Scope of the call.
         scope: String,
@@ -126,6 +126,15 @@ pub enum EngineError {
     /// The engine is shutting down.
     #[error("sidecar is shutting down")]
     ShuttingDown,
+}
+
+/// `scope "x": message`, or just the message for errors outside a call (admin).
+fn scoped(scope: &str, message: &str) -> String {
+    if scope.is_empty() {
+        message.to_string()
+    } else {
+        format!("scope {scope:?}: {message}")
+    }
 }
 
 /// Live state of one source, for status.
@@ -180,12 +189,63 @@ pub struct ScopeStatus {
     pub sources: Vec<SourceStatus>,
 }
 
-/// Host-local runtime state of one scope.
-pub(crate) struct ScopeRt {
+/// A scope's policy: everything SIGHUP may change about it. Swapped whole, so one
+/// admission pass always sees one consistent policy.
+pub(crate) struct Policy {
     /// Policy from the configuration.
     pub(crate) cfg: ScopeConfig,
     /// Breaker parameters derived from `cfg` (probe TTL included).
     pub(crate) bp: BreakerParams,
+}
+
+impl Policy {
+    fn new(sc: &ScopeConfig) -> Self {
+        let b = sc.breaker;
+        Policy {
+            bp: BreakerParams {
+                failure_threshold: b.failure_threshold,
+                failure_rate: b.failure_rate,
+                min_calls: b.min_calls,
+                window: b.window,
+                cooldown: b.cooldown,
+                max_cooldown: b.max_cooldown,
+                probe_ttl: sc.probe_ttl(),
+            },
+            cfg: sc.clone(),
+        }
+    }
+}
+
+/// Per-source parameters SIGHUP may change.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub(crate) struct SourceParams {
+    /// Quota parameters.
+    pub(crate) qp: QuotaParams,
+    /// §7 default estimate.
+    pub(crate) est_tokens: u64,
+    /// A permit never reported is reclaimed after this (2 × timeout).
+    pub(crate) lease: Duration,
+}
+
+impl SourceParams {
+    fn new(s: &SourceConfig) -> Self {
+        SourceParams {
+            qp: QuotaParams {
+                tpm: s.tpm,
+                rpm: s.rpm,
+            },
+            est_tokens: s.default_est_tokens(),
+            lease: s.permit_lease(),
+        }
+    }
+}
+
+/// Host-local runtime state of one scope.
+pub(crate) struct ScopeRt {
+    /// Scope name (fixed: renaming is a topology change).
+    pub(crate) name: String,
+    /// Current policy; replaced by `reload`.
+    policy: RwLock<Arc<Policy>>,
     /// Engine-wide indices of the scope's sources, config order.
     pub(crate) sources: Vec<usize>,
     /// Woken whenever something that could let a waiter through frees up (a permit
@@ -200,12 +260,8 @@ pub(crate) struct ScopeRt {
 pub(crate) struct SourceRt {
     /// Name (global key of breaker and quota).
     pub(crate) name: Arc<str>,
-    /// Quota parameters.
-    pub(crate) qp: QuotaParams,
-    /// §7 default estimate.
-    pub(crate) est_tokens: u64,
-    /// A permit never reported is reclaimed after this (2 × timeout).
-    lease: Duration,
+    /// Quota, estimate and lease; replaced by `reload`.
+    params: RwLock<SourceParams>,
     /// §8 AIMD pacer (parameters of the first scope naming the source).
     pub(crate) pacer: Pacer,
     /// §9 cooldown memo.
@@ -214,6 +270,23 @@ pub(crate) struct SourceRt {
     pub(crate) health: Health,
     /// Scopes naming this source (to wake their waiters).
     scopes: Vec<usize>,
+}
+
+impl ScopeRt {
+    /// The current policy (cheap: one `Arc` clone under a read lock).
+    pub(crate) fn policy(&self) -> Arc<Policy> {
+        self.policy
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+    }
+}
+
+impl SourceRt {
+    /// The current parameters.
+    pub(crate) fn params(&self) -> SourceParams {
+        *self.params.read().unwrap_or_else(|e| e.into_inner())
+    }
 }
 
 /// A live call.
@@ -271,11 +344,17 @@ struct PermitRec {
     expires: Duration,
 }
 
+/// Most live calls one owner (connection) may hold: a client that begins calls and
+/// never ends them must not grow the daemon without bound.
+pub const MAX_CALLS_PER_OWNER: u32 = 10_000;
+
 /// Calls and permits, under one short-held lock.
 #[derive(Debug, Default)]
 struct Tables {
     /// Live calls by id.
     calls: HashMap<u64, CallRec>,
+    /// Live calls per owner (for the cap).
+    owner_calls: HashMap<OwnerId, u32>,
     /// Live permits by id.
     permits: HashMap<u64, PermitRec>,
 }
@@ -334,6 +413,36 @@ impl<B: Backend> Drop for AcquireGuard<'_, B> {
     }
 }
 
+/// A remote admission's answer in transit from its task to the Acquire. If it is
+/// dropped unread (the Acquire was cancelled during the round trip, before or after
+/// the send), a grant in it is given back to the backend. The pacer slot is not
+/// touched here: the pass's slot guard released it when the Acquire was dropped.
+struct AdmitResult<B: Backend> {
+    engine: Arc<Engine<B>>,
+    scope: usize,
+    source: usize,
+    tokens: u64,
+    result: Option<BResult<Admit>>,
+}
+
+impl<B: Backend> Drop for AdmitResult<B> {
+    fn drop(&mut self) {
+        if let Some(Ok(Admit::Granted { epoch, is_probe })) = self.result.take() {
+            let undo = self.engine.settle_detached(
+                self.scope,
+                self.source,
+                epoch,
+                is_probe,
+                self.tokens,
+                Outcome::Cancelled,
+            );
+            if let Ok(rt) = tokio::runtime::Handle::try_current() {
+                rt.spawn(undo);
+            }
+        }
+    }
+}
+
 /// Counts a sleeping Acquire in its scope's `waiters`.
 struct WaiterGuard<'a>(&'a AtomicU32);
 
@@ -376,12 +485,7 @@ impl<B: Backend> Engine<B> {
                 let idx = *source_index.entry(s.name.clone()).or_insert_with(|| {
                     sources.push(SourceRt {
                         name: Arc::from(s.name.as_str()),
-                        qp: QuotaParams {
-                            tpm: s.tpm,
-                            rpm: s.rpm,
-                        },
-                        est_tokens: s.default_est_tokens(),
-                        lease: s.permit_lease(),
+                        params: RwLock::new(SourceParams::new(s)),
                         pacer: Pacer::new(sc.pacer),
                         memo: Memo::default(),
                         health: Health::default(),
@@ -394,18 +498,9 @@ impl<B: Backend> Engine<B> {
                 }
                 idxs.push(idx);
             }
-            let b = sc.breaker;
             scopes.push(ScopeRt {
-                bp: BreakerParams {
-                    failure_threshold: b.failure_threshold,
-                    failure_rate: b.failure_rate,
-                    min_calls: b.min_calls,
-                    window: b.window,
-                    cooldown: b.cooldown,
-                    max_cooldown: b.max_cooldown,
-                    probe_ttl: sc.probe_ttl(),
-                },
-                cfg: sc.clone(),
+                name: sc.name.clone(),
+                policy: RwLock::new(Arc::new(Policy::new(sc))),
                 sources: idxs,
                 notify: Notify::new(),
                 waiters: AtomicU32::new(0),
@@ -474,6 +569,14 @@ impl<B: Backend> Engine<B> {
             .ok_or_else(|| EngineError::UnknownScope(scope.to_string()))?;
         let now = self.clock.now();
         let mut t = self.lock();
+        let n = t.owner_calls.entry(owner).or_insert(0);
+        if *n >= MAX_CALLS_PER_OWNER {
+            return Err(EngineError::InvalidArgument(format!(
+                "this connection already holds {MAX_CALLS_PER_OWNER} live calls (the limit); \
+                 end calls (EndCall) before beginning more"
+            )));
+        }
+        *n += 1;
         let id = Self::fresh_id(&t.calls);
         t.calls.insert(
             id,
@@ -526,16 +629,19 @@ impl<B: Backend> Engine<B> {
         };
         let _acquiring = AcquireGuard { engine: self, call };
         let sc = &self.scopes[si];
-        let cfg = &sc.cfg;
-        let scope_name = || cfg.name.clone();
+        let scope_name = || sc.name.clone();
         let mut reasons: Vec<Option<SkipReason>> = vec![None; sc.sources.len()];
         let mut waiting: Option<WaiterGuard<'_>> = None;
         let mut failed = Vec::new();
+        let mut first = true;
         loop {
             // Register for early wake-ups before looking, so none is missed.
             let notified = sc.notify.notified();
             tokio::pin!(notified);
             notified.as_mut().enable();
+            // Read per pass: a SIGHUP reload applies to calls already waiting.
+            let policy = sc.policy();
+            let cfg = &policy.cfg;
 
             let (attempts, stall, est) = {
                 let t = self.lock();
@@ -543,7 +649,11 @@ impl<B: Backend> Engine<B> {
                 failed.clone_from(&c.failed);
                 (c.attempts, c.stall(self.clock.now()), c.est_tokens)
             };
-            if attempts >= cfg.max_attempts {
+            // §5: the budgets are checked once, before the first pass; after a nap the
+            // pass the nap was timed for always runs (the post-pass stall check below
+            // ends the call if that pass grants nothing).
+            let check_budgets = std::mem::take(&mut first);
+            if check_budgets && attempts >= cfg.max_attempts {
                 return Err(EngineError::Exhausted {
                     scope: scope_name(),
                     reason: Exhaustion::RetryExhausted,
@@ -551,7 +661,7 @@ impl<B: Backend> Engine<B> {
                     reasons: self.reasons_of(si, &reasons),
                 });
             }
-            if stall > cfg.stall_window {
+            if check_budgets && stall > cfg.stall_window {
                 return Err(EngineError::Exhausted {
                     scope: scope_name(),
                     reason: Exhaustion::Stalled,
@@ -567,8 +677,10 @@ impl<B: Backend> Engine<B> {
                         grant: Some(g),
                     };
                     let (grant, stale) = self.record_grant(owner, call, ticket)?;
+                    // No await before returning: a Cancel now cannot strand the grant.
                     for p in stale {
-                        self.abandon(p).await;
+                        self.sources[p.source].pacer.release(Signal::Hold);
+                        self.run_detached(self.abandon_backend(p));
                     }
                     return Ok(grant);
                 }
@@ -680,7 +792,7 @@ impl<B: Backend> Engine<B> {
                 is_probe: g.is_probe,
                 tokens: g.tokens,
                 granted_at: now,
-                expires: now + src.lease,
+                expires: now + src.params().lease,
             },
         );
         let stale = if g.is_probe {
@@ -709,24 +821,28 @@ impl<B: Backend> Engine<B> {
     /// Give back a grant that never became a permit: nothing was sent.
     fn undo_grant(&self, scope: usize, g: Granted) {
         self.sources[g.source].pacer.release(Signal::Hold);
-        let settle = self.settle_detached(
+        self.run_detached(self.settle_detached(
             scope,
             g.source,
             g.epoch,
             g.is_probe,
             g.tokens,
             Outcome::Cancelled,
-        );
-        if self.backend.is_remote() {
-            tokio::spawn(settle);
-        } else {
-            // The memory backend completes in one poll; run it to the end here.
-            let waker = std::task::Waker::noop();
-            let mut cx = std::task::Context::from_waker(waker);
-            let mut settle = std::pin::pin!(settle);
-            let _ = settle.as_mut().poll(&mut cx);
-        }
+        ));
         self.wake(g.source);
+    }
+
+    /// Run backend work that must not depend on the caller staying alive: in its own
+    /// task for a remote backend; for the memory backend to completion right here (its
+    /// futures finish in their first poll), so its effects are visible on return.
+    fn run_detached(&self, work: impl Future<Output = ()> + Send + 'static) {
+        if self.backend.is_remote() {
+            tokio::spawn(work);
+        } else {
+            let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
+            let done = std::pin::pin!(work).poll(&mut cx).is_ready();
+            debug_assert!(done, "memory backend futures complete in one poll");
+        }
     }
 
     /// A backend report that owns everything it needs, so it can run in its own task.
@@ -742,12 +858,13 @@ impl<B: Backend> Engine<B> {
         let me = self.arc();
         async move {
             let src = &me.sources[source];
+            let bp = me.scopes[scope].policy().bp;
             let r = me
                 .backend
                 .report(
                     &src.name,
-                    &me.scopes[scope].bp,
-                    &src.qp,
+                    &bp,
+                    &src.params().qp,
                     epoch,
                     is_probe,
                     tokens,
@@ -770,27 +887,32 @@ impl<B: Backend> Engine<B> {
         tokens: u64,
     ) -> BResult<Admit> {
         let src = &self.sources[source];
-        let bp = self.scopes[scope].bp;
+        let bp = self.scopes[scope].policy().bp;
+        let qp = src.params().qp;
         if !self.backend.is_remote() {
-            return self.backend.admit(&src.name, &bp, &src.qp, tokens).await;
+            return self.backend.admit(&src.name, &bp, &qp, tokens).await;
         }
         let me = self.arc();
-        let (tx, rx) = tokio::sync::oneshot::channel();
+        let (tx, rx) = tokio::sync::oneshot::channel::<AdmitResult<B>>();
         tokio::spawn(async move {
             let src = &me.sources[source];
-            let r = me.backend.admit(&src.name, &bp, &src.qp, tokens).await;
-            if let Err(Ok(Admit::Granted { epoch, is_probe })) = tx.send(r) {
-                // The Acquire was cancelled while we were away: give the grant back.
-                src.pacer.release(Signal::Hold);
-                me.settle_detached(scope, source, epoch, is_probe, tokens, Outcome::Cancelled)
-                    .await;
-            }
+            let r = me.backend.admit(&src.name, &bp, &qp, tokens).await;
+            // If the Acquire is gone (send fails, or the value is never received),
+            // dropping the AdmitResult gives a grant back.
+            let _ = tx.send(AdmitResult {
+                engine: me.clone(),
+                scope,
+                source,
+                tokens,
+                result: Some(r),
+            });
         });
-        rx.await.unwrap_or_else(|_| {
-            Err(crate::backend::BackendError::Unavailable(
+        match rx.await {
+            Ok(mut r) => r.result.take().expect("filled once"),
+            Err(_) => Err(crate::backend::BackendError::Unavailable(
                 "admission task failed".into(),
-            ))
-        })
+            )),
+        }
     }
 
     /// Report the outcome of the attempt made under `permit`.
@@ -850,16 +972,14 @@ impl<B: Backend> Engine<B> {
             Outcome::Failure(_) => src.health.record(false, now.saturating_sub(p.granted_at)),
             _ => {}
         }
-        let bp = &self.scopes[p.scope].bp;
+        let bp = self.scopes[p.scope].policy().bp;
+        let qp = src.params().qp;
         let r = if self.backend.is_remote() {
             let me = self.arc();
-            let bp = *bp;
             tokio::spawn(async move {
                 let src = &me.sources[p.source];
                 me.backend
-                    .report(
-                        &src.name, &bp, &src.qp, p.epoch, p.is_probe, p.tokens, outcome,
-                    )
+                    .report(&src.name, &bp, &qp, p.epoch, p.is_probe, p.tokens, outcome)
                     .await
             })
             .await
@@ -870,14 +990,12 @@ impl<B: Backend> Engine<B> {
             })
         } else {
             self.backend
-                .report(
-                    &src.name, bp, &src.qp, p.epoch, p.is_probe, p.tokens, outcome,
-                )
+                .report(&src.name, &bp, &qp, p.epoch, p.is_probe, p.tokens, outcome)
                 .await
         };
         self.wake(p.source);
         let applied = r.map_err(|e| EngineError::BackendUnavailable {
-            scope: self.scopes[p.scope].cfg.name.clone(),
+            scope: self.scopes[p.scope].name.clone(),
             message: e.to_string(),
             reasons: Vec::new(),
         })?;
@@ -901,26 +1019,48 @@ impl<B: Backend> Engine<B> {
     /// lease expired): the quota keeps the estimate as if the upstream used it, a
     /// probe lease is released, the pacer slot freed. No verdict reaches the breaker.
     async fn abandon(&self, p: PermitRec) {
-        let src = &self.sources[p.source];
-        src.pacer.release(Signal::Hold);
-        let work = {
-            let me = self.arc();
-            async move {
-                let src = &me.sources[p.source];
-                let how = Settlement::Charge { tokens: p.tokens };
-                if let Err(e) = me.backend.settle(&src.name, &src.qp, p.tokens, how).await {
-                    tracing::warn!(source = %src.name, error = %e, "could not settle an abandoned permit");
-                }
-                if let Err(e) = me.backend.neutral(&src.name, p.epoch, p.is_probe).await {
-                    tracing::warn!(source = %src.name, error = %e, "could not release an abandoned probe");
-                }
-                me.wake(p.source);
-            }
-        };
+        self.abandon_all(vec![p]).await;
+    }
+
+    /// Abandon several permits: every pacer slot is freed at once, then the backend
+    /// work runs concurrently (two round trips each on Redis, none serialised behind
+    /// another permit's), in tasks that finish even if the caller is dropped.
+    async fn abandon_all(&self, permits: Vec<PermitRec>) {
+        for p in &permits {
+            self.sources[p.source].pacer.release(Signal::Hold);
+        }
         if self.backend.is_remote() {
-            let _ = tokio::spawn(work).await;
+            let tasks: Vec<_> = permits
+                .into_iter()
+                .map(|p| tokio::spawn(self.abandon_backend(p)))
+                .collect();
+            for t in tasks {
+                let _ = t.await;
+            }
         } else {
-            work.await;
+            for p in permits {
+                self.abandon_backend(p).await;
+            }
+        }
+    }
+
+    /// The backend half of abandoning a permit: keep the estimate, release a probe.
+    fn abandon_backend(&self, p: PermitRec) -> impl Future<Output = ()> + Send + 'static {
+        let me = self.arc();
+        async move {
+            let src = &me.sources[p.source];
+            let how = Settlement::Charge { tokens: p.tokens };
+            if let Err(e) = me
+                .backend
+                .settle(&src.name, &src.params().qp, p.tokens, how)
+                .await
+            {
+                tracing::warn!(source = %src.name, error = %e, "could not settle an abandoned permit");
+            }
+            if let Err(e) = me.backend.neutral(&src.name, p.epoch, p.is_probe).await {
+                tracing::warn!(source = %src.name, error = %e, "could not release an abandoned probe");
+            }
+            me.wake(p.source);
         }
     }
 
@@ -933,6 +1073,9 @@ impl<B: Backend> Engine<B> {
                 return Err(EngineError::UnknownCall(call));
             }
             let c = t.calls.remove(&call).expect("checked");
+            if let Some(n) = t.owner_calls.get_mut(&owner) {
+                *n = n.saturating_sub(1);
+            }
             c.permit.and_then(|id| t.permits.remove(&id))
         };
         if let Some(p) = permit {
@@ -948,6 +1091,7 @@ impl<B: Backend> Engine<B> {
         let permits: Vec<PermitRec> = {
             let mut t = self.lock();
             t.calls.retain(|_, c| c.owner != owner);
+            t.owner_calls.remove(&owner);
             let ids: Vec<u64> = t
                 .permits
                 .iter()
@@ -956,9 +1100,7 @@ impl<B: Backend> Engine<B> {
                 .collect();
             ids.iter().filter_map(|id| t.permits.remove(id)).collect()
         };
-        for p in permits {
-            self.abandon(p).await;
-        }
+        self.abandon_all(permits).await;
     }
 
     /// Take permits out of the tables as reclaimed: their calls go on (the attempt
@@ -996,10 +1138,10 @@ impl<B: Backend> Engine<B> {
             ps
         };
         let n = expired.len();
-        for p in expired {
+        for p in &expired {
             tracing::warn!(source = %self.sources[p.source].name, "reclaimed a permit never reported within its lease");
-            self.abandon(p).await;
         }
+        self.abandon_all(expired).await;
         n
     }
 
@@ -1065,12 +1207,16 @@ impl<B: Backend> Engine<B> {
         };
         let mut out = Vec::with_capacity(self.scopes.len());
         for (si, sc) in self.scopes.iter().enumerate() {
+            let policy = sc.policy();
             let mut sources = Vec::with_capacity(sc.sources.len());
             for &idx in &sc.sources {
                 let src = &self.sources[idx];
                 let now = self.clock.now();
                 let (pacer_ceiling, in_flight) = src.pacer.view();
-                let snap = self.backend.snapshot(&src.name, &sc.bp, &src.qp).await;
+                let snap = self
+                    .backend
+                    .snapshot(&src.name, &policy.bp, &src.params().qp)
+                    .await;
                 let mut st = SourceStatus {
                     name: src.name.to_string(),
                     state: State::Closed,
@@ -1109,15 +1255,81 @@ impl<B: Backend> Engine<B> {
                 sources.push(st);
             }
             out.push(ScopeStatus {
-                name: sc.cfg.name.clone(),
-                circuit_open: mode_str(sc.cfg.circuit_open),
-                quota_full: mode_str(sc.cfg.quota_full),
+                name: sc.name.clone(),
+                circuit_open: mode_str(policy.cfg.circuit_open),
+                quota_full: mode_str(policy.cfg.quota_full),
                 waiters: sc.waiters.load(Ordering::Relaxed),
                 calls: calls_per_scope[si],
                 sources,
             });
         }
         out
+    }
+
+    /// Apply a new configuration (SIGHUP) without dropping a call: scope policies
+    /// (modes, budgets, poll interval, selector, breaker parameters), source quotas,
+    /// estimates and timeouts, and pacer bounds take effect at the next admission pass,
+    /// also for calls already waiting. Scopes and sources must stay the same (adding,
+    /// removing, renaming or reordering them needs a restart): such a config is refused
+    /// whole and nothing changes. Returns what changed, one line each.
+    pub fn reload(&self, config: &Config) -> Result<Vec<String>, EngineError> {
+        let names = |c: &Config| -> Vec<(String, Vec<String>)> {
+            c.scopes
+                .iter()
+                .map(|s| {
+                    (
+                        s.name.clone(),
+                        s.sources.iter().map(|x| x.name.clone()).collect(),
+                    )
+                })
+                .collect()
+        };
+        let now: Vec<(String, Vec<String>)> = self
+            .scopes
+            .iter()
+            .map(|s| {
+                (
+                    s.name.clone(),
+                    s.sources
+                        .iter()
+                        .map(|&i| self.sources[i].name.to_string())
+                        .collect(),
+                )
+            })
+            .collect();
+        if names(config) != now {
+            return Err(EngineError::InvalidArgument(
+                "scopes or sources were added, removed, renamed or reordered: that needs a restart; \
+                 the running configuration is kept"
+                    .into(),
+            ));
+        }
+        let mut changes = Vec::new();
+        let mut pacer_set = vec![false; self.sources.len()];
+        for (sc, new) in self.scopes.iter().zip(&config.scopes) {
+            if sc.policy().cfg != *new {
+                changes.push(format!("scope {}: policy updated", sc.name));
+            }
+            *sc.policy.write().unwrap_or_else(|e| e.into_inner()) = Arc::new(Policy::new(new));
+            for (&idx, s) in sc.sources.iter().zip(&new.sources) {
+                let src = &self.sources[idx];
+                let p = SourceParams::new(s);
+                if src.params() != p {
+                    changes.push(format!(
+                        "source {}: quota/estimate/timeout updated",
+                        src.name
+                    ));
+                    *src.params.write().unwrap_or_else(|e| e.into_inner()) = p;
+                }
+                // The pacer follows the first scope naming the source, as at start-up.
+                if !pacer_set[idx] {
+                    pacer_set[idx] = true;
+                    src.pacer.reconfigure(new.pacer);
+                }
+            }
+            sc.notify.notify_waiters();
+        }
+        Ok(changes)
     }
 
     /// End every wait with [`EngineError::ShuttingDown`] and refuse new acquires.

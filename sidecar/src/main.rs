@@ -262,7 +262,8 @@ async fn serve(config: Config, path: Option<PathBuf>) -> ExitCode {
     // as soon as it can connect, and an early SIGTERM/SIGINT must shut down cleanly
     // rather than kill the process with the default action.
     let stop = CancellationToken::new();
-    let signals = match spawn_signal_handlers(stop.clone(), path) {
+    let (reload_tx, reload_rx) = tokio::sync::mpsc::unbounded_channel();
+    let signals = match spawn_signal_handlers(stop.clone(), reload_tx) {
         Ok(h) => h,
         Err(e) => {
             error!(error = %e, "cannot install signal handlers");
@@ -277,7 +278,11 @@ async fn serve(config: Config, path: Option<PathBuf>) -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    let code = run_engine(&config, stop, backend, clock, bound.listener).await;
+    let reload = Reload {
+        requests: reload_rx,
+        path,
+    };
+    let code = run_engine(&config, stop, reload, backend, clock, bound.listener).await;
     signals.abort();
     if let Some(p) = bound.created {
         match std::fs::remove_file(&p) {
@@ -290,9 +295,18 @@ async fn serve(config: Config, path: Option<PathBuf>) -> ExitCode {
     code
 }
 
+/// SIGHUP requests and the file to re-read.
+struct Reload {
+    /// One message per SIGHUP.
+    requests: tokio::sync::mpsc::UnboundedReceiver<()>,
+    /// The `--config` file (`None`: the embedded example, nothing to reload).
+    path: Option<PathBuf>,
+}
+
 async fn run_engine(
     config: &Config,
     stop: CancellationToken,
+    reload: Reload,
     backend: AnyBackend,
     clock: Arc<dyn Clock>,
     listener: UnixListener,
@@ -302,6 +316,16 @@ async fn run_engine(
     let admin_sync = admin_events.map(|rx| tokio::spawn(apply_admin_events(rx, engine.clone())));
     let opts = ServerOptions::from_config(&config.sidecar);
     let grace = opts.shutdown_grace;
+    let reloader = {
+        let engine = engine.clone();
+        let running = config.sidecar.clone();
+        let Reload { mut requests, path } = reload;
+        tokio::spawn(async move {
+            while requests.recv().await.is_some() {
+                apply_reload(&engine, path.as_deref(), &running);
+            }
+        })
+    };
     let watchdog = notify::watchdog_interval().map(|every| {
         tokio::spawn(async move {
             let mut tick = tokio::time::interval(every / 2);
@@ -338,6 +362,7 @@ async fn run_engine(
             ExitCode::SUCCESS
         }
     };
+    reloader.abort();
     for task in [watchdog, admin_sync].into_iter().flatten() {
         task.abort();
     }
@@ -364,11 +389,10 @@ async fn apply_admin_events(
     }
 }
 
-/// SIGTERM/SIGINT cancel `stop` (after telling systemd); SIGHUP re-validates the
-/// configuration file.
+/// SIGTERM/SIGINT cancel `stop` (after telling systemd); SIGHUP asks for a reload.
 fn spawn_signal_handlers(
     stop: CancellationToken,
-    path: Option<PathBuf>,
+    reload: tokio::sync::mpsc::UnboundedSender<()>,
 ) -> io::Result<tokio::task::JoinHandle<()>> {
     let mut term = signal(SignalKind::terminate())?;
     let mut int = signal(SignalKind::interrupt())?;
@@ -379,7 +403,7 @@ fn spawn_signal_handlers(
                 _ = term.recv() => info!("SIGTERM: shutting down"),
                 _ = int.recv() => info!("SIGINT: shutting down"),
                 _ = hup.recv() => {
-                    reload(path.as_deref());
+                    let _ = reload.send(());
                     continue;
                 }
             }
@@ -391,18 +415,30 @@ fn spawn_signal_handlers(
     }))
 }
 
-/// SIGHUP. The engine has no live reload yet, so this only validates the file and
-/// says honestly that changes apply on the next restart.
-fn reload(path: Option<&Path>) {
+/// SIGHUP: re-read the file (with the environment's overrides) and apply it to the
+/// running engine. An invalid file, or one that adds/removes scopes or sources, is
+/// refused whole and the running configuration stays; `[sidecar]` changes (socket,
+/// backend, access lists, …) are reported as needing a restart.
+fn apply_reload(engine: &Engine<AnyBackend>, path: Option<&Path>, running: &config::SidecarConfig) {
     sd_notify("RELOADING", notify::reloading());
     match path {
         None => info!("SIGHUP: running on the embedded example configuration; nothing to reload"),
         Some(_) => match read_config(path) {
-            Ok(c) => info!(
-                scopes = c.scopes.len(),
-                "SIGHUP: the configuration file is valid; live reload is not supported yet, changes apply on restart"
+            Err(e) => error!(
+                "SIGHUP: the configuration file is invalid, keeping the running configuration: {e}"
             ),
-            Err(e) => error!("SIGHUP: the configuration file is invalid, keeping the running configuration: {e}"),
+            Ok(new) => {
+                if new.sidecar != *running {
+                    warn!("SIGHUP: [sidecar] settings changed; they apply on restart");
+                }
+                match engine.reload(&new) {
+                    Ok(changes) if changes.is_empty() => {
+                        info!("SIGHUP: configuration reloaded, no scope or source changed")
+                    }
+                    Ok(changes) => info!(?changes, "SIGHUP: configuration reloaded"),
+                    Err(e) => error!("SIGHUP: {e}"),
+                }
+            }
         },
     }
     sd_notify("READY", notify::ready());

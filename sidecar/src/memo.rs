@@ -20,8 +20,9 @@ pub struct Memo {
 impl Memo {
     /// Skip the source until `deadline` unless a later deadline is already set.
     pub fn set_until(&self, deadline: Duration) {
-        self.until
-            .fetch_max(deadline.as_nanos() as u64, Ordering::AcqRel);
+        // Saturate: a deadline past u64 nanoseconds (~584 years) must not wrap.
+        let nanos = deadline.as_nanos().min(u64::MAX as u128) as u64;
+        self.until.fetch_max(nanos, Ordering::AcqRel);
     }
 
     /// Forget the deadline.
@@ -55,5 +56,10 @@ mod tests {
         assert_eq!(m.remaining(s(1)), s(19));
         m.clear();
         assert_eq!(m.remaining(s(1)), s(0));
+        m.set_until(Duration::MAX);
+        assert!(
+            m.remaining(s(1)) > s(500 * 365 * 86_400),
+            "saturates, never wraps"
+        );
     }
 }

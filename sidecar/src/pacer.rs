@@ -21,6 +21,8 @@ pub enum Signal {
 
 #[derive(Debug)]
 struct Inner {
+    /// Parameters (replaced on reload).
+    cfg: PacerConfig,
     /// Float ceiling in [min, max].
     ceiling: f64,
     /// Slots taken and not yet released.
@@ -30,8 +32,6 @@ struct Inner {
 /// One source's pacer.
 #[derive(Debug)]
 pub struct Pacer {
-    /// Parameters.
-    cfg: PacerConfig,
     /// Mutable state.
     inner: Mutex<Inner>,
 }
@@ -40,8 +40,8 @@ impl Pacer {
     /// A pacer at `initial`.
     pub fn new(cfg: PacerConfig) -> Self {
         Pacer {
-            cfg,
             inner: Mutex::new(Inner {
+                cfg,
                 ceiling: cfg.initial,
                 in_flight: 0,
             }),
@@ -63,24 +63,67 @@ impl Pacer {
         }
     }
 
+    /// Take a slot as a guard that gives it back when dropped, unless `keep` hands
+    /// the responsibility on (to a permit). An admission pass holds its slot this way
+    /// across the backend round trip, so a cancelled Acquire or a panic cannot leak it.
+    pub fn try_slot(&self) -> Option<Slot<'_>> {
+        // `then`, not `then_some`: an eagerly built guard would be dropped when no
+        // slot is free, releasing a slot it never took.
+        self.try_take().then(|| Slot {
+            pacer: self,
+            armed: true,
+        })
+    }
+
     /// Give a slot back and apply the outcome's signal.
     pub fn release(&self, signal: Signal) {
         let mut g = self.lock();
         debug_assert!(g.in_flight > 0, "pacer slot released twice");
         g.in_flight = g.in_flight.saturating_sub(1);
+        let cfg = g.cfg;
         match signal {
-            Signal::Increase => {
-                g.ceiling = (g.ceiling + self.cfg.increase / g.ceiling).min(self.cfg.max)
-            }
-            Signal::Decrease => g.ceiling = (g.ceiling * self.cfg.decrease).max(self.cfg.min),
+            Signal::Increase => g.ceiling = (g.ceiling + cfg.increase / g.ceiling).min(cfg.max),
+            Signal::Decrease => g.ceiling = (g.ceiling * cfg.decrease).max(cfg.min),
             Signal::Hold => {}
         }
+    }
+
+    /// New parameters (SIGHUP): the learned ceiling is kept, clamped into the new
+    /// `[min, max]`; permits in flight stay valid.
+    pub fn reconfigure(&self, cfg: PacerConfig) {
+        let mut g = self.lock();
+        g.cfg = cfg;
+        g.ceiling = g.ceiling.clamp(cfg.min, cfg.max);
     }
 
     /// (ceiling, in_flight).
     pub fn view(&self) -> (f64, u32) {
         let g = self.lock();
         (g.ceiling, g.in_flight)
+    }
+}
+
+/// A pacer slot taken by [`Pacer::try_slot`]; released on drop unless kept.
+#[derive(Debug)]
+pub struct Slot<'a> {
+    /// The pacer the slot belongs to.
+    pacer: &'a Pacer,
+    /// Still ours to release.
+    armed: bool,
+}
+
+impl Slot<'_> {
+    /// The slot now belongs to a permit, which releases it when reported or reclaimed.
+    pub fn keep(mut self) {
+        self.armed = false;
+    }
+}
+
+impl Drop for Slot<'_> {
+    fn drop(&mut self) {
+        if self.armed {
+            self.pacer.release(Signal::Hold);
+        }
     }
 }
 
@@ -109,6 +152,29 @@ mod tests {
         assert!(!p.try_take(), "floor(2.9) = 2");
         p.release(Signal::Hold);
         assert!(p.try_take());
+    }
+
+    #[test]
+    fn slot_guard_releases_unless_kept() {
+        let p = Pacer::new(cfg());
+        {
+            let _s = p.try_slot().unwrap();
+            assert_eq!(p.view().1, 1);
+        }
+        assert_eq!(p.view().1, 0, "dropped: released");
+        p.try_slot().unwrap().keep();
+        assert_eq!(p.view().1, 1, "kept: still taken");
+    }
+
+    #[test]
+    fn reconfigure_clamps_the_learned_ceiling() {
+        let p = Pacer::new(cfg());
+        p.reconfigure(PacerConfig { max: 1.5, ..cfg() });
+        assert_eq!(p.view().0, 1.5);
+        assert!(p.try_take());
+        assert!(!p.try_take(), "floor(1.5) = 1");
+        p.release(Signal::Increase);
+        assert_eq!(p.view().0, 1.5, "capped by the new max");
     }
 
     #[test]

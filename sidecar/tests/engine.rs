@@ -497,3 +497,118 @@ async fn est_tokens_default_derives_from_quota() {
         "ceil(30000 / 500)"
     );
 }
+
+#[tokio::test(start_paused = true)]
+async fn reload_applies_new_policy_to_new_and_waiting_calls() {
+    let mut sc = scope("chat", vec![source("a")]);
+    sc.circuit_open = Mode::Wait;
+    sc.stall_window = secs(600);
+    let cfg0 = config(vec![sc.clone()]);
+    let e = engine(&cfg0);
+    e.force_open("a", secs(3600)).await.unwrap();
+    // A call waits (cooldown 1 h, stall window 10 min).
+    let call = e.begin_call(OWNER, "chat", None).unwrap();
+    let e2 = e.clone();
+    let t0 = Instant::now();
+    let waiter = tokio::spawn(async move { e2.acquire(OWNER, call).await });
+    tokio::time::sleep(secs(5)).await;
+    // Reload: stall window 2 s (already 5 s stalled). The waiting call is woken, runs
+    // its pass and ends `stalled` at once.
+    let mut shorter = sc.clone();
+    shorter.stall_window = secs(2);
+    let changes = e.reload(&config(vec![shorter.clone()])).unwrap();
+    assert_eq!(changes, vec!["scope chat: policy updated".to_string()]);
+    match waiter.await.unwrap() {
+        Err(EngineError::Exhausted {
+            reason: Exhaustion::Stalled,
+            ..
+        }) => {}
+        other => panic!("expected stalled after reload, got {other:?}"),
+    }
+    assert!(
+        t0.elapsed() < secs(6),
+        "woken by the reload: {:?}",
+        t0.elapsed()
+    );
+    // New calls see fail_fast after another reload.
+    let mut ff = shorter;
+    ff.circuit_open = Mode::FailFast;
+    e.reload(&config(vec![ff])).unwrap();
+    let call = e.begin_call(OWNER, "chat", None).unwrap();
+    assert!(matches!(
+        e.acquire(OWNER, call).await,
+        Err(EngineError::CircuitOpen { .. })
+    ));
+    assert_eq!(e.status().await[0].circuit_open, "fail_fast");
+}
+
+#[tokio::test(start_paused = true)]
+async fn reload_updates_source_quota_and_refuses_topology_changes() {
+    let sc = scope("chat", vec![source("a"), source("b")]);
+    let e = engine(&config(vec![sc.clone()]));
+    let mut quota = sc.clone();
+    quota.sources[0].tpm = Some(600);
+    quota.sources[0].est_tokens = Some(42);
+    let changes = e.reload(&config(vec![quota])).unwrap();
+    assert_eq!(
+        changes,
+        vec![
+            "scope chat: policy updated".to_string(),
+            "source a: quota/estimate/timeout updated".to_string()
+        ]
+    );
+    let call = e.begin_call(OWNER, "chat", None).unwrap();
+    assert_eq!(e.acquire(OWNER, call).await.unwrap().est_tokens, 42);
+    // Adding a source, dropping one, or reordering: refused, nothing changes.
+    for bad in [
+        scope("chat", vec![source("a"), source("b"), source("c")]),
+        scope("chat", vec![source("a")]),
+        scope("chat", vec![source("b"), source("a")]),
+    ] {
+        match e.reload(&config(vec![bad])) {
+            Err(EngineError::InvalidArgument(m)) => assert!(m.contains("restart"), "{m}"),
+            other => panic!("topology change must be refused: {other:?}"),
+        }
+    }
+    let st = e.status().await;
+    assert_eq!(st[0].sources[0].tokens_available, Some(600.0 - 42.0));
+}
+
+#[tokio::test(start_paused = true)]
+async fn the_pass_a_nap_was_timed_for_always_runs() {
+    // Review finding: a budget check before every pass ended the call at the edge of
+    // the window without trying the source that had just come out of cooldown.
+    let mut sc = scope("chat", vec![source("a")]);
+    sc.circuit_open = Mode::Wait;
+    sc.stall_window = secs(10);
+    sc.poll_interval = ms(50);
+    let e = engine(&config(vec![sc]));
+    e.force_open("a", ms(9_990)).await.unwrap();
+    let call = e.begin_call(OWNER, "chat", None).unwrap();
+    let g = e
+        .acquire(OWNER, call)
+        .await
+        .expect("the source reopens inside the window: the probe must be granted");
+    assert!(g.is_probe);
+}
+
+#[tokio::test(start_paused = true)]
+async fn live_calls_per_owner_are_capped() {
+    use polygate::engine::MAX_CALLS_PER_OWNER;
+    let e = engine(&config(vec![scope("chat", vec![source("a")])]));
+    let mut last = 0;
+    for _ in 0..MAX_CALLS_PER_OWNER {
+        last = e.begin_call(OWNER, "chat", None).unwrap();
+    }
+    match e.begin_call(OWNER, "chat", None) {
+        Err(EngineError::InvalidArgument(m)) => assert!(m.contains("limit"), "{m}"),
+        other => panic!("expected the cap, got {other:?}"),
+    }
+    // Another owner is unaffected; ending a call frees a place.
+    e.begin_call(OWNER + 1, "chat", None).unwrap();
+    e.end_call(OWNER, last).await.unwrap();
+    e.begin_call(OWNER, "chat", None).unwrap();
+    // Dropping the owner forgets its count.
+    e.release_owner(OWNER).await;
+    e.begin_call(OWNER, "chat", None).unwrap();
+}
