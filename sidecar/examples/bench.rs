@@ -43,6 +43,17 @@ est_tokens = 10
 [[scopes.chat.sources]]
 name = "b"
 
+[scopes.narrow]
+quota_full = "wait"
+poll_interval = "50ms"
+stall_window = "10m"
+[scopes.narrow.pacer]
+initial = 4
+min = 4
+max = 4
+[[scopes.narrow.sources]]
+name = "n"
+
 [scopes.quota]
 quota_full = "wait"
 poll_interval = "50ms"
@@ -202,6 +213,42 @@ async fn main() {
     for h in hs {
         h.abort();
     }
+
+    // 3c. many callers behind a narrow pacer (ceiling 4): each freed slot should cost
+    // about one pass, not one per waiter.
+    let e = engine(&cfg);
+    let callers = 2_000 / scale as u64;
+    let (cpu0, t) = (cpu_time(), Instant::now());
+    let mut hs = Vec::new();
+    for owner in 0..callers {
+        let e = e.clone();
+        hs.push(tokio::spawn(async move {
+            let call = e.begin_call(owner, "narrow", None).unwrap();
+            let g = e.acquire(owner, call).await.unwrap();
+            tokio::task::yield_now().await;
+            e.report(
+                owner,
+                g.permit,
+                EOutcome::Success {
+                    tokens: None,
+                    count_attempt: true,
+                },
+            )
+            .await
+            .unwrap();
+            e.end_call(owner, call).await.unwrap();
+        }));
+    }
+    for h in hs {
+        h.await.unwrap();
+    }
+    let wall = t.elapsed();
+    let cpu = cpu_time() - cpu0;
+    println!(
+        "3c. {callers} callers, pacer ceiling 4:   {:>10.0} calls/s  ({:.1} µs CPU per call)",
+        callers as f64 / wall.as_secs_f64(),
+        cpu.as_secs_f64() * 1e6 / callers as f64
+    );
 
     // 4. over the socket.
     let dir = tempfile_dir();

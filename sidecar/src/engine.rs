@@ -533,7 +533,19 @@ impl<B: Backend> Engine<B> {
         &self.backend
     }
 
-    fn wake(&self, source: usize) {
+    /// One resource of `source` freed (a pacer slot, a reservation, a probe lease):
+    /// wake one waiter per scope naming it. Only one can use it, and waking them all
+    /// would cost a pass per waiter for every freed slot; if the woken one cannot use
+    /// it, the others' next nap (at most `poll_interval` away) picks it up.
+    fn wake_one(&self, source: usize) {
+        for &s in &self.sources[source].scopes {
+            self.scopes[s].notify.notify_one();
+        }
+    }
+
+    /// The source's state changed so that many may proceed (closed, reset, memo
+    /// cleared): wake every waiter of every scope naming it.
+    fn wake_all(&self, source: usize) {
         for &s in &self.sources[source].scopes {
             self.scopes[s].notify.notify_waiters();
         }
@@ -829,7 +841,7 @@ impl<B: Backend> Engine<B> {
             g.tokens,
             Outcome::Cancelled,
         ));
-        self.wake(g.source);
+        self.wake_one(g.source);
     }
 
     /// Run backend work that must not depend on the caller staying alive: in its own
@@ -874,7 +886,7 @@ impl<B: Backend> Engine<B> {
             if let Err(e) = r {
                 tracing::warn!(source = %src.name, error = %e, "could not release a grant");
             }
-            me.wake(source);
+            me.wake_one(source);
         }
     }
 
@@ -993,13 +1005,23 @@ impl<B: Backend> Engine<B> {
                 .report(&src.name, &bp, &qp, p.epoch, p.is_probe, p.tokens, outcome)
                 .await
         };
-        self.wake(p.source);
-        let applied = r.map_err(|e| EngineError::BackendUnavailable {
-            scope: self.scopes[p.scope].name.clone(),
-            message: e.to_string(),
-            reasons: Vec::new(),
-        })?;
+        let applied = match r {
+            Ok(a) => a,
+            Err(e) => {
+                self.wake_one(p.source);
+                return Err(EngineError::BackendUnavailable {
+                    scope: self.scopes[p.scope].name.clone(),
+                    message: e.to_string(),
+                    reasons: Vec::new(),
+                });
+            }
+        };
         self.note_state(p.source, &applied);
+        if p.is_probe && applied.applied && applied.state == State::Closed {
+            self.wake_all(p.source); // the probe closed the breaker: everyone may go
+        } else {
+            self.wake_one(p.source);
+        }
         Ok(applied)
     }
 
@@ -1060,7 +1082,7 @@ impl<B: Backend> Engine<B> {
             if let Err(e) = me.backend.neutral(&src.name, p.epoch, p.is_probe).await {
                 tracing::warn!(source = %src.name, error = %e, "could not release an abandoned probe");
             }
-            me.wake(p.source);
+            me.wake_one(p.source);
         }
     }
 
@@ -1151,7 +1173,7 @@ impl<B: Backend> Engine<B> {
             message: e.to_string(),
             reasons: Vec::new(),
         })?;
-        self.wake(source);
+        self.wake_all(source);
         Ok(a)
     }
 
@@ -1191,7 +1213,7 @@ impl<B: Backend> Engine<B> {
     pub fn clear_memo(&self, source: &str) {
         if let Some(&idx) = self.source_index.get(source) {
             self.sources[idx].memo.clear();
-            self.wake(idx);
+            self.wake_all(idx);
         }
     }
 

@@ -612,3 +612,40 @@ async fn live_calls_per_owner_are_capped() {
     e.release_owner(OWNER).await;
     e.begin_call(OWNER, "chat", None).unwrap();
 }
+
+#[tokio::test(start_paused = true)]
+async fn a_probe_that_closes_the_breaker_wakes_every_waiter() {
+    let mut sc = scope("chat", vec![source("a")]);
+    sc.circuit_open = Mode::Wait;
+    sc.poll_interval = secs(10);
+    sc.breaker.failure_threshold = 1;
+    sc.breaker.cooldown = secs(1);
+    let e = engine(&config(vec![sc]));
+    let c0 = e.begin_call(OWNER, "chat", None).unwrap();
+    let g = e.acquire(OWNER, c0).await.unwrap();
+    e.report(OWNER, g.permit, failure()).await.unwrap();
+    tokio::time::advance(secs(2)).await;
+    let probe = e.acquire(OWNER, c0).await.unwrap();
+    assert!(probe.is_probe);
+    let mut waiters = Vec::new();
+    for owner in 10..13 {
+        let e = e.clone();
+        waiters.push(tokio::spawn(async move {
+            let call = e.begin_call(owner, "chat", None).unwrap();
+            e.acquire(owner, call).await
+        }));
+    }
+    tokio::time::sleep(secs(1)).await;
+    assert_eq!(e.status().await[0].waiters, 3);
+    let t0 = Instant::now();
+    e.report(OWNER, probe.permit, success()).await.unwrap();
+    for w in waiters {
+        let g = w.await.unwrap().unwrap();
+        assert!(!g.is_probe);
+    }
+    assert!(
+        t0.elapsed() < secs(1),
+        "all woken at once, not by their 5-10 s naps: {:?}",
+        t0.elapsed()
+    );
+}
