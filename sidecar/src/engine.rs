@@ -8,7 +8,7 @@
 
 use std::collections::HashMap;
 use std::future::Future;
-use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, RwLock, Weak};
 use std::time::Duration;
 
@@ -240,6 +240,46 @@ impl SourceParams {
     }
 }
 
+/// Monotonic counters of one scope, for `/metrics`.
+#[derive(Debug, Default)]
+pub struct ScopeCounters {
+    /// Acquires that started waiting (one per Acquire, not per wake-up).
+    pub waits: AtomicU64,
+    /// Acquires that ended `CircuitOpen`.
+    pub circuit_open: AtomicU64,
+    /// Acquires that ended `stalled`.
+    pub stalled: AtomicU64,
+    /// Acquires that ended `quota_exhausted`.
+    pub quota_exhausted: AtomicU64,
+    /// Acquires that ended `retry_exhausted`.
+    pub retry_exhausted: AtomicU64,
+    /// Acquires refused because the shared backend is unreachable (`fail_closed`).
+    pub backend_unavailable: AtomicU64,
+}
+
+/// Monotonic counters of one source, for `/metrics`.
+#[derive(Debug, Default)]
+pub struct SourceCounters {
+    /// Permits granted.
+    pub grants: AtomicU64,
+    /// Of which probes.
+    pub probes: AtomicU64,
+    /// Reported successes.
+    pub successes: AtomicU64,
+    /// Reported failures.
+    pub failures: AtomicU64,
+    /// Reported 429s.
+    pub rate_limited: AtomicU64,
+    /// Reported cancellations.
+    pub cancelled: AtomicU64,
+    /// Permits abandoned (connection closed, EndCall, lease expired).
+    pub abandoned: AtomicU64,
+}
+
+fn bump(c: &AtomicU64) {
+    c.fetch_add(1, Ordering::Relaxed);
+}
+
 /// Host-local runtime state of one scope.
 pub(crate) struct ScopeRt {
     /// Scope name (fixed: renaming is a topology change).
@@ -254,6 +294,8 @@ pub(crate) struct ScopeRt {
     notify: Notify,
     /// Acquires of this scope currently sleeping.
     waiters: AtomicU32,
+    /// Counters for `/metrics`.
+    pub(crate) counters: ScopeCounters,
 }
 
 /// Host-local runtime state of one source (shared by every scope naming it).
@@ -270,6 +312,8 @@ pub(crate) struct SourceRt {
     pub(crate) health: Health,
     /// Scopes naming this source (to wake their waiters).
     scopes: Vec<usize>,
+    /// Counters for `/metrics`.
+    pub(crate) counters: SourceCounters,
 }
 
 impl ScopeRt {
@@ -490,6 +534,7 @@ impl<B: Backend> Engine<B> {
                         memo: Memo::default(),
                         health: Health::default(),
                         scopes: Vec::new(),
+                        counters: SourceCounters::default(),
                     });
                     sources.len() - 1
                 });
@@ -504,6 +549,7 @@ impl<B: Backend> Engine<B> {
                 sources: idxs,
                 notify: Notify::new(),
                 waiters: AtomicU32::new(0),
+                counters: ScopeCounters::default(),
             });
             scope_index.insert(sc.name.clone(), si);
         }
@@ -623,6 +669,50 @@ impl<B: Backend> Engine<B> {
     /// Run admission for the call (§4–§5); may wait. Cancel-safe: dropping the future
     /// ends the wait and leaves nothing reserved.
     pub async fn acquire(&self, owner: OwnerId, call: u64) -> Result<Grant, EngineError> {
+        let r = self.acquire_inner(owner, call).await;
+        self.count_acquire(&r);
+        r
+    }
+
+    fn count_acquire(&self, r: &Result<Grant, EngineError>) {
+        match r {
+            Ok(g) => {
+                if let Some(&i) = self.source_index.get(&*g.source) {
+                    bump(&self.sources[i].counters.grants);
+                    if g.is_probe {
+                        bump(&self.sources[i].counters.probes);
+                    }
+                }
+            }
+            Err(e) => {
+                let scope = match e {
+                    EngineError::CircuitOpen { scope, .. }
+                    | EngineError::Exhausted { scope, .. }
+                    | EngineError::BackendUnavailable { scope, .. } => scope,
+                    _ => return,
+                };
+                let Some(&si) = self.scope_index.get(scope) else {
+                    return;
+                };
+                let c = &self.scopes[si].counters;
+                bump(match e {
+                    EngineError::CircuitOpen { .. } => &c.circuit_open,
+                    EngineError::Exhausted {
+                        reason: Exhaustion::Stalled,
+                        ..
+                    } => &c.stalled,
+                    EngineError::Exhausted {
+                        reason: Exhaustion::QuotaExhausted,
+                        ..
+                    } => &c.quota_exhausted,
+                    EngineError::Exhausted { .. } => &c.retry_exhausted,
+                    _ => &c.backend_unavailable,
+                });
+            }
+        }
+    }
+
+    async fn acquire_inner(&self, owner: OwnerId, call: u64) -> Result<Grant, EngineError> {
         if self.shutdown.is_cancelled() {
             return Err(EngineError::ShuttingDown);
         }
@@ -692,6 +782,7 @@ impl<B: Backend> Engine<B> {
                     // No await before returning: a Cancel now cannot strand the grant.
                     for p in stale {
                         self.sources[p.source].pacer.release(Signal::Hold);
+                        bump(&self.sources[p.source].counters.abandoned);
                         self.run_detached(self.abandon_backend(p));
                     }
                     return Ok(grant);
@@ -752,6 +843,7 @@ impl<B: Backend> Engine<B> {
             if waiting.is_none() {
                 sc.waiters.fetch_add(1, Ordering::Relaxed);
                 waiting = Some(WaiterGuard(&sc.waiters));
+                bump(&sc.counters.waits);
                 tracing::info!(
                     scope = %cfg.name,
                     reasons = ?self.reasons_of(si, &reasons),
@@ -971,6 +1063,12 @@ impl<B: Backend> Engine<B> {
             p
         };
         let src = &self.sources[p.source];
+        bump(match outcome {
+            Outcome::Success { .. } => &src.counters.successes,
+            Outcome::Failure(_) => &src.counters.failures,
+            Outcome::RateLimited { .. } => &src.counters.rate_limited,
+            Outcome::Cancelled => &src.counters.cancelled,
+        });
         let signal = match outcome {
             Outcome::Success { .. } => Signal::Increase,
             Outcome::RateLimited { .. } | Outcome::Failure(FailureKind::Timeout) => {
@@ -1050,6 +1148,7 @@ impl<B: Backend> Engine<B> {
     async fn abandon_all(&self, permits: Vec<PermitRec>) {
         for p in &permits {
             self.sources[p.source].pacer.release(Signal::Hold);
+            bump(&self.sources[p.source].counters.abandoned);
         }
         if self.backend.is_remote() {
             let tasks: Vec<_> = permits
@@ -1360,6 +1459,11 @@ impl<B: Backend> Engine<B> {
         for sc in &self.scopes {
             sc.notify.notify_waiters();
         }
+    }
+
+    /// `true` once [`Engine::shutdown`] ran.
+    pub fn is_shutting_down(&self) -> bool {
+        self.shutdown.is_cancelled()
     }
 
     /// The backend's name (`memory` / `redis`).

@@ -5,6 +5,7 @@
 //! breaker and quota state lives), the engine modules (no socket code), and the
 //! server (wire types ↔ engine).
 
+pub mod admin_http;
 pub mod admission;
 pub mod backend;
 pub mod breaker;
@@ -13,6 +14,7 @@ pub mod config;
 pub mod engine;
 pub mod health;
 pub mod memo;
+pub mod metrics;
 pub mod notify;
 pub mod pacer;
 pub mod peer;

@@ -316,6 +316,23 @@ async fn run_engine(
     let admin_sync = admin_events.map(|rx| tokio::spawn(apply_admin_events(rx, engine.clone())));
     let opts = ServerOptions::from_config(&config.sidecar);
     let grace = opts.shutdown_grace;
+    let admin_http = match config.sidecar.admin_listen {
+        None => None,
+        Some(addr) => match tokio::net::TcpListener::bind(addr).await {
+            Ok(l) => {
+                info!(%addr, "admin listener: /live /ready /metrics");
+                Some(tokio::spawn(polygate::admin_http::serve(
+                    l,
+                    engine.clone(),
+                    stop.clone().cancelled_owned(),
+                )))
+            }
+            Err(e) => {
+                error!("sidecar.admin_listen = {addr}: cannot bind: {e}");
+                return ExitCode::FAILURE;
+            }
+        },
+    };
     let reloader = {
         let engine = engine.clone();
         let running = config.sidecar.clone();
@@ -363,7 +380,7 @@ async fn run_engine(
         }
     };
     reloader.abort();
-    for task in [watchdog, admin_sync].into_iter().flatten() {
+    for task in [watchdog, admin_sync, admin_http].into_iter().flatten() {
         task.abort();
     }
     code

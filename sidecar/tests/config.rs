@@ -743,3 +743,36 @@ fn env_prefix_collisions_are_rejected() {
         &["scopes.sidecar", "SIDECAR__"],
     );
 }
+
+#[test]
+fn admin_listen_parses_and_bad_values_name_the_key() {
+    let base = "[scopes.chat]\n[[scopes.chat.sources]]\nname = \"a\"\n";
+    let ok = polygate::config::parse::parse_str(
+        &format!("[sidecar]\nadmin_listen = \"127.0.0.1:9464\"\n{base}"),
+        std::iter::empty(),
+    )
+    .unwrap();
+    assert_eq!(
+        ok.sidecar.admin_listen,
+        Some("127.0.0.1:9464".parse().unwrap())
+    );
+    let none = polygate::config::parse::parse_str(base, std::iter::empty()).unwrap();
+    assert_eq!(none.sidecar.admin_listen, None, "off by default");
+    let err = polygate::config::parse::parse_str(
+        &format!("[sidecar]\nadmin_listen = \"localhost\"\n{base}"),
+        std::iter::empty(),
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(
+        err.contains("sidecar.admin_listen") && err.contains("127.0.0.1:9464"),
+        "{err}"
+    );
+    let env = polygate::config::parse::parse_str(
+        base,
+        [("SIDECAR__ADMIN_LISTEN".to_string(), "nope".to_string())],
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(env.contains("SIDECAR__ADMIN_LISTEN"), "{env}");
+}

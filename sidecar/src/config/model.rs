@@ -87,6 +87,9 @@ pub struct SidecarConfig {
     pub max_frame: u32,
     /// How long SIGTERM waits for connections to drain before exiting.
     pub shutdown_grace: Duration,
+    /// Optional HTTP admin listener (`/live`, `/ready`, `/metrics`), kept apart from
+    /// the worker socket; `None` serves none.
+    pub admin_listen: Option<std::net::SocketAddr>,
 }
 
 /// `[scopes.NAME]`.
@@ -210,6 +213,7 @@ impl Default for SidecarConfig {
             redis_timeout: Duration::from_millis(250),
             max_frame: 65536,
             shutdown_grace: Duration::from_secs(5),
+            admin_listen: None,
         }
     }
 }

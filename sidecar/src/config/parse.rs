@@ -195,6 +195,7 @@ struct RawSidecar {
     redis_timeout: Option<String>,
     max_frame: Option<i64>,
     shutdown_grace: Option<String>,
+    admin_listen: Option<String>,
 }
 
 #[derive(Deserialize, Default)]
@@ -405,6 +406,7 @@ impl Ctx {
 }
 
 const SIDECAR_ENV_KEYS: &[&str] = &[
+    "ADMIN_LISTEN",
     "SOCKET",
     "SOCKET_MODE",
     "BACKEND",
@@ -557,6 +559,7 @@ fn apply_sidecar_env(
         "REDIS_TIMEOUT" => s.redis_timeout = Some(value.clone()),
         "MAX_FRAME" => s.max_frame = Some(env_int(var, &path, &value)?),
         "SHUTDOWN_GRACE" => s.shutdown_grace = Some(value.clone()),
+        "ADMIN_LISTEN" => s.admin_listen = Some(value.clone()),
         _ => return Err(unknown_env_key(var, "SIDECAR", key, SIDECAR_ENV_KEYS)),
     }
     ctx.env_origin.insert(path, (var.into(), value));
@@ -836,7 +839,22 @@ fn validate_sidecar(raw: RawSidecar, ctx: &Ctx) -> Result<SidecarConfig, ConfigE
         },
     };
 
+    let admin_listen =
+        match raw.admin_listen {
+            None => d.admin_listen,
+            Some(a) if a.is_empty() => None,
+            Some(a) => match a.parse::<std::net::SocketAddr>() {
+                Ok(addr) => Some(addr),
+                Err(_) => return Err(ctx.err(
+                    "sidecar.admin_listen",
+                    format_args!("{a:?}"),
+                    "must be an IP address and port such as \"127.0.0.1:9464\" (or \"\" for none)",
+                )),
+            },
+        };
+
     Ok(SidecarConfig {
+        admin_listen,
         socket,
         socket_mode,
         allowed_uids: raw.allowed_uids.unwrap_or(d.allowed_uids),

@@ -1,0 +1,99 @@
+//! The admin listener (`/live`, `/ready`, `/metrics`) and the Prometheus exposition.
+
+#[path = "support/engine_cfg.rs"]
+mod cfg;
+
+use cfg::*;
+use polygate::backend::{FailureKind, Outcome};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+
+async fn get(addr: std::net::SocketAddr, request: &str) -> (u16, String) {
+    let mut s = TcpStream::connect(addr).await.unwrap();
+    s.write_all(request.as_bytes()).await.unwrap();
+    let mut out = String::new();
+    s.read_to_string(&mut out).await.unwrap();
+    let code = out[9..12].parse().unwrap();
+    let body = out
+        .split_once("\r\n\r\n")
+        .map(|x| x.1.to_string())
+        .unwrap_or_default();
+    (code, body)
+}
+
+#[tokio::test]
+async fn live_ready_metrics_and_errors() {
+    let e = engine(&config(vec![
+        scope("chat", vec![source("a"), source("b\"q")]),
+        scope("emb", vec![source("a")]),
+    ]));
+    // Some traffic: a success, a failure, a 429, and a fail-fast CircuitOpen.
+    for outcome in [
+        Outcome::Success {
+            tokens: None,
+            count_attempt: true,
+        },
+        Outcome::Failure(FailureKind::Timeout),
+        Outcome::RateLimited { retry_after: None },
+    ] {
+        let call = e.begin_call(1, "emb", None).unwrap();
+        let g = e.acquire(1, call).await.unwrap();
+        e.report(1, g.permit, outcome).await.unwrap();
+        e.end_call(1, call).await.unwrap();
+    }
+    e.force_open("a", secs(60)).await.unwrap();
+    let call = e.begin_call(1, "emb", None).unwrap();
+    assert!(e.acquire(1, call).await.is_err());
+
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+    let server = tokio::spawn(polygate::admin_http::serve(listener, e.clone(), async {
+        let _ = stop_rx.await;
+    }));
+
+    assert_eq!(
+        get(addr, "GET /live HTTP/1.1\r\nHost: x\r\n\r\n").await,
+        (200, "live\n".into())
+    );
+    assert_eq!(get(addr, "GET /ready HTTP/1.1\r\n\r\n").await.0, 200);
+    assert_eq!(get(addr, "GET /nope HTTP/1.1\r\n\r\n").await.0, 404);
+    assert_eq!(get(addr, "POST /metrics HTTP/1.1\r\n\r\n").await.0, 405);
+
+    let (code, m) = get(addr, "GET /metrics HTTP/1.1\r\n\r\n").await;
+    assert_eq!(code, 200);
+    for line in [
+        "polygate_info{version=\"0.1.0\",backend=\"memory\"} 1",
+        "polygate_grants_total{source=\"a\"} 3",
+        "polygate_reports_total{source=\"a\",outcome=\"success\"} 1",
+        "polygate_reports_total{source=\"a\",outcome=\"failure\"} 1",
+        "polygate_reports_total{source=\"a\",outcome=\"rate_limited\"} 1",
+        "polygate_acquire_errors_total{scope=\"emb\",kind=\"circuit_open\"} 1",
+        "polygate_breaker_state{source=\"a\",state=\"open\"} 1",
+        "polygate_breaker_state{source=\"a\",state=\"closed\"} 0",
+        // A label value with a quote is escaped.
+        "polygate_pacer_in_flight{source=\"b\\\"q\"} 0",
+    ] {
+        assert!(m.lines().any(|l| l == line), "missing {line:?} in:\n{m}");
+    }
+    let ra: f64 = m
+        .lines()
+        .find_map(|l| l.strip_prefix("polygate_breaker_retry_after_seconds{source=\"a\"} "))
+        .expect("retry_after sample")
+        .parse()
+        .unwrap();
+    assert!(ra > 59.0 && ra <= 60.0, "{ra}");
+    // Each family is declared once even though `a` is in two scopes.
+    assert_eq!(m.matches("# TYPE polygate_breaker_epoch gauge").count(), 1);
+    assert_eq!(
+        m.lines()
+            .filter(|l| l.starts_with("polygate_breaker_epoch{source=\"a\"}"))
+            .count(),
+        1
+    );
+
+    e.shutdown();
+    assert_eq!(get(addr, "GET /ready HTTP/1.1\r\n\r\n").await.0, 503);
+    let _ = stop_tx.send(());
+    server.await.unwrap();
+}
