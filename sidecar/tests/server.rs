@@ -2,7 +2,9 @@
 //! started in-process with `server::run` over the memory backend, and a client built
 //! on `ipc_protocol::ClientCodec`.
 
+use std::collections::HashSet;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -12,10 +14,14 @@ use ipc_protocol::{
     ServerFrame, SourceStatus, StatusReport, PROTOCOL_VERSION,
 };
 use polygate::backend::memory::MemoryBackend;
+use polygate::backend::{
+    Admit, Applied, BResult, Backend, BackendError, BreakerParams, Entry, Outcome as BOutcome,
+    QuotaParams, Reserve, Settlement, SourceSnapshot,
+};
 use polygate::clock::{Clock, TokioClock};
 use polygate::config::parse::parse_str;
 use polygate::engine::Engine;
-use polygate::server::{self, ServerError, ServerOptions};
+use polygate::server::{self, ServerError, ServerOptions, ServerStats, MAX_IN_FLIGHT};
 use tokio::io::AsyncWriteExt;
 use tokio::net::{UnixListener, UnixStream};
 use tokio::sync::oneshot;
@@ -69,12 +75,106 @@ timeout = "10s"
     )
 }
 
+/// The memory backend, made to fail reports and admin requests on demand (as a
+/// shared backend that became unreachable would).
+struct Flaky {
+    inner: MemoryBackend,
+    down: AtomicBool,
+}
+
+impl Flaky {
+    fn check(&self) -> BResult<()> {
+        if self.down.load(Ordering::SeqCst) {
+            Err(BackendError::Unavailable("test: backend down".into()))
+        } else {
+            Ok(())
+        }
+    }
+}
+
+impl Backend for Flaky {
+    fn name(&self) -> &'static str {
+        self.inner.name()
+    }
+    async fn try_enter(&self, s: &str, p: &BreakerParams) -> BResult<Entry> {
+        self.inner.try_enter(s, p).await
+    }
+    async fn record_success(
+        &self,
+        s: &str,
+        e: u64,
+        c: bool,
+        p: &BreakerParams,
+    ) -> BResult<Applied> {
+        self.inner.record_success(s, e, c, p).await
+    }
+    async fn record_failure(&self, s: &str, e: u64, p: &BreakerParams) -> BResult<Applied> {
+        self.inner.record_failure(s, e, p).await
+    }
+    async fn release_probe(&self, s: &str, e: u64) -> BResult<Applied> {
+        self.inner.release_probe(s, e).await
+    }
+    async fn retry_after(&self, s: &[&str]) -> BResult<Duration> {
+        self.inner.retry_after(s).await
+    }
+    async fn force_open(&self, s: &str, d: Duration) -> BResult<Applied> {
+        self.check()?;
+        self.inner.force_open(s, d).await
+    }
+    async fn force_close(&self, s: &str) -> BResult<Applied> {
+        self.check()?;
+        self.inner.force_close(s).await
+    }
+    async fn reset(&self, s: &str) -> BResult<Applied> {
+        self.check()?;
+        self.inner.reset(s).await
+    }
+    async fn reserve(&self, s: &str, q: &QuotaParams, t: u64) -> BResult<Reserve> {
+        self.inner.reserve(s, q, t).await
+    }
+    async fn settle(&self, s: &str, q: &QuotaParams, t: u64, how: Settlement) -> BResult<()> {
+        self.inner.settle(s, q, t, how).await
+    }
+    async fn block_quota(&self, s: &str, d: Duration) -> BResult<()> {
+        self.inner.block_quota(s, d).await
+    }
+    async fn snapshot(
+        &self,
+        s: &str,
+        p: &BreakerParams,
+        q: &QuotaParams,
+    ) -> BResult<SourceSnapshot> {
+        self.inner.snapshot(s, p, q).await
+    }
+    async fn admit(&self, s: &str, p: &BreakerParams, q: &QuotaParams, t: u64) -> BResult<Admit> {
+        self.inner.admit(s, p, q, t).await
+    }
+    #[allow(clippy::too_many_arguments)]
+    async fn report(
+        &self,
+        s: &str,
+        p: &BreakerParams,
+        q: &QuotaParams,
+        e: u64,
+        probe: bool,
+        t: u64,
+        o: BOutcome,
+    ) -> BResult<Applied> {
+        self.check()?;
+        self.inner.report(s, p, q, e, probe, t, o).await
+    }
+    async fn neutral(&self, s: &str, e: u64, probe: bool) -> BResult<Applied> {
+        self.inner.neutral(s, e, probe).await
+    }
+}
+
 struct Server {
     _dir: tempfile::TempDir,
     path: PathBuf,
     stop: Option<oneshot::Sender<()>>,
     task: JoinHandle<Result<(), ServerError>>,
-    engine: Arc<Engine<MemoryBackend>>,
+    engine: Arc<Engine<Flaky>>,
+    stats: Arc<ServerStats>,
 }
 
 impl Server {
@@ -96,13 +196,17 @@ impl Server {
             .flat_map(|s| s.sources.iter().map(|x| x.name.clone()))
             .collect();
         names.dedup();
-        let backend = MemoryBackend::new(clock.clone(), names);
+        let backend = Flaky {
+            inner: MemoryBackend::new(clock.clone(), names),
+            down: AtomicBool::new(false),
+        };
         let engine = Engine::new(&config, backend, clock);
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("sidecar.sock");
         let listener = UnixListener::bind(&path).unwrap();
         let mut opts = ServerOptions::from_config(&config.sidecar);
         tweak(&mut opts);
+        let stats = opts.stats.clone();
         let (stop, stopped) = oneshot::channel::<()>();
         let task = tokio::spawn(server::run(listener, engine.clone(), opts, async move {
             let _ = stopped.await;
@@ -113,6 +217,28 @@ impl Server {
             stop: Some(stop),
             task,
             engine,
+            stats,
+        }
+    }
+
+    /// Make the backend fail (or work again).
+    fn backend_down(&self, down: bool) {
+        self.engine.backend().down.store(down, Ordering::SeqCst);
+    }
+
+    /// Poll the server's in-flight count until `pred` holds.
+    async fn in_flight_until(&self, what: &str, pred: impl Fn(usize) -> bool) -> usize {
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+        loop {
+            let n = self.stats.in_flight();
+            if pred(n) {
+                return n;
+            }
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "in-flight count never reached {what}: {n}"
+            );
+            tokio::time::sleep(Duration::from_millis(10)).await;
         }
     }
 
@@ -212,6 +338,13 @@ impl Client {
             .find(|s| s.name == name)
             .cloned()
             .unwrap_or_else(|| panic!("source {name} missing from {report:?}"))
+    }
+
+    async fn acquire(&mut self, call: u64) -> u64 {
+        match self.call(Request::Acquire { call }).await {
+            Reply::Granted { permit, .. } => permit,
+            other => panic!("expected Granted, got {other:?}"),
+        }
     }
 
     async fn begin(&mut self, scope: &str) -> u64 {
@@ -747,5 +880,315 @@ async fn a_silent_client_is_closed_after_the_handshake_timeout() {
     let e = error_frame(c.recv().await, 0, ErrorKind::ProtocolViolation);
     assert!(e.message.contains("Hello"), "{e:?}");
     c.expect_closed().await;
+    server.shutdown().await.unwrap();
+}
+
+/// Send `Status` requests on `c` in batches, without reading, until the server has
+/// `more` requests in flight beyond `base` (their replies cannot be queued: the
+/// connection's reply queue is full). Returns the next unused id.
+async fn fill_reply_queue(server: &Server, c: &mut Client, mut id: u64, base: usize) -> u64 {
+    let more = 20;
+    for _ in 0..200 {
+        for _ in 0..50 {
+            c.framed
+                .feed(ClientFrame {
+                    id,
+                    request: Request::Status,
+                })
+                .await
+                .unwrap();
+            id += 1;
+        }
+        c.framed.flush().await.unwrap();
+        tokio::time::sleep(Duration::from_millis(30)).await;
+        if server.stats.in_flight() >= base + more {
+            return id;
+        }
+    }
+    panic!(
+        "the reply queue never filled up: {} in flight",
+        server.stats.in_flight()
+    );
+}
+
+#[tokio::test]
+async fn a_client_that_does_not_read_is_held_at_the_in_flight_cap() {
+    let server = Server::start().await;
+    let c = server.client().await;
+    let (mut sink, mut stream) = c.framed.split();
+    // Status replies are a few hundred bytes: 5000 of them are far more than the
+    // socket buffer and the reply queue hold. Sent from a task: once the server stops
+    // reading, this connection's socket fills up and the sends block.
+    let n = 5000u64;
+    let sender = tokio::spawn(async move {
+        for id in 1..=n {
+            sink.feed(ClientFrame {
+                id,
+                request: Request::Status,
+            })
+            .await
+            .unwrap();
+        }
+        sink.flush().await.unwrap();
+        sink
+    });
+
+    // The connection reaches the cap and stays there.
+    server
+        .in_flight_until("the cap", |k| k == MAX_IN_FLIGHT)
+        .await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(server.stats.in_flight(), MAX_IN_FLIGHT);
+    assert_eq!(server.stats.peak_in_flight(), MAX_IN_FLIGHT);
+
+    // Other connections are unaffected.
+    let mut other = server.client().await;
+    assert_eq!(other.call(Request::Ping).await, Reply::Pong);
+    assert!(!other.status().await.scopes.is_empty());
+
+    // Reading drains everything, each reply exactly once.
+    let mut seen = HashSet::new();
+    for _ in 0..n {
+        let f = tokio::time::timeout(REPLY_TIMEOUT, stream.next())
+            .await
+            .expect("reply")
+            .expect("open")
+            .expect("frame");
+        assert!(matches!(f.reply, Reply::Status(_)), "{f:?}");
+        assert!(seen.insert(f.id), "two replies for {}", f.id);
+    }
+    assert_eq!(seen.len() as u64, n);
+    let sink = sender.await.unwrap();
+    let mut c = Client {
+        framed: sink.reunite(stream).unwrap(),
+        next_id: n + 1,
+    };
+    assert_eq!(c.call(Request::Ping).await, Reply::Pong);
+    server.in_flight_until("0", |k| k == 0).await;
+    assert!(server.stats.peak_in_flight() <= MAX_IN_FLIGHT);
+    server.shutdown().await.unwrap();
+}
+
+#[tokio::test]
+async fn waiting_acquires_do_not_hold_in_flight_slots() {
+    // A cap of 4, and 10 Acquires waiting: the connection must still read the
+    // requests that would end the waits.
+    let server = Server::start_opts(&format!("admin_uids = [{}]", my_uid()), |o| {
+        o.max_in_flight = 4
+    })
+    .await;
+    let mut c = server.client().await;
+    c.force_open("s1", 60.0).await;
+    let mut calls = Vec::new();
+    for _ in 0..10 {
+        calls.push(c.begin("slow").await);
+    }
+    for (i, &call) in calls.iter().enumerate() {
+        c.send(1 + i as u64, Request::Acquire { call }).await;
+    }
+    let deadline = tokio::time::Instant::now() + REPLY_TIMEOUT;
+    loop {
+        let report = c.status().await;
+        let slow = report.scopes.iter().find(|s| s.name == "slow").unwrap();
+        if slow.waiters == 10 {
+            break;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "{slow:?}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(c.call(Request::Ping).await, Reply::Pong);
+
+    // Closing the source ends the waits; every Acquire answers.
+    c.send(
+        50,
+        Request::ForceClose {
+            source: "s1".into(),
+        },
+    )
+    .await;
+    // The pacer admits 8 at a time: report each grant as it comes so the rest follow.
+    let (mut granted, mut reported, mut closed) = (0, 0, false);
+    while granted < 10 || reported < 10 || !closed {
+        let f = c.recv().await;
+        match f.reply {
+            Reply::Ok if f.id == 50 => closed = true,
+            Reply::Granted { permit, .. } => {
+                assert!((1..=10).contains(&f.id), "{f:?}");
+                granted += 1;
+                c.send(
+                    100 + f.id,
+                    Request::Report {
+                        permit,
+                        outcome: Outcome::Cancelled,
+                    },
+                )
+                .await;
+            }
+            Reply::Reported { .. } => reported += 1,
+            other => panic!("expected Granted or Reported, got {other:?}"),
+        }
+    }
+    assert!(server.stats.peak_in_flight() <= 4);
+    server.shutdown().await.unwrap();
+}
+
+#[tokio::test]
+async fn shutdown_completes_when_clients_fill_their_reply_queues() {
+    let server = Server::start().await;
+    let engine = server.engine.clone();
+
+    // `c` holds a permit, then stops reading; its reader is stuck queuing the reply
+    // to a Cancel.
+    let mut c = server.client().await;
+    let call = c.begin("chat").await;
+    c.acquire(call).await;
+    fill_reply_queue(&server, &mut c, 10_000, 0).await;
+    c.send(1, Request::Cancel { target: 77 }).await;
+
+    // `d` has an Acquire waiting, then stops reading; its reader is stuck queuing the
+    // refusal of a duplicate id.
+    let mut d = server.client().await;
+    d.force_open("s1", 60.0).await;
+    let call = d.begin("slow").await;
+    d.send(7, Request::Acquire { call }).await;
+    let base = server.stats.in_flight();
+    fill_reply_queue(&server, &mut d, 10_000, base).await;
+    d.send(7, Request::Ping).await;
+    tokio::time::sleep(Duration::from_millis(100)).await;
+
+    let started = tokio::time::Instant::now();
+    server.shutdown().await.unwrap();
+    let took = started.elapsed();
+    assert!(
+        took < Duration::from_millis(2000 + 1000),
+        "grace is 2s, shutdown took {took:?}"
+    );
+    let live = engine.live_counts();
+    assert_eq!(live.permits, 0, "{live:?}");
+    assert_eq!(live.calls, 0, "{live:?}");
+    assert_eq!(live.pacer_in_flight, 0, "{live:?}");
+    drop((c, d));
+}
+
+#[tokio::test]
+async fn admin_errors_without_a_scope_carry_none() {
+    let server = Server::start().await;
+    let mut c = server.client().await;
+    server.backend_down(true);
+    for request in [
+        Request::ForceOpen {
+            source: "a".into(),
+            seconds: 5.0,
+        },
+        Request::ForceClose { source: "a".into() },
+        Request::Reset { source: "a".into() },
+    ] {
+        let e = error_of(c.call(request).await);
+        assert_eq!(e.kind, ErrorKind::BackendUnavailable, "{e:?}");
+        assert_eq!(e.scope, None, "{e:?}");
+    }
+    // Scope-level errors still name their scope.
+    let e = error_of(
+        c.call(Request::BeginCall {
+            scope: "nope".into(),
+            est_tokens: None,
+        })
+        .await,
+    );
+    assert_eq!(e.scope.as_deref(), Some("nope"));
+    server.shutdown().await.unwrap();
+}
+
+#[tokio::test]
+async fn a_report_the_backend_failed_does_not_hold_up_the_drain() {
+    let server = Server::start().await;
+    let mut c = server.client().await;
+    let call = c.begin("chat").await;
+    let permit = c.acquire(call).await;
+    server.backend_down(true);
+    let e = error_of(
+        c.call(Request::Report {
+            permit,
+            outcome: Outcome::Success {
+                tokens: Some(5),
+                count_attempt: true,
+            },
+        })
+        .await,
+    );
+    assert_eq!(e.kind, ErrorKind::BackendUnavailable, "{e:?}");
+    assert_eq!(e.scope.as_deref(), Some("chat"), "{e:?}");
+    server.assert_nothing_held(false);
+
+    // The connection holds nothing: shutdown does not wait out the 2 s grace for it.
+    let started = tokio::time::Instant::now();
+    let stopping = tokio::spawn(server.shutdown());
+    c.expect_closed().await;
+    stopping.await.unwrap().unwrap();
+    let took = started.elapsed();
+    assert!(took < Duration::from_secs(1), "took {took:?}");
+}
+
+#[tokio::test]
+async fn absurd_token_counts_are_refused() {
+    let server = Server::start().await;
+    let mut c = server.client().await;
+    let limit = 1_000_000_000u64;
+
+    let e = error_of(
+        c.call(Request::BeginCall {
+            scope: "chat".into(),
+            est_tokens: Some(limit + 1),
+        })
+        .await,
+    );
+    assert_eq!(e.kind, ErrorKind::InvalidArgument, "{e:?}");
+    assert!(
+        e.message.contains("est_tokens") && e.message.contains(&limit.to_string()),
+        "{e:?}"
+    );
+    assert_eq!(c.status().await.scopes[0].calls, 0);
+
+    // The limit itself is accepted.
+    let call = match c
+        .call(Request::BeginCall {
+            scope: "chat".into(),
+            est_tokens: Some(limit),
+        })
+        .await
+    {
+        Reply::CallBegun { call } => call,
+        other => panic!("expected CallBegun, got {other:?}"),
+    };
+    assert_eq!(c.call(Request::EndCall { call }).await, Reply::Ok);
+
+    let call = c.begin("chat").await;
+    let permit = c.acquire(call).await;
+    let e = error_of(
+        c.call(Request::Report {
+            permit,
+            outcome: Outcome::Success {
+                tokens: Some(u64::MAX),
+                count_attempt: true,
+            },
+        })
+        .await,
+    );
+    assert_eq!(e.kind, ErrorKind::InvalidArgument, "{e:?}");
+    assert!(
+        e.message.starts_with("tokens must be at most") && e.message.contains(&limit.to_string()),
+        "{e:?}"
+    );
+    // Refused before the engine: the permit is still there to be reported properly.
+    let r = c
+        .call(Request::Report {
+            permit,
+            outcome: Outcome::Success {
+                tokens: Some(limit),
+                count_attempt: true,
+            },
+        })
+        .await;
+    assert!(matches!(r, Reply::Reported { applied: true, .. }), "{r:?}");
     server.shutdown().await.unwrap();
 }

@@ -2,8 +2,12 @@
 
 use std::collections::hash_map::Entry;
 use std::collections::HashMap;
+use std::future::Future;
 use std::panic::AssertUnwindSafe;
+use std::pin::pin;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
+use std::task::Poll;
 use std::time::Duration;
 
 use futures_util::{FutureExt, SinkExt, StreamExt};
@@ -11,16 +15,16 @@ use ipc_protocol::{ClientFrame, ErrorKind, ErrorReply, Reply, Request, ServerFra
 use ipc_protocol::{FrameError, ServerCodec};
 use tokio::net::unix::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::net::UnixStream;
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, OwnedSemaphorePermit, Semaphore};
 use tokio::task::{AbortHandle, JoinSet};
 use tokio_util::codec::{FramedRead, FramedWrite};
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, warn};
 
 use super::convert;
-use super::ServerOptions;
+use super::{ServerOptions, ServerStats};
 use crate::backend::{Backend, Outcome};
-use crate::engine::{Engine, OwnerId};
+use crate::engine::{Engine, EngineError, Grant, OwnerId};
 use crate::peer::peer_of;
 
 /// State every connection shares with the accept loop.
@@ -36,8 +40,11 @@ pub(super) struct Shared {
 const REPLY_QUEUE: usize = 256;
 /// While draining, how often an open connection checks whether it is idle.
 const DRAIN_POLL: Duration = Duration::from_millis(50);
-/// How long teardown waits for the writer to flush the last replies.
+/// How long teardown waits for the writer to flush the last replies; also how long
+/// the reader tries to queue the error reply of a protocol violation before closing.
 const FLUSH_TIMEOUT: Duration = Duration::from_secs(1);
+/// The same after the shutdown grace ran out: the peer had its chance.
+const HARD_STOP_FLUSH: Duration = Duration::from_millis(100);
 /// How long teardown lets non-abortable requests (Report, EndCall, admin) finish.
 const FINISH_TIMEOUT: Duration = Duration::from_secs(2);
 
@@ -53,6 +60,55 @@ struct Conn<B: Backend> {
     /// Permits granted and not yet reported, to the call they belong to. Only used to
     /// tell when a draining connection holds nothing any more.
     permits: Mutex<HashMap<u64, u64>>,
+    /// The in-flight cap (`ServerOptions::max_in_flight`).
+    budget: Arc<Budget>,
+}
+
+/// A connection's in-flight slots: the reader takes one before it reads a frame, a
+/// request task holds it until its reply is queued (or it ends).
+struct Budget {
+    slots: Arc<Semaphore>,
+    /// Slots held by request tasks.
+    held: AtomicUsize,
+    stats: Arc<ServerStats>,
+}
+
+impl Budget {
+    fn new(max: usize, stats: Arc<ServerStats>) -> Arc<Self> {
+        Arc::new(Budget {
+            slots: Arc::new(Semaphore::new(max.max(1))),
+            held: AtomicUsize::new(0),
+            stats,
+        })
+    }
+}
+
+/// One request in progress: its slot of the connection's budget.
+struct InFlight {
+    _slot: OwnedSemaphorePermit,
+    budget: Arc<Budget>,
+}
+
+impl InFlight {
+    fn new(slot: OwnedSemaphorePermit, budget: &Arc<Budget>) -> Self {
+        let held = budget.held.fetch_add(1, Ordering::Relaxed) + 1;
+        budget.stats.in_flight.fetch_add(1, Ordering::Relaxed);
+        budget
+            .stats
+            .peak_in_flight
+            .fetch_max(held, Ordering::Relaxed);
+        InFlight {
+            _slot: slot,
+            budget: budget.clone(),
+        }
+    }
+}
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        self.budget.held.fetch_sub(1, Ordering::Relaxed);
+        self.budget.stats.in_flight.fetch_sub(1, Ordering::Relaxed);
+    }
 }
 
 /// A running request.
@@ -127,9 +183,10 @@ pub(super) async fn serve<B: Backend>(
         id,
         uid: peer.uid,
         engine,
-        shared,
         pending: Mutex::new(HashMap::new()),
         permits: Mutex::new(HashMap::new()),
+        budget: Budget::new(shared.opts.max_in_flight, shared.opts.stats.clone()),
+        shared,
     });
     let reader = FramedRead::new(read, ServerCodec::new(max_frame as usize));
     let mut tasks = JoinSet::new();
@@ -151,10 +208,12 @@ pub(super) async fn serve<B: Backend>(
     drop(tx);
     conn.engine.release_owner(id).await;
     let mut writer_task = writer_task;
-    if tokio::time::timeout(FLUSH_TIMEOUT, &mut writer_task)
-        .await
-        .is_err()
-    {
+    let flush = if conn.shared.hard_stop.is_cancelled() {
+        HARD_STOP_FLUSH
+    } else {
+        FLUSH_TIMEOUT
+    };
+    if tokio::time::timeout(flush, &mut writer_task).await.is_err() {
         writer_task.abort();
     }
     let why = match end {
@@ -163,6 +222,25 @@ pub(super) async fn serve<B: Backend>(
         End::Shutdown => "closed for shutdown",
     };
     debug!(conn = id, "disconnected: {why}");
+}
+
+/// Queue a reply for the writer. Backpressure: this waits while the reply queue is
+/// full, but never past the hard stop (false: the connection must end now).
+async fn queue_reply(
+    tx: &mpsc::Sender<ServerFrame>,
+    hard_stop: &CancellationToken,
+    id: u64,
+    reply: Reply,
+) -> bool {
+    tokio::select! {
+        biased;
+        r = tx.send(ServerFrame { id, reply }) => {
+            // Only fails once the writer is gone; the next read then sees the close.
+            let _ = r;
+            true
+        }
+        () = hard_stop.cancelled() => false,
+    }
 }
 
 /// Handshake, then the request loop.
@@ -174,15 +252,15 @@ async fn serve_frames<B: Backend>(
 ) -> End {
     let shared = conn.shared.clone();
     let opts = &shared.opts;
-    let send = |id: u64, reply: Reply| {
-        let tx = tx.clone();
-        async move {
-            let _ = tx.send(ServerFrame { id, reply }).await;
-        }
+    let send = |id: u64, reply: Reply| queue_reply(tx, &shared.hard_stop, id, reply);
+    // The connection closes after a violation whatever happens: its error reply gets a
+    // bounded chance to be queued, so a peer that does not read cannot hold it open.
+    let closing = |id: u64, reply: Reply| async move {
+        let _ = tokio::time::timeout(FLUSH_TIMEOUT, send(id, reply)).await;
     };
     let violation = |id: u64, message: String| {
         debug!(conn = conn.id, "{message}");
-        send(
+        closing(
             id,
             Reply::Error(convert::error(ErrorKind::ProtocolViolation, message)),
         )
@@ -199,7 +277,7 @@ async fn serve_frames<B: Backend>(
             return End::Violation;
         }
         Ok(None) => return End::Closed,
-        Ok(Some(Err(e))) => return frame_error(conn.id, e, &send).await,
+        Ok(Some(Err(e))) => return frame_error(conn.id, e, &closing).await,
         Ok(Some(Ok(ClientFrame {
             id,
             request:
@@ -227,7 +305,9 @@ async fn serve_frames<B: Backend>(
                 sidecar_version: env!("CARGO_PKG_VERSION").to_string(),
                 max_frame: opts.max_frame,
             };
-            send(id, welcome).await;
+            if !send(id, welcome).await {
+                return End::Shutdown;
+            }
         }
         Ok(Some(Ok(ClientFrame { id, request }))) => {
             violation(
@@ -244,6 +324,9 @@ async fn serve_frames<B: Backend>(
 
     // ---- requests ----
     let mut draining = false;
+    // The in-flight slot the next request will use: no frame is read without one, so
+    // at the cap the socket fills up and the client feels the backpressure.
+    let mut slot: Option<OwnedSemaphorePermit> = None;
     loop {
         while tasks.try_join_next().is_some() {}
         let frame = tokio::select! {
@@ -259,11 +342,15 @@ async fn serve_frames<B: Backend>(
                 }
                 continue;
             }
-            f = reader.next() => f,
+            s = conn.budget.slots.clone().acquire_owned(), if slot.is_none() => {
+                slot = Some(s.expect("the in-flight semaphore is never closed"));
+                continue;
+            }
+            f = reader.next(), if slot.is_some() => f,
         };
         let ClientFrame { id, request } = match frame {
             None => return End::Closed,
-            Some(Err(e)) => return frame_error(conn.id, e, &send).await,
+            Some(Err(e)) => return frame_error(conn.id, e, &closing).await,
             Some(Ok(f)) => f,
         };
         match request {
@@ -286,20 +373,32 @@ async fn serve_frames<B: Backend>(
                         ErrorKind::Cancelled,
                         format!("request {target} was cancelled"),
                     );
-                    send(target, Reply::Error(e)).await;
+                    if !send(target, Reply::Error(e)).await {
+                        return End::Shutdown;
+                    }
                 }
-                send(id, Reply::Ok).await;
+                if !send(id, Reply::Ok).await {
+                    return End::Shutdown;
+                }
             }
             request => {
                 // Spawned under the lock, so the task cannot finish (and look for its
                 // entry) before the entry exists.
                 let duplicate = match lock(&conn.pending).entry(id) {
                     Entry::Occupied(_) => true,
-                    Entry::Vacant(slot) => {
+                    Entry::Vacant(entry) => {
                         let abortable =
                             matches!(request, Request::Acquire { .. } | Request::Status);
-                        let task = tasks.spawn(request_task(conn.clone(), tx.clone(), id, request));
-                        slot.insert(Pending { task, abortable });
+                        let s = slot.take().expect("a frame is only read with a slot");
+                        let in_flight = InFlight::new(s, &conn.budget);
+                        let task = tasks.spawn(request_task(
+                            conn.clone(),
+                            tx.clone(),
+                            id,
+                            request,
+                            in_flight,
+                        ));
+                        entry.insert(Pending { task, abortable });
                         false
                     }
                 };
@@ -308,7 +407,9 @@ async fn serve_frames<B: Backend>(
                         ErrorKind::InvalidArgument,
                         format!("request id {id} is already in flight on this connection"),
                     );
-                    send(id, Reply::Error(e)).await;
+                    if !send(id, Reply::Error(e)).await {
+                        return End::Shutdown;
+                    }
                 }
             }
         }
@@ -318,7 +419,7 @@ async fn serve_frames<B: Backend>(
 /// Answer a frame that could not be read, where that is possible; the caller closes.
 async fn frame_error<Fut>(conn: OwnerId, e: FrameError, send: impl Fn(u64, Reply) -> Fut) -> End
 where
-    Fut: std::future::Future<Output = ()>,
+    Fut: Future<Output = ()>,
 {
     let (id, kind) = match &e {
         FrameError::FrameTooLarge { .. } => (0, ErrorKind::FrameTooLarge),
@@ -333,14 +434,17 @@ where
     End::Violation
 }
 
-/// Run one request and send its reply, unless it was cancelled meanwhile.
+/// Run one request and queue its reply, unless it was cancelled meanwhile. `in_flight`
+/// is held until the reply is queued (a waiting `Acquire` lets it go while it waits).
 async fn request_task<B: Backend>(
     conn: Arc<Conn<B>>,
     tx: mpsc::Sender<ServerFrame>,
     id: u64,
     request: Request,
+    in_flight: InFlight,
 ) {
-    let reply = AssertUnwindSafe(handle(&conn, request))
+    let mut in_flight = Some(in_flight);
+    let reply = AssertUnwindSafe(handle(&conn, request, &mut in_flight))
         .catch_unwind()
         .await
         .unwrap_or_else(|_| {
@@ -366,7 +470,10 @@ async fn request_task<B: Backend>(
     if let Reply::Error(e) = &reply {
         log_error(conn.id, id, e);
     }
-    let _ = tx.send(ServerFrame { id, reply }).await;
+    // Past the hard stop the reply is dropped: the connection is going away, and what
+    // it held is released by teardown.
+    queue_reply(&tx, &conn.shared.hard_stop, id, reply).await;
+    drop(in_flight);
 }
 
 fn log_error(conn: OwnerId, request: u64, e: &ErrorReply) {
@@ -382,11 +489,16 @@ fn log_error(conn: OwnerId, request: u64, e: &ErrorReply) {
     }
 }
 
-/// Map one request onto the engine.
-async fn handle<B: Backend>(conn: &Conn<B>, request: Request) -> Reply {
+/// Map one request onto the engine. An `Acquire` the engine keeps waiting drops
+/// `in_flight` (see [`ServerOptions::max_in_flight`]).
+async fn handle<B: Backend>(
+    conn: &Conn<B>,
+    request: Request,
+    in_flight: &mut Option<InFlight>,
+) -> Reply {
     let engine = &conn.engine;
     let owner = conn.id;
-    let fail = |e: &crate::engine::EngineError| Reply::Error(convert::engine_error(e));
+    let fail = |e: &EngineError| Reply::Error(convert::engine_error(e));
     let invalid = |e: convert::ArgumentError| {
         Reply::Error(convert::error(ErrorKind::InvalidArgument, e.to_string()))
     };
@@ -400,12 +512,15 @@ async fn handle<B: Backend>(conn: &Conn<B>, request: Request) -> Reply {
     };
     match request {
         Request::BeginCall { scope, est_tokens } => {
+            if let Some(Err(e)) = est_tokens.map(|t| convert::tokens("est_tokens", t)) {
+                return invalid(e);
+            }
             match engine.begin_call(owner, &scope, est_tokens) {
                 Ok(call) => Reply::CallBegun { call },
                 Err(e) => fail(&e),
             }
         }
-        Request::Acquire { call } => match engine.acquire(owner, call).await {
+        Request::Acquire { call } => match acquire(engine, owner, call, in_flight).await {
             Ok(grant) => {
                 lock(&conn.permits).insert(grant.permit, call);
                 convert::granted(&grant)
@@ -418,7 +533,12 @@ async fn handle<B: Backend>(conn: &Conn<B>, request: Request) -> Reply {
                 Err(e) => return invalid(e),
             };
             let r = engine.report(owner, permit, outcome).await;
-            if matches!(r, Ok(_) | Err(crate::engine::EngineError::UnknownPermit(_))) {
+            // The engine no longer holds the permit: reported, already gone (reclaimed,
+            // ended with its call), or taken out before the backend failed.
+            if matches!(
+                r,
+                Ok(_) | Err(EngineError::UnknownPermit(_) | EngineError::BackendUnavailable { .. })
+            ) {
                 lock(&conn.permits).remove(&permit);
             }
             match r {
@@ -479,11 +599,28 @@ async fn handle<B: Backend>(conn: &Conn<B>, request: Request) -> Reply {
     }
 }
 
+/// `Engine::acquire`, letting go of the in-flight slot if it has to wait: a waiting
+/// Acquire is bounded by its call (one per call), and holding slots while waiting
+/// could keep the `Report`s that would end the wait from being read.
+async fn acquire<B: Backend>(
+    engine: &Engine<B>,
+    owner: OwnerId,
+    call: u64,
+    in_flight: &mut Option<InFlight>,
+) -> Result<Grant, EngineError> {
+    let mut fut = pin!(engine.acquire(owner, call));
+    if let Poll::Ready(r) = std::future::poll_fn(|cx| Poll::Ready(fut.as_mut().poll(cx))).await {
+        return r;
+    }
+    *in_flight = None;
+    fut.await
+}
+
 fn admin_result(
     conn: OwnerId,
     op: &str,
     source: &str,
-    r: Result<crate::backend::Applied, crate::engine::EngineError>,
+    r: Result<crate::backend::Applied, EngineError>,
 ) -> Reply {
     match r {
         Ok(a) => {

@@ -7,6 +7,11 @@ use ipc_protocol as wire;
 use crate::backend::{self, Applied, State};
 use crate::engine::{self, EngineError, Exhaustion, Grant};
 
+/// Largest token count accepted on the wire (`BeginCall.est_tokens`,
+/// `Report Success.tokens`): far above any real request, low enough that a client bug
+/// cannot poison a quota every host shares.
+pub const MAX_TOKENS: u64 = 1_000_000_000;
+
 /// A wire argument the engine cannot take.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
 pub enum ArgumentError {
@@ -20,6 +25,22 @@ pub enum ArgumentError {
         /// What the client sent.
         value: f64,
     },
+    /// A token count above [`MAX_TOKENS`].
+    #[error("{name} must be at most {max}, got {value}", max = MAX_TOKENS)]
+    Tokens {
+        /// The field name as it appears on the wire.
+        name: &'static str,
+        /// What the client sent.
+        value: u64,
+    },
+}
+
+/// A wire token count, refused above [`MAX_TOKENS`].
+pub fn tokens(name: &'static str, value: u64) -> Result<u64, ArgumentError> {
+    if value > MAX_TOKENS {
+        return Err(ArgumentError::Tokens { name, value });
+    }
+    Ok(value)
 }
 
 /// A wire `f64` seconds value → `Duration`; `positive` additionally refuses 0.
@@ -32,14 +53,14 @@ pub fn seconds(name: &'static str, value: f64, positive: bool) -> Result<Duratio
     Duration::try_from_secs_f64(value).map_err(|_| err)
 }
 
-/// Wire outcome → engine outcome, validating `retry_after_s`.
+/// Wire outcome → engine outcome, validating `tokens` and `retry_after_s`.
 pub fn outcome(o: wire::Outcome) -> Result<backend::Outcome, ArgumentError> {
     Ok(match o {
         wire::Outcome::Success {
-            tokens,
+            tokens: t,
             count_attempt,
         } => backend::Outcome::Success {
-            tokens,
+            tokens: t.map(|t| tokens("tokens", t)).transpose()?,
             count_attempt,
         },
         wire::Outcome::Failure { kind } => backend::Outcome::Failure(failure_kind(kind)),
@@ -106,6 +127,12 @@ pub fn error(kind: wire::ErrorKind, message: impl Into<String>) -> wire::ErrorRe
     }
 }
 
+/// An engine scope name → the wire `scope`: absent when the error concerns no scope
+/// (the engine says so with an empty name, e.g. for admin requests).
+fn scope_of(scope: &str) -> Option<String> {
+    (!scope.is_empty()).then(|| scope.to_string())
+}
+
 /// Engine error → wire error reply (kind, message, retry hint, reasons, scope).
 pub fn engine_error(e: &EngineError) -> wire::ErrorReply {
     use wire::ErrorKind as K;
@@ -118,7 +145,7 @@ pub fn engine_error(e: &EngineError) -> wire::ErrorReply {
         } => wire::ErrorReply {
             retry_after_s: retry_after.as_secs_f64(),
             per_source_reasons: reasons(r),
-            scope: Some(scope.clone()),
+            scope: scope_of(scope),
             ..error(K::CircuitOpen, "")
         },
         EngineError::Exhausted {
@@ -130,18 +157,18 @@ pub fn engine_error(e: &EngineError) -> wire::ErrorReply {
             retry_after_s: retry_after.as_secs_f64(),
             per_source_reasons: reasons(r),
             exhausted: Some(exhaustion(*reason)),
-            scope: Some(scope.clone()),
+            scope: scope_of(scope),
             ..error(K::AllSourcesExhausted, "")
         },
         EngineError::BackendUnavailable {
             scope, reasons: r, ..
         } => wire::ErrorReply {
             per_source_reasons: reasons(r),
-            scope: Some(scope.clone()),
+            scope: scope_of(scope),
             ..error(K::BackendUnavailable, "")
         },
         EngineError::UnknownScope(scope) => wire::ErrorReply {
-            scope: Some(scope.clone()),
+            scope: scope_of(scope),
             ..error(K::UnknownScope, "")
         },
         EngineError::UnknownCall(_) => error(K::UnknownCall, ""),
@@ -271,5 +298,63 @@ mod tests {
         let r = engine_error(&EngineError::UnknownScope("nope".into()));
         assert_eq!(r.kind, wire::ErrorKind::UnknownScope);
         assert!(r.message.contains("nope"));
+    }
+
+    #[test]
+    fn errors_without_a_scope_carry_none() {
+        let admin = EngineError::BackendUnavailable {
+            scope: String::new(),
+            message: "redis down".into(),
+            reasons: vec![],
+        };
+        let r = engine_error(&admin);
+        assert_eq!(r.kind, wire::ErrorKind::BackendUnavailable);
+        assert_eq!(r.scope, None, "{r:?}");
+        let scoped = EngineError::BackendUnavailable {
+            scope: "chat".into(),
+            message: "redis down".into(),
+            reasons: vec![],
+        };
+        assert_eq!(engine_error(&scoped).scope.as_deref(), Some("chat"));
+        for e in [
+            EngineError::UnknownCall(1),
+            EngineError::UnknownPermit(2),
+            EngineError::UnknownSource("x".into()),
+            EngineError::Busy(3),
+            EngineError::InvalidArgument("y".into()),
+            EngineError::ShuttingDown,
+            EngineError::CircuitOpen {
+                scope: String::new(),
+                retry_after: Duration::ZERO,
+                reasons: vec![],
+            },
+            EngineError::Exhausted {
+                scope: String::new(),
+                reason: Exhaustion::QuotaExhausted,
+                retry_after: Duration::ZERO,
+                reasons: vec![],
+            },
+        ] {
+            assert_eq!(engine_error(&e).scope, None, "{e:?}");
+        }
+    }
+
+    #[test]
+    fn token_counts_are_bounded() {
+        assert_eq!(tokens("tokens", MAX_TOKENS), Ok(MAX_TOKENS));
+        let e = tokens("est_tokens", MAX_TOKENS + 1).unwrap_err();
+        let m = e.to_string();
+        assert!(m.contains("est_tokens") && m.contains("1000000000"), "{m}");
+        let e = outcome(wire::Outcome::Success {
+            tokens: Some(u64::MAX),
+            count_attempt: true,
+        })
+        .unwrap_err();
+        assert!(e.to_string().starts_with("tokens must be at most"), "{e}");
+        assert!(outcome(wire::Outcome::Success {
+            tokens: Some(12),
+            count_attempt: true,
+        })
+        .is_ok());
     }
 }

@@ -10,6 +10,13 @@
 //! its other requests finish, and [`Engine::release_owner`] releases everything it
 //! held.
 //!
+//! Backpressure: a connection has at most [`ServerOptions::max_in_flight`] requests in
+//! progress (read, reply not yet queued for the writer); at the cap it stops reading
+//! frames until a reply is queued, so a client that pipelines without reading fills
+//! its own socket buffer instead of the daemon's memory. An `Acquire` the engine keeps
+//! waiting gives its slot back while it waits (it is bounded by the calls it belongs
+//! to), so waiting calls never keep a connection's `Report`s from being read.
+//!
 //! Shutdown: stop accepting, [`Engine::shutdown`] (waits end with `ShuttingDown`),
 //! let connections drain for up to [`ServerOptions::shutdown_grace`] (a connection
 //! closes as soon as it has no pending request and no unreported permit), then drop
@@ -20,7 +27,7 @@ pub mod convert;
 
 use std::future::Future;
 use std::io;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -33,6 +40,9 @@ use crate::backend::Backend;
 use crate::config::SidecarConfig;
 use crate::engine::Engine;
 use crate::peer::AccessPolicy;
+
+/// Default for [`ServerOptions::max_in_flight`] (bindings/PROTOCOL.md §7, limits).
+pub const MAX_IN_FLIGHT: usize = 1024;
 
 /// How the server behaves; everything but `access` has a sensible default.
 #[derive(Debug, Clone)]
@@ -47,6 +57,32 @@ pub struct ServerOptions {
     pub handshake_timeout: Duration,
     /// Period of [`Engine::reclaim_expired`].
     pub reclaim_interval: Duration,
+    /// Requests one connection may have in progress before the server stops reading
+    /// its frames (a waiting `Acquire` does not count while it waits). At least 1.
+    pub max_in_flight: usize,
+    /// Counters the server keeps (tests, debugging); shared by clones of the options.
+    #[doc(hidden)]
+    pub stats: Arc<ServerStats>,
+}
+
+/// Live counters of a running server (tests, debugging).
+#[doc(hidden)]
+#[derive(Debug, Default)]
+pub struct ServerStats {
+    in_flight: AtomicUsize,
+    peak_in_flight: AtomicUsize,
+}
+
+impl ServerStats {
+    /// Requests in progress (holding an in-flight slot) over all connections.
+    pub fn in_flight(&self) -> usize {
+        self.in_flight.load(Ordering::Relaxed)
+    }
+
+    /// The most requests any one connection has had in progress at once.
+    pub fn peak_in_flight(&self) -> usize {
+        self.peak_in_flight.load(Ordering::Relaxed)
+    }
 }
 
 impl ServerOptions {
@@ -58,6 +94,8 @@ impl ServerOptions {
             shutdown_grace: Duration::from_secs(5),
             handshake_timeout: Duration::from_secs(10),
             reclaim_interval: Duration::from_secs(1),
+            max_in_flight: MAX_IN_FLIGHT,
+            stats: Arc::default(),
         }
     }
 
