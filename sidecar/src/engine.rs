@@ -18,7 +18,7 @@ use tokio_util::sync::CancellationToken;
 use crate::admission::{nap, Granted, Pass};
 use crate::backend::{
     Admit, Applied, BResult, Backend, BreakerParams, FailureKind, Outcome, QuotaParams, Settlement,
-    State,
+    SourceSnapshot, State,
 };
 use crate::clock::Clock;
 use crate::config::{Config, Mode, ScopeConfig, SourceConfig};
@@ -142,32 +142,15 @@ fn scoped(scope: &str, message: &str) -> String {
 pub struct SourceStatus {
     /// Source name.
     pub name: String,
-    /// Breaker state.
-    pub state: State,
-    /// Breaker epoch.
-    pub epoch: u64,
-    /// §6 retry-after.
-    pub retry_after: Duration,
-    /// Cooldown level k.
-    pub cooldown_level: u32,
-    /// Window successes.
-    pub window_successes: u64,
-    /// Window failures.
-    pub window_failures: u64,
-    /// Failure streak.
-    pub streak: u32,
+    /// The backend's view: breaker and quota (defaults when it could not be read,
+    /// with `degraded` set).
+    pub shared: SourceSnapshot,
     /// Remaining memo skip on this host.
     pub memo_remaining: Duration,
     /// Pacer ceiling on this host.
     pub pacer_ceiling: f64,
     /// Permits in flight on this host.
     pub in_flight: u32,
-    /// tpm bucket level.
-    pub tokens_available: Option<f64>,
-    /// rpm bucket level.
-    pub requests_available: Option<f64>,
-    /// Remaining 429 block.
-    pub quota_blocked: Duration,
     /// Served from local state because the shared backend is down.
     pub degraded: bool,
 }
@@ -1338,42 +1321,20 @@ impl<B: Backend> Engine<B> {
                     .backend
                     .snapshot(&src.name, &policy.bp, &src.params().qp)
                     .await;
-                let mut st = SourceStatus {
+                let mut degraded = self.backend.degraded(&src.name);
+                let shared = snap.unwrap_or_else(|e| {
+                    tracing::debug!(source = %src.name, error = %e, "status: backend snapshot failed");
+                    degraded = true;
+                    SourceSnapshot::default()
+                });
+                sources.push(SourceStatus {
                     name: src.name.to_string(),
-                    state: State::Closed,
-                    epoch: 0,
-                    retry_after: Duration::ZERO,
-                    cooldown_level: 0,
-                    window_successes: 0,
-                    window_failures: 0,
-                    streak: 0,
+                    shared,
                     memo_remaining: src.memo.remaining(now),
                     pacer_ceiling,
                     in_flight,
-                    tokens_available: None,
-                    requests_available: None,
-                    quota_blocked: Duration::ZERO,
-                    degraded: self.backend.degraded(&src.name),
-                };
-                match snap {
-                    Ok(s) => {
-                        st.state = s.state;
-                        st.epoch = s.epoch;
-                        st.retry_after = s.retry_after;
-                        st.cooldown_level = s.cooldown_level;
-                        st.window_successes = s.window_successes;
-                        st.window_failures = s.window_failures;
-                        st.streak = s.streak;
-                        st.tokens_available = s.tokens_available;
-                        st.requests_available = s.requests_available;
-                        st.quota_blocked = s.quota_blocked;
-                    }
-                    Err(e) => {
-                        tracing::debug!(source = %src.name, error = %e, "status: backend snapshot failed");
-                        st.degraded = true;
-                    }
-                }
-                sources.push(st);
+                    degraded,
+                });
             }
             out.push(ScopeStatus {
                 name: sc.name.clone(),

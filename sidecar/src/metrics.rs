@@ -167,16 +167,16 @@ pub async fn render<B: Backend>(engine: &Engine<B>) -> String {
         o.family(name, "gauge", help);
         for s in &sources {
             let v = match name {
-                "polygate_breaker_epoch" => s.epoch as f64,
-                "polygate_breaker_retry_after_seconds" => s.retry_after.as_secs_f64(),
-                "polygate_breaker_cooldown_level" => s.cooldown_level as f64,
-                "polygate_breaker_window_successes" => s.window_successes as f64,
-                "polygate_breaker_window_failures" => s.window_failures as f64,
-                "polygate_breaker_streak" => s.streak as f64,
+                "polygate_breaker_epoch" => s.shared.epoch as f64,
+                "polygate_breaker_retry_after_seconds" => s.shared.retry_after.as_secs_f64(),
+                "polygate_breaker_cooldown_level" => s.shared.cooldown_level as f64,
+                "polygate_breaker_window_successes" => s.shared.window_successes as f64,
+                "polygate_breaker_window_failures" => s.shared.window_failures as f64,
+                "polygate_breaker_streak" => s.shared.streak as f64,
                 "polygate_memo_remaining_seconds" => s.memo_remaining.as_secs_f64(),
                 "polygate_pacer_ceiling" => s.pacer_ceiling,
                 "polygate_pacer_in_flight" => s.in_flight as f64,
-                "polygate_quota_blocked_seconds" => s.quota_blocked.as_secs_f64(),
+                "polygate_quota_blocked_seconds" => s.shared.quota_blocked.as_secs_f64(),
                 _ => s.degraded as u8 as f64,
             };
             o.sample(name, &[("source", &s.name)], v);
@@ -196,7 +196,7 @@ pub async fn render<B: Backend>(engine: &Engine<B>) -> String {
             o.sample(
                 "polygate_breaker_state",
                 &[("source", &s.name), ("state", label)],
-                (s.state == st) as u8 as f64,
+                (s.shared.state == st) as u8 as f64,
             );
         }
     }
@@ -206,7 +206,7 @@ pub async fn render<B: Backend>(engine: &Engine<B>) -> String {
         "Tokens left in the tpm bucket (negative: debt).",
     );
     for s in &sources {
-        if let Some(v) = s.tokens_available {
+        if let Some(v) = s.shared.tokens_available {
             o.sample("polygate_quota_tokens_available", &[("source", &s.name)], v);
         }
     }
@@ -216,7 +216,7 @@ pub async fn render<B: Backend>(engine: &Engine<B>) -> String {
         "Requests left in the rpm bucket.",
     );
     for s in &sources {
-        if let Some(v) = s.requests_available {
+        if let Some(v) = s.shared.requests_available {
             o.sample(
                 "polygate_quota_requests_available",
                 &[("source", &s.name)],

@@ -276,7 +276,11 @@ async fn cancelled_wait_leaves_nothing_behind() {
     );
     let st = e.status().await;
     let a = &st[0].sources[0];
-    assert_eq!(a.tokens_available, Some(600.0), "no reservation left");
+    assert_eq!(
+        a.shared.tokens_available,
+        Some(600.0),
+        "no reservation left"
+    );
     assert_eq!(st[0].waiters, 0, "waiter count released");
     // The call is usable again (not stuck "acquiring").
     e.force_close("a").await.unwrap();
@@ -571,7 +575,7 @@ async fn reload_updates_source_quota_and_refuses_topology_changes() {
         }
     }
     let st = e.status().await;
-    assert_eq!(st[0].sources[0].tokens_available, Some(600.0 - 42.0));
+    assert_eq!(st[0].sources[0].shared.tokens_available, Some(600.0 - 42.0));
 }
 
 #[tokio::test(start_paused = true)]

@@ -248,7 +248,8 @@ impl Outcome {
     }
 }
 
-/// Everything known about one source, for `status`.
+/// Everything known about one source, for `status`. The default is a fresh source:
+/// CLOSED, epoch 0, nothing counted, no buckets.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct SourceSnapshot {
     /// Breaker state.
@@ -271,6 +272,23 @@ pub struct SourceSnapshot {
     pub requests_available: Option<f64>,
     /// Remaining 429 block.
     pub quota_blocked: Duration,
+}
+
+impl Default for SourceSnapshot {
+    fn default() -> Self {
+        SourceSnapshot {
+            state: State::Closed,
+            epoch: 0,
+            retry_after: Duration::ZERO,
+            cooldown_level: 0,
+            window_successes: 0,
+            window_failures: 0,
+            streak: 0,
+            tokens_available: None,
+            requests_available: None,
+            quota_blocked: Duration::ZERO,
+        }
+    }
 }
 
 /// Backend failures. The engine maps them per `on_backend_error` (§10).

@@ -225,21 +225,22 @@ fn scope_status(s: engine::ScopeStatus) -> wire::ScopeStatus {
 }
 
 fn source_status(s: engine::SourceStatus) -> wire::SourceStatus {
+    let b = s.shared;
     wire::SourceStatus {
         name: s.name,
-        state: state(s.state),
-        epoch: s.epoch,
-        retry_after_s: s.retry_after.as_secs_f64(),
-        cooldown_level: s.cooldown_level,
-        window_successes: s.window_successes,
-        window_failures: s.window_failures,
-        streak: s.streak,
+        state: state(b.state),
+        epoch: b.epoch,
+        retry_after_s: b.retry_after.as_secs_f64(),
+        cooldown_level: b.cooldown_level,
+        window_successes: b.window_successes,
+        window_failures: b.window_failures,
+        streak: b.streak,
         memo_remaining_s: s.memo_remaining.as_secs_f64(),
         pacer_ceiling: s.pacer_ceiling,
         in_flight: s.in_flight,
-        tokens_available: s.tokens_available,
-        requests_available: s.requests_available,
-        quota_blocked_s: s.quota_blocked.as_secs_f64(),
+        tokens_available: b.tokens_available,
+        requests_available: b.requests_available,
+        quota_blocked_s: b.quota_blocked.as_secs_f64(),
         degraded: s.degraded,
     }
 }
