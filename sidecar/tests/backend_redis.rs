@@ -262,6 +262,149 @@ async fn two_hosts_share_one_breaker() {
     assert_eq!(probes, 1);
 }
 
+/// An absurd token count floors the debt at −capacity (one minute's refill), and no
+/// input yields an out-of-range PEXPIRE or an absurd TTL on the quota key.
+#[tokio::test]
+async fn huge_counts_and_durations_keep_sane_ttls() {
+    let Some(srv) = RedisServer::start() else {
+        return;
+    };
+    let b = backend(&srv, &prefix(), ms(500), OnBackendError::FailClosed).await;
+    let qk = b.quota_key("s1");
+    let q = qp();
+    assert!(matches!(
+        b.admit("s1", &bp(), &q, u64::MAX).await.unwrap(),
+        Admit::Granted { .. }
+    ));
+    let pttl = |k: &str| -> i64 { srv.cli(&["PTTL", k]).trim().parse().unwrap() };
+    // Full bucket − 2^53 tokens, floored at −60 000: two minutes to full, plus one.
+    assert!(pttl(&qk) <= 180_100, "quota PTTL {}", pttl(&qk));
+    let snap = b.snapshot("s1", &bp(), &q).await.unwrap();
+    assert!(
+        snap.tokens_available.unwrap() >= -60_000.0 && snap.tokens_available.unwrap() < -59_000.0,
+        "{snap:?}"
+    );
+    for (reserved, charged) in [(10, u64::MAX), (u64::MAX, 0), (u64::MAX, u64::MAX / 3)] {
+        b.settle(
+            "s1",
+            &q,
+            reserved,
+            polygate::backend::Settlement::Charge { tokens: charged },
+        )
+        .await
+        .unwrap();
+        let t = b
+            .snapshot("s1", &bp(), &q)
+            .await
+            .unwrap()
+            .tokens_available
+            .unwrap();
+        assert!((-60_000.0..=60_000.0).contains(&t), "level {t}");
+        assert!(pttl(&qk) <= 180_100, "quota PTTL {}", pttl(&qk));
+    }
+    // A block beyond all reason is capped (a week), not an overflow.
+    b.block_quota("s1", Duration::MAX).await.unwrap();
+    let week_ms = 7 * 86_400_000;
+    assert!(
+        pttl(&qk) <= week_ms + 60_100 && pttl(&qk) > week_ms,
+        "{}",
+        pttl(&qk)
+    );
+    let report = b
+        .report(
+            "s1",
+            &bp(),
+            &q,
+            0,
+            false,
+            u64::MAX,
+            Outcome::RateLimited {
+                retry_after: Some(Duration::MAX),
+            },
+        )
+        .await
+        .unwrap();
+    assert!(report.applied);
+    assert!(pttl(&qk) <= week_ms + 3 * 60_000 + 100, "{}", pttl(&qk));
+    // An absurd force_open is accepted and keeps a finite TTL.
+    let a = b.force_open("s2", Duration::MAX).await.unwrap();
+    assert_eq!(a.state, State::Open);
+    assert!(pttl(&b.breaker_key("s2")) > 0);
+}
+
+/// The breaker's TTL basis (4 × max(window, max_cooldown, 60 s, …)) is stored in the
+/// hash: operations that carry no breaker params, and reads, keep the key alive for
+/// the full basis, never the 1 h fallback.
+#[tokio::test]
+async fn breaker_ttl_basis_survives_ops_without_params() {
+    let Some(srv) = RedisServer::start() else {
+        return;
+    };
+    let b = backend(&srv, &prefix(), ms(500), OnBackendError::FailClosed).await;
+    let p = BreakerParams {
+        max_cooldown: Duration::from_secs(2 * 3600),
+        ..bp()
+    };
+    let basis_ms: i64 = 4 * 2 * 3600 * 1000; // 8 h
+    let bk = b.breaker_key("s1");
+    let pttl = || -> i64 { srv.cli(&["PTTL", &bk]).trim().parse().unwrap() };
+    let shorten = || {
+        srv.cli(&["PEXPIRE", &bk, "5000"]);
+    };
+    let e = b.try_enter("s1", &p).await.unwrap();
+    let a = b.record_success("s1", e.epoch, true, &p).await.unwrap();
+    assert!(a.applied);
+    assert!(pttl() > basis_ms - 60_000, "after a write: {}", pttl());
+
+    let e = b.try_enter("s1", &p).await.unwrap();
+    shorten();
+    b.neutral("s1", e.epoch, false).await.unwrap();
+    assert!(pttl() > basis_ms - 60_000, "after neutral: {}", pttl());
+    shorten();
+    b.release_probe("s1", e.epoch).await.unwrap();
+    assert!(
+        pttl() > basis_ms - 60_000,
+        "after release_probe: {}",
+        pttl()
+    );
+    // Reads refresh too.
+    shorten();
+    b.retry_after(&["s1"]).await.unwrap();
+    assert!(pttl() > basis_ms - 60_000, "after peek: {}", pttl());
+    shorten();
+    b.snapshot("s1", &p, &qp()).await.unwrap();
+    assert!(pttl() > basis_ms - 60_000, "after snapshot: {}", pttl());
+    shorten();
+    b.block_quota("s1", Duration::from_secs(5)).await.unwrap();
+    let r = b.admit("s1", &p, &qp(), 1).await.unwrap();
+    assert!(matches!(r, Admit::RateLimited { .. }), "{r:?}");
+    assert!(
+        pttl() > basis_ms - 60_000,
+        "after a quota-refused admit: {}",
+        pttl()
+    );
+    // Admin ops carry no params either.
+    shorten();
+    b.force_close("s1").await.unwrap();
+    assert!(pttl() > basis_ms - 60_000, "after force_close: {}", pttl());
+    shorten();
+    b.reset("s1").await.unwrap();
+    assert!(pttl() > basis_ms - 60_000, "after reset: {}", pttl());
+    shorten();
+    let a = b.force_open("s1", ms(100)).await.unwrap();
+    assert!(pttl() > basis_ms - 60_000, "after force_open: {}", pttl());
+    // A probe granted after that cooldown is reported under the full basis as well.
+    tokio::time::sleep(ms(110)).await;
+    let e = b.try_enter("s1", &bp()).await.unwrap(); // short params: basis 240 s
+    assert!(e.is_probe && e.epoch == a.epoch + 1);
+    b.neutral("s1", e.epoch, true).await.unwrap();
+    let t = pttl();
+    assert!(
+        (235_000..=240_200).contains(&t),
+        "the basis follows the latest params: {t}"
+    );
+}
+
 // ---------------------------------------------------------------- script cache
 
 #[tokio::test]
@@ -520,24 +663,175 @@ async fn admin_ops_reach_other_hosts() {
     );
 }
 
+/// An admin op on local state would be invisible to every other host: while Redis is
+/// unreachable it is refused (in both modes), nothing changes, nothing is broadcast.
 #[tokio::test]
-async fn degraded_admin_op_is_delivered_locally() {
+async fn admin_ops_are_refused_while_redis_is_unreachable() {
     let Some(mut srv) = RedisServer::start() else {
         return;
     };
-    let b = backend(&srv, &prefix(), ms(200), OnBackendError::Local).await;
-    let mut rx = b.admin_events();
+    let p = prefix();
+    let local = backend(&srv, &p, ms(200), OnBackendError::Local).await;
+    let closed = backend(&srv, &p, ms(200), OnBackendError::FailClosed).await;
+    let mut rx = local.admin_events();
     srv.kill();
-    let a = b.force_close("s1").await.unwrap();
-    assert_eq!(a.state, State::Closed);
-    assert!(b.degraded("s1"));
-    assert_eq!(
-        next_event(&mut rx).await,
-        AdminEvent {
-            source: "s1".into(),
-            op: AdminOp::ForceClose
+    for b in [&local, &closed] {
+        let ops = [
+            b.force_open("s1", Duration::from_secs(60)).await,
+            b.force_close("s1").await,
+            b.reset("s1").await,
+        ];
+        for r in ops {
+            let Err(BackendError::Unavailable(msg)) = &r else {
+                panic!("admin op must fail while redis is down: {r:?}")
+            };
+            assert!(
+                msg.contains("admin operation not applied: shared backend unreachable")
+                    && msg.contains(&srv.url()),
+                "{msg}"
+            );
         }
+    }
+    // Not even while the source is degraded (hot-path calls are served locally).
+    assert!(local.degraded("s1"));
+    assert!(matches!(
+        local.force_close("s1").await,
+        Err(BackendError::Unavailable(_))
+    ));
+    // The local breaker was not forced open: the hot path (served locally) admits.
+    let e = local.try_enter("s1", &bp()).await.unwrap();
+    assert_eq!((e.granted, e.state), (true, State::Closed));
+    assert!(
+        tokio::time::timeout(ms(300), rx.recv()).await.is_err(),
+        "nothing broadcast"
     );
+    // Back up: the next admin op goes through and restores the source.
+    srv.restart();
+    let deadline = Instant::now() + Duration::from_secs(4);
+    loop {
+        match local.force_open("s1", Duration::from_secs(60)).await {
+            Ok(a) => {
+                assert_eq!(a.state, State::Open);
+                break;
+            }
+            Err(e) => assert!(Instant::now() < deadline, "not recovered: {e}"),
+        }
+        tokio::time::sleep(ms(50)).await;
+    }
+    assert!(!local.degraded("s1"));
+    let e = loop {
+        match closed.try_enter("s1", &bp()).await {
+            Ok(e) => break e,
+            Err(e) => assert!(Instant::now() < deadline, "not recovered: {e}"),
+        }
+        tokio::time::sleep(ms(50)).await;
+    };
+    assert_eq!(
+        e.state,
+        State::Open,
+        "applied on redis, seen by the other host"
+    );
+}
+
+/// A permit granted by the local fallback must be fenced on Redis after the restore
+/// (and Redis's breaker left alone), even when both sides went through the same
+/// transitions and would otherwise sit at the same epoch.
+#[tokio::test]
+async fn local_permits_are_fenced_on_redis_after_restore() {
+    let Some(srv) = RedisServer::start() else {
+        return;
+    };
+    let b = backend(&srv, &prefix(), ms(200), OnBackendError::Local).await;
+    // Drives a fresh breaker to a granted probe: 3 failures (open), cooldown, probe.
+    async fn to_probe(b: &RedisBackend) -> u64 {
+        for _ in 0..3 {
+            let e = b.try_enter("s1", &bp()).await.unwrap();
+            assert!(e.granted && !e.is_probe);
+            b.record_failure("s1", e.epoch, &bp()).await.unwrap();
+        }
+        tokio::time::sleep(ms(110)).await;
+        let e = b.try_enter("s1", &bp()).await.unwrap();
+        assert!(e.granted && e.is_probe, "{e:?}");
+        e.epoch
+    }
+    let redis_epoch = to_probe(&b).await;
+    assert!(!b.degraded("s1"));
+    // Redis stalls (state kept): the same story again, locally. The call that finds
+    // Redis stalled is a read: it still runs once Redis resumes, and must not move
+    // Redis's breaker.
+    srv.pause();
+    b.retry_after(&["s1"]).await.unwrap();
+    let local_epoch = to_probe(&b).await;
+    assert!(b.degraded("s1"));
+    srv.resume();
+    let deadline = Instant::now() + Duration::from_secs(4);
+    while b.degraded("s1") {
+        assert!(Instant::now() < deadline, "not restored after SIGCONT");
+        b.retry_after(&["s1"]).await.unwrap();
+        tokio::time::sleep(ms(50)).await;
+    }
+    let a = b
+        .report(
+            "s1",
+            &bp(),
+            &qp(),
+            local_epoch,
+            true,
+            10,
+            Outcome::Success {
+                tokens: Some(10),
+                count_attempt: true,
+            },
+        )
+        .await
+        .unwrap();
+    assert!(!a.applied, "a local permit is fenced on redis: {a:?}");
+    assert_eq!((a.state, a.epoch), (State::HalfOpen, redis_epoch));
+    let snap = b.snapshot("s1", &bp(), &qp()).await.unwrap();
+    assert_eq!((snap.state, snap.epoch), (State::HalfOpen, redis_epoch));
+    assert!(
+        local_epoch >= 1 << 62,
+        "local epochs live elsewhere: {local_epoch}"
+    );
+    // And Redis's own probe still reports normally.
+    let a = b
+        .record_success("s1", redis_epoch, true, &bp())
+        .await
+        .unwrap();
+    assert!(a.applied && a.state == State::Closed);
+}
+
+/// A server error reply (here: a key of the wrong type, so the script fails) is not an
+/// outage: no degradation, no retry loop, a protocol error carrying the server's text.
+#[tokio::test]
+async fn script_errors_are_protocol_errors_not_outages() {
+    let logs = Logs::global();
+    let Some(srv) = RedisServer::start() else {
+        return;
+    };
+    let p = prefix();
+    for on in [OnBackendError::Local, OnBackendError::FailClosed] {
+        let b = backend(&srv, &p, ms(500), on).await;
+        srv.cli(&["SET", &b.breaker_key("s1"), "not a hash"]);
+        for _ in 0..3 {
+            let err = b.admit("s1", &bp(), &qp(), 10).await.unwrap_err();
+            let BackendError::Protocol(msg) = &err else {
+                panic!("{on:?}: expected a protocol error: {err:?}")
+            };
+            assert!(msg.contains("WRONGTYPE") && msg.contains("admit"), "{msg}");
+            assert!(
+                !b.degraded("s1"),
+                "{on:?}: redis answered, nothing degrades"
+            );
+        }
+        let err = b.force_close("s1").await.unwrap_err();
+        assert!(matches!(err, BackendError::Protocol(_)), "{err:?}");
+        // Other sources are unaffected, and s1 works again once the key is fixed.
+        admit_report(&b, "s2").await;
+        srv.cli(&["DEL", &b.breaker_key("s1")]);
+        admit_report(&b, "s1").await;
+    }
+    assert_eq!(logs.count("unreachable", &srv.url()), 0, "no outage logged");
 }
 
 #[tokio::test]

@@ -15,8 +15,13 @@
 -- ARGV[18] is_probe (report only; ARGV[12] is then count_attempt)
 --
 -- Every clock reading is this server's TIME, in microseconds (exact in a double until
--- 2^53 µs ≈ year 2255). Durations cross as integer microseconds. Floats are returned
--- as strings (a Lua number reply would be truncated to an integer).
+-- 2^53 µs ≈ year 2255). Durations cross as integer microseconds (the caller caps them
+-- at 2^52 µs, token counts at 2^53, so all arithmetic here stays exact). Floats are
+-- returned as strings (a Lua number reply would be truncated to an integer).
+--
+-- Numbers handed to redis.call are always formatted here first (`int`, `fmt`,
+-- `pexpire`): Lua's own number→string conversion writes large values as `1e+15`,
+-- which PEXPIRE rejects ("value is not an integer").
 
 local BK, QK = KEYS[1], KEYS[2]
 local t = redis.call('TIME')
@@ -31,6 +36,10 @@ local EPOCH, FLAG = tonumber(ARGV[11]), ARGV[12] == '1'
 local TOKENS, KIND, AMOUNT = tonumber(ARGV[13]), ARGV[14], tonumber(ARGV[15])
 
 local MIN = 60000000 -- one minute in µs
+-- A 429 block lasts at most this long (the engine refuses retry_after > 1 day).
+local QMAX_BLOCK = 7 * 24 * 3600 * 1000000
+-- No TTL exceeds this (µs, ≈ 285 years): PEXPIRE stays in range whatever the inputs.
+local TTL_CAP = 2 ^ 53
 local CLOSED, OPEN, HALF = 0, 1, 2
 
 local function num(v, d)
@@ -40,6 +49,18 @@ end
 
 local function fmt(x)
   return string.format('%.17g', x)
+end
+
+-- An integer-valued number as a plain integer string (never exponent notation).
+local function int(x)
+  return string.format('%.0f', x)
+end
+
+-- Expire `key` in `us` microseconds (at least 1 ms, at most TTL_CAP), as an integer
+-- number of milliseconds. No-op when the key does not exist.
+local function pexpire(key, us)
+  local ms = math.ceil(math.min(math.max(us, 1000), TTL_CAP) / 1000)
+  return redis.call('PEXPIRE', key, int(ms))
 end
 
 -- ------------------------------------------------------------------ breaker
@@ -63,11 +84,15 @@ end
 
 -- Idle breakers expire, but only long after anything that matters: the TTL basis is
 -- max(4 × max(window, max_cooldown, 60 s), 4 × probe_ttl), refreshed on EVERY script
--- that touches the source (reads included), plus whatever is left of an OPEN period
--- or a lease. Every permit was granted by such a script and lives at most its lease
--- (probe_ttl, after which the engine reclaims it), so the hash — and the epoch in it —
--- cannot expire while a permit carrying that epoch may still report: the epoch never
--- rewinds under a live permit. An expired breaker is a fresh CLOSED one (streak and
+-- that touches the source (reads included: peek, snapshot, a quota-refused admit),
+-- plus whatever is left of an OPEN period or a lease. The basis is stored in the hash
+-- (`tb`) so that operations without breaker params (neutral, release_probe, admin
+-- ops) keep the same TTL; 1 h only for a hash that never saw params (so the first
+-- script with params writes the hash, even when nothing else changed). Every permit
+-- was granted by such a script and lives at most its lease (probe_ttl, after which
+-- the engine reclaims it), so the hash — and the epoch in it — cannot expire while a
+-- permit carrying that epoch may still report: the epoch never rewinds under a live
+-- permit. An expired breaker is a fresh CLOSED one (streak and
 -- window would have aged out of relevance; the cooldown level would have decayed).
 local function bttl(b)
   local basis = b.tb
@@ -79,17 +104,24 @@ local function bttl(b)
   local ttl = basis
   if b.st == OPEN and b.u > now then ttl = ttl + (b.u - now) end
   if b.st == HALF and b.l > now then ttl = ttl + (b.l - now) end
-  return math.ceil(ttl / 1000)
+  return ttl -- µs
 end
 
 local function bsave(b)
+  -- The TTL first: a new basis marks the hash dirty, so the HSET below persists it.
+  local ttl = bttl(b)
   if b.dirty then
-    redis.call('HSET', BK, 'st', b.st, 'e', b.e, 'u', fmt(b.u), 'l', fmt(b.l), 's', b.s,
-      'k', b.k, 'cs', fmt(b.cs), 'bi', fmt(b.bi), 'co', b.co, 'cf', b.cf, 'po', b.po,
-      'pf', b.pf, 'tb', fmt(b.tb))
+    redis.call('HSET', BK, 'st', int(b.st), 'e', int(b.e), 'u', fmt(b.u), 'l', fmt(b.l),
+      's', int(b.s), 'k', int(b.k), 'cs', fmt(b.cs), 'bi', fmt(b.bi), 'co', int(b.co),
+      'cf', int(b.cf), 'po', int(b.po), 'pf', int(b.pf), 'tb', fmt(b.tb))
   end
   -- Refresh on every touch (no-op when the hash does not exist: nothing to keep).
-  redis.call('PEXPIRE', BK, bttl(b))
+  pexpire(BK, ttl)
+end
+
+-- Reads: refresh the TTL, persist nothing.
+local function btouch(b)
+  pexpire(BK, bttl(b))
 end
 
 local function bra(b)
@@ -222,17 +254,23 @@ end
 
 -- ------------------------------------------------------------------ quota
 
+-- Levels stay within [−capacity, capacity] (§7 / backend/mod.rs: debt is floored at
+-- one minute's worth), exactly like quota.rs `credit`.
+local function clamp(x, cap)
+  return math.max(math.min(x, cap), -cap)
+end
+
 local function qload()
   local v = redis.call('HMGET', QK, 't', 'r', 'ts', 'bu')
   local q = { t = num(v[1], nil), r = num(v[2], nil), ts = num(v[3], now), bu = num(v[4], 0) }
   local dt = math.max(now - q.ts, 0)
   if TPM >= 0 then
-    q.t = math.min((q.t or TPM) + dt * TPM / MIN, TPM)
+    q.t = clamp((q.t or TPM) + dt * TPM / MIN, TPM)
   else
     q.t = nil
   end
   if RPM >= 0 then
-    q.r = math.min((q.r or RPM) + dt * RPM / MIN, RPM)
+    q.r = clamp((q.r or RPM) + dt * RPM / MIN, RPM)
   else
     q.r = nil
   end
@@ -252,8 +290,10 @@ local function qsave(q)
   redis.call('HSET', QK, 'ts', fmt(q.ts), 'bu', fmt(q.bu))
   if q.t then redis.call('HSET', QK, 't', fmt(q.t)) else redis.call('HDEL', QK, 't') end
   if q.r then redis.call('HSET', QK, 'r', fmt(q.r)) else redis.call('HDEL', QK, 'r') end
+  -- Debt is floored at −capacity and blocks at QMAX_BLOCK, so this stays below
+  -- QMAX_BLOCK + 3 min; the cap only guards hashes written before those floors.
   local ttl = math.max(to_full(q.t, TPM), to_full(q.r, RPM), q.bu - now, 0) + MIN
-  redis.call('PEXPIRE', QK, math.ceil(ttl / 1000))
+  pexpire(QK, math.min(ttl, QMAX_BLOCK + 3 * MIN))
 end
 
 local function wait_for(level, cap, need)
@@ -272,8 +312,8 @@ local function qcheck(q, tokens)
 end
 
 local function qdebit(q, tokens)
-  if q.t then q.t = q.t - tokens end
-  if q.r then q.r = q.r - 1 end
+  if q.t then q.t = clamp(q.t - tokens, TPM) end
+  if q.r then q.r = clamp(q.r - 1, RPM) end
 end
 
 local function qsettle(q, reserved, kind, charged)
@@ -285,17 +325,17 @@ local function qsettle(q, reserved, kind, charged)
   else
     tc, rc = reserved, 1
   end
-  if q.t then q.t = math.min(q.t + tc, TPM) end
-  if q.r then q.r = math.min(q.r + rc, RPM) end
+  if q.t then q.t = clamp(q.t + tc, TPM) end
+  if q.r then q.r = clamp(q.r + rc, RPM) end
 end
 
 local function qblock(d)
   local bu = num(redis.call('HGET', QK, 'bu'), 0)
-  local nb = math.max(bu, now + d)
+  local nb = math.max(bu, now + math.min(d, QMAX_BLOCK))
   redis.call('HSET', QK, 'bu', fmt(nb))
   local ttl = redis.call('PTTL', QK)
-  local want = math.ceil((nb - now + MIN) / 1000)
-  if ttl < want then redis.call('PEXPIRE', QK, want) end
+  local want = math.min(nb - now, QMAX_BLOCK) + MIN
+  if ttl < math.ceil(want / 1000) then pexpire(QK, want) end
 end
 
 -- ------------------------------------------------------------------ dispatch
@@ -332,6 +372,7 @@ elseif op == 'neutral' then
 
 elseif op == 'peek' then
   local b = bload()
+  btouch(b)
   return { bra(b) }
 
 elseif op == 'force_open' then
@@ -383,7 +424,10 @@ elseif op == 'admit' then
   -- Gate 3 then gate 4; a breaker refusal takes nothing (same as reserve + refund).
   local q = qload()
   local ok, ra = qcheck(q, TOKENS)
-  if not ok then return { 1, 0, 0, 0, ra } end
+  if not ok then
+    btouch(bload())
+    return { 1, 0, 0, 0, ra }
+  end
   local b = bload()
   local g, p = try_enter(b)
   bsave(b)
@@ -426,7 +470,9 @@ elseif op == 'snapshot' then
   local b = bload()
   decay(b)
   roll(b)
-  -- Status reads persist nothing (decay and roll are recomputed on the next write).
+  -- Status reads persist nothing (decay and roll are recomputed on the next write);
+  -- they only refresh the TTL.
+  btouch(b)
   local q = qload()
   local ts, rs = '', ''
   if q.t then ts = fmt(q.t) end

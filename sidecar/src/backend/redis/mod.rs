@@ -18,40 +18,60 @@
 //! # Expiry and the epoch
 //!
 //! Idle sources vanish. The quota hash expires once it would read as absent anyway
-//! (both buckets refilled, the 429 block over, plus a minute). The breaker hash — which
-//! holds the epoch — gets a TTL of `max(4 × max(window, max_cooldown, 60 s), 4 ×
-//! probe_ttl)` plus any remaining OPEN period or probe lease, **refreshed by every
-//! script that touches the source**, reads included. A permit is granted by such a
-//! script and lives at most its lease (probe_ttl; the engine reclaims it after that),
-//! so the epoch cannot expire, and hence cannot rewind, while a permit that carries it
-//! may still report. `reset` bumps the epoch in place (it never deletes the breaker
-//! hash).
+//! (both buckets refilled, the 429 block over, plus a minute); since levels never fall
+//! below −capacity and a 429 block is capped at 7 days (the engine already refuses
+//! more than a day), that TTL is bounded whatever token count is reported. The breaker
+//! hash — which holds the epoch — gets a TTL of `max(4 × max(window, max_cooldown,
+//! 60 s), 4 × probe_ttl)` plus any remaining OPEN period or probe lease, **refreshed by
+//! every script that touches the source**, reads included (peek, snapshot, a
+//! quota-refused admit). That basis is stored in the hash, so operations that carry no
+//! breaker params (neutral, release_probe, admin ops) keep it. A permit is granted by
+//! such a script and lives at most its lease (probe_ttl; the engine reclaims it after
+//! that), so the epoch cannot expire, and hence cannot rewind, while a permit that
+//! carries it may still report. `reset` bumps the epoch in place (it never deletes the
+//! breaker hash).
+//!
+//! Arguments cross as integer strings (durations in µs capped at 2^52, counts at
+//! 2^53, so the script's double arithmetic is exact), and the script formats every
+//! number it hands to a Redis command itself (never Lua's `1e+15`-style conversion).
 //!
 //! # Degradation (§10)
 //!
 //! Every Redis call is bounded by `timeout` (connect and response; plus an outer
-//! `tokio::time::timeout` over the whole operation, NOSCRIPT reload included). When a
-//! call fails or times out:
+//! `tokio::time::timeout` over the whole operation, NOSCRIPT reload included). Only
+//! *reachability* failures count ([`classify`]): I/O errors, timeouts, refused or
+//! reset connections, and transient server states (`LOADING`, `BUSY`, `TRYAGAIN`,
+//! `CLUSTERDOWN`, `MASTERDOWN`, `READONLY`, `NOREPLICAS`, `OOM`). Any other error
+//! reply (a script runtime error, `ERR …`, `WRONGTYPE`, `NOPERM`) means Redis answered
+//! and retrying will not help: it is returned as [`BackendError::Protocol`] with the
+//! server's message, in both modes, and the source's reachability is left alone. When
+//! a call fails or times out:
 //! - `on_backend_error = local`: the operation is served by an embedded
 //!   [`MemoryBackend`], the source is marked degraded ([`Backend::degraded`]) and one
 //!   line is logged per transition. While degraded, Redis is retried at most once per
 //!   [`RETRY_INTERVAL`] per source (the other calls go straight to local state), so a
 //!   dead Redis does not cost a timeout per admission; the first answer restores the
-//!   source (logged once). Local and Redis state are not merged: permits granted
-//!   locally report to Redis after the restore, where the epoch fence (usually) drops
-//!   them, and their quota settlement is applied to the Redis buckets (capped).
+//!   source (logged once). Local and Redis state are not merged: the local breakers'
+//!   epochs start at a random base ≥ 2^62 (Redis epochs count up from 0), so a permit
+//!   granted on one side is always fenced on the other across a degrade/restore; its
+//!   quota settlement is still applied to the buckets it lands on (clamped).
 //! - `fail_closed`: [`BackendError::Unavailable`] naming the Redis target; within
 //!   [`RETRY_INTERVAL`] of a failure the error is returned at once, without waiting
 //!   for another timeout.
+//!
+//! Admin operations (`force_open`, `force_close`, `reset`) never fall back: a change
+//! to local state would be invisible to every other host while this one reported
+//! success. They always try Redis (even while the source is degraded) and, when it
+//! cannot be reached, fail with [`BackendError::Unavailable`] ("admin operation not
+//! applied: shared backend unreachable …") in both modes.
 //!
 //! # Admin broadcast (§9)
 //!
 //! `force_open`, `force_close` and `reset` publish `"<op> <source>"` on
 //! `<prefix>:admin` from inside their script. A subscriber task (reconnecting, pinging)
 //! turns those messages into [`AdminEvent`]s on [`RedisBackend::admin_events`], so
-//! every host can clear its cooldown memo. An admin op served from local state
-//! (degraded) is delivered to this host's receivers directly. Messages published while
-//! a host's subscriber is disconnected are lost for that host (pub/sub has no replay).
+//! every host can clear its cooldown memo. Messages published while a host's
+//! subscriber is disconnected are lost for that host (pub/sub has no replay).
 
 use std::collections::HashMap;
 use std::sync::{Arc, LazyLock, Mutex};
@@ -243,7 +263,7 @@ impl std::fmt::Debug for RedisBackend {
 
 /// Arguments of one script call (see the header of `gate.lua`).
 #[derive(Default)]
-struct Call<'a> {
+pub(crate) struct Call<'a> {
     op: &'static str,
     p: Option<&'a BreakerParams>,
     q: Option<&'a QuotaParams>,
@@ -256,12 +276,125 @@ struct Call<'a> {
     probe: bool,
 }
 
+/// Largest duration handed to the script, in µs (2^52 µs ≈ 142 years): `TIME` + it
+/// stays below 2^53, so every sum the script makes is an exact integer in a double.
+const MAX_ARG_MICROS: u64 = 1 << 52;
+
+/// Largest token count / bucket capacity handed to the script (exact in a double).
+const MAX_ARG_COUNT: u64 = 1 << 53;
+
 fn micros(d: Duration) -> u64 {
-    u64::try_from(d.as_micros()).unwrap_or(u64::MAX)
+    u64::try_from(d.as_micros()).map_or(MAX_ARG_MICROS, |m| m.min(MAX_ARG_MICROS))
+}
+
+fn count(n: u64) -> u64 {
+    n.min(MAX_ARG_COUNT)
 }
 
 fn bucket(v: Option<u64>) -> i64 {
-    v.map_or(-1, |x| i64::try_from(x).unwrap_or(i64::MAX))
+    v.map_or(-1, |x| count(x) as i64)
+}
+
+/// How a failed script call is treated.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum Fault {
+    /// Redis cannot serve us right now (I/O, timeout, connection refused/reset, a
+    /// transient server state): the source degrades (`local`) or refuses
+    /// (`fail_closed`), and Redis is retried later.
+    Unreachable(String),
+    /// Redis answered with an error that retrying will not fix (a script runtime
+    /// error, `ERR …`, `WRONGTYPE`, `NOPERM`, …): reported as
+    /// [`BackendError::Protocol`], the source's reachability is untouched.
+    Rejected(String),
+}
+
+/// Error codes of transient server states: the server is there but cannot serve now.
+const TRANSIENT_CODES: [&str; 8] = [
+    "LOADING",
+    "BUSY",
+    "TRYAGAIN",
+    "CLUSTERDOWN",
+    "MASTERDOWN",
+    "READONLY",
+    "NOREPLICAS",
+    "OOM",
+];
+
+/// Epoch base of the local fallback: at least 2^62, random below that, so no local
+/// epoch is ever reached by a Redis breaker (which counts up from 0) and two hosts'
+/// (or two runs') local epochs differ too.
+fn local_epoch_base() -> u64 {
+    (1u64 << 62) | (rand::random::<u64>() >> 3)
+}
+
+/// Sort a Redis error into [`Fault::Unreachable`] or [`Fault::Rejected`].
+pub(crate) fn classify(e: &RedisError) -> Fault {
+    use ::redis::ErrorKind as K;
+    // A server reply verbatim (`ERR value is not an integer …`), else the client's text.
+    let msg = match (e.code(), e.detail()) {
+        (Some(code), Some(detail)) => format!("{code} {detail}"),
+        _ => e.to_string(),
+    };
+    let transient_code = e
+        .code()
+        .is_some_and(|c| TRANSIENT_CODES.iter().any(|t| c.eq_ignore_ascii_case(t)));
+    match e.kind() {
+        K::Server(_) | K::Extension if transient_code => Fault::Unreachable(msg),
+        // Redirects the cluster client could not follow: topology in flux.
+        K::Server(::redis::ServerErrorKind::Moved | ::redis::ServerErrorKind::Ask) => {
+            Fault::Unreachable(msg)
+        }
+        K::Server(_) | K::Extension | K::Parse | K::UnexpectedReturnType => Fault::Rejected(msg),
+        // I/O, connection refused/reset/dropped, no connection to a cluster node,
+        // authentication, client-side connection trouble.
+        _ => Fault::Unreachable(msg),
+    }
+}
+
+/// `ARGV` of one script call, in `gate.lua`'s order. Every numeric argument is an
+/// integer string (durations in µs capped at [`MAX_ARG_MICROS`], counts at
+/// [`MAX_ARG_COUNT`]) except `failure_rate`, the one fraction.
+fn script_args(channel: &str, source: &str, c: &Call<'_>) -> [String; 18] {
+    let (fth, frate, minc, win, cd, mcd, pttl) = match c.p {
+        Some(p) => (
+            p.failure_threshold,
+            p.failure_rate,
+            p.min_calls,
+            micros(p.window),
+            micros(p.cooldown),
+            micros(p.max_cooldown),
+            micros(p.probe_ttl),
+        ),
+        None => (0, 0.0, 0, 0, 0, 0, 0),
+    };
+    let (tpm, rpm) = c.q.map_or((-1, -1), |q| (bucket(q.tpm), bucket(q.rpm)));
+    let amount: i64 = match (c.amount, c.amount_raw) {
+        (Some(d), _) => micros(d) as i64,
+        (None, Some(n)) => count(n) as i64,
+        (None, None) => -1,
+    };
+    // A NaN or infinite rate would not parse as a Lua number; configs never hold one.
+    let frate = if frate.is_finite() { frate } else { 1.0 };
+    [
+        c.op.to_string(),
+        fth.to_string(),
+        frate.to_string(),
+        minc.to_string(),
+        win.to_string(),
+        cd.to_string(),
+        mcd.to_string(),
+        pttl.to_string(),
+        tpm.to_string(),
+        rpm.to_string(),
+        c.epoch.to_string(),
+        u8::from(c.flag).to_string(),
+        count(c.tokens).to_string(),
+        c.kind.to_string(),
+        amount.to_string(),
+        channel.to_string(),
+        source.to_string(),
+        u8::from(c.probe).to_string(),
+    ]
 }
 
 impl RedisBackend {
@@ -336,7 +469,10 @@ impl RedisBackend {
             timeout: opts.timeout,
             on_error: opts.on_backend_error,
             health,
-            local: MemoryBackend::new(local_clock, opts.sources),
+            // Local epochs start far from any Redis epoch (which counts up from 0), so
+            // a permit granted on one side is always fenced on the other across a
+            // degrade/restore.
+            local: MemoryBackend::with_epoch_base(local_clock, opts.sources, local_epoch_base()),
             channel,
             admin_tx,
             subscribed,
@@ -409,42 +545,9 @@ impl RedisBackend {
         let mut inv = SCRIPT.prepare_invoke();
         inv.key(self.breaker_key(source))
             .key(self.quota_key(source));
-        let (fth, frate, minc, win, cd, mcd, pttl) = match c.p {
-            Some(p) => (
-                p.failure_threshold,
-                p.failure_rate,
-                p.min_calls,
-                micros(p.window),
-                micros(p.cooldown),
-                micros(p.max_cooldown),
-                micros(p.probe_ttl),
-            ),
-            None => (0, 0.0, 0, 0, 0, 0, 0),
-        };
-        let (tpm, rpm) = c.q.map_or((-1, -1), |q| (bucket(q.tpm), bucket(q.rpm)));
-        let amount: i64 = match (c.amount, c.amount_raw) {
-            (Some(d), _) => i64::try_from(micros(d)).unwrap_or(i64::MAX),
-            (None, Some(n)) => i64::try_from(n).unwrap_or(i64::MAX),
-            (None, None) => -1,
-        };
-        inv.arg(c.op)
-            .arg(fth)
-            .arg(frate.to_string())
-            .arg(minc)
-            .arg(win)
-            .arg(cd)
-            .arg(mcd)
-            .arg(pttl)
-            .arg(tpm)
-            .arg(rpm)
-            .arg(c.epoch)
-            .arg(u8::from(c.flag))
-            .arg(c.tokens)
-            .arg(c.kind)
-            .arg(amount)
-            .arg(&self.channel)
-            .arg(source)
-            .arg(u8::from(c.probe));
+        for a in script_args(&self.channel, source, c) {
+            inv.arg(a);
+        }
         match &mut conn {
             Conn::Single(m) => inv.invoke_async(m).await,
             Conn::Cluster(cl) => inv.invoke_async(cl).await,
@@ -454,11 +557,18 @@ impl RedisBackend {
     /// Run one script call for `source`. `Ok(Some(reply))` when Redis answered,
     /// `Ok(None)` when the caller must serve the operation from local state.
     async fn exec(&self, source: &str, c: Call<'_>) -> BResult<Option<Vec<Value>>> {
+        self.exec_as(source, c, false).await
+    }
+
+    /// [`exec`](Self::exec); `admin` calls never fall back to local state and never
+    /// take the degraded shortcut: they always ask Redis, and fail with
+    /// [`BackendError::Unavailable`] when it cannot be reached.
+    async fn exec_as(&self, source: &str, c: Call<'_>, admin: bool) -> BResult<Option<Vec<Value>>> {
         let h = self
             .health
             .get(source)
             .ok_or_else(|| BackendError::UnknownSource(source.to_string()))?;
-        {
+        if !admin {
             let mut g = h.lock().unwrap_or_else(|e| e.into_inner());
             if g.down {
                 let now = Instant::now();
@@ -474,7 +584,17 @@ impl RedisBackend {
         }
         let result = match tokio::time::timeout(self.timeout, self.invoke(source, &c)).await {
             Ok(Ok(v)) => Ok(v),
-            Ok(Err(e)) => Err(e.to_string()),
+            Ok(Err(e)) => match classify(&e) {
+                Fault::Unreachable(msg) => Err(msg),
+                // Redis answered: not a reachability problem, so neither degrade nor
+                // retry; the caller gets the server's message.
+                Fault::Rejected(msg) => {
+                    return Err(BackendError::Protocol(format!(
+                        "redis {} rejected `{}` for source {source:?}: {msg}",
+                        self.describe, c.op
+                    )))
+                }
+            },
             Err(_) => Err(format!("no answer within {:?}", self.timeout)),
         };
         let mut g = h.lock().unwrap_or_else(|e| e.into_inner());
@@ -522,6 +642,14 @@ impl RedisBackend {
                         ),
                     }
                 }
+                if admin {
+                    return Err(BackendError::Unavailable(format!(
+                        "admin operation not applied: shared backend unreachable (redis {}: {}); \
+                         a local change would be invisible to every other host, so nothing \
+                         was changed; retry once redis is back",
+                        self.describe, g.last_error
+                    )));
+                }
                 match self.on_error {
                     OnBackendError::Local => Ok(None),
                     OnBackendError::FailClosed => Err(self.unavailable(&g.last_error)),
@@ -537,33 +665,19 @@ impl RedisBackend {
         ))
     }
 
-    /// Deliver an admin op done from local state to this host's receivers.
-    fn local_admin(&self, source: &str, op: AdminOp) {
-        let _ = self.admin_tx.send(AdminEvent {
-            source: source.to_string(),
-            op,
-        });
-    }
-
+    /// An admin op: on Redis or not at all (never on local state, which no other host
+    /// would see), in both `on_backend_error` modes.
     async fn admin(&self, source: &str, op: AdminOp, d: Option<Duration>) -> BResult<Applied> {
         let call = Call {
             op: op.wire(),
             amount: d,
             ..Call::default()
         };
-        match self.exec(source, call).await? {
+        match self.exec_as(source, call, true).await? {
             Some(v) => parse_applied(&v),
-            None => {
-                let a = match op {
-                    AdminOp::ForceOpen => {
-                        self.local.force_open(source, d.unwrap_or_default()).await?
-                    }
-                    AdminOp::ForceClose => self.local.force_close(source).await?,
-                    AdminOp::Reset => self.local.reset(source).await?,
-                };
-                self.local_admin(source, op);
-                Ok(a)
-            }
+            None => Err(BackendError::Protocol(
+                "admin operation served locally (internal error)".into(),
+            )),
         }
     }
 }
@@ -1044,5 +1158,144 @@ mod tests {
         }
         assert!(AdminEvent::parse("bogus x").is_none());
         assert!(AdminEvent::parse("reset").is_none());
+    }
+
+    /// A server error reply as the client would surface it.
+    fn server_error(reply: &str) -> RedisError {
+        ::redis::parse_redis_value(format!("-{reply}\r\n").as_bytes())
+            .expect("parsable error reply")
+            .extract_error()
+            .expect_err("an error reply")
+    }
+
+    #[test]
+    fn script_and_command_errors_are_rejections_not_outages() {
+        for reply in [
+            "ERR user_script:1: Script attempted to access nonexistent global variable 'x'",
+            "ERR value is not an integer or out of range script: abc, on @user_script:256.",
+            "WRONGTYPE Operation against a key holding the wrong kind of value",
+            "NOPERM this user has no permissions to run the 'evalsha' command",
+            "CROSSSLOT Keys in request don't hash to the same slot",
+            "polygate: unknown op bogus",
+        ] {
+            let e = server_error(reply);
+            assert!(
+                classify(&e) == Fault::Rejected(reply.to_string()),
+                "{reply}: {:?}",
+                classify(&e)
+            );
+        }
+        let e = RedisError::from((::redis::ErrorKind::Parse, "bad reply"));
+        assert!(matches!(classify(&e), Fault::Rejected(_)));
+    }
+
+    #[test]
+    fn transport_and_transient_errors_are_outages() {
+        for reply in [
+            "LOADING Redis is loading the dataset in memory",
+            "BUSY Redis is busy running a script. You can only call SCRIPT KILL or SHUTDOWN NOSCRIPT.",
+            "TRYAGAIN Multiple keys request during rehashing of slot",
+            "CLUSTERDOWN The cluster is down",
+            "MASTERDOWN Link with MASTER is down and replica-serve-stale-data is set to 'no'.",
+            "READONLY You can't write against a read only replica.",
+            "NOREPLICAS Not enough good replicas to write.",
+            "OOM command not allowed when used memory > 'maxmemory'.",
+        ] {
+            let e = server_error(reply);
+            assert!(
+                matches!(classify(&e), Fault::Unreachable(_)),
+                "{reply}: {:?}",
+                classify(&e)
+            );
+        }
+        for kind in [
+            std::io::ErrorKind::ConnectionRefused,
+            std::io::ErrorKind::ConnectionReset,
+            std::io::ErrorKind::BrokenPipe,
+            std::io::ErrorKind::TimedOut,
+            std::io::ErrorKind::UnexpectedEof,
+        ] {
+            let e = RedisError::from(std::io::Error::from(kind));
+            assert!(matches!(classify(&e), Fault::Unreachable(_)), "{kind:?}");
+        }
+        let e = RedisError::from((::redis::ErrorKind::ClusterConnectionNotFound, "no node"));
+        assert!(matches!(classify(&e), Fault::Unreachable(_)));
+    }
+
+    #[test]
+    fn numeric_script_arguments_are_integer_strings() {
+        let p = BreakerParams {
+            failure_threshold: u32::MAX,
+            failure_rate: 0.25,
+            min_calls: 7,
+            window: Duration::MAX,
+            cooldown: Duration::from_nanos(1_500),
+            max_cooldown: Duration::from_secs(u64::MAX / 1_000),
+            probe_ttl: Duration::from_millis(150),
+        };
+        let q = QuotaParams {
+            tpm: Some(u64::MAX),
+            rpm: None,
+        };
+        let calls = [
+            Call {
+                op: "report",
+                p: Some(&p),
+                q: Some(&q),
+                epoch: u64::MAX,
+                flag: true,
+                tokens: u64::MAX,
+                kind: "S",
+                amount_raw: Some(u64::MAX),
+                probe: true,
+                ..Call::default()
+            },
+            Call {
+                op: "force_open",
+                amount: Some(Duration::MAX),
+                ..Call::default()
+            },
+        ];
+        for c in &calls {
+            let a = script_args("chan", "src", c);
+            assert_eq!(a[0], c.op);
+            assert_eq!(a[2], if c.p.is_some() { "0.25" } else { "0" });
+            for (i, v) in a.iter().enumerate() {
+                if [0, 2, 13, 15, 16].contains(&i) {
+                    continue; // op, failure_rate, kind, channel, source
+                }
+                let n: i128 = v
+                    .parse()
+                    .unwrap_or_else(|_| panic!("ARGV[{}] = {v:?} is not an integer", i + 1));
+                // Epochs are compared, not computed with; everything else stays exact
+                // in a double.
+                if i != 10 {
+                    assert!(n.abs() <= 1 << 53, "ARGV[{}] = {v} too large", i + 1);
+                }
+            }
+        }
+        let a = script_args("chan", "src", &calls[0]);
+        assert_eq!(a[4], (1u64 << 52).to_string(), "window capped");
+        assert_eq!(a[5], "1", "sub-µs part dropped");
+        assert_eq!(a[8], (1u64 << 53).to_string(), "tpm capped");
+        assert_eq!(a[9], "-1", "rpm disabled");
+        assert_eq!(a[12], (1u64 << 53).to_string(), "tokens capped");
+        assert_eq!(a[14], (1u64 << 53).to_string(), "charged tokens capped");
+        let a = script_args("chan", "src", &calls[1]);
+        assert_eq!(
+            a[14],
+            (1u64 << 52).to_string(),
+            "force_open duration capped"
+        );
+        assert_eq!(a[12], "0");
+    }
+
+    #[test]
+    fn local_epoch_base_is_far_from_redis_epochs() {
+        for _ in 0..100 {
+            let b = local_epoch_base();
+            assert!((1 << 62..(1 << 62) + (1 << 61)).contains(&b), "{b}");
+        }
+        assert_ne!(local_epoch_base(), local_epoch_base());
     }
 }
