@@ -1279,16 +1279,18 @@ impl<B: Backend> Engine<B> {
     pub async fn force_close(&self, source: &str) -> Result<Applied, EngineError> {
         let idx = self.source_idx(source)?;
         let r = self.backend.force_close(source).await;
-        self.sources[idx].memo.clear();
-        self.admin_result(idx, r)
+        let a = self.admin_result(idx, r)?;
+        self.sources[idx].memo.clear(); // only once the close really happened
+        Ok(a)
     }
 
     /// Admin: forget `source`'s breaker and quota state and clear its memo entry.
     pub async fn reset(&self, source: &str) -> Result<Applied, EngineError> {
         let idx = self.source_idx(source)?;
         let r = self.backend.reset(source).await;
-        self.sources[idx].memo.clear();
-        self.admin_result(idx, r)
+        let a = self.admin_result(idx, r)?;
+        self.sources[idx].memo.clear(); // only once the reset really happened
+        Ok(a)
     }
 
     /// Forget `source`'s memo entry (an admin op broadcast from another host).

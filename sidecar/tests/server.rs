@@ -1100,6 +1100,35 @@ async fn admin_errors_without_a_scope_carry_none() {
 }
 
 #[tokio::test]
+async fn a_refused_force_close_keeps_this_hosts_memo() {
+    // The memo may only forget a cooldown the backend really ended.
+    let server = Server::start().await;
+    let mut c = server.client().await;
+    let r = c
+        .call(Request::ForceOpen {
+            source: "a".into(),
+            seconds: 60.0,
+        })
+        .await;
+    assert!(!matches!(r, Reply::Error(_)), "{r:?}");
+    assert!(c.source("a").await.memo_remaining_s > 59.0);
+    server.backend_down(true);
+    for request in [
+        Request::ForceClose { source: "a".into() },
+        Request::Reset { source: "a".into() },
+    ] {
+        let e = error_of(c.call(request).await);
+        assert_eq!(e.kind, ErrorKind::BackendUnavailable, "{e:?}");
+    }
+    server.backend_down(false);
+    assert!(
+        c.source("a").await.memo_remaining_s > 59.0,
+        "a refused close/reset must not clear the memo"
+    );
+    server.shutdown().await.unwrap();
+}
+
+#[tokio::test]
 async fn a_report_the_backend_failed_does_not_hold_up_the_drain() {
     let server = Server::start().await;
     let mut c = server.client().await;

@@ -55,7 +55,9 @@
 //! - `force_open(d)`: OPEN until now + d, epoch+1, k unchanged. `force_close`:
 //!   CLOSED, epoch+1, streak/window cleared, closed_since = now, k unchanged.
 //!   `reset`: CLOSED, epoch+1, k = 0, streak/window cleared, quota buckets full and
-//!   the 429 block removed.
+//!   the 429 block removed. A shared backend never serves admin operations from a
+//!   local fallback: while it is unreachable they fail with `Unavailable` (an
+//!   operator must not believe a change reached every host when it did not).
 //!
 //! Quota, per source: a token bucket (capacity `tpm`, refill tpm/60 per second) and a
 //! request bucket (capacity `rpm`, refill rpm/60 per second), continuous refill,
