@@ -111,8 +111,13 @@ impl<B: Backend> Engine<B> {
                 reasons[pos].get_or_insert(SkipReason::Paced);
                 continue;
             };
-            // Gates 3 + 4: quota then breaker, one backend operation.
+            // Gates 3 + 4: quota then breaker, one backend operation — unless this
+            // host's quota hint already knows the answer for this tick.
             let tokens = est_tokens.unwrap_or_else(|| src.params().est_tokens);
+            if src.quota_hint.blocks(now, tokens) {
+                reasons[pos] = Some(SkipReason::RateLimited);
+                continue;
+            }
             match self.backend_admit(scope, idx, tokens).await {
                 Ok(Admit::Granted { epoch, is_probe }) => {
                     // From here the grant's Ticket owns the slot (no await between).
@@ -124,8 +129,11 @@ impl<B: Backend> Engine<B> {
                         tokens,
                     });
                 }
-                Ok(Admit::RateLimited { .. }) => {
+                Ok(Admit::RateLimited { retry_after }) => {
                     reasons[pos] = Some(SkipReason::RateLimited);
+                    let poll = self.scopes[scope].policy().cfg.poll_interval;
+                    src.quota_hint
+                        .set(self.clock.now() + retry_after.min(poll), tokens);
                 }
                 Ok(Admit::CircuitOpen { state, retry_after }) => {
                     reasons[pos] = Some(SkipReason::CircuitOpen);

@@ -23,7 +23,7 @@ use crate::backend::{
 use crate::clock::Clock;
 use crate::config::{Config, Mode, ScopeConfig, SourceConfig};
 use crate::health::Health;
-use crate::memo::Memo;
+use crate::memo::{Memo, QuotaHint};
 use crate::pacer::{Pacer, Signal};
 
 /// Identifies who holds calls and permits (one per connection in the daemon).
@@ -291,6 +291,8 @@ pub(crate) struct SourceRt {
     pub(crate) pacer: Pacer,
     /// §9 cooldown memo.
     pub(crate) memo: Memo,
+    /// Recent quota refusal, shared by this host's waiters (one backend check per tick).
+    pub(crate) quota_hint: QuotaHint,
     /// Recent outcomes for the health selector.
     pub(crate) health: Health,
     /// Scopes naming this source (to wake their waiters).
@@ -515,6 +517,7 @@ impl<B: Backend> Engine<B> {
                         params: RwLock::new(SourceParams::new(s)),
                         pacer: Pacer::new(sc.pacer),
                         memo: Memo::default(),
+                        quota_hint: QuotaHint::default(),
                         health: Health::default(),
                         scopes: Vec::new(),
                         counters: SourceCounters::default(),
@@ -567,6 +570,8 @@ impl<B: Backend> Engine<B> {
     /// would cost a pass per waiter for every freed slot; if the woken one cannot use
     /// it, the others' next nap (at most `poll_interval` away) picks it up.
     fn wake_one(&self, source: usize) {
+        // Whatever was freed may be quota: let the next admission ask the backend.
+        self.sources[source].quota_hint.clear();
         for &s in &self.sources[source].scopes {
             self.scopes[s].notify.notify_one();
         }
@@ -575,6 +580,7 @@ impl<B: Backend> Engine<B> {
     /// The source's state changed so that many may proceed (closed, reset, memo
     /// cleared): wake every waiter of every scope naming it.
     fn wake_all(&self, source: usize) {
+        self.sources[source].quota_hint.clear();
         for &s in &self.sources[source].scopes {
             self.scopes[s].notify.notify_waiters();
         }

@@ -63,3 +63,53 @@ mod tests {
         );
     }
 }
+
+/// Host-local hint that a source's quota just refused (gate 3): until `until`, an
+/// admission needing at least `need` tokens skips the backend and counts as
+/// `rate_limited`. The engine caps `until` at one `poll_interval` ahead, so however
+/// many calls wait on a rate-limited source, this host asks the backend about it at
+/// most about once per tick (the waiters share one re-evaluation). Anything this host
+/// frees for the source (a report, a released grant) clears the hint at once.
+#[derive(Debug, Default)]
+pub struct QuotaHint {
+    /// (until, need); `until` zero = no hint.
+    inner: std::sync::Mutex<(Duration, u64)>,
+}
+
+impl QuotaHint {
+    /// Remember a refusal of `need` tokens, valid until `until`.
+    pub fn set(&self, until: Duration, need: u64) {
+        *self.inner.lock().unwrap_or_else(|e| e.into_inner()) = (until, need);
+    }
+
+    /// Forget the hint (something was freed; the next admission asks the backend).
+    pub fn clear(&self) {
+        *self.inner.lock().unwrap_or_else(|e| e.into_inner()) = (Duration::ZERO, 0);
+    }
+
+    /// Would an admission of `tokens` at `now` surely be refused?
+    pub fn blocks(&self, now: Duration, tokens: u64) -> bool {
+        let (until, need) = *self.inner.lock().unwrap_or_else(|e| e.into_inner());
+        now < until && tokens >= need
+    }
+}
+
+#[cfg(test)]
+mod quota_hint_tests {
+    use super::*;
+
+    #[test]
+    fn blocks_only_as_large_requests_until_expiry_or_clear() {
+        let h = QuotaHint::default();
+        let s = Duration::from_millis;
+        assert!(!h.blocks(s(0), 10));
+        h.set(s(50), 10);
+        assert!(h.blocks(s(10), 10));
+        assert!(h.blocks(s(10), 20), "a larger need is refused too");
+        assert!(!h.blocks(s(10), 5), "a smaller estimate may still fit: ask");
+        assert!(!h.blocks(s(50), 10), "expired");
+        h.set(s(50), 10);
+        h.clear();
+        assert!(!h.blocks(s(10), 10));
+    }
+}

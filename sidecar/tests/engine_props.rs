@@ -33,6 +33,8 @@ struct Counting {
     requests: AtomicI64,
     remote: bool,
     delay: Duration,
+    /// Admission round trips (gates 3-4) asked of the backend.
+    admits: AtomicI64,
 }
 
 impl Counting {
@@ -106,6 +108,7 @@ impl Backend for Counting {
     }
     async fn admit(&self, s: &str, p: &BreakerParams, q: &QuotaParams, t: u64) -> BResult<Admit> {
         self.trip().await;
+        self.admits.fetch_add(1, Ordering::SeqCst);
         let r = self.inner.admit(s, p, q, t).await;
         if let Ok(Admit::Granted { .. }) = r {
             self.tokens.fetch_add(t as i64, Ordering::SeqCst);
@@ -209,6 +212,7 @@ fn build(remote: bool) -> (Arc<Engine<Counting>>, Arc<dyn Clock>) {
         requests: AtomicI64::new(0),
         remote,
         delay: Duration::from_millis(20),
+        admits: AtomicI64::new(0),
     };
     (Engine::new(&config, backend, clock.clone()), clock)
 }
@@ -347,4 +351,54 @@ proptest! {
     fn invariants_hold_with_a_remote_backend(ops in prop::collection::vec(op(), 1..60)) {
         rt().block_on(run(ops, true))?;
     }
+}
+
+/// Issue 2 "built for scale": many calls waiting on a rate-limited source share one
+/// backend re-evaluation per poll tick instead of one round trip each per nap.
+#[test]
+fn quota_waiters_share_one_backend_check_per_tick() {
+    rt().block_on(async {
+        let (e, _clock) = build(true);
+        // Block every chat source's quota with a 429 retry_after, then let 200 wait.
+        let mut blocked = 0;
+        while blocked < SOURCES.len() {
+            let call = e.begin_call(9, "chat", None).unwrap();
+            let g = e.acquire(9, call).await.unwrap();
+            e.report(
+                9,
+                g.permit,
+                Outcome::RateLimited {
+                    retry_after: Some(Duration::from_secs(30)),
+                },
+            )
+            .await
+            .unwrap();
+            e.end_call(9, call).await.unwrap();
+            blocked += 1;
+        }
+        let before = e.backend().admits.load(Ordering::SeqCst);
+        let mut waiters = Vec::new();
+        for owner in 100..300u64 {
+            let e = e.clone();
+            waiters.push(tokio::spawn(async move {
+                let call = e.begin_call(owner, "chat", None).unwrap();
+                let _ = tokio::time::timeout(Duration::from_secs(5), e.acquire(owner, call)).await;
+            }));
+        }
+        for w in waiters {
+            w.await.unwrap();
+        }
+        let admits = e.backend().admits.load(Ordering::SeqCst) - before;
+        // 5 s at a 200 ms poll = 25 ticks × 3 sources = 75 shared checks (plus the
+        // first pass of waiters racing the first refusal). One per waiter per nap
+        // would be 200 × ~30 × 3 = 18 000.
+        assert!(
+            admits <= 3 * 25 + 3 * 20,
+            "{admits} backend admissions for 200 waiters over 5 s"
+        );
+        assert!(
+            admits >= 3 * 10,
+            "the waiters still re-check every tick: {admits}"
+        );
+    });
 }
