@@ -48,3 +48,44 @@ def test_script_calls_per_call_and_memo_answers_refusals(sidecar, redis_server):
     after = redis_server.commandstats()
     delta = {k: after.get(k, 0) - before.get(k, 0) for k in after if after.get(k, 0) != before.get(k, 0)}
     assert used == 0, "%d memo-answered refusals cost %d script calls; commands: %r" % (M, used, delta)
+
+
+def test_quota_waiters_share_one_redis_check_per_tick(sidecar, redis_server):
+    """100 calls waiting on a rate-limited source cost about one script call per poll
+    tick from this host, not one per waiter per nap (issue 2, "built for scale")."""
+    import asyncio
+    import time
+
+    import polygate.aio
+
+    sidecar.write_config({"chat": scope({"name": "s1", "timeout": "5s", "rpm": 1},
+                                        poll_interval="100ms", stall_window="10s")},
+                         backend="redis", redis_url=redis_server.url, key_prefix="pg-tick",
+                         redis_timeout="500ms")
+    sidecar.start()
+    client = sidecar.client()
+    with client.call("chat") as call:
+        call.acquire().success()  # the minute's only request is used
+
+    async def wait_all(seconds):
+        c = await polygate.aio.connect(sidecar.socket)
+        try:
+            async def one():
+                async with c.call("chat") as call:
+                    try:
+                        await asyncio.wait_for(call.acquire(), seconds)
+                    except asyncio.TimeoutError:
+                        pass
+            await asyncio.gather(*(one() for _ in range(100)))
+        finally:
+            await c.close()
+
+    s0 = redis_server.script_calls()
+    t0 = time.monotonic()
+    asyncio.run(wait_all(1.5))
+    elapsed = time.monotonic() - t0
+    used = redis_server.script_calls() - s0
+    ticks = elapsed / 0.1
+    # One shared check per tick (+ the first passes racing the first refusal, and the
+    # Cancel of each waiter on exit). One per waiter per nap would be ~100 × 20.
+    assert used <= 2 * ticks + 150, "%d script calls for 100 waiters over %.1fs" % (used, elapsed)
