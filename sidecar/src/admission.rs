@@ -8,9 +8,9 @@
 
 use std::time::Duration;
 
-use crate::backend::{Admit, Backend, State};
+use crate::backend::{Admit, Backend, BackendError, State};
 use crate::config::Selector;
-use crate::engine::{Engine, SkipReason};
+use crate::engine::{Engine, Policy, SkipReason};
 use crate::health::rank;
 
 /// A grant made by a pass and not yet recorded as a permit.
@@ -67,10 +67,10 @@ pub fn nap(
 impl<B: Backend> Engine<B> {
     /// Candidate order for a pass: selector order, then this call's failed sources
     /// moved to the back (their order kept). Entries are (position in scope, source).
-    fn candidates(&self, scope: usize, failed: &[usize]) -> Vec<(usize, usize)> {
+    fn candidates(&self, scope: usize, policy: &Policy, failed: &[usize]) -> Vec<(usize, usize)> {
         let sc = &self.scopes[scope];
         let mut order: Vec<(usize, usize)> = sc.sources.iter().copied().enumerate().collect();
-        if sc.policy().cfg.selector == Selector::Health {
+        if policy.cfg.selector == Selector::Health {
             order.sort_by_cached_key(|&(pos, idx)| (rank(self.sources[idx].health.score()), pos));
         }
         if !failed.is_empty() {
@@ -80,11 +80,13 @@ impl<B: Backend> Engine<B> {
         order
     }
 
-    /// One pass (§4). `reasons` is indexed by position in the scope and persists
-    /// across the passes of one Acquire (`paced` never overwrites a recorded reason).
+    /// One pass (§4) under one policy snapshot. `reasons` is indexed by position in
+    /// the scope and persists across the passes of one Acquire (`paced` never
+    /// overwrites a recorded reason).
     pub(crate) async fn pass(
         &self,
         scope: usize,
+        policy: &Policy,
         failed: &[usize],
         est_tokens: Option<u64>,
         reasons: &mut [Option<SkipReason>],
@@ -93,8 +95,9 @@ impl<B: Backend> Engine<B> {
         let note_retry = |r: &mut Refused, d: Duration| {
             r.circuit_retry_after = Some(r.circuit_retry_after.map_or(d, |m| m.min(d)));
         };
-        for (pos, idx) in self.candidates(scope, failed) {
+        for (pos, idx) in self.candidates(scope, policy, failed) {
             let src = &self.sources[idx];
+            let params = src.params();
             let now = self.clock.now();
             // Gate 1: cooldown memo.
             let rem = src.memo.remaining(now);
@@ -113,12 +116,17 @@ impl<B: Backend> Engine<B> {
             };
             // Gates 3 + 4: quota then breaker, one backend operation — unless this
             // host's quota hint already knows the answer for this tick.
-            let tokens = est_tokens.unwrap_or_else(|| src.params().est_tokens);
-            if src.quota_hint.blocks(now, tokens) {
+            let tokens = est_tokens.unwrap_or(params.est_tokens);
+            let poll = policy.cfg.poll_interval;
+            if src.quota_hint.blocks(now, tokens, poll) {
                 reasons[pos] = Some(SkipReason::RateLimited);
                 continue;
             }
-            match self.backend_admit(scope, idx, tokens).await {
+            let hint_generation = src.quota_hint.generation();
+            match self
+                .backend_admit(scope, idx, &policy.bp, &params.qp, tokens)
+                .await
+            {
                 Ok(Admit::Granted { epoch, is_probe }) => {
                     // From here the grant's Ticket owns the slot (no await between).
                     slot.keep();
@@ -131,9 +139,8 @@ impl<B: Backend> Engine<B> {
                 }
                 Ok(Admit::RateLimited { retry_after }) => {
                     reasons[pos] = Some(SkipReason::RateLimited);
-                    let poll = self.scopes[scope].policy().cfg.poll_interval;
                     src.quota_hint
-                        .set(self.clock.now() + retry_after.min(poll), tokens);
+                        .set(hint_generation, self.clock.now(), retry_after, tokens);
                 }
                 Ok(Admit::CircuitOpen { state, retry_after }) => {
                     reasons[pos] = Some(SkipReason::CircuitOpen);
@@ -144,9 +151,18 @@ impl<B: Backend> Engine<B> {
                         src.memo.set_until(self.clock.now() + retry_after);
                     }
                 }
-                Err(e) => {
+                // Unreachable under `fail_closed` (under `local` the backend serves
+                // from memory and never says so): the call fails with that error.
+                Err(e @ BackendError::Unavailable(_)) => {
                     reasons[pos] = Some(SkipReason::BackendUnavailable);
                     refused.unavailable = Some(e.to_string());
+                }
+                // The store answered but rejected the operation (a bug, or a key
+                // clobbered by something else): skip this source, keep the others
+                // going, and say so in the log (at most every 10 s per source).
+                Err(e) => {
+                    reasons[pos] = Some(SkipReason::BackendUnavailable);
+                    self.log_backend_error(idx, &e);
                 }
             }
         }

@@ -299,6 +299,9 @@ pub(crate) struct SourceRt {
     scopes: Vec<usize>,
     /// Counters for `/metrics`.
     pub(crate) counters: SourceCounters,
+    /// When a rejected backend operation was last logged (nanos on the engine clock
+    /// + 1; 0 = never), to log at most every 10 s per source.
+    error_logged: AtomicU64,
 }
 
 impl ScopeRt {
@@ -521,6 +524,7 @@ impl<B: Backend> Engine<B> {
                         health: Health::default(),
                         scopes: Vec::new(),
                         counters: SourceCounters::default(),
+                        error_logged: AtomicU64::new(0),
                     });
                     sources.len() - 1
                 });
@@ -563,6 +567,23 @@ impl<B: Backend> Engine<B> {
     /// The backend (for tests and status).
     pub fn backend(&self) -> &B {
         &self.backend
+    }
+
+    /// Log a backend error that is not an outage (the store rejected the operation),
+    /// at most once every 10 s per source so a persistent one cannot flood the log.
+    pub(crate) fn log_backend_error(&self, source: usize, e: &crate::backend::BackendError) {
+        const EVERY: u64 = 10_000_000_000;
+        let now = self.clock.now().as_nanos() as u64 + 1;
+        let src = &self.sources[source];
+        let last = src.error_logged.load(Ordering::Relaxed);
+        if (last == 0 || now.saturating_sub(last) >= EVERY)
+            && src
+                .error_logged
+                .compare_exchange(last, now, Ordering::Relaxed, Ordering::Relaxed)
+                .is_ok()
+        {
+            tracing::warn!(source = %src.name, error = %e, "backend rejected an admission; source skipped");
+        }
     }
 
     /// One resource of `source` freed (a pacer slot, a reservation, a probe lease):
@@ -760,7 +781,7 @@ impl<B: Backend> Engine<B> {
                     reasons: self.reasons_of(si, &reasons),
                 });
             }
-            let refused = match self.pass(si, &failed, est, &mut reasons).await {
+            let refused = match self.pass(si, &policy, &failed, est, &mut reasons).await {
                 Pass::Granted(g) => {
                     let ticket = Ticket {
                         engine: self,
@@ -977,11 +998,12 @@ impl<B: Backend> Engine<B> {
         &self,
         scope: usize,
         source: usize,
+        bp: &BreakerParams,
+        qp: &QuotaParams,
         tokens: u64,
     ) -> BResult<Admit> {
         let src = &self.sources[source];
-        let bp = self.scopes[scope].policy().bp;
-        let qp = src.params().qp;
+        let (bp, qp) = (*bp, *qp);
         if !self.backend.is_remote() {
             return self.backend.admit(&src.name, &bp, &qp, tokens).await;
         }
@@ -1395,13 +1417,18 @@ impl<B: Backend> Engine<B> {
             ));
         }
         let mut changes = Vec::new();
-        let mut pacer_set = vec![false; self.sources.len()];
+        // Per-source settings follow the first scope naming the source, as at start-up
+        // (scopes may disagree on est_tokens/timeout/pacer; tpm/rpm must agree).
+        let mut seen = vec![false; self.sources.len()];
         for (sc, new) in self.scopes.iter().zip(&config.scopes) {
             if sc.policy().cfg != *new {
                 changes.push(format!("scope {}: policy updated", sc.name));
             }
             *sc.policy.write().unwrap_or_else(|e| e.into_inner()) = Arc::new(Policy::new(new));
             for (&idx, s) in sc.sources.iter().zip(&new.sources) {
+                if std::mem::replace(&mut seen[idx], true) {
+                    continue;
+                }
                 let src = &self.sources[idx];
                 let p = SourceParams::new(s);
                 if src.params() != p {
@@ -1411,11 +1438,7 @@ impl<B: Backend> Engine<B> {
                     ));
                     *src.params.write().unwrap_or_else(|e| e.into_inner()) = p;
                 }
-                // The pacer follows the first scope naming the source, as at start-up.
-                if !pacer_set[idx] {
-                    pacer_set[idx] = true;
-                    src.pacer.reconfigure(new.pacer);
-                }
+                src.pacer.reconfigure(new.pacer);
             }
             sc.notify.notify_waiters();
         }

@@ -64,33 +64,69 @@ mod tests {
     }
 }
 
-/// Host-local hint that a source's quota just refused (gate 3): until `until`, an
-/// admission needing at least `need` tokens skips the backend and counts as
-/// `rate_limited`. The engine caps `until` at one `poll_interval` ahead, so however
-/// many calls wait on a rate-limited source, this host asks the backend about it at
-/// most about once per tick (the waiters share one re-evaluation). Anything this host
-/// frees for the source (a report, a released grant) clears the hint at once.
+/// Host-local hint that a source's quota just refused (gate 3): an admission needing
+/// at least `need` tokens skips the backend and counts as `rate_limited` until
+/// `set_at + min(retry_after, poll)`, where `poll` is the *reader's* scope poll
+/// interval (a source shared by a batch scope with a 5 s poll must not hide freed
+/// quota from a 50 ms scope). However many calls wait on a rate-limited source, this
+/// host then asks the backend about it about once per tick: the waiters share one
+/// re-evaluation. Anything this host frees for the source clears the hint, and a
+/// generation counter keeps a refusal that was in flight during the clear from
+/// re-setting it (the wake-up that the clear caused must not be turned away).
 #[derive(Debug, Default)]
 pub struct QuotaHint {
-    /// (until, need); `until` zero = no hint.
-    inner: std::sync::Mutex<(Duration, u64)>,
+    /// The current hint, if any.
+    inner: std::sync::Mutex<Hint>,
+}
+
+/// State of a [`QuotaHint`].
+#[derive(Debug, Default, Clone, Copy)]
+struct Hint {
+    /// When the refusal was seen; `None` = no hint.
+    set_at: Option<Duration>,
+    /// The backend's estimate of when the refused amount fits.
+    retry_after: Duration,
+    /// The refused amount of tokens.
+    need: u64,
+    /// Bumped by every `clear`.
+    generation: u64,
 }
 
 impl QuotaHint {
-    /// Remember a refusal of `need` tokens, valid until `until`.
-    pub fn set(&self, until: Duration, need: u64) {
-        *self.inner.lock().unwrap_or_else(|e| e.into_inner()) = (until, need);
+    fn lock(&self) -> std::sync::MutexGuard<'_, Hint> {
+        self.inner.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Read before asking the backend; pass to [`QuotaHint::set`].
+    pub fn generation(&self) -> u64 {
+        self.lock().generation
+    }
+
+    /// Remember a refusal of `need` tokens seen at `at`, unless the hint was cleared
+    /// since `generation` was read.
+    pub fn set(&self, generation: u64, at: Duration, retry_after: Duration, need: u64) {
+        let mut h = self.lock();
+        if h.generation == generation {
+            h.set_at = Some(at);
+            h.retry_after = retry_after;
+            h.need = need;
+        }
     }
 
     /// Forget the hint (something was freed; the next admission asks the backend).
     pub fn clear(&self) {
-        *self.inner.lock().unwrap_or_else(|e| e.into_inner()) = (Duration::ZERO, 0);
+        let mut h = self.lock();
+        h.set_at = None;
+        h.generation = h.generation.wrapping_add(1);
     }
 
-    /// Would an admission of `tokens` at `now` surely be refused?
-    pub fn blocks(&self, now: Duration, tokens: u64) -> bool {
-        let (until, need) = *self.inner.lock().unwrap_or_else(|e| e.into_inner());
-        now < until && tokens >= need
+    /// Would an admission of `tokens` at `now`, polling every `poll`, surely be refused?
+    pub fn blocks(&self, now: Duration, tokens: u64, poll: Duration) -> bool {
+        let h = *self.lock();
+        match h.set_at {
+            Some(at) => now < at + h.retry_after.min(poll) && tokens >= h.need,
+            None => false,
+        }
     }
 }
 
@@ -102,14 +138,35 @@ mod quota_hint_tests {
     fn blocks_only_as_large_requests_until_expiry_or_clear() {
         let h = QuotaHint::default();
         let s = Duration::from_millis;
-        assert!(!h.blocks(s(0), 10));
-        h.set(s(50), 10);
-        assert!(h.blocks(s(10), 10));
-        assert!(h.blocks(s(10), 20), "a larger need is refused too");
-        assert!(!h.blocks(s(10), 5), "a smaller estimate may still fit: ask");
-        assert!(!h.blocks(s(50), 10), "expired");
-        h.set(s(50), 10);
+        let poll = s(50);
+        assert!(!h.blocks(s(0), 10, poll));
+        h.set(h.generation(), s(0), s(5_000), 10);
+        assert!(h.blocks(s(10), 10, poll));
+        assert!(h.blocks(s(10), 20, poll), "a larger need is refused too");
+        assert!(
+            !h.blocks(s(10), 5, poll),
+            "a smaller estimate may still fit: ask"
+        );
+        assert!(
+            !h.blocks(s(50), 10, poll),
+            "one tick of the reader's poll at most"
+        );
+        assert!(
+            h.blocks(s(50), 10, s(5_000)),
+            "a slower reader keeps it longer"
+        );
+        assert!(!h.blocks(s(10), 10, s(5)), "a faster reader asks sooner");
         h.clear();
-        assert!(!h.blocks(s(10), 10));
+        assert!(!h.blocks(s(10), 10, poll));
+    }
+
+    #[test]
+    fn a_refusal_in_flight_during_a_clear_does_not_reinstate_the_hint() {
+        let h = QuotaHint::default();
+        let s = Duration::from_millis;
+        let before = h.generation(); // a pass asks the backend...
+        h.clear(); // ...meanwhile this host frees quota...
+        h.set(before, s(0), s(1_000), 1); // ...and the stale refusal arrives.
+        assert!(!h.blocks(s(1), 1, s(50)));
     }
 }

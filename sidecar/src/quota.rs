@@ -25,7 +25,9 @@ impl Bucket {
 
     fn refill(&mut self, cap: u64, now: Duration) {
         let dt = now.saturating_sub(self.at).as_secs_f64();
-        self.level = (self.level + dt * cap as f64 / 60.0).min(cap as f64);
+        // Clamped both ways, like every credit: after a reload lowers the capacity, old
+        // debt deeper than the new −capacity is cut too (as the Redis script does).
+        self.level = (self.level + dt * cap as f64 / 60.0).clamp(-(cap as f64), cap as f64);
         self.at = self.at.max(now);
     }
 

@@ -653,3 +653,27 @@ async fn a_probe_that_closes_the_breaker_wakes_every_waiter() {
         t0.elapsed()
     );
 }
+
+#[tokio::test(start_paused = true)]
+async fn reload_keeps_first_scope_settings_for_a_shared_source() {
+    let mut a = scope("a", vec![source("s")]);
+    a.sources[0].est_tokens = Some(100);
+    let mut b = scope("b", vec![source("s")]);
+    b.sources[0].est_tokens = Some(5000);
+    b.sources[0].timeout = secs(60);
+    let cfg = config(vec![a, b]);
+    let e = engine(&cfg);
+    for _ in 0..2 {
+        assert_eq!(
+            e.reload(&cfg).unwrap(),
+            Vec::<String>::new(),
+            "nothing changed"
+        );
+    }
+    let call = e.begin_call(OWNER, "a", None).unwrap();
+    assert_eq!(
+        e.acquire(OWNER, call).await.unwrap().est_tokens,
+        100,
+        "first scope's estimate"
+    );
+}

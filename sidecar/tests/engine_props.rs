@@ -35,6 +35,8 @@ struct Counting {
     delay: Duration,
     /// Admission round trips (gates 3-4) asked of the backend.
     admits: AtomicI64,
+    /// A source whose admissions the "store" rejects (not an outage).
+    rejects: std::sync::Mutex<Option<&'static str>>,
 }
 
 impl Counting {
@@ -109,6 +111,9 @@ impl Backend for Counting {
     async fn admit(&self, s: &str, p: &BreakerParams, q: &QuotaParams, t: u64) -> BResult<Admit> {
         self.trip().await;
         self.admits.fetch_add(1, Ordering::SeqCst);
+        if *self.rejects.lock().unwrap() == Some(s) {
+            return Err(BackendError::Protocol(format!("test: store rejected {s}")));
+        }
         let r = self.inner.admit(s, p, q, t).await;
         if let Ok(Admit::Granted { .. }) = r {
             self.tokens.fetch_add(t as i64, Ordering::SeqCst);
@@ -213,6 +218,7 @@ fn build(remote: bool) -> (Arc<Engine<Counting>>, Arc<dyn Clock>) {
         remote,
         delay: Duration::from_millis(20),
         admits: AtomicI64::new(0),
+        rejects: std::sync::Mutex::new(None),
     };
     (Engine::new(&config, backend, clock.clone()), clock)
 }
@@ -399,6 +405,37 @@ fn quota_waiters_share_one_backend_check_per_tick() {
         assert!(
             admits >= 3 * 10,
             "the waiters still re-check every tick: {admits}"
+        );
+    });
+}
+
+/// A rejected operation (the store answered with an error: a bug or a clobbered key)
+/// skips that source only; it is not an outage: with the other sources merely
+/// rate-limited, a `quota_full = wait` call waits instead of failing at once.
+#[test]
+fn a_rejected_admission_skips_only_that_source() {
+    rt().block_on(async {
+        let (e, _clock) = build(false);
+        // a, b and c: each blocked by a 429 for 30 s, in turn.
+        for expect in ["a", "b", "c"] {
+            let call = e.begin_call(9, "chat", None).unwrap();
+            let g = e.acquire(9, call).await.unwrap();
+            assert_eq!(&*g.source, expect);
+            let blocked = Outcome::RateLimited {
+                retry_after: Some(Duration::from_secs(30)),
+            };
+            e.report(9, g.permit, blocked).await.unwrap();
+            e.end_call(9, call).await.unwrap();
+        }
+        // Now the store also rejects a's admission outright.
+        *e.backend().rejects.lock().unwrap() = Some("a");
+        let call = e.begin_call(1, "chat", None).unwrap();
+        let r = tokio::time::timeout(Duration::from_secs(5), e.acquire(1, call)).await;
+        assert!(r.is_err(), "must keep waiting, not fail: {r:?}");
+        assert_eq!(
+            e.live_counts().pacer_in_flight,
+            0,
+            "skipped sources' slots returned"
         );
     });
 }

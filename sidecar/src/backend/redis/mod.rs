@@ -337,7 +337,8 @@ pub(crate) fn classify(e: &RedisError) -> Fault {
     };
     let transient_code = e
         .code()
-        .is_some_and(|c| TRANSIENT_CODES.iter().any(|t| c.eq_ignore_ascii_case(t)));
+        .is_some_and(|c| TRANSIENT_CODES.iter().any(|t| c.eq_ignore_ascii_case(t)))
+        || nested_transient(&msg);
     match e.kind() {
         K::Server(_) | K::Extension if transient_code => Fault::Unreachable(msg),
         // Redirects the cluster client could not follow: topology in flux.
@@ -349,6 +350,16 @@ pub(crate) fn classify(e: &RedisError) -> Fault {
         // authentication, client-side connection trouble.
         _ => Fault::Unreachable(msg),
     }
+}
+
+/// Redis 5/6 wrap an error raised inside a script as `ERR Error running script …:
+/// -READONLY You can't write …` (7.x keeps the code): look for a transient code after
+/// the `-` so a failover still counts as an outage there too.
+fn nested_transient(msg: &str) -> bool {
+    msg.contains("Error running script")
+        && TRANSIENT_CODES
+            .iter()
+            .any(|t| msg.contains(&format!("-{t} ")) || msg.contains(&format!("-{t}:")))
 }
 
 /// `ARGV` of one script call, in `gate.lua`'s order. Every numeric argument is an
@@ -1142,6 +1153,23 @@ async fn subscribe_inner(
 
 #[cfg(test)]
 mod tests {
+
+    #[test]
+    fn transient_codes_wrapped_by_older_redis_script_errors_are_outages() {
+        assert!(super::nested_transient(
+            "ERR Error running script (call to f_abc): @user_script:12: -READONLY You can't write against a read only replica."
+        ));
+        assert!(super::nested_transient(
+            "ERR Error running script (call to f_abc): @user_script:3: -OOM command not allowed"
+        ));
+        assert!(!super::nested_transient(
+            "ERR Error running script (call to f_abc): @user_script:3: -WRONGTYPE Operation against a key"
+        ));
+        assert!(!super::nested_transient(
+            "READONLY plain reply handled by its code"
+        ));
+    }
+
     use super::*;
 
     #[test]
