@@ -80,6 +80,9 @@ timeout = "10s"
 struct Flaky {
     inner: MemoryBackend,
     down: AtomicBool,
+    /// Claim to be a remote backend (the engine then runs admission round trips in
+    /// tasks of their own, so an Acquire never completes in its first poll).
+    remote: AtomicBool,
 }
 
 impl Flaky {
@@ -95,6 +98,9 @@ impl Flaky {
 impl Backend for Flaky {
     fn name(&self) -> &'static str {
         self.inner.name()
+    }
+    fn is_remote(&self) -> bool {
+        self.remote.load(Ordering::SeqCst)
     }
     async fn try_enter(&self, s: &str, p: &BreakerParams) -> BResult<Entry> {
         self.inner.try_enter(s, p).await
@@ -188,6 +194,15 @@ impl Server {
     }
 
     async fn start_opts(sidecar: &str, tweak: impl FnOnce(&mut ServerOptions)) -> Server {
+        Self::start_backend(sidecar, false, tweak).await
+    }
+
+    /// `remote`: the backend says it is remote ([`Backend::is_remote`]).
+    async fn start_backend(
+        sidecar: &str,
+        remote: bool,
+        tweak: impl FnOnce(&mut ServerOptions),
+    ) -> Server {
         let config = parse_str(&config_toml(sidecar), std::iter::empty()).expect("test config");
         let clock: Arc<dyn Clock> = Arc::new(TokioClock::new());
         let mut names: Vec<String> = config
@@ -199,6 +214,7 @@ impl Server {
         let backend = Flaky {
             inner: MemoryBackend::new(clock.clone(), names),
             down: AtomicBool::new(false),
+            remote: AtomicBool::new(remote),
         };
         let engine = Engine::new(&config, backend, clock);
         let dir = tempfile::tempdir().unwrap();
@@ -971,12 +987,19 @@ async fn a_client_that_does_not_read_is_held_at_the_in_flight_cap() {
 
 #[tokio::test]
 async fn waiting_acquires_do_not_hold_in_flight_slots() {
+    waiting_acquires_do_not_hold_slots(false).await;
+}
+
+#[tokio::test]
+async fn waiting_acquires_do_not_hold_in_flight_slots_on_a_remote_backend() {
+    waiting_acquires_do_not_hold_slots(true).await;
+}
+
+async fn waiting_acquires_do_not_hold_slots(remote: bool) {
     // A cap of 4, and 10 Acquires waiting: the connection must still read the
     // requests that would end the waits.
-    let server = Server::start_opts(&format!("admin_uids = [{}]", my_uid()), |o| {
-        o.max_in_flight = 4
-    })
-    .await;
+    let admin = format!("admin_uids = [{}]", my_uid());
+    let server = Server::start_backend(&admin, remote, |o| o.max_in_flight = 4).await;
     let mut c = server.client().await;
     c.force_open("s1", 60.0).await;
     let mut calls = Vec::new();
@@ -1029,6 +1052,111 @@ async fn waiting_acquires_do_not_hold_in_flight_slots() {
         }
     }
     assert!(server.stats.peak_in_flight() <= 4);
+    server.shutdown().await.unwrap();
+}
+
+#[tokio::test]
+async fn pipelined_failing_acquires_on_a_remote_backend_are_held_at_the_cap() {
+    // On a remote backend every Acquire waits for its admission round trip, so it
+    // gives its slot back at once; the slot must be taken again before its reply is
+    // queued, or a client that pipelines Acquires without reading is never held.
+    const CAP: usize = 4;
+    let admin = format!("admin_uids = [{}]", my_uid());
+    let server = Server::start_backend(&admin, true, |o| o.max_in_flight = CAP).await;
+    let mut c = server.client().await;
+    // Both sources HALF_OPEN with their probes out: every Acquire of `chat` makes
+    // a backend round trip and fails fast with CircuitOpen.
+    c.force_open("a", 0.1).await;
+    c.force_open("b", 0.1).await;
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let mut probes = Vec::new();
+    for _ in 0..2 {
+        let call = c.begin("chat").await;
+        probes.push(c.acquire(call).await);
+    }
+    let call = c.begin("chat").await;
+    let e = error_of(c.call(Request::Acquire { call }).await);
+    assert_eq!(e.kind, ErrorKind::CircuitOpen, "{e:?}");
+    // Many calls, used in turn, so that an Acquire's call has (almost always)
+    // finished its previous Acquire: its reply is CircuitOpen, not Busy (a Busy
+    // reply is ready at once and keeps its slot: enough of them would hold the
+    // connection at the cap even without the fix).
+    let mut calls = vec![call];
+    for _ in 0..4095 {
+        calls.push(c.begin("chat").await);
+    }
+
+    let (mut sink, mut stream) = c.framed.split();
+    // Far more than the socket buffers and the reply queue hold, either way.
+    let n = 40_000u64;
+    let sender = tokio::spawn({
+        let calls = calls.clone();
+        async move {
+            for id in 1..=n {
+                let call = calls[id as usize % calls.len()];
+                sink.feed(ClientFrame {
+                    id,
+                    request: Request::Acquire { call },
+                })
+                .await
+                .unwrap();
+            }
+            sink.flush().await.unwrap();
+            sink
+        }
+    });
+
+    // The connection reaches the cap and stays there: the server stopped reading.
+    server.in_flight_until("the cap", |k| k == CAP).await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(server.stats.in_flight(), CAP);
+    assert!(
+        !sender.is_finished(),
+        "every frame was read although the client reads no reply"
+    );
+    assert!(server.stats.peak_in_flight() <= CAP);
+    // What the daemon holds for it is bounded: a few tasks, not one per frame read.
+    let alive = tokio::runtime::Handle::current()
+        .metrics()
+        .num_alive_tasks();
+    assert!(alive < 200, "{alive} tasks alive");
+
+    // Reading drains everything, each reply exactly once.
+    let mut seen = HashSet::new();
+    let mut circuit_open = 0;
+    for _ in 0..n {
+        let f = tokio::time::timeout(REPLY_TIMEOUT, stream.next())
+            .await
+            .expect("reply")
+            .expect("open")
+            .expect("frame");
+        let e = error_of(f.reply);
+        match e.kind {
+            ErrorKind::CircuitOpen => circuit_open += 1,
+            ErrorKind::Busy => {}
+            _ => panic!("expected CircuitOpen or Busy, got {e:?}"),
+        }
+        assert!(seen.insert(f.id), "two replies for {}", f.id);
+    }
+    assert_eq!(seen.len() as u64, n);
+    assert!(circuit_open > 0);
+    let sink = sender.await.unwrap();
+    let mut c = Client {
+        framed: sink.reunite(stream).unwrap(),
+        next_id: n + 1,
+    };
+    assert_eq!(c.call(Request::Ping).await, Reply::Pong);
+    server.in_flight_until("0", |k| k == 0).await;
+    assert!(server.stats.peak_in_flight() <= CAP);
+    for permit in probes {
+        let r = c
+            .call(Request::Report {
+                permit,
+                outcome: Outcome::Cancelled,
+            })
+            .await;
+        assert!(matches!(r, Reply::Reported { .. }), "{r:?}");
+    }
     server.shutdown().await.unwrap();
 }
 

@@ -65,7 +65,8 @@ struct Conn<B: Backend> {
 }
 
 /// A connection's in-flight slots: the reader takes one before it reads a frame, a
-/// request task holds it until its reply is queued (or it ends).
+/// request task holds it until its reply is queued (or it ends). A waiting Acquire
+/// holds none while it waits, and takes one again once it has its answer.
 struct Budget {
     slots: Arc<Semaphore>,
     /// Slots held by request tasks.
@@ -435,7 +436,8 @@ where
 }
 
 /// Run one request and queue its reply, unless it was cancelled meanwhile. `in_flight`
-/// is held until the reply is queued (a waiting `Acquire` lets it go while it waits).
+/// is held until the reply is queued (a waiting `Acquire` lets it go while it waits and
+/// takes a slot again before queuing its reply).
 async fn request_task<B: Backend>(
     conn: Arc<Conn<B>>,
     tx: mpsc::Sender<ServerFrame>,
@@ -469,6 +471,23 @@ async fn request_task<B: Backend>(
     }
     if let Reply::Error(e) = &reply {
         log_error(conn.id, id, e);
+    }
+    // An Acquire that waited gave its slot back: it takes one again before its reply
+    // may wait on the queue, so a connection never has more than `max_in_flight`
+    // answered requests whose replies are not queued yet. (On a remote backend every
+    // Acquire waits for its round trip, fail-fast errors included: without this, a
+    // client pipelining Acquires it never reads would grow the daemon without bound.)
+    // Done only once the request left `pending`: a Cancel cannot strand a grant here.
+    if in_flight.is_none() {
+        let slots = conn.budget.slots.clone();
+        in_flight = tokio::select! {
+            biased;
+            () = conn.shared.hard_stop.cancelled() => return,
+            s = slots.acquire_owned() => Some(InFlight::new(
+                s.expect("the in-flight semaphore is never closed"),
+                &conn.budget,
+            )),
+        };
     }
     // Past the hard stop the reply is dropped: the connection is going away, and what
     // it held is released by teardown.

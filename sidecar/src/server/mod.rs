@@ -15,7 +15,9 @@
 //! frames until a reply is queued, so a client that pipelines without reading fills
 //! its own socket buffer instead of the daemon's memory. An `Acquire` the engine keeps
 //! waiting gives its slot back while it waits (it is bounded by the calls it belongs
-//! to), so waiting calls never keep a connection's `Report`s from being read.
+//! to), so waiting calls never keep a connection's `Report`s from being read; once
+//! answered it takes a slot again before its reply is queued, so Acquires that only
+//! wait for a remote backend's round trip are held at the cap like everything else.
 //!
 //! Shutdown: stop accepting, [`Engine::shutdown`] (waits end with `ShuttingDown`),
 //! let connections drain for up to [`ServerOptions::shutdown_grace`] (a connection
