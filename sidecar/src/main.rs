@@ -261,14 +261,27 @@ async fn serve(config: Config, path: Option<PathBuf>) -> ExitCode {
     // Signal handlers go in before the socket exists: a client (or systemd) may signal
     // as soon as it can connect, and an early SIGTERM/SIGINT must shut down cleanly
     // rather than kill the process with the default action.
-    let stop = CancellationToken::new();
+    let lifecycle = Lifecycle::default();
     let (reload_tx, reload_rx) = tokio::sync::mpsc::unbounded_channel();
-    let signals = match spawn_signal_handlers(stop.clone(), reload_tx) {
+    let signals = match spawn_signal_handlers(lifecycle.clone(), reload_tx) {
         Ok(h) => h,
         Err(e) => {
             error!(error = %e, "cannot install signal handlers");
             return ExitCode::FAILURE;
         }
+    };
+    // The admin listener first: if its address is taken, exit before the worker socket
+    // exists, so no worker ever connects to a daemon that is about to go away.
+    let admin = match config.sidecar.admin_listen {
+        None => None,
+        Some(addr) => match tokio::net::TcpListener::bind(addr).await {
+            Ok(l) => Some(l),
+            Err(e) => {
+                error!("sidecar.admin_listen = {addr}: cannot bind: {e}");
+                signals.abort();
+                return ExitCode::FAILURE;
+            }
+        },
     };
     let bound = match listen(&config) {
         Ok(b) => b,
@@ -282,7 +295,11 @@ async fn serve(config: Config, path: Option<PathBuf>) -> ExitCode {
         requests: reload_rx,
         path,
     };
-    let code = run_engine(&config, stop, reload, backend, clock, bound.listener).await;
+    let listeners = Listeners {
+        worker: bound.listener,
+        admin,
+    };
+    let code = run_engine(&config, lifecycle, reload, backend, clock, listeners).await;
     signals.abort();
     if let Some(p) = bound.created {
         match std::fs::remove_file(&p) {
@@ -295,6 +312,31 @@ async fn serve(config: Config, path: Option<PathBuf>) -> ExitCode {
     code
 }
 
+/// Shutdown as the signals drive it, shared by the signal handler and the reloader.
+#[derive(Clone, Default)]
+struct Lifecycle {
+    /// The first SIGTERM/SIGINT: stop accepting and drain.
+    stop: CancellationToken,
+    /// A second one while draining: exit now.
+    force: CancellationToken,
+    /// Held while cancelling `stop` and sending STOPPING=1, and while a reload checks
+    /// `stop` and sends READY=1: systemd never hears READY=1 after STOPPING=1.
+    notify: Arc<std::sync::Mutex<()>>,
+}
+
+impl Lifecycle {
+    fn notify_lock(&self) -> std::sync::MutexGuard<'_, ()> {
+        self.notify.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+/// The bound sockets the daemon serves.
+struct Listeners {
+    worker: UnixListener,
+    /// `sidecar.admin_listen`, when set.
+    admin: Option<tokio::net::TcpListener>,
+}
+
 /// SIGHUP requests and the file to re-read.
 struct Reload {
     /// One message per SIGHUP.
@@ -305,41 +347,40 @@ struct Reload {
 
 async fn run_engine(
     config: &Config,
-    stop: CancellationToken,
+    lifecycle: Lifecycle,
     reload: Reload,
     backend: AnyBackend,
     clock: Arc<dyn Clock>,
-    listener: UnixListener,
+    listeners: Listeners,
 ) -> ExitCode {
     let admin_events = backend.admin_events();
     let engine = Engine::new(config, backend, clock);
     let admin_sync = admin_events.map(|rx| tokio::spawn(apply_admin_events(rx, engine.clone())));
     let opts = ServerOptions::from_config(&config.sidecar);
     let grace = opts.shutdown_grace;
-    let admin_http = match config.sidecar.admin_listen {
-        None => None,
-        Some(addr) => match tokio::net::TcpListener::bind(addr).await {
-            Ok(l) => {
-                info!(%addr, "admin listener: /live /ready /metrics");
-                Some(tokio::spawn(polygate::admin_http::serve(
-                    l,
-                    engine.clone(),
-                    stop.clone().cancelled_owned(),
-                )))
-            }
-            Err(e) => {
-                error!("sidecar.admin_listen = {addr}: cannot bind: {e}");
-                return ExitCode::FAILURE;
-            }
-        },
-    };
+    let stop = lifecycle.stop.clone();
+    // The admin listener outlives `stop`: it serves until the worker server has
+    // drained, so `/ready` answers 503 during the drain.
+    let admin_stop = CancellationToken::new();
+    let admin_http = listeners.admin.map(|l| {
+        match l.local_addr() {
+            Ok(addr) => info!(%addr, "admin listener: /live /ready /metrics"),
+            Err(_) => info!("admin listener: /live /ready /metrics"),
+        }
+        tokio::spawn(polygate::admin_http::serve(
+            l,
+            engine.clone(),
+            admin_stop.clone().cancelled_owned(),
+        ))
+    });
     let reloader = {
         let engine = engine.clone();
         let running = config.sidecar.clone();
+        let lifecycle = lifecycle.clone();
         let Reload { mut requests, path } = reload;
         tokio::spawn(async move {
             while requests.recv().await.is_some() {
-                apply_reload(&engine, path.as_deref(), &running);
+                apply_reload(&engine, path.as_deref(), &running, &lifecycle);
             }
         })
     };
@@ -359,9 +400,20 @@ async fn run_engine(
         scopes = config.scopes.len(),
         "polygate-sidecar ready"
     );
-    sd_notify("READY", notify::ready());
+    {
+        // A SIGTERM during startup already said STOPPING=1.
+        let _order = lifecycle.notify_lock();
+        if !stop.is_cancelled() {
+            sd_notify("READY", notify::ready());
+        }
+    }
 
-    let run = server::run(listener, engine, opts, stop.clone().cancelled_owned());
+    let run = server::run(
+        listeners.worker,
+        engine,
+        opts,
+        stop.clone().cancelled_owned(),
+    );
     let forced = async {
         stop.cancelled().await;
         tokio::time::sleep(grace + EXIT_SLACK).await;
@@ -378,7 +430,10 @@ async fn run_engine(
             warn!("shutdown did not finish within {:?}; exiting anyway", grace + EXIT_SLACK);
             ExitCode::SUCCESS
         }
+        // Logged by the signal handler.
+        () = lifecycle.force.cancelled() => ExitCode::SUCCESS,
     };
+    admin_stop.cancel();
     reloader.abort();
     for task in [watchdog, admin_sync, admin_http].into_iter().flatten() {
         task.abort();
@@ -406,9 +461,10 @@ async fn apply_admin_events(
     }
 }
 
-/// SIGTERM/SIGINT cancel `stop` (after telling systemd); SIGHUP asks for a reload.
+/// SIGTERM/SIGINT cancel `stop` (after telling systemd); a second one while draining
+/// cancels `force` (exit now). SIGHUP asks for a reload, unless shutdown has begun.
 fn spawn_signal_handlers(
-    stop: CancellationToken,
+    lifecycle: Lifecycle,
     reload: tokio::sync::mpsc::UnboundedSender<()>,
 ) -> io::Result<tokio::task::JoinHandle<()>> {
     let mut term = signal(SignalKind::terminate())?;
@@ -416,17 +472,27 @@ fn spawn_signal_handlers(
     let mut hup = signal(SignalKind::hangup())?;
     Ok(tokio::spawn(async move {
         loop {
-            tokio::select! {
-                _ = term.recv() => info!("SIGTERM: shutting down"),
-                _ = int.recv() => info!("SIGINT: shutting down"),
+            let name = tokio::select! {
+                _ = term.recv() => "SIGTERM",
+                _ = int.recv() => "SIGINT",
                 _ = hup.recv() => {
-                    let _ = reload.send(());
+                    if lifecycle.stop.is_cancelled() {
+                        info!("SIGHUP: shutting down; not reloading");
+                    } else {
+                        let _ = reload.send(());
+                    }
                     continue;
                 }
-            }
-            if !stop.is_cancelled() {
+            };
+            let guard = lifecycle.notify_lock();
+            if lifecycle.stop.is_cancelled() {
+                drop(guard);
+                warn!("{name} again while draining: exiting now, without waiting for the drain");
+                lifecycle.force.cancel();
+            } else {
+                info!("{name}: shutting down");
                 sd_notify("STOPPING", notify::stopping());
-                stop.cancel();
+                lifecycle.stop.cancel();
             }
         }
     }))
@@ -435,9 +501,22 @@ fn spawn_signal_handlers(
 /// SIGHUP: re-read the file (with the environment's overrides) and apply it to the
 /// running engine. An invalid file, or one that adds/removes scopes or sources, is
 /// refused whole and the running configuration stays; `[sidecar]` changes (socket,
-/// backend, access lists, …) are reported as needing a restart.
-fn apply_reload(engine: &Engine<AnyBackend>, path: Option<&Path>, running: &config::SidecarConfig) {
-    sd_notify("RELOADING", notify::reloading());
+/// backend, access lists, …) are reported as needing a restart. Once shutdown has
+/// begun nothing is reloaded, and systemd is told nothing.
+fn apply_reload(
+    engine: &Engine<AnyBackend>,
+    path: Option<&Path>,
+    running: &config::SidecarConfig,
+    lifecycle: &Lifecycle,
+) {
+    {
+        let _order = lifecycle.notify_lock();
+        if lifecycle.stop.is_cancelled() {
+            info!("SIGHUP: shutting down; not reloading");
+            return;
+        }
+        sd_notify("RELOADING", notify::reloading());
+    }
     match path {
         None => info!("SIGHUP: running on the embedded example configuration; nothing to reload"),
         Some(_) => match read_config(path) {
@@ -458,7 +537,10 @@ fn apply_reload(engine: &Engine<AnyBackend>, path: Option<&Path>, running: &conf
             }
         },
     }
-    sd_notify("READY", notify::ready());
+    let _order = lifecycle.notify_lock();
+    if !lifecycle.stop.is_cancelled() {
+        sd_notify("READY", notify::ready());
+    }
 }
 
 /// The configuration from `path` (or the embedded example) with the environment's

@@ -3,10 +3,14 @@
 #[path = "support/engine_cfg.rs"]
 mod cfg;
 
+use std::time::Duration;
+
 use cfg::*;
+use polygate::admin_http::{serve_with, AdminOptions};
 use polygate::backend::{FailureKind, Outcome};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
+use tokio::time::Instant;
 
 async fn get(addr: std::net::SocketAddr, request: &str) -> (u16, String) {
     let mut s = TcpStream::connect(addr).await.unwrap();
@@ -94,6 +98,84 @@ async fn live_ready_metrics_and_errors() {
 
     e.shutdown();
     assert_eq!(get(addr, "GET /ready HTTP/1.1\r\n\r\n").await.0, 503);
+    let _ = stop_tx.send(());
+    server.await.unwrap();
+}
+
+/// Read until the peer closes (EOF or reset), at most `limit`: what was read, and when
+/// the connection ended (`None`: still open at `limit`).
+async fn until_closed(mut s: TcpStream, limit: Duration) -> (Vec<u8>, Option<Duration>) {
+    let started = Instant::now();
+    let mut out = Vec::new();
+    let mut chunk = [0u8; 512];
+    loop {
+        match tokio::time::timeout_at(started + limit, s.read(&mut chunk)).await {
+            Err(_) => return (out, None),
+            Ok(Ok(0)) | Ok(Err(_)) => return (out, Some(started.elapsed())),
+            Ok(Ok(n)) => out.extend_from_slice(&chunk[..n]),
+        }
+    }
+}
+
+#[tokio::test]
+async fn idle_connections_are_capped_and_closed_at_the_deadline() {
+    let e = engine(&config(vec![scope("chat", vec![source("a")])]));
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let opts = AdminOptions {
+        max_connections: 32,
+        deadline: Duration::from_millis(1000),
+    };
+    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+    let server = tokio::spawn(serve_with(listener, e.clone(), opts, async {
+        let _ = stop_rx.await;
+    }));
+
+    // 40 connections that never send a byte, accepted in order.
+    let started = Instant::now();
+    let mut idle = Vec::new();
+    for _ in 0..40 {
+        let s = TcpStream::connect(addr).await.unwrap();
+        idle.push(tokio::spawn(until_closed(s, Duration::from_secs(5))));
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    tokio::time::sleep(Duration::from_millis(100)).await;
+
+    // A 41st, with a request: refused at once (a 503, or a reset when the request
+    // arrived before the close), not left hanging.
+    let mut s = TcpStream::connect(addr).await.unwrap();
+    let _ = s.write_all(b"GET /live HTTP/1.1\r\n\r\n").await;
+    let (out, closed) = until_closed(s, Duration::from_millis(500)).await;
+    assert!(closed.is_some(), "the 41st connection was left open");
+    let out = String::from_utf8_lossy(&out);
+    assert!(out.is_empty() || out.starts_with("HTTP/1.1 503"), "{out}");
+
+    // The 8 over the cap were refused at once with a 503; the 32 within it were
+    // closed with a 408 at the deadline (1 s), not before, and not much after.
+    let mut refused = 0;
+    for (i, task) in idle.into_iter().enumerate() {
+        let (out, closed) = task.await.unwrap();
+        let out = String::from_utf8_lossy(&out);
+        let closed = closed.unwrap_or_else(|| panic!("idle connection {i} never closed"));
+        if out.starts_with("HTTP/1.1 503") {
+            refused += 1;
+            assert!(closed < Duration::from_millis(500), "{i}: {closed:?}");
+        } else {
+            assert!(out.starts_with("HTTP/1.1 408"), "{i}: {out:?}");
+            assert!(
+                closed >= Duration::from_millis(800) && closed < Duration::from_millis(2500),
+                "{i}: closed after {closed:?}"
+            );
+        }
+    }
+    assert_eq!(refused, 8);
+    assert!(started.elapsed() < Duration::from_secs(4));
+
+    // Slots freed: served again.
+    assert_eq!(
+        get(addr, "GET /live HTTP/1.1\r\n\r\n").await,
+        (200, "live\n".into())
+    );
     let _ = stop_tx.send(());
     server.await.unwrap();
 }

@@ -292,3 +292,287 @@ async fn daemon_serves_then_exits_cleanly_on_sigterm() {
         .unwrap();
     assert!(status.success(), "{status:?}");
 }
+
+// ---------------------------------------------------------------------------------
+// Lifecycle with the admin listener and systemd notifications.
+
+/// A free TCP port on 127.0.0.1 (bound, then released for the daemon).
+fn free_admin_addr() -> std::net::SocketAddr {
+    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    l.local_addr().unwrap()
+}
+
+/// The test configuration with `admin_listen` and a long shutdown grace.
+fn admin_config(socket: &Path, admin: std::net::SocketAddr, grace: &str) -> String {
+    config(socket).replace(
+        "shutdown_grace = \"1s\"",
+        &format!("shutdown_grace = \"{grace}\"\nadmin_listen = \"{admin}\""),
+    )
+}
+
+/// A running daemon: killed on drop; stderr collected as it comes.
+struct Daemon {
+    child: std::process::Child,
+    stderr: Arc<std::sync::Mutex<String>>,
+}
+
+impl Daemon {
+    fn spawn(cmd: &mut Command) -> Daemon {
+        let mut child = cmd
+            .env("RUST_LOG", "info")
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let stderr = Arc::new(std::sync::Mutex::new(String::new()));
+        let mut pipe = child.stderr.take().unwrap();
+        let sink = stderr.clone();
+        std::thread::spawn(move || {
+            use std::io::Read;
+            let mut chunk = [0u8; 4096];
+            while let Ok(n) = pipe.read(&mut chunk) {
+                if n == 0 {
+                    break;
+                }
+                sink.lock()
+                    .unwrap()
+                    .push_str(&String::from_utf8_lossy(&chunk[..n]));
+            }
+        });
+        Daemon { child, stderr }
+    }
+
+    fn signal(&self, sig: nix::sys::signal::Signal) {
+        nix::sys::signal::kill(nix::unistd::Pid::from_raw(self.child.id() as i32), sig).unwrap();
+    }
+
+    fn stderr(&self) -> String {
+        self.stderr.lock().unwrap().clone()
+    }
+
+    /// The exit status, if the process exits within `limit`.
+    async fn exit_within(&mut self, limit: Duration) -> Option<std::process::ExitStatus> {
+        let deadline = Instant::now() + limit;
+        loop {
+            if let Some(s) = self.child.try_wait().unwrap() {
+                return Some(s);
+            }
+            if Instant::now() >= deadline {
+                return None;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+}
+
+impl Drop for Daemon {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// The notification socket a daemon is pointed at with `$NOTIFY_SOCKET`.
+struct Notifications(tokio::net::UnixDatagram);
+
+impl Notifications {
+    fn bind(path: &Path) -> Self {
+        Notifications(tokio::net::UnixDatagram::bind(path).unwrap())
+    }
+
+    /// The next message, if one comes within `limit`.
+    async fn next(&self, limit: Duration) -> Option<String> {
+        let mut buf = [0u8; 512];
+        let n = tokio::time::timeout(limit, self.0.recv(&mut buf))
+            .await
+            .ok()?
+            .unwrap();
+        Some(String::from_utf8_lossy(&buf[..n]).into_owned())
+    }
+}
+
+/// `GET path` on the admin listener: the status code.
+async fn admin_get(addr: std::net::SocketAddr, path: &str) -> std::io::Result<u16> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut s = tokio::net::TcpStream::connect(addr).await?;
+    s.write_all(format!("GET {path} HTTP/1.1\r\n\r\n").as_bytes())
+        .await?;
+    let mut out = String::new();
+    s.read_to_string(&mut out).await?;
+    out.get(9..12)
+        .and_then(|c| c.parse().ok())
+        .ok_or_else(|| std::io::Error::other(format!("not an HTTP response: {out:?}")))
+}
+
+/// Connect to the worker socket, say Hello, and take a permit for a `chat` call.
+async fn client_with_a_permit(path: &Path) -> (Framed<UnixStream, ClientCodec>, u64) {
+    let stream = UnixStream::connect(path).await.unwrap();
+    let mut framed = Framed::new(stream, ClientCodec::new(1 << 20));
+    let mut ask = async |id: u64, request: Request| {
+        framed.send(ClientFrame { id, request }).await.unwrap();
+        let f = tokio::time::timeout(Duration::from_secs(5), framed.next())
+            .await
+            .expect("a reply")
+            .unwrap()
+            .unwrap();
+        assert_eq!(f.id, id);
+        f.reply
+    };
+    let hello = Request::Hello {
+        protocol_version: PROTOCOL_VERSION,
+        client_name: "binary-test".into(),
+        pid: std::process::id(),
+    };
+    assert!(matches!(ask(1, hello).await, Reply::Welcome { .. }));
+    let begin = Request::BeginCall {
+        scope: "chat".into(),
+        est_tokens: None,
+    };
+    let Reply::CallBegun { call } = ask(2, begin).await else {
+        panic!("no call")
+    };
+    let Reply::Granted { permit, .. } = ask(3, Request::Acquire { call }).await else {
+        panic!("no permit")
+    };
+    (framed, permit)
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn ready_answers_503_during_the_drain_and_sighup_is_ignored_once_stopping() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("sidecar.sock");
+    let admin = free_admin_addr();
+    let file = dir.path().join("polygate.toml");
+    std::fs::write(&file, admin_config(&path, admin, "10s")).unwrap();
+    let notify_path = dir.path().join("notify.sock");
+    let notes = Notifications::bind(&notify_path);
+    let mut daemon = Daemon::spawn(
+        sidecar()
+            .arg("--config")
+            .arg(&file)
+            .env("NOTIFY_SOCKET", &notify_path),
+    );
+    assert_eq!(
+        notes.next(Duration::from_secs(10)).await.as_deref(),
+        Some("READY=1"),
+        "{}",
+        daemon.stderr()
+    );
+    let (mut framed, permit) = client_with_a_permit(&path).await;
+    assert_eq!(admin_get(admin, "/ready").await.unwrap(), 200);
+
+    // SIGTERM with a permit out: the daemon drains, and the admin listener says so.
+    let started = Instant::now();
+    daemon.signal(nix::sys::signal::Signal::SIGTERM);
+    assert_eq!(
+        notes.next(Duration::from_secs(5)).await.as_deref(),
+        Some("STOPPING=1")
+    );
+    let deadline = Instant::now() + Duration::from_secs(2);
+    loop {
+        match admin_get(admin, "/ready").await {
+            Ok(503) => break,
+            Ok(200) if Instant::now() < deadline => {}
+            other => panic!("/ready during the drain: {other:?}\n{}", daemon.stderr()),
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(admin_get(admin, "/live").await.unwrap(), 200);
+
+    // A SIGHUP now reloads nothing and never tells systemd READY=1 again.
+    daemon.signal(nix::sys::signal::Signal::SIGHUP);
+    let late = notes.next(Duration::from_millis(500)).await;
+    assert_eq!(late, None, "notification after STOPPING=1");
+    assert_eq!(admin_get(admin, "/ready").await.unwrap(), 503);
+
+    // Reporting the permit ends the drain: the connection closes, the daemon exits.
+    framed
+        .send(ClientFrame {
+            id: 4,
+            request: Request::Report {
+                permit,
+                outcome: ipc_protocol::Outcome::Cancelled,
+            },
+        })
+        .await
+        .unwrap();
+    let status = daemon.exit_within(Duration::from_secs(5)).await;
+    let stderr = daemon.stderr();
+    assert!(status.is_some_and(|s| s.success()), "{status:?}\n{stderr}");
+    assert!(
+        started.elapsed() < Duration::from_secs(8),
+        "exited after the drain, not the 10 s grace: {:?}",
+        started.elapsed()
+    );
+    assert!(stderr.contains("not reloading"), "{stderr}");
+    assert!(!stderr.contains("configuration reloaded"), "{stderr}");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_second_signal_during_the_drain_exits_at_once() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("sidecar.sock");
+    let file = dir.path().join("polygate.toml");
+    std::fs::write(
+        &file,
+        config(&path).replace("shutdown_grace = \"1s\"", "shutdown_grace = \"20s\""),
+    )
+    .unwrap();
+    let mut daemon = Daemon::spawn(sidecar().arg("--config").arg(&file));
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while UnixStream::connect(&path).await.is_err() {
+        assert!(Instant::now() < deadline, "daemon never listened");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let (_framed, _permit) = client_with_a_permit(&path).await;
+
+    daemon.signal(nix::sys::signal::Signal::SIGTERM);
+    // Draining: the permit keeps it going.
+    assert_eq!(daemon.exit_within(Duration::from_millis(500)).await, None);
+    let started = Instant::now();
+    daemon.signal(nix::sys::signal::Signal::SIGINT);
+    let status = daemon.exit_within(Duration::from_secs(3)).await;
+    let stderr = daemon.stderr();
+    assert!(
+        status.is_some(),
+        "still running 3 s after a second signal\n{stderr}"
+    );
+    assert!(
+        started.elapsed() < Duration::from_secs(2),
+        "{:?}",
+        started.elapsed()
+    );
+    assert!(stderr.contains("SIGINT again while draining"), "{stderr}");
+    assert!(!path.exists(), "socket file removed on exit");
+}
+
+#[test]
+fn a_taken_admin_address_fails_before_the_worker_socket_exists() {
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("run").join("sidecar.sock");
+    let file = dir.path().join("polygate.toml");
+    std::fs::write(
+        &file,
+        admin_config(&path, taken.local_addr().unwrap(), "1s"),
+    )
+    .unwrap();
+    let out = sidecar()
+        .arg("--config")
+        .arg(&file)
+        .env("RUST_LOG", "info")
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{out:?}");
+    assert!(stderr.contains("admin_listen"), "{stderr}");
+    assert!(
+        !stderr.contains("listening"),
+        "worker socket bound first:\n{stderr}"
+    );
+    assert!(
+        !dir.path().join("run").exists(),
+        "the worker socket's directory was created"
+    );
+    drop(taken);
+}
