@@ -10,136 +10,21 @@
 
 #[path = "support/engine_cfg.rs"]
 mod cfg;
+#[path = "support/test_backend.rs"]
+mod test_backend;
 
-use std::sync::atomic::{AtomicI64, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 
 use cfg::*;
 use polygate::backend::memory::MemoryBackend;
-use polygate::backend::*;
+use polygate::backend::{FailureKind, Outcome};
 use polygate::clock::{Clock, TokioClock};
 use polygate::config::{Mode, SourceConfig};
 use polygate::engine::Engine;
 use proptest::prelude::*;
-
-/// Delegates to the memory backend and counts reservations made by grants and
-/// released by settlements. In `remote` mode it poses as a network backend: every
-/// state-changing call takes `delay` of (virtual) time before it happens, so the
-/// engine runs it in its own task and a cancelled Acquire can be dropped mid-trip.
-struct Counting {
-    inner: MemoryBackend,
-    tokens: AtomicI64,
-    requests: AtomicI64,
-    remote: bool,
-    delay: Duration,
-    /// Admission round trips (gates 3-4) asked of the backend.
-    admits: AtomicI64,
-    /// A source whose admissions the "store" rejects (not an outage).
-    rejects: std::sync::Mutex<Option<&'static str>>,
-}
-
-impl Counting {
-    async fn trip(&self) {
-        if self.remote {
-            tokio::time::sleep(self.delay).await;
-        }
-    }
-
-    fn release(&self, tokens: u64) {
-        self.tokens.fetch_sub(tokens as i64, Ordering::SeqCst);
-        self.requests.fetch_sub(1, Ordering::SeqCst);
-    }
-}
-
-impl Backend for Counting {
-    fn name(&self) -> &'static str {
-        "counting"
-    }
-    fn is_remote(&self) -> bool {
-        self.remote
-    }
-    async fn try_enter(&self, s: &str, p: &BreakerParams) -> BResult<Entry> {
-        self.inner.try_enter(s, p).await
-    }
-    async fn record_success(
-        &self,
-        s: &str,
-        e: u64,
-        c: bool,
-        p: &BreakerParams,
-    ) -> BResult<Applied> {
-        self.inner.record_success(s, e, c, p).await
-    }
-    async fn record_failure(&self, s: &str, e: u64, p: &BreakerParams) -> BResult<Applied> {
-        self.inner.record_failure(s, e, p).await
-    }
-    async fn release_probe(&self, s: &str, e: u64) -> BResult<Applied> {
-        self.inner.release_probe(s, e).await
-    }
-    async fn retry_after(&self, s: &[&str]) -> BResult<Duration> {
-        self.inner.retry_after(s).await
-    }
-    async fn force_open(&self, s: &str, d: Duration) -> BResult<Applied> {
-        self.inner.force_open(s, d).await
-    }
-    async fn force_close(&self, s: &str) -> BResult<Applied> {
-        self.inner.force_close(s).await
-    }
-    async fn reset(&self, s: &str) -> BResult<Applied> {
-        self.inner.reset(s).await
-    }
-    async fn reserve(&self, s: &str, q: &QuotaParams, t: u64) -> BResult<Reserve> {
-        self.inner.reserve(s, q, t).await
-    }
-    async fn settle(&self, s: &str, q: &QuotaParams, t: u64, how: Settlement) -> BResult<()> {
-        self.trip().await;
-        self.release(t);
-        self.inner.settle(s, q, t, how).await
-    }
-    async fn block_quota(&self, s: &str, d: Duration) -> BResult<()> {
-        self.inner.block_quota(s, d).await
-    }
-    async fn snapshot(
-        &self,
-        s: &str,
-        p: &BreakerParams,
-        q: &QuotaParams,
-    ) -> BResult<SourceSnapshot> {
-        self.inner.snapshot(s, p, q).await
-    }
-    async fn admit(&self, s: &str, p: &BreakerParams, q: &QuotaParams, t: u64) -> BResult<Admit> {
-        self.trip().await;
-        self.admits.fetch_add(1, Ordering::SeqCst);
-        if *self.rejects.lock().unwrap() == Some(s) {
-            return Err(BackendError::Protocol(format!("test: store rejected {s}")));
-        }
-        let r = self.inner.admit(s, p, q, t).await;
-        if let Ok(Admit::Granted { .. }) = r {
-            self.tokens.fetch_add(t as i64, Ordering::SeqCst);
-            self.requests.fetch_add(1, Ordering::SeqCst);
-        }
-        r
-    }
-    #[allow(clippy::too_many_arguments)]
-    async fn report(
-        &self,
-        s: &str,
-        p: &BreakerParams,
-        q: &QuotaParams,
-        e: u64,
-        probe: bool,
-        t: u64,
-        o: Outcome,
-    ) -> BResult<Applied> {
-        self.trip().await;
-        self.release(t);
-        self.inner.report(s, p, q, e, probe, t, o).await
-    }
-    async fn neutral(&self, s: &str, e: u64, probe: bool) -> BResult<Applied> {
-        self.inner.neutral(s, e, probe).await
-    }
-}
+use test_backend::TestBackend;
 
 #[derive(Debug, Clone)]
 enum Op {
@@ -189,7 +74,7 @@ fn outcome(n: u8) -> Outcome {
     }
 }
 
-fn build(remote: bool) -> (Arc<Engine<Counting>>, Arc<dyn Clock>) {
+fn build(remote: bool) -> (Arc<Engine<TestBackend>>, Arc<dyn Clock>) {
     let src = |n: &str| SourceConfig {
         tpm: Some(6_000),
         rpm: Some(120),
@@ -211,19 +96,15 @@ fn build(remote: bool) -> (Arc<Engine<Counting>>, Arc<dyn Clock>) {
     emb.breaker = chat.breaker;
     let config = config(vec![chat, emb]);
     let clock: Arc<dyn Clock> = Arc::new(TokioClock::new());
-    let backend = Counting {
-        inner: MemoryBackend::new(clock.clone(), SOURCES),
-        tokens: AtomicI64::new(0),
-        requests: AtomicI64::new(0),
+    let backend = TestBackend::new(
+        MemoryBackend::new(clock.clone(), SOURCES),
         remote,
-        delay: Duration::from_millis(20),
-        admits: AtomicI64::new(0),
-        rejects: std::sync::Mutex::new(None),
-    };
+        Duration::from_millis(20),
+    );
     (Engine::new(&config, backend, clock.clone()), clock)
 }
 
-fn check(e: &Engine<Counting>) -> Result<(), TestCaseError> {
+fn check(e: &Engine<TestBackend>) -> Result<(), TestCaseError> {
     let c = e.live_counts();
     prop_assert!(
         c.max_probes_per_source <= 1,
@@ -428,7 +309,7 @@ fn a_rejected_admission_skips_only_that_source() {
             e.end_call(9, call).await.unwrap();
         }
         // Now the store also rejects a's admission outright.
-        *e.backend().rejects.lock().unwrap() = Some("a");
+        *e.backend().rejects.lock().unwrap() = Some("a".into());
         let call = e.begin_call(1, "chat", None).unwrap();
         let r = tokio::time::timeout(Duration::from_secs(5), e.acquire(1, call)).await;
         assert!(r.is_err(), "must keep waiting, not fail: {r:?}");

@@ -2,9 +2,12 @@
 //! started in-process with `server::run` over the memory backend, and a client built
 //! on `ipc_protocol::ClientCodec`.
 
+#[path = "support/test_backend.rs"]
+mod test_backend;
+
 use std::collections::HashSet;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -14,14 +17,11 @@ use ipc_protocol::{
     ServerFrame, SourceStatus, StatusReport, PROTOCOL_VERSION,
 };
 use polygate::backend::memory::MemoryBackend;
-use polygate::backend::{
-    Admit, Applied, BResult, Backend, BackendError, BreakerParams, Entry, Outcome as BOutcome,
-    QuotaParams, Reserve, Settlement, SourceSnapshot,
-};
 use polygate::clock::{Clock, TokioClock};
 use polygate::config::parse::parse_str;
 use polygate::engine::Engine;
 use polygate::server::{self, ServerError, ServerOptions, ServerStats, MAX_IN_FLIGHT};
+use test_backend::TestBackend;
 use tokio::io::AsyncWriteExt;
 use tokio::net::{UnixListener, UnixStream};
 use tokio::sync::oneshot;
@@ -75,111 +75,12 @@ timeout = "10s"
     )
 }
 
-/// The memory backend, made to fail reports and admin requests on demand (as a
-/// shared backend that became unreachable would).
-struct Flaky {
-    inner: MemoryBackend,
-    down: AtomicBool,
-    /// Claim to be a remote backend (the engine then runs admission round trips in
-    /// tasks of their own, so an Acquire never completes in its first poll).
-    remote: AtomicBool,
-}
-
-impl Flaky {
-    fn check(&self) -> BResult<()> {
-        if self.down.load(Ordering::SeqCst) {
-            Err(BackendError::Unavailable("test: backend down".into()))
-        } else {
-            Ok(())
-        }
-    }
-}
-
-impl Backend for Flaky {
-    fn name(&self) -> &'static str {
-        self.inner.name()
-    }
-    fn is_remote(&self) -> bool {
-        self.remote.load(Ordering::SeqCst)
-    }
-    async fn try_enter(&self, s: &str, p: &BreakerParams) -> BResult<Entry> {
-        self.inner.try_enter(s, p).await
-    }
-    async fn record_success(
-        &self,
-        s: &str,
-        e: u64,
-        c: bool,
-        p: &BreakerParams,
-    ) -> BResult<Applied> {
-        self.inner.record_success(s, e, c, p).await
-    }
-    async fn record_failure(&self, s: &str, e: u64, p: &BreakerParams) -> BResult<Applied> {
-        self.inner.record_failure(s, e, p).await
-    }
-    async fn release_probe(&self, s: &str, e: u64) -> BResult<Applied> {
-        self.inner.release_probe(s, e).await
-    }
-    async fn retry_after(&self, s: &[&str]) -> BResult<Duration> {
-        self.inner.retry_after(s).await
-    }
-    async fn force_open(&self, s: &str, d: Duration) -> BResult<Applied> {
-        self.check()?;
-        self.inner.force_open(s, d).await
-    }
-    async fn force_close(&self, s: &str) -> BResult<Applied> {
-        self.check()?;
-        self.inner.force_close(s).await
-    }
-    async fn reset(&self, s: &str) -> BResult<Applied> {
-        self.check()?;
-        self.inner.reset(s).await
-    }
-    async fn reserve(&self, s: &str, q: &QuotaParams, t: u64) -> BResult<Reserve> {
-        self.inner.reserve(s, q, t).await
-    }
-    async fn settle(&self, s: &str, q: &QuotaParams, t: u64, how: Settlement) -> BResult<()> {
-        self.inner.settle(s, q, t, how).await
-    }
-    async fn block_quota(&self, s: &str, d: Duration) -> BResult<()> {
-        self.inner.block_quota(s, d).await
-    }
-    async fn snapshot(
-        &self,
-        s: &str,
-        p: &BreakerParams,
-        q: &QuotaParams,
-    ) -> BResult<SourceSnapshot> {
-        self.inner.snapshot(s, p, q).await
-    }
-    async fn admit(&self, s: &str, p: &BreakerParams, q: &QuotaParams, t: u64) -> BResult<Admit> {
-        self.inner.admit(s, p, q, t).await
-    }
-    #[allow(clippy::too_many_arguments)]
-    async fn report(
-        &self,
-        s: &str,
-        p: &BreakerParams,
-        q: &QuotaParams,
-        e: u64,
-        probe: bool,
-        t: u64,
-        o: BOutcome,
-    ) -> BResult<Applied> {
-        self.check()?;
-        self.inner.report(s, p, q, e, probe, t, o).await
-    }
-    async fn neutral(&self, s: &str, e: u64, probe: bool) -> BResult<Applied> {
-        self.inner.neutral(s, e, probe).await
-    }
-}
-
 struct Server {
     _dir: tempfile::TempDir,
     path: PathBuf,
     stop: Option<oneshot::Sender<()>>,
     task: JoinHandle<Result<(), ServerError>>,
-    engine: Arc<Engine<Flaky>>,
+    engine: Arc<Engine<TestBackend>>,
     stats: Arc<ServerStats>,
 }
 
@@ -211,11 +112,11 @@ impl Server {
             .flat_map(|s| s.sources.iter().map(|x| x.name.clone()))
             .collect();
         names.dedup();
-        let backend = Flaky {
-            inner: MemoryBackend::new(clock.clone(), names),
-            down: AtomicBool::new(false),
-            remote: AtomicBool::new(remote),
-        };
+        let backend = TestBackend::new(
+            MemoryBackend::new(clock.clone(), names),
+            remote,
+            Duration::ZERO,
+        );
         let engine = Engine::new(&config, backend, clock);
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("sidecar.sock");
