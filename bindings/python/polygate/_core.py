@@ -259,3 +259,17 @@ def fmt_permit(p: Any) -> str:
         p.est_tokens,
         " reported" if p.reported else "",
     )
+
+
+class PermitBase:
+    """The fields of a granted permit, shared by the sync and asyncio ``Permit``."""
+
+    def __init__(self, call: Any, body: Dict[str, Any]) -> None:
+        self._call = call
+        self.id: int = body["permit"]
+        self.source: str = body["source"]
+        self.is_probe: bool = body["is_probe"]
+        self.attempt: int = body["attempt"]
+        self.est_tokens: int = body["est_tokens"]
+        self.result: Optional[ReportResult] = None
+        self._reported = False

@@ -222,18 +222,11 @@ class _Connection:
             pass
 
 
-class Permit:
+class Permit(_core.PermitBase):
     """Permission to make one attempt on ``source``. Report exactly once."""
 
     def __init__(self, call: "Call", body: Dict[str, Any]) -> None:
-        self._call = call
-        self.id: int = body["permit"]
-        self.source: str = body["source"]
-        self.is_probe: bool = body["is_probe"]
-        self.attempt: int = body["attempt"]
-        self.est_tokens: int = body["est_tokens"]
-        self.result: Optional[ReportResult] = None
-        self._reported = False
+        super().__init__(call, body)
         self._lock = threading.Lock()
 
     @property

@@ -198,18 +198,8 @@ class _Connection:
             pass
 
 
-class Permit:
+class Permit(_core.PermitBase):
     """Permission to make one attempt on ``source``. Report exactly once (awaitable)."""
-
-    def __init__(self, call: "Call", body: Dict[str, Any]) -> None:
-        self._call = call
-        self.id: int = body["permit"]
-        self.source: str = body["source"]
-        self.is_probe: bool = body["is_probe"]
-        self.attempt: int = body["attempt"]
-        self.est_tokens: int = body["est_tokens"]
-        self.result: Optional[ReportResult] = None
-        self._reported = False
 
     @property
     def reported(self) -> bool:
