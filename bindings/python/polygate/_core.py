@@ -273,3 +273,25 @@ class PermitBase:
         self.est_tokens: int = body["est_tokens"]
         self.result: Optional[ReportResult] = None
         self._reported = False
+
+
+def connection_error(reply: Any) -> Optional[PolyGateError]:
+    """An ``Error`` reply with id 0 concerns the connection itself (it precedes the
+    sidecar closing it); anything else with an unknown id is ignored."""
+    kind, body = variant(reply)
+    return error_from_reply(body) if kind == "Error" else None
+
+
+def closed_error(path: str, fatal: Optional[PolyGateError]) -> SidecarError:
+    """Why pending requests fail when the sidecar closed the connection."""
+    if fatal is None:
+        return SidecarError("the sidecar at %s closed the connection" % path, kind="connection")
+    return SidecarError(
+        "the sidecar at %s closed the connection: %s" % (path, fatal.message),
+        kind=fatal.kind if isinstance(fatal, SidecarError) else "connection",
+    )
+
+
+def client_closed_error(path: str) -> SidecarError:
+    """Why pending requests fail after the client closed its own connection."""
+    return SidecarError("the client closed its connection to %s" % path, kind="connection")

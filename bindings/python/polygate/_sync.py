@@ -165,14 +165,7 @@ class _Connection:
                     break
         finally:
             if reason is None:
-                if self._fatal is not None:
-                    f = self._fatal
-                    reason = SidecarError(
-                        "the sidecar at %s closed the connection: %s" % (self.path, f.message),
-                        kind=f.kind if isinstance(f, SidecarError) else "connection",
-                    )
-                else:
-                    reason = SidecarError("the sidecar at %s closed the connection" % self.path, kind="connection")
+                reason = _core.closed_error(self.path, self._fatal)
             self._die(reason)
 
     def _dispatch(self, frame: Dict[str, Any]) -> None:
@@ -180,8 +173,8 @@ class _Connection:
         with self._lock:
             slot = self._pending.pop(rid, None)
             if slot is None:
-                if rid == 0 and _core.variant(reply)[0] == "Error":
-                    self._fatal = _core.error_from_reply(_core.variant(reply)[1])
+                if rid == 0:
+                    self._fatal = _core.connection_error(reply) or self._fatal
                 return
             slot.reply = reply
             slot.event.set()
@@ -212,7 +205,7 @@ class _Connection:
             self._outq.put(None)  # the writer sends what is queued, then stops
             if threading.current_thread() is not self._writer:
                 self._writer.join(timeout=5)
-        self._die(SidecarError("the client closed its connection to %s" % self.path, kind="connection"))
+        self._die(_core.client_closed_error(self.path))
         for t in (self._reader, self._writer):
             if threading.current_thread() is not t:
                 t.join(timeout=5)

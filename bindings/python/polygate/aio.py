@@ -146,21 +146,14 @@ class _Connection:
         except Exception as e:  # noqa: BLE001 - a bug must not leave waiters hanging
             reason = SidecarError("reader failed: %r" % (e,), kind="protocol")
         if reason is None:
-            f = self._fatal
-            if f is not None:
-                reason = SidecarError(
-                    "the sidecar at %s closed the connection: %s" % (self.path, f.message),
-                    kind=f.kind if isinstance(f, SidecarError) else "connection",
-                )
-            else:
-                reason = SidecarError("the sidecar at %s closed the connection" % self.path, kind="connection")
+            reason = _core.closed_error(self.path, self._fatal)
         self._die(reason)
 
     def _dispatch(self, frame: Dict[str, Any]) -> None:
         rid, reply = frame["id"], frame["reply"]
         if rid not in self._pending:
-            if rid == 0 and _core.variant(reply)[0] == "Error":
-                self._fatal = _core.error_from_reply(_core.variant(reply)[1])
+            if rid == 0:
+                self._fatal = _core.connection_error(reply) or self._fatal
             return
         fut = self._pending.pop(rid)
         if fut is None or fut.done():
@@ -185,7 +178,7 @@ class _Connection:
         return self._dead is not None
 
     async def close(self) -> None:
-        self._die(SidecarError("the client closed its connection to %s" % self.path, kind="connection"))
+        self._die(_core.client_closed_error(self.path))
         if not self._task.done():
             self._task.cancel()
         try:
