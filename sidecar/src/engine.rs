@@ -500,10 +500,6 @@ impl<B: Backend> Drop for Ticket<'_, B> {
     }
 }
 
-fn mode_str(m: Mode) -> &'static str {
-    m.as_str()
-}
-
 impl<B: Backend> Engine<B> {
     /// Build an engine over a validated configuration and a backend.
     pub fn new(config: &Config, backend: B, clock: Arc<dyn Clock>) -> Arc<Self> {
@@ -1146,15 +1142,10 @@ impl<B: Backend> Engine<B> {
         }
     }
 
-    /// Settle an abandoned permit (never reported: connection closed, call ended,
+    /// Settle abandoned permits (never reported: connection closed, call ended,
     /// lease expired): the quota keeps the estimate as if the upstream used it, a
-    /// probe lease is released, the pacer slot freed. No verdict reaches the breaker.
-    async fn abandon(&self, p: PermitRec) {
-        self.abandon_all(vec![p]).await;
-    }
-
-    /// Abandon several permits: every pacer slot is freed at once, then the backend
-    /// work runs concurrently (two round trips each on Redis, none serialised behind
+    /// probe lease is released, the pacer slot freed; no verdict reaches the breaker.
+    /// Every pacer slot is freed at once, then the backend work runs concurrently (two round trips each on Redis, none serialised behind
     /// another permit's), in tasks that finish even if the caller is dropped.
     async fn abandon_all(&self, permits: Vec<PermitRec>) {
         for p in &permits {
@@ -1211,7 +1202,7 @@ impl<B: Backend> Engine<B> {
             c.permit.and_then(|id| t.permits.remove(&id))
         };
         if let Some(p) = permit {
-            self.abandon(p).await;
+            self.abandon_all(vec![p]).await;
         }
         Ok(())
     }
@@ -1236,7 +1227,7 @@ impl<B: Backend> Engine<B> {
     }
 
     /// Take permits out of the tables as reclaimed: their calls go on (the attempt
-    /// counted, stall clock running again); the caller must `abandon` them.
+    /// counted, stall clock running again); the caller must `abandon_all` them.
     fn detach_permits(&self, t: &mut Tables, ids: &[u64], now: Duration) -> Vec<PermitRec> {
         let ps: Vec<PermitRec> = ids.iter().filter_map(|id| t.permits.remove(id)).collect();
         for p in &ps {
@@ -1368,8 +1359,8 @@ impl<B: Backend> Engine<B> {
             }
             out.push(ScopeStatus {
                 name: sc.name.clone(),
-                circuit_open: mode_str(policy.cfg.circuit_open),
-                quota_full: mode_str(policy.cfg.quota_full),
+                circuit_open: policy.cfg.circuit_open.as_str(),
+                quota_full: policy.cfg.quota_full.as_str(),
                 waiters: sc.waiters.load(Ordering::Relaxed),
                 calls: calls_per_scope[si],
                 sources,
