@@ -676,46 +676,38 @@ impl<B: Backend> Engine<B> {
     /// ends the wait and leaves nothing reserved.
     pub async fn acquire(&self, owner: OwnerId, call: u64) -> Result<Grant, EngineError> {
         let r = self.acquire_inner(owner, call).await;
-        self.count_acquire(&r);
+        if let Err(e) = &r {
+            self.count_error(e);
+        }
         r
     }
 
-    fn count_acquire(&self, r: &Result<Grant, EngineError>) {
-        match r {
-            Ok(g) => {
-                if let Some(&i) = self.source_index.get(&*g.source) {
-                    bump(&self.sources[i].counters.grants);
-                    if g.is_probe {
-                        bump(&self.sources[i].counters.probes);
-                    }
-                }
-            }
-            Err(e) => {
-                let scope = match e {
-                    EngineError::CircuitOpen { scope, .. }
-                    | EngineError::Exhausted { scope, .. }
-                    | EngineError::BackendUnavailable { scope, .. } => scope,
-                    _ => return,
-                };
-                let Some(&si) = self.scope_index.get(scope) else {
-                    return;
-                };
-                let c = &self.scopes[si].counters;
-                bump(match e {
-                    EngineError::CircuitOpen { .. } => &c.circuit_open,
-                    EngineError::Exhausted {
-                        reason: Exhaustion::Stalled,
-                        ..
-                    } => &c.stalled,
-                    EngineError::Exhausted {
-                        reason: Exhaustion::QuotaExhausted,
-                        ..
-                    } => &c.quota_exhausted,
-                    EngineError::Exhausted { .. } => &c.retry_exhausted,
-                    _ => &c.backend_unavailable,
-                });
-            }
-        }
+    /// Count an Acquire that ended in a gateway error (grants are counted in
+    /// `record_grant`, which knows the source's index).
+    fn count_error(&self, e: &EngineError) {
+        let scope = match e {
+            EngineError::CircuitOpen { scope, .. }
+            | EngineError::Exhausted { scope, .. }
+            | EngineError::BackendUnavailable { scope, .. } => scope,
+            _ => return,
+        };
+        let Some(&si) = self.scope_index.get(scope) else {
+            return;
+        };
+        let c = &self.scopes[si].counters;
+        bump(match e {
+            EngineError::CircuitOpen { .. } => &c.circuit_open,
+            EngineError::Exhausted {
+                reason: Exhaustion::Stalled,
+                ..
+            } => &c.stalled,
+            EngineError::Exhausted {
+                reason: Exhaustion::QuotaExhausted,
+                ..
+            } => &c.quota_exhausted,
+            EngineError::Exhausted { .. } => &c.retry_exhausted,
+            _ => &c.backend_unavailable,
+        });
     }
 
     async fn acquire_inner(&self, owner: OwnerId, call: u64) -> Result<Grant, EngineError> {
@@ -918,6 +910,10 @@ impl<B: Backend> Engine<B> {
         };
         drop(t);
         ticket.grant = None;
+        bump(&src.counters.grants);
+        if g.is_probe {
+            bump(&src.counters.probes);
+        }
         let grant = Grant {
             permit,
             source: src.name.clone(),
