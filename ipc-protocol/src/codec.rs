@@ -208,7 +208,47 @@ mod tests {
             .into_iter()
             .map(|kind| Outcome::Failure { kind }),
         );
-        v.extend(outcomes.map(|outcome| Request::Report { permit: 5, outcome }));
+        let outcomes: Vec<Outcome> = outcomes
+            .chain([
+                Outcome::SuccessUsage {
+                    usage: Usage {
+                        tokens: None,
+                        input_tokens: Some(1),
+                        output_tokens: Some(u64::MAX),
+                    },
+                    count_attempt: false,
+                },
+                Outcome::FailureUsage {
+                    kind: FailureKind::BadResult,
+                    usage: Usage::default(),
+                },
+            ])
+            .collect();
+        for outcome in &outcomes {
+            v.push(Request::Retry {
+                permit: 6,
+                outcome: outcome.clone(),
+            });
+            v.push(Request::Finish {
+                permit: 7,
+                outcome: outcome.clone(),
+            });
+        }
+        v.extend(
+            outcomes
+                .into_iter()
+                .map(|outcome| Request::Report { permit: 5, outcome }),
+        );
+        let spec = CallSpec {
+            scope: "chat".into(),
+            est_tokens: Some(3),
+            priority: Some("interactive".into()),
+            est_input_tokens: None,
+            est_output_tokens: Some(4),
+        };
+        v.push(Request::Start(spec.clone()));
+        v.push(Request::Begin(spec));
+        v.push(Request::StatusJson);
         v
     }
 
@@ -295,9 +335,19 @@ mod tests {
                 ErrorKind::Cancelled,
                 ErrorKind::Busy,
                 ErrorKind::Internal,
+                ErrorKind::Overloaded,
             ]
             .map(|k| Reply::Error(error(k))),
         );
+        v.push(Reply::Started {
+            call: u64::MAX,
+            permit: 1,
+            source: "ü".into(),
+            is_probe: false,
+            attempt: 3,
+            est_tokens: 0,
+        });
+        v.push(Reply::StatusJson("{\"scopes\":[]}".into()));
         v
     }
 
@@ -375,16 +425,16 @@ mod tests {
 
     #[test]
     fn unknown_enum_tags_are_rejected() {
-        // Request tag 11 does not exist.
+        // Request tag 16 does not exist.
         let mut bytes = 5u64.to_le_bytes().to_vec();
-        bytes.extend_from_slice(&11u32.to_le_bytes());
+        bytes.extend_from_slice(&16u32.to_le_bytes());
         assert!(matches!(
             decode_client(&bytes),
             Err(CodecError::Decode { .. })
         ));
-        // Reply tag 8 does not exist.
+        // Reply tag 10 does not exist.
         let mut bytes = 5u64.to_le_bytes().to_vec();
-        bytes.extend_from_slice(&8u32.to_le_bytes());
+        bytes.extend_from_slice(&10u32.to_le_bytes());
         assert!(matches!(
             decode_server(&bytes),
             Err(CodecError::Decode { .. })

@@ -11,8 +11,12 @@ pub use codec::{decode_client, decode_server, encode_client, encode_server, peek
 pub use framing::{length_codec, ClientCodec, FrameError, ServerCodec};
 pub use messages::*;
 
-/// The protocol version spoken by this crate; `Hello` and `Welcome` must agree.
-pub const PROTOCOL_VERSION: u32 = 1;
+/// The newest protocol version spoken by this crate.
+pub const PROTOCOL_VERSION: u32 = 2;
+
+/// The oldest protocol version a sidecar still accepts in `Hello`: version-1
+/// clients keep working unchanged (DESIGN §11a).
+pub const MIN_PROTOCOL_VERSION: u32 = 1;
 
 /// Default and recommended maximum frame payload, in bytes.
 pub const DEFAULT_MAX_FRAME: u32 = 65536;

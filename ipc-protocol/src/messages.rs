@@ -5,6 +5,13 @@
 //! **Never reorder fields or variants, never insert a variant in the middle**: append
 //! new variants at the end and bump [`crate::PROTOCOL_VERSION`] for anything else.
 //!
+//! Version 2 (DESIGN §11a) only appended: requests `Start`, `Retry`, `Finish`,
+//! `Begin`, `StatusJson` (tags 11–15), outcomes `SuccessUsage`, `FailureUsage` (4–5),
+//! replies `Started`, `StatusJson` (8–9), error kind `Overloaded` (15), and the
+//! structs [`CallSpec`] and [`Usage`] they carry. Every version-1 frame keeps its
+//! bytes; [`Request::min_version`] / [`Outcome::min_version`] say which version a
+//! message needs.
+//!
 //! A client sends [`ClientFrame`]s; the sidecar answers each with a [`ServerFrame`]
 //! carrying the same `id`. The first frame of a connection must be
 //! [`Request::Hello`].
@@ -96,6 +103,78 @@ pub enum Request {
         /// The id of the request to cancel.
         target: u64,
     },
+    /// Tag 11 (v2). `BeginCall` + `Acquire` in one frame, answered with `Started`.
+    /// An error reply means no call exists: there is nothing to end.
+    Start(CallSpec),
+    /// Tag 12 (v2). `Report` the attempt made under `permit`, then `Acquire` the next
+    /// permit of the same call, answered with `Granted`. Refused like `Report`
+    /// (`UnknownPermit`, `InvalidArgument`: nothing changed); any later error ends
+    /// the call.
+    Retry {
+        /// Permit id from `Started` / `Granted`.
+        permit: u64,
+        /// What happened upstream.
+        outcome: Outcome,
+    },
+    /// Tag 13 (v2). `Report` the attempt made under `permit`, then `EndCall` its call;
+    /// answered with `Reported`. Refused like `Report` (nothing changed); otherwise
+    /// the call is gone whatever the reply.
+    Finish {
+        /// Permit id from `Started` / `Granted`.
+        permit: u64,
+        /// What happened upstream.
+        outcome: Outcome,
+    },
+    /// Tag 14 (v2). `BeginCall` with the version-2 fields (priority, split
+    /// estimates); answered with `CallBegun`.
+    Begin(CallSpec),
+    /// Tag 15 (v2). Live state as one JSON document, answered with `StatusJson`
+    /// (extensible without a layout change; `bindings/PROTOCOL.md` §14 pins its keys).
+    StatusJson,
+}
+
+impl Request {
+    /// The lowest protocol version that has this request (and its outcome).
+    pub fn min_version(&self) -> u32 {
+        match self {
+            Request::Start(_)
+            | Request::Retry { .. }
+            | Request::Finish { .. }
+            | Request::Begin(_)
+            | Request::StatusJson => 2,
+            Request::Report { outcome, .. } => outcome.min_version(),
+            _ => 1,
+        }
+    }
+}
+
+/// What a version-2 call starts with (`Start`, `Begin`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct CallSpec {
+    /// Scope name from the configuration.
+    pub scope: String,
+    /// Estimated tokens per attempt; `None` takes the split's sum, else the source's
+    /// default (§7).
+    pub est_tokens: Option<u64>,
+    /// Priority class of the scope (§15); `None` = the scope's default class.
+    pub priority: Option<String>,
+    /// Estimated input (prompt) tokens per attempt, for ITPM limits (§7a).
+    pub est_input_tokens: Option<u64>,
+    /// Estimated output tokens per attempt (normally the request's `max_tokens`),
+    /// for OTPM limits (§7a).
+    pub est_output_tokens: Option<u64>,
+}
+
+/// Token usage reported with a version-2 outcome (§7, §7a).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+pub struct Usage {
+    /// Total tokens; `None` with a split given = the split's sum; all `None` keeps
+    /// the estimate.
+    pub tokens: Option<u64>,
+    /// Input tokens, excluding cached reads (§7a).
+    pub input_tokens: Option<u64>,
+    /// Output tokens.
+    pub output_tokens: Option<u64>,
 }
 
 /// What a worker reports on a permit.
@@ -120,6 +199,31 @@ pub enum Outcome {
     },
     /// Tag 3. The worker gave up before (or while) sending.
     Cancelled,
+    /// Tag 4 (v2). `Success` with the token usage split (§7a).
+    SuccessUsage {
+        /// Tokens used.
+        usage: Usage,
+        /// `false` keeps a success whose result was unusable out of the breaker window.
+        count_attempt: bool,
+    },
+    /// Tag 5 (v2). `Failure` with the tokens the upstream still consumed (a
+    /// non-transient failure is charged, §7).
+    FailureUsage {
+        /// How it failed.
+        kind: FailureKind,
+        /// Tokens used, if the upstream said.
+        usage: Usage,
+    },
+}
+
+impl Outcome {
+    /// The lowest protocol version that has this outcome.
+    pub fn min_version(&self) -> u32 {
+        match self {
+            Outcome::SuccessUsage { .. } | Outcome::FailureUsage { .. } => 2,
+            _ => 1,
+        }
+    }
 }
 
 /// Failure kinds a worker may report.
@@ -195,6 +299,23 @@ pub enum Reply {
     Pong,
     /// Tag 7. The request failed.
     Error(ErrorReply),
+    /// Tag 8 (v2). Answer to `Start`: the call and its first permit.
+    Started {
+        /// The call id (for `Acquire` / `EndCall` if the client needs them).
+        call: u64,
+        /// Permit id to use in `Retry` / `Finish` / `Report`.
+        permit: u64,
+        /// The source to call.
+        source: String,
+        /// This attempt is the half-open probe of the source.
+        is_probe: bool,
+        /// 1-based attempt number within the call.
+        attempt: u32,
+        /// Tokens reserved for this attempt.
+        est_tokens: u64,
+    },
+    /// Tag 9 (v2). Answer to `StatusJson`: one UTF-8 JSON document.
+    StatusJson(String),
 }
 
 /// A failed request.
@@ -247,6 +368,9 @@ pub enum ErrorKind {
     Busy,
     /// Tag 14. A bug in the sidecar.
     Internal,
+    /// Tag 15 (v2). A sidecar-wide limit is reached (connections, memory budget):
+    /// retry later. Version-1 connections get `Busy` in its place.
+    Overloaded,
 }
 
 /// Why a source was skipped in an admission pass (§4).

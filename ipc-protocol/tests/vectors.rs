@@ -602,6 +602,216 @@ fn samples() -> Vec<Sample> {
                 ..err(K::Internal, "bug")
             }),
         ),
+        // ---- version 2 (DESIGN §11a): appended variants only --------------------
+        c(
+            "hello_v2",
+            "Hello from a version-2 client",
+            0,
+            Request::Hello {
+                protocol_version: 2,
+                client_name: "polygate-node/0.2.0".into(),
+                pid: 31337,
+            },
+        ),
+        c(
+            "start_minimal",
+            "Start (tag 11) in scope chat with every optional field absent",
+            1,
+            Request::Start(CallSpec {
+                scope: "chat".into(),
+                est_tokens: None,
+                priority: None,
+                est_input_tokens: None,
+                est_output_tokens: None,
+            }),
+        ),
+        c(
+            "start_full",
+            "Start with an estimate, a priority class and the input/output split",
+            2,
+            Request::Start(CallSpec {
+                scope: "chat".into(),
+                est_tokens: Some(1200),
+                priority: Some("interactive".into()),
+                est_input_tokens: Some(900),
+                est_output_tokens: Some(300),
+            }),
+        ),
+        c(
+            "begin_full",
+            "Begin (tag 14): BeginCall with the version-2 fields, non-ASCII priority",
+            3,
+            Request::Begin(CallSpec {
+                scope: "embedding".into(),
+                est_tokens: None,
+                priority: Some("batch-夜".into()),
+                est_input_tokens: Some(512),
+                est_output_tokens: None,
+            }),
+        ),
+        c(
+            "retry_failure_timeout",
+            "Retry (tag 12): report a timeout on permit 11 and acquire the next permit",
+            4,
+            Request::Retry {
+                permit: 11,
+                outcome: Outcome::Failure {
+                    kind: FailureKind::Timeout,
+                },
+            },
+        ),
+        c(
+            "retry_rate_limited",
+            "Retry after a 429 with Retry-After 2.5 s",
+            5,
+            Request::Retry {
+                permit: 12,
+                outcome: Outcome::RateLimited {
+                    retry_after_s: Some(2.5),
+                },
+            },
+        ),
+        c(
+            "retry_failure_usage",
+            "Retry after a bad_result that still consumed tokens (FailureUsage, tag 5)",
+            6,
+            Request::Retry {
+                permit: 13,
+                outcome: Outcome::FailureUsage {
+                    kind: FailureKind::BadResult,
+                    usage: Usage {
+                        tokens: Some(740),
+                        input_tokens: None,
+                        output_tokens: None,
+                    },
+                },
+            },
+        ),
+        c(
+            "finish_success",
+            "Finish (tag 13): report a v1 Success with 1534 tokens and end the call",
+            7,
+            Request::Finish {
+                permit: 11,
+                outcome: Outcome::Success {
+                    tokens: Some(1534),
+                    count_attempt: true,
+                },
+            },
+        ),
+        c(
+            "finish_success_usage",
+            "Finish with SuccessUsage (tag 4): input/output split, no total",
+            8,
+            Request::Finish {
+                permit: u64::MAX,
+                outcome: Outcome::SuccessUsage {
+                    usage: Usage {
+                        tokens: None,
+                        input_tokens: Some(1200),
+                        output_tokens: Some(334),
+                    },
+                    count_attempt: true,
+                },
+            },
+        ),
+        c(
+            "finish_cancelled",
+            "Finish with Cancelled: nothing was sent, end the call",
+            9,
+            Request::Finish {
+                permit: 14,
+                outcome: Outcome::Cancelled,
+            },
+        ),
+        c(
+            "report_success_usage",
+            "Report (v1 request) carrying a SuccessUsage outcome, uncounted",
+            10,
+            report(
+                15,
+                Outcome::SuccessUsage {
+                    usage: Usage {
+                        tokens: Some(2000),
+                        input_tokens: Some(1500),
+                        output_tokens: Some(500),
+                    },
+                    count_attempt: false,
+                },
+            ),
+        ),
+        c(
+            "report_failure_usage_empty",
+            "Report carrying FailureUsage with kind Error and no counts",
+            11,
+            report(
+                16,
+                Outcome::FailureUsage {
+                    kind: FailureKind::Error,
+                    usage: Usage::default(),
+                },
+            ),
+        ),
+        c(
+            "status_json_request",
+            "StatusJson request (tag 15, unit variant)",
+            12,
+            Request::StatusJson,
+        ),
+        s(
+            "welcome_v2",
+            "Welcome for a version-2 connection",
+            0,
+            Reply::Welcome {
+                protocol_version: 2,
+                sidecar_version: "0.2.0".into(),
+                max_frame: 65536,
+            },
+        ),
+        s(
+            "started",
+            "Started (tag 8): the call and its first permit",
+            2,
+            Reply::Started {
+                call: 7,
+                permit: 11,
+                source: "openai-gpt4o-eu".into(),
+                is_probe: false,
+                attempt: 1,
+                est_tokens: 1200,
+            },
+        ),
+        s(
+            "started_probe_max_ids",
+            "Started for a probe with the largest call and permit ids",
+            3,
+            Reply::Started {
+                call: u64::MAX,
+                permit: u64::MAX - 1,
+                source: "東京".into(),
+                is_probe: true,
+                attempt: 2,
+                est_tokens: 0,
+            },
+        ),
+        s(
+            "status_json",
+            "StatusJson (tag 9): one UTF-8 JSON document",
+            12,
+            Reply::StatusJson(
+                r#"{"sidecar_version":"0.2.0","backend":"memory","protocol_version":2,"scopes":[]}"#
+                    .into(),
+            ),
+        ),
+        s(
+            "error_overloaded",
+            "Error Overloaded (tag 15) at connect: too many connections (id 0, then closed)",
+            0,
+            Reply::Error(err(
+                K::Overloaded,
+                "too many connections (max_connections = 1024); retry later",
+            )),
+        ),
     ]
 }
 
@@ -703,7 +913,10 @@ fn samples_cover_every_variant() {
             Frame::Client(f) => {
                 let r = &f.request;
                 note(format!("Request::{}", variant(r)));
-                if let Request::Report { outcome, .. } = r {
+                if let Request::Report { outcome, .. }
+                | Request::Retry { outcome, .. }
+                | Request::Finish { outcome, .. } = r
+                {
                     note(format!("Outcome::{}", variant(outcome)));
                     if let Outcome::Failure { kind } = outcome {
                         note(format!("FailureKind::{kind:?}"));
@@ -747,6 +960,16 @@ fn samples_cover_every_variant() {
         "Request::Reset",
         "Request::Ping",
         "Request::Cancel",
+        "Request::Start",
+        "Request::Retry",
+        "Request::Finish",
+        "Request::Begin",
+        "Request::StatusJson",
+        "Outcome::SuccessUsage",
+        "Outcome::FailureUsage",
+        "Reply::Started",
+        "Reply::StatusJson",
+        "ErrorKind::Overloaded",
         "Outcome::Success",
         "Outcome::Failure",
         "Outcome::RateLimited",

@@ -66,8 +66,12 @@ async fn live_ready_metrics_and_errors() {
 
     let (code, m) = get(addr, "GET /metrics HTTP/1.1\r\n\r\n").await;
     assert_eq!(code, 200);
+    let info = format!(
+        "polygate_info{{version=\"{}\",backend=\"memory\"}} 1",
+        env!("CARGO_PKG_VERSION")
+    );
     for line in [
-        "polygate_info{version=\"0.1.0\",backend=\"memory\"} 1",
+        info.as_str(),
         "polygate_grants_total{source=\"a\"} 3",
         "polygate_reports_total{source=\"a\",outcome=\"success\"} 1",
         "polygate_reports_total{source=\"a\",outcome=\"failure\"} 1",

@@ -1250,3 +1250,421 @@ async fn absurd_token_counts_are_refused() {
     assert!(matches!(r, Reply::Reported { applied: true, .. }), "{r:?}");
     server.shutdown().await.unwrap();
 }
+
+// ---- protocol version 2 (DESIGN §11a): Start / Retry / Finish / Begin / StatusJson ----
+
+fn spec(scope: &str) -> ipc_protocol::CallSpec {
+    ipc_protocol::CallSpec {
+        scope: scope.into(),
+        est_tokens: None,
+        priority: None,
+        est_input_tokens: None,
+        est_output_tokens: None,
+    }
+}
+
+fn success(tokens: Option<u64>) -> Outcome {
+    Outcome::Success {
+        tokens,
+        count_attempt: true,
+    }
+}
+
+fn timeout() -> Outcome {
+    Outcome::Failure {
+        kind: ipc_protocol::FailureKind::Timeout,
+    }
+}
+
+/// `Started` → (call, permit, source, attempt).
+fn started(reply: Reply) -> (u64, u64, String, u32) {
+    match reply {
+        Reply::Started {
+            call,
+            permit,
+            source,
+            attempt,
+            ..
+        } => (call, permit, source, attempt),
+        other => panic!("expected Started, got {other:?}"),
+    }
+}
+
+/// Wait until the engine holds no call, no permit and no reservation (teardown of a
+/// cancelled request runs on its own task).
+async fn nothing_held_eventually(server: &Server) {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(3);
+    loop {
+        let live = server.engine.live_counts();
+        if live.calls == 0 && live.permits == 0 && live.pacer_in_flight == 0 {
+            server.assert_nothing_held(true);
+            return;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "still held: {live:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+#[tokio::test]
+async fn both_protocol_versions_are_accepted_and_welcomed_as_sent() {
+    let server = Server::start().await;
+    for v in [1, 2] {
+        let mut c = Client::raw(&server.path).await;
+        c.send(1, hello(v)).await;
+        match c.recv().await.reply {
+            Reply::Welcome {
+                protocol_version, ..
+            } => assert_eq!(protocol_version, v),
+            other => panic!("expected Welcome, got {other:?}"),
+        }
+    }
+    let mut future = Client::raw(&server.path).await;
+    future.send(1, hello(3)).await;
+    let e = error_frame(future.recv().await, 1, ErrorKind::ProtocolViolation);
+    assert!(e.message.contains("1 to 2"), "{e:?}");
+    server.shutdown().await.unwrap();
+}
+
+#[tokio::test]
+async fn version_2_requests_are_refused_on_a_version_1_connection() {
+    let server = Server::start().await;
+    let mut c = Client::raw(&server.path).await;
+    c.send(1, hello(1)).await;
+    c.recv().await;
+    for request in [
+        Request::Start(spec("chat")),
+        Request::StatusJson,
+        Request::Report {
+            permit: 1,
+            outcome: Outcome::SuccessUsage {
+                usage: ipc_protocol::Usage::default(),
+                count_attempt: true,
+            },
+        },
+    ] {
+        let e = error_of(c.call(request).await);
+        assert_eq!(e.kind, ErrorKind::InvalidArgument, "{e:?}");
+        assert!(e.message.contains("needs protocol version 2"), "{e:?}");
+    }
+    // The connection stays usable and nothing was created.
+    assert_eq!(c.call(Request::Ping).await, Reply::Pong);
+    server.assert_nothing_held(true);
+    server.shutdown().await.unwrap();
+}
+
+#[tokio::test]
+async fn start_then_finish_is_a_whole_call_in_two_round_trips() {
+    let server = Server::start().await;
+    let mut c = server.client().await;
+    let mut s = spec("chat");
+    s.est_tokens = Some(321);
+    let reply = c.call(Request::Start(s)).await;
+    let Reply::Started { est_tokens, .. } = &reply else {
+        panic!("expected Started, got {reply:?}")
+    };
+    assert_eq!(*est_tokens, 321);
+    let (call, permit, source, attempt) = started(reply);
+    assert_eq!((source.as_str(), attempt), ("a", 1));
+    assert_eq!(server.engine.live_counts().calls, 1);
+    match c
+        .call(Request::Finish {
+            permit,
+            outcome: success(Some(300)),
+        })
+        .await
+    {
+        Reply::Reported { applied, state, .. } => {
+            assert!(applied);
+            assert_eq!(state, BreakerState::Closed);
+        }
+        other => panic!("expected Reported, got {other:?}"),
+    }
+    // The call is gone: nothing to end, nothing held.
+    server.assert_nothing_held(true);
+    let e = error_of(c.call(Request::EndCall { call }).await);
+    assert_eq!(e.kind, ErrorKind::UnknownCall);
+    server.shutdown().await.unwrap();
+}
+
+#[tokio::test]
+async fn retry_reports_and_fails_over_in_one_round_trip() {
+    let server = Server::start().await;
+    let mut c = server.client().await;
+    let (call, permit, source, _) = started(c.call(Request::Start(spec("chat"))).await);
+    assert_eq!(source, "a");
+    // The timeout is applied and the next permit is on b (call-local demotion).
+    let permit2 = match c
+        .call(Request::Retry {
+            permit,
+            outcome: timeout(),
+        })
+        .await
+    {
+        Reply::Granted {
+            permit,
+            source,
+            attempt,
+            ..
+        } => {
+            assert_eq!((source.as_str(), attempt), ("b", 2));
+            permit
+        }
+        other => panic!("expected Granted, got {other:?}"),
+    };
+    assert_eq!(
+        c.source("a").await.streak,
+        1,
+        "the timeout reached a's breaker"
+    );
+    // The old permit is spent.
+    let e = error_of(
+        c.call(Request::Retry {
+            permit,
+            outcome: timeout(),
+        })
+        .await,
+    );
+    assert_eq!(e.kind, ErrorKind::UnknownPermit);
+    assert!(matches!(
+        c.call(Request::Finish {
+            permit: permit2,
+            outcome: success(None),
+        })
+        .await,
+        Reply::Reported { applied: true, .. }
+    ));
+    server.assert_nothing_held(true);
+    let e = error_of(c.call(Request::EndCall { call }).await);
+    assert_eq!(e.kind, ErrorKind::UnknownCall);
+    server.shutdown().await.unwrap();
+}
+
+#[tokio::test]
+async fn invalid_retry_or_finish_changes_nothing() {
+    let server = Server::start().await;
+    let mut c = server.client().await;
+    let (_, permit, _, _) = started(c.call(Request::Start(spec("chat"))).await);
+    for request in [
+        Request::Retry {
+            permit,
+            outcome: success(Some(u64::MAX)),
+        },
+        Request::Finish {
+            permit,
+            outcome: Outcome::RateLimited {
+                retry_after_s: Some(f64::NAN),
+            },
+        },
+        Request::Finish {
+            permit,
+            outcome: Outcome::FailureUsage {
+                kind: ipc_protocol::FailureKind::BadResult,
+                usage: ipc_protocol::Usage {
+                    tokens: None,
+                    input_tokens: Some(2_000_000_000),
+                    output_tokens: None,
+                },
+            },
+        },
+    ] {
+        let e = error_of(c.call(request).await);
+        assert_eq!(e.kind, ErrorKind::InvalidArgument, "{e:?}");
+    }
+    let e = error_of(
+        c.call(Request::Finish {
+            permit: permit ^ 1,
+            outcome: success(None),
+        })
+        .await,
+    );
+    assert_eq!(e.kind, ErrorKind::UnknownPermit);
+    // The permit is still ours and still counts.
+    assert_eq!(server.engine.live_counts().permits, 1);
+    assert!(matches!(
+        c.call(Request::Finish {
+            permit,
+            outcome: success(None),
+        })
+        .await,
+        Reply::Reported { .. }
+    ));
+    server.assert_nothing_held(true);
+    server.shutdown().await.unwrap();
+}
+
+#[tokio::test]
+async fn a_start_or_retry_that_ends_in_an_error_leaves_no_call() {
+    let server = Server::start().await;
+    let mut c = server.client().await;
+    c.force_open("a", 60.0).await;
+    c.force_open("b", 60.0).await;
+    let e = error_of(c.call(Request::Start(spec("chat"))).await);
+    assert_eq!(e.kind, ErrorKind::CircuitOpen, "{e:?}");
+    assert_eq!(e.scope.as_deref(), Some("chat"));
+    assert!(e.retry_after_s > 50.0, "{e:?}");
+    server.assert_nothing_held(true);
+
+    for s in ["a", "b"] {
+        let r = c.call(Request::ForceClose { source: s.into() }).await;
+        assert_eq!(r, Reply::Ok);
+    }
+    let (call, permit, _, _) = started(c.call(Request::Start(spec("chat"))).await);
+    c.force_open("a", 60.0).await;
+    c.force_open("b", 60.0).await;
+    let e = error_of(
+        c.call(Request::Retry {
+            permit,
+            outcome: timeout(),
+        })
+        .await,
+    );
+    assert_eq!(e.kind, ErrorKind::CircuitOpen, "{e:?}");
+    server.assert_nothing_held(true);
+    let e = error_of(c.call(Request::EndCall { call }).await);
+    assert_eq!(e.kind, ErrorKind::UnknownCall);
+
+    // An unknown scope, a priority while no classes exist: refused, no call.
+    let e = error_of(c.call(Request::Start(spec("nope"))).await);
+    assert_eq!(e.kind, ErrorKind::UnknownScope);
+    let mut s = spec("chat");
+    s.priority = Some("interactive".into());
+    let e = error_of(c.call(Request::Start(s)).await);
+    assert_eq!(e.kind, ErrorKind::InvalidArgument);
+    assert!(
+        e.message.contains("\"chat\"") && e.message.contains("priority"),
+        "{e:?}"
+    );
+    server.assert_nothing_held(true);
+    server.shutdown().await.unwrap();
+}
+
+#[tokio::test]
+async fn cancelling_a_waiting_start_leaves_nothing_behind() {
+    let server = Server::start().await;
+    let mut c = server.client().await;
+    c.force_open("s1", 600.0).await;
+    c.send(10, Request::Start(spec("slow"))).await;
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert_eq!(server.engine.live_counts().calls, 1);
+    c.send(11, Request::Cancel { target: 10 }).await;
+    let mut ids = vec![];
+    for _ in 0..2 {
+        let f = c.recv().await;
+        if f.id == 10 {
+            assert_eq!(error_of(f.reply).kind, ErrorKind::Cancelled);
+        } else {
+            assert_eq!(f.reply, Reply::Ok);
+        }
+        ids.push(f.id);
+    }
+    ids.sort();
+    assert_eq!(ids, vec![10, 11]);
+    nothing_held_eventually(&server).await;
+    server.shutdown().await.unwrap();
+}
+
+#[tokio::test]
+async fn cancelling_a_waiting_retry_ends_its_call() {
+    let server = Server::start().await;
+    let mut c = server.client().await;
+    let (_, permit, _, _) = started(c.call(Request::Start(spec("slow"))).await);
+    c.force_open("s1", 600.0).await;
+    c.send(
+        20,
+        Request::Retry {
+            permit,
+            outcome: timeout(),
+        },
+    )
+    .await;
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let live = server.engine.live_counts();
+    assert_eq!((live.calls, live.permits), (1, 0), "{live:?}");
+    c.send(21, Request::Cancel { target: 20 }).await;
+    for _ in 0..2 {
+        let f = c.recv().await;
+        match f.id {
+            20 => assert_eq!(error_of(f.reply).kind, ErrorKind::Cancelled),
+            21 => assert_eq!(f.reply, Reply::Ok),
+            other => panic!("unexpected reply id {other}"),
+        }
+    }
+    nothing_held_eventually(&server).await;
+    // The connection stays fine.
+    assert_eq!(c.call(Request::Ping).await, Reply::Pong);
+    server.shutdown().await.unwrap();
+}
+
+#[tokio::test]
+async fn begin_and_split_estimates_and_usage_totals() {
+    let server = Server::start().await;
+    let mut c = server.client().await;
+    let mut s = spec("chat");
+    s.est_input_tokens = Some(900);
+    s.est_output_tokens = Some(300);
+    let call = match c.call(Request::Begin(s.clone())).await {
+        Reply::CallBegun { call } => call,
+        other => panic!("expected CallBegun, got {other:?}"),
+    };
+    match c.call(Request::Acquire { call }).await {
+        Reply::Granted { est_tokens, .. } => assert_eq!(est_tokens, 1200),
+        other => panic!("expected Granted, got {other:?}"),
+    }
+    assert_eq!(c.call(Request::EndCall { call }).await, Reply::Ok);
+    // An explicit total wins over the split.
+    s.est_tokens = Some(50);
+    let reply = c.call(Request::Start(s)).await;
+    let Reply::Started {
+        est_tokens, permit, ..
+    } = reply
+    else {
+        panic!("expected Started, got {reply:?}")
+    };
+    assert_eq!(est_tokens, 50);
+    let r = c
+        .call(Request::Finish {
+            permit,
+            outcome: Outcome::SuccessUsage {
+                usage: ipc_protocol::Usage {
+                    tokens: None,
+                    input_tokens: Some(40),
+                    output_tokens: Some(2),
+                },
+                count_attempt: true,
+            },
+        })
+        .await;
+    assert!(matches!(r, Reply::Reported { applied: true, .. }), "{r:?}");
+    let mut s = spec("chat");
+    s.est_output_tokens = Some(1_000_000_001);
+    let e = error_of(c.call(Request::Begin(s)).await);
+    assert!(e.message.contains("est_output_tokens"), "{e:?}");
+    server.assert_nothing_held(true);
+    server.shutdown().await.unwrap();
+}
+
+#[tokio::test]
+async fn status_json_names_every_scope_and_source() {
+    let server = Server::start().await;
+    let mut c = server.client().await;
+    c.force_open("b", 30.0).await;
+    let json = match c.call(Request::StatusJson).await {
+        Reply::StatusJson(j) => j,
+        other => panic!("expected StatusJson, got {other:?}"),
+    };
+    let v: serde_json::Value = serde_json::from_str(&json).expect("valid JSON");
+    assert_eq!(v["backend"], "memory");
+    assert_eq!(v["protocol_version"], 2);
+    let scopes = v["scopes"].as_array().unwrap();
+    let names: Vec<&str> = scopes.iter().map(|s| s["name"].as_str().unwrap()).collect();
+    assert_eq!(names, ["chat", "slow"]);
+    let chat = &scopes[0]["sources"];
+    assert_eq!(chat[0]["name"], "a");
+    assert_eq!(chat[0]["state"], "closed");
+    assert_eq!(chat[1]["state"], "open");
+    assert!(chat[1]["retry_after_s"].as_f64().unwrap() > 25.0, "{chat}");
+    server.shutdown().await.unwrap();
+}

@@ -25,6 +25,9 @@ import struct
 from typing import Any, Dict, List, Optional, Tuple
 
 PROTOCOL_VERSION = 1
+# The newest protocol whose frames this codec can encode and decode (version 2 only
+# appended variants; the client still says PROTOCOL_VERSION in Hello).
+SCHEMA_VERSION = 2
 DEFAULT_MAX_FRAME = 65536
 LENGTH_PREFIX = 4
 
@@ -134,9 +137,15 @@ ERROR_KIND = _unit_enum(
     "Cancelled",
     "Busy",
     "Internal",
+    "Overloaded",
 )
 SKIP_REASON = _unit_enum("SkipReason", "CircuitOpen", "Paced", "RateLimited", "BackendUnavailable")
 EXHAUSTION_REASON = _unit_enum("ExhaustionReason", "Stalled", "QuotaExhausted", "RetryExhausted")
+
+USAGE = _Struct(
+    "Usage",
+    [("tokens", _Option(U64)), ("input_tokens", _Option(U64)), ("output_tokens", _Option(U64))],
+)
 
 OUTCOME = _Enum(
     "Outcome",
@@ -145,6 +154,19 @@ OUTCOME = _Enum(
         ("Failure", [("kind", FAILURE_KIND)]),
         ("RateLimited", [("retry_after_s", _Option(F64))]),
         ("Cancelled", _UNIT),
+        ("SuccessUsage", [("usage", USAGE), ("count_attempt", BOOL)]),
+        ("FailureUsage", [("kind", FAILURE_KIND), ("usage", USAGE)]),
+    ],
+)
+
+CALL_SPEC = _Struct(
+    "CallSpec",
+    [
+        ("scope", STR),
+        ("est_tokens", _Option(U64)),
+        ("priority", _Option(STR)),
+        ("est_input_tokens", _Option(U64)),
+        ("est_output_tokens", _Option(U64)),
     ],
 )
 
@@ -162,6 +184,11 @@ REQUEST = _Enum(
         ("Reset", [("source", STR)]),
         ("Ping", _UNIT),
         ("Cancel", [("target", U64)]),
+        ("Start", CALL_SPEC),
+        ("Retry", [("permit", U64), ("outcome", OUTCOME)]),
+        ("Finish", [("permit", U64), ("outcome", OUTCOME)]),
+        ("Begin", CALL_SPEC),
+        ("StatusJson", _UNIT),
     ],
 )
 
@@ -238,6 +265,18 @@ REPLY = _Enum(
         ("Status", STATUS_REPORT),
         ("Pong", _UNIT),
         ("Error", ERROR_REPLY),
+        (
+            "Started",
+            [
+                ("call", U64),
+                ("permit", U64),
+                ("source", STR),
+                ("is_probe", BOOL),
+                ("attempt", U32),
+                ("est_tokens", U64),
+            ],
+        ),
+        ("StatusJson", STR),
     ],
 )
 

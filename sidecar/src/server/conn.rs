@@ -5,7 +5,7 @@ use std::collections::HashMap;
 use std::future::Future;
 use std::panic::AssertUnwindSafe;
 use std::pin::pin;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::task::Poll;
 use std::time::Duration;
@@ -62,6 +62,10 @@ struct Conn<B: Backend> {
     permits: Mutex<HashMap<u64, u64>>,
     /// The in-flight cap (`ServerOptions::max_in_flight`).
     budget: Arc<Budget>,
+    /// The protocol version agreed in the handshake (1 or 2): version-2 requests are
+    /// refused on a version-1 connection, so an old client never sees a reply it
+    /// cannot decode.
+    version: AtomicU32,
 }
 
 /// A connection's in-flight slots: the reader takes one before it reads a frame, a
@@ -115,10 +119,56 @@ impl Drop for InFlight {
 /// A running request.
 struct Pending {
     task: AbortHandle,
-    /// Safe to abort at any await point: `Acquire` (its engine future is cancel-safe
-    /// and is where a request can wait for long) and `Status` (read-only). Other
-    /// requests change engine state in several steps and are short; they finish.
-    abortable: bool,
+    /// How a `Cancel` (or teardown) stops it.
+    cancel: CancelBy,
+}
+
+/// How a running request can be stopped early.
+enum CancelBy {
+    /// Safe to abort at any await point: `Acquire`, `Start` (their engine futures are
+    /// cancel-safe, and a `Start` ends its call when dropped) and the read-only status
+    /// requests. These are where a request can wait for long.
+    Abort,
+    /// `Retry`: its report must finish (several engine steps), its acquire may wait
+    /// for long; the token ends the acquire and the task ends the call.
+    Token(CancellationToken),
+    /// Short requests that change engine state in several steps: they finish.
+    Never,
+}
+
+impl Pending {
+    fn cancellable(&self) -> bool {
+        !matches!(self.cancel, CancelBy::Never)
+    }
+
+    fn cancel(&self) {
+        match &self.cancel {
+            CancelBy::Abort => self.task.abort(),
+            CancelBy::Token(t) => t.cancel(),
+            CancelBy::Never => {}
+        }
+    }
+}
+
+/// Ends a call whose `Start` was dropped (cancelled, connection gone) before it could
+/// answer: a `Start` that does not answer `Started` leaves no call behind.
+struct CallGuard<B: Backend> {
+    engine: Arc<Engine<B>>,
+    owner: OwnerId,
+    call: Option<u64>,
+}
+
+impl<B: Backend> Drop for CallGuard<B> {
+    fn drop(&mut self) {
+        if let Some(call) = self.call.take() {
+            let (engine, owner) = (self.engine.clone(), self.owner);
+            if let Ok(rt) = tokio::runtime::Handle::try_current() {
+                rt.spawn(async move {
+                    let _ = engine.end_call(owner, call).await;
+                });
+            }
+        }
+    }
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -188,6 +238,7 @@ pub(super) async fn serve<B: Backend>(
         permits: Mutex::new(HashMap::new()),
         budget: Budget::new(shared.opts.max_in_flight, shared.opts.stats.clone()),
         shared,
+        version: AtomicU32::new(ipc_protocol::MIN_PROTOCOL_VERSION),
     });
     let reader = FramedRead::new(read, ServerCodec::new(max_frame as usize));
     let mut tasks = JoinSet::new();
@@ -196,8 +247,8 @@ pub(super) async fn serve<B: Backend>(
     // Teardown: abort the waits (dropping their engine futures ends them), let the
     // short state-changing requests finish (bounded), then release everything the
     // connection held.
-    for p in lock(&conn.pending).values().filter(|p| p.abortable) {
-        p.task.abort();
+    for p in lock(&conn.pending).values() {
+        p.cancel();
     }
     let finish = async { while tasks.join_next().await.is_some() {} };
     if tokio::time::timeout(FINISH_TIMEOUT, finish).await.is_err() {
@@ -288,21 +339,24 @@ async fn serve_frames<B: Backend>(
                     pid,
                 },
         }))) => {
-            if protocol_version != ipc_protocol::PROTOCOL_VERSION {
+            let supported = ipc_protocol::MIN_PROTOCOL_VERSION..=ipc_protocol::PROTOCOL_VERSION;
+            if !supported.contains(&protocol_version) {
                 violation(
                     id,
                     format!(
                         "protocol version mismatch: client {client_name:?} speaks version \
-                         {protocol_version}, this sidecar speaks version {}",
-                        ipc_protocol::PROTOCOL_VERSION
+                         {protocol_version}, this sidecar speaks versions {} to {}",
+                        supported.start(),
+                        supported.end()
                     ),
                 )
                 .await;
                 return End::Violation;
             }
-            debug!(conn = conn.id, client = %client_name, client_pid = pid, "hello");
+            conn.version.store(protocol_version, Ordering::Relaxed);
+            debug!(conn = conn.id, client = %client_name, client_pid = pid, protocol_version, "hello");
             let welcome = Reply::Welcome {
-                protocol_version: ipc_protocol::PROTOCOL_VERSION,
+                protocol_version,
                 sidecar_version: env!("CARGO_PKG_VERSION").to_string(),
                 max_frame: opts.max_frame,
             };
@@ -354,6 +408,21 @@ async fn serve_frames<B: Backend>(
             Some(Err(e)) => return frame_error(conn.id, e, &closing).await,
             Some(Ok(f)) => f,
         };
+        let version = conn.version.load(Ordering::Relaxed);
+        if request.min_version() > version {
+            let e = convert::error(
+                ErrorKind::InvalidArgument,
+                format!(
+                    "{} needs protocol version {}; this connection said {version} in Hello",
+                    request_name(&request),
+                    request.min_version()
+                ),
+            );
+            if !send(id, Reply::Error(e)).await {
+                return End::Shutdown;
+            }
+            continue;
+        }
         match request {
             Request::Hello { .. } => {
                 violation(id, "Hello may only be the first frame".into()).await;
@@ -363,12 +432,12 @@ async fn serve_frames<B: Backend>(
                 let cancelled = {
                     let mut pending = lock(&conn.pending);
                     match pending.get(&target) {
-                        Some(p) if p.abortable => pending.remove(&target),
+                        Some(p) if p.cancellable() => pending.remove(&target),
                         _ => None,
                     }
                 };
                 if let Some(p) = cancelled {
-                    p.task.abort();
+                    p.cancel();
                     debug!(conn = conn.id, request = target, "cancelled");
                     let e = convert::error(
                         ErrorKind::Cancelled,
@@ -388,8 +457,15 @@ async fn serve_frames<B: Backend>(
                 let duplicate = match lock(&conn.pending).entry(id) {
                     Entry::Occupied(_) => true,
                     Entry::Vacant(entry) => {
-                        let abortable =
-                            matches!(request, Request::Acquire { .. } | Request::Status);
+                        let token = CancellationToken::new();
+                        let cancel = match request {
+                            Request::Acquire { .. }
+                            | Request::Start(_)
+                            | Request::Status
+                            | Request::StatusJson => CancelBy::Abort,
+                            Request::Retry { .. } => CancelBy::Token(token.clone()),
+                            _ => CancelBy::Never,
+                        };
                         let s = slot.take().expect("a frame is only read with a slot");
                         let in_flight = InFlight::new(s, &conn.budget);
                         let task = tasks.spawn(request_task(
@@ -398,8 +474,9 @@ async fn serve_frames<B: Backend>(
                             id,
                             request,
                             in_flight,
+                            token,
                         ));
-                        entry.insert(Pending { task, abortable });
+                        entry.insert(Pending { task, cancel });
                         false
                     }
                 };
@@ -444,9 +521,12 @@ async fn request_task<B: Backend>(
     id: u64,
     request: Request,
     in_flight: InFlight,
+    cancelled: CancellationToken,
 ) {
     let mut in_flight = Some(in_flight);
-    let reply = AssertUnwindSafe(handle(&conn, request, &mut in_flight))
+    // A Start or Retry the client cancelled must not leave its call behind.
+    let ends_call = matches!(request, Request::Start(_) | Request::Retry { .. });
+    let reply = AssertUnwindSafe(handle(&conn, request, &mut in_flight, &cancelled))
         .catch_unwind()
         .await
         .unwrap_or_else(|_| {
@@ -458,13 +538,17 @@ async fn request_task<B: Backend>(
         });
     if lock(&conn.pending).remove(&id).is_none() {
         // Cancelled after the engine answered: the client was told `Cancelled`, so a
-        // permit it will never learn of goes straight back.
-        if let Reply::Granted { permit, .. } = reply {
-            lock(&conn.permits).remove(&permit);
+        // permit it will never learn of goes straight back (and the call of a
+        // cancelled Start or Retry ends).
+        if let Reply::Granted { permit, .. } | Reply::Started { permit, .. } = reply {
+            let call = lock(&conn.permits).remove(&permit);
             let engine = conn.engine.clone();
             let owner = conn.id;
             tokio::spawn(async move {
                 let _ = engine.report(owner, permit, Outcome::Cancelled).await;
+                if let Some(call) = call.filter(|_| ends_call) {
+                    let _ = engine.end_call(owner, call).await;
+                }
             });
         }
         return;
@@ -514,9 +598,11 @@ async fn handle<B: Backend>(
     conn: &Conn<B>,
     request: Request,
     in_flight: &mut Option<InFlight>,
+    cancelled: &CancellationToken,
 ) -> Reply {
     let engine = &conn.engine;
     let owner = conn.id;
+    let finish = matches!(request, Request::Finish { .. });
     let fail = |e: &EngineError| Reply::Error(convert::engine_error(e));
     let invalid = |e: convert::ArgumentError| {
         Reply::Error(convert::error(ErrorKind::InvalidArgument, e.to_string()))
@@ -576,6 +662,100 @@ async fn handle<B: Backend>(
         Request::Status => {
             let scopes = engine.status().await;
             Reply::Status(convert::status_report(engine.backend_name(), scopes))
+        }
+        Request::StatusJson => {
+            let scopes = engine.status().await;
+            Reply::StatusJson(convert::status_json(engine.backend_name(), &scopes))
+        }
+        Request::Begin(spec) => {
+            let args = match convert::call_spec(spec) {
+                Ok(a) => a,
+                Err(e) => return invalid(e),
+            };
+            match engine.begin_call(owner, &args.scope, args.est_tokens) {
+                Ok(call) => Reply::CallBegun { call },
+                Err(e) => fail(&e),
+            }
+        }
+        Request::Start(spec) => {
+            let args = match convert::call_spec(spec) {
+                Ok(a) => a,
+                Err(e) => return invalid(e),
+            };
+            let call = match engine.begin_call(owner, &args.scope, args.est_tokens) {
+                Ok(call) => call,
+                Err(e) => return fail(&e),
+            };
+            let mut guard = CallGuard {
+                engine: engine.clone(),
+                owner,
+                call: Some(call),
+            };
+            let r = acquire(engine, owner, call, in_flight).await;
+            guard.call = None;
+            match r {
+                Ok(grant) => {
+                    lock(&conn.permits).insert(grant.permit, call);
+                    convert::started(call, &grant)
+                }
+                Err(e) => {
+                    let _ = engine.end_call(owner, call).await;
+                    fail(&e)
+                }
+            }
+        }
+        Request::Retry { permit, outcome } | Request::Finish { permit, outcome } => {
+            let outcome = match convert::outcome(outcome) {
+                Ok(o) => o,
+                Err(e) => return invalid(e),
+            };
+            let Some(call) = lock(&conn.permits).get(&permit).copied() else {
+                return fail(&EngineError::UnknownPermit(permit));
+            };
+            let r = engine.report(owner, permit, outcome).await;
+            match r {
+                // Refused: nothing changed (a reclaimed permit is gone either way).
+                Err(EngineError::UnknownPermit(_)) => {
+                    lock(&conn.permits).remove(&permit);
+                    return fail(&EngineError::UnknownPermit(permit));
+                }
+                Err(e @ EngineError::InvalidArgument(_)) => return fail(&e),
+                _ => {
+                    lock(&conn.permits).remove(&permit);
+                }
+            }
+            let end = |reply: Reply| async move {
+                let _ = engine.end_call(owner, call).await;
+                lock(&conn.permits).retain(|_, c| *c != call);
+                reply
+            };
+            if finish {
+                return end(match r {
+                    Ok(applied) => convert::reported(&applied),
+                    Err(e) => fail(&e),
+                })
+                .await;
+            }
+            let r = tokio::select! {
+                biased;
+                () = cancelled.cancelled() => None,
+                r = acquire(engine, owner, call, in_flight) => Some(r),
+            };
+            match r {
+                Some(Ok(grant)) => {
+                    lock(&conn.permits).insert(grant.permit, call);
+                    convert::granted(&grant)
+                }
+                Some(Err(e)) => end(fail(&e)).await,
+                // The client was told `Cancelled` already; this reply is dropped.
+                None => {
+                    end(Reply::Error(convert::error(
+                        ErrorKind::Cancelled,
+                        "cancelled",
+                    )))
+                    .await
+                }
+            }
         }
         Request::ForceOpen { source, seconds } => {
             if let Some(denied) = admin_denied("force-open a source") {
@@ -663,6 +843,11 @@ fn request_name(r: &Request) -> &'static str {
         Request::Reset { .. } => "Reset",
         Request::Ping => "Ping",
         Request::Cancel { .. } => "Cancel",
+        Request::Start(_) => "Start",
+        Request::Retry { .. } => "Retry",
+        Request::Finish { .. } => "Finish",
+        Request::Begin(_) => "Begin",
+        Request::StatusJson => "StatusJson",
     }
 }
 

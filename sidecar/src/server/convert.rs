@@ -33,6 +33,86 @@ pub enum ArgumentError {
         /// What the client sent.
         value: u64,
     },
+    /// A priority class named where the scope has none (DESIGN §15 not configured).
+    #[error("scope {scope:?} has no priority classes; omit priority (got {priority:?})")]
+    Priority {
+        /// The call's scope.
+        scope: String,
+        /// What the client sent.
+        priority: String,
+    },
+    /// A split token count whose sum does not fit.
+    #[error("est_input_tokens + est_output_tokens must be at most {max}", max = MAX_TOKENS)]
+    SplitSum,
+}
+
+/// What a version-2 `CallSpec` asks the engine for.
+#[derive(Debug, Clone, PartialEq)]
+pub struct CallArgs {
+    /// Scope name.
+    pub scope: String,
+    /// The call's estimate: `est_tokens`, else the split's sum, else `None` (the
+    /// source's default).
+    pub est_tokens: Option<u64>,
+}
+
+/// A version-2 `CallSpec` → engine arguments, validating every count and the
+/// priority (no scope has classes yet, so any named class is refused).
+pub fn call_spec(spec: wire::CallSpec) -> Result<CallArgs, ArgumentError> {
+    let est = spec
+        .est_tokens
+        .map(|t| tokens("est_tokens", t))
+        .transpose()?;
+    let input = spec
+        .est_input_tokens
+        .map(|t| tokens("est_input_tokens", t))
+        .transpose()?;
+    let output = spec
+        .est_output_tokens
+        .map(|t| tokens("est_output_tokens", t))
+        .transpose()?;
+    if let Some(priority) = spec.priority {
+        return Err(ArgumentError::Priority {
+            scope: spec.scope,
+            priority,
+        });
+    }
+    let split = split_sum(input, output).ok_or(ArgumentError::SplitSum)?;
+    Ok(CallArgs {
+        scope: spec.scope,
+        est_tokens: est.or(split),
+    })
+}
+
+/// `Some(a + b)` of the present parts, `None` when both are absent; the outer
+/// `None` means the sum exceeds [`MAX_TOKENS`].
+fn split_sum(a: Option<u64>, b: Option<u64>) -> Option<Option<u64>> {
+    match (a, b) {
+        (None, None) => Some(None),
+        (a, b) => {
+            let sum = a.unwrap_or(0) + b.unwrap_or(0); // each ≤ 10^9: no overflow
+            (sum <= MAX_TOKENS).then_some(Some(sum))
+        }
+    }
+}
+
+/// A version-2 `Usage`: every count validated; the total is `tokens`, else the
+/// split's sum, else `None` (keep the estimate).
+fn usage_tokens(u: wire::Usage) -> Result<Option<u64>, ArgumentError> {
+    let total = u.tokens.map(|t| tokens("tokens", t)).transpose()?;
+    let input = u
+        .input_tokens
+        .map(|t| tokens("input_tokens", t))
+        .transpose()?;
+    let output = u
+        .output_tokens
+        .map(|t| tokens("output_tokens", t))
+        .transpose()?;
+    let split = split_sum(input, output).ok_or(ArgumentError::Tokens {
+        name: "input_tokens + output_tokens",
+        value: input.unwrap_or(0) + output.unwrap_or(0),
+    })?;
+    Ok(total.or(split))
 }
 
 /// A wire token count, refused above [`MAX_TOKENS`].
@@ -70,6 +150,19 @@ pub fn outcome(o: wire::Outcome) -> Result<backend::Outcome, ArgumentError> {
                 .transpose()?,
         },
         wire::Outcome::Cancelled => backend::Outcome::Cancelled,
+        wire::Outcome::SuccessUsage {
+            usage,
+            count_attempt,
+        } => backend::Outcome::Success {
+            tokens: usage_tokens(usage)?,
+            count_attempt,
+        },
+        // The counts are validated now; charging a failure's tokens is §7's
+        // non-transient rule (the failure settles as a plain failure until then).
+        wire::Outcome::FailureUsage { kind, usage } => {
+            usage_tokens(usage)?;
+            backend::Outcome::Failure(failure_kind(kind))
+        }
     })
 }
 
@@ -202,6 +295,77 @@ pub fn reported(a: &Applied) -> wire::Reply {
         state: state(a.state),
         retry_after_s: a.retry_after.as_secs_f64(),
     }
+}
+
+/// A grant of a version-2 `Start` → `Started`.
+pub fn started(call: u64, g: &Grant) -> wire::Reply {
+    wire::Reply::Started {
+        call,
+        permit: g.permit,
+        source: g.source.to_string(),
+        is_probe: g.is_probe,
+        attempt: g.attempt,
+        est_tokens: g.est_tokens,
+    }
+}
+
+/// Breaker state as spelled in the JSON status (`bindings/PROTOCOL.md` §14).
+fn state_name(s: State) -> &'static str {
+    match s {
+        State::Closed => "closed",
+        State::Open => "open",
+        State::HalfOpen => "half_open",
+    }
+}
+
+/// Engine status → the version-2 JSON status document (`bindings/PROTOCOL.md` §14).
+/// Keys may be added; clients ignore the ones they do not know.
+pub fn status_json(backend: &str, scopes: &[engine::ScopeStatus]) -> String {
+    use serde_json::json;
+    let scopes: Vec<serde_json::Value> = scopes
+        .iter()
+        .map(|sc| {
+            let sources: Vec<serde_json::Value> = sc
+                .sources
+                .iter()
+                .map(|s| {
+                    let b = &s.shared;
+                    json!({
+                        "name": s.name,
+                        "state": state_name(b.state),
+                        "epoch": b.epoch,
+                        "retry_after_s": b.retry_after.as_secs_f64(),
+                        "cooldown_level": b.cooldown_level,
+                        "window_successes": b.window_successes,
+                        "window_failures": b.window_failures,
+                        "streak": b.streak,
+                        "memo_remaining_s": s.memo_remaining.as_secs_f64(),
+                        "pacer_ceiling": s.pacer_ceiling,
+                        "in_flight": s.in_flight,
+                        "tokens_available": b.tokens_available,
+                        "requests_available": b.requests_available,
+                        "quota_blocked_s": b.quota_blocked.as_secs_f64(),
+                        "degraded": s.degraded,
+                    })
+                })
+                .collect();
+            json!({
+                "name": sc.name,
+                "circuit_open": sc.circuit_open,
+                "quota_full": sc.quota_full,
+                "waiters": sc.waiters,
+                "calls": sc.calls,
+                "sources": sources,
+            })
+        })
+        .collect();
+    json!({
+        "sidecar_version": env!("CARGO_PKG_VERSION"),
+        "backend": backend,
+        "protocol_version": wire::PROTOCOL_VERSION,
+        "scopes": scopes,
+    })
+    .to_string()
 }
 
 /// Engine status → wire status report.
