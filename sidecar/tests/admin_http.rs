@@ -1,13 +1,12 @@
 //! The admin listener (`/live`, `/ready`, `/metrics`) and the Prometheus exposition.
 
-#[path = "support/engine_cfg.rs"]
-mod cfg;
+mod support;
 
 use std::time::Duration;
 
-use cfg::*;
 use polygate::admin_http::{serve_with, AdminOptions};
 use polygate::backend::{FailureKind, Outcome};
+use support::engine_cfg::*;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::time::Instant;

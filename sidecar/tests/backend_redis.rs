@@ -4,8 +4,7 @@
 //! broadcast, a Redis Cluster. The breaker/quota semantics themselves are pinned by
 //! the contract suite (`backend_redis_contract.rs`).
 
-#[path = "support/redis_server.rs"]
-mod redis_server;
+mod support;
 
 use std::io::Write;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -18,7 +17,7 @@ use polygate::backend::{
 };
 use polygate::clock::TokioClock;
 use polygate::config::OnBackendError;
-use redis_server::{RedisCluster, RedisServer};
+use support::redis_server::{RedisCluster, RedisServer};
 
 const SOURCES: [&str; 3] = ["s1", "s2", "s3"];
 static NEXT: AtomicU64 = AtomicU64::new(0);

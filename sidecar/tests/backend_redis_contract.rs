@@ -5,8 +5,7 @@
 //! papered over by the local fallback.
 
 mod contract;
-#[path = "support/redis_server.rs"]
-mod redis_server;
+mod support;
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock};
@@ -16,7 +15,7 @@ use contract::{Harness, SOURCES};
 use polygate::backend::redis::{RedisBackend, RedisOptions};
 use polygate::clock::TokioClock;
 use polygate::config::OnBackendError;
-use redis_server::{RedisCluster, RedisServer};
+use support::redis_server::{RedisCluster, RedisServer};
 
 static SERVER: OnceLock<Option<RedisServer>> = OnceLock::new();
 static CLUSTER: OnceLock<Option<RedisCluster>> = OnceLock::new();

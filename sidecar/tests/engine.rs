@@ -1,15 +1,14 @@
 //! Engine behaviour (§3–§9) on the memory backend with tokio's paused clock: waits
 //! auto-advance virtual time, so every case is deterministic and costs no real time.
 
-#[path = "support/engine_cfg.rs"]
-mod cfg;
+mod support;
 
 use std::time::Duration;
 
-use cfg::*;
 use polygate::backend::{FailureKind, Outcome, State};
 use polygate::config::{Mode, Selector};
 use polygate::engine::{EngineError, Exhaustion, SkipReason};
+use support::engine_cfg::*;
 use tokio::time::Instant;
 
 const OWNER: u64 = 1;

@@ -8,23 +8,20 @@
 //! - after a reclaim, no permit has outlived its lease;
 //! - when every owner disconnects, nothing at all is left.
 
-#[path = "support/engine_cfg.rs"]
-mod cfg;
-#[path = "support/test_backend.rs"]
-mod test_backend;
+mod support;
 
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 
-use cfg::*;
 use polygate::backend::memory::MemoryBackend;
 use polygate::backend::{FailureKind, Outcome};
 use polygate::clock::{Clock, TokioClock};
 use polygate::config::{Mode, SourceConfig};
 use polygate::engine::Engine;
 use proptest::prelude::*;
-use test_backend::TestBackend;
+use support::engine_cfg::*;
+use support::test_backend::TestBackend;
 
 #[derive(Debug, Clone)]
 enum Op {

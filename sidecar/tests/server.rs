@@ -2,8 +2,7 @@
 //! started in-process with `server::run` over the memory backend, and a client built
 //! on `ipc_protocol::ClientCodec`.
 
-#[path = "support/test_backend.rs"]
-mod test_backend;
+mod support;
 
 use std::collections::HashSet;
 use std::path::{Path, PathBuf};
@@ -21,7 +20,7 @@ use polygate::clock::{Clock, TokioClock};
 use polygate::config::parse::parse_str;
 use polygate::engine::Engine;
 use polygate::server::{self, ServerError, ServerOptions, ServerStats, MAX_IN_FLIGHT};
-use test_backend::TestBackend;
+use support::test_backend::TestBackend;
 use tokio::io::AsyncWriteExt;
 use tokio::net::{UnixListener, UnixStream};
 use tokio::sync::oneshot;

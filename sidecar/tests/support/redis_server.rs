@@ -2,7 +2,7 @@
 //! free ports in a temp dir, killed on drop (and by a watchdog when the test process
 //! exits, so servers held in statics never outlive the test binary).
 //!
-//! Include with `#[path = "support/redis_server.rs"] mod redis_server;`.
+//! Part of the shared test support: `mod support;`, then `support::redis_server`.
 //!
 //! When `redis-server` cannot start: with `CI=true` the test panics loudly, otherwise
 //! it prints a loud warning and the constructor returns `None` (the test skips).
