@@ -1,18 +1,34 @@
 -- PolyGate breaker (§6) + quota (§7) for one source, atomically, in one script.
 --
 -- KEYS[1] = {prefix:source}:b  breaker hash     KEYS[2] = {prefix:source}:q  quota hash
--- ARGV[1]  op: try_enter | record_success | record_failure | release_probe | neutral
+--
+-- ARGV: one meaning per slot whatever the op (script.rs `Argv` and `SLOTS` build it
+-- under the same names); a slot the op does not use holds the neutral value shown.
+-- ARGV[1] op : try_enter | record_success | record_failure | release_probe | neutral
 --              | peek | force_open | force_close | reset | reserve | settle | block
 --              | admit | report | snapshot
--- ARGV[2..8]  breaker params: failure_threshold, failure_rate, min_calls, window_us,
---             cooldown_us, max_cooldown_us, probe_ttl_us (0s when the op has none)
--- ARGV[9..10] tpm, rpm (-1 = bucket disabled)
--- ARGV[11] epoch   ARGV[12] flag (count_attempt / is_probe, 0|1)
--- ARGV[13] tokens (reserve amount / reserved tokens)
--- ARGV[14] kind (settlement: charge|refund_tokens|refund_all; report: S|F|R|C)
--- ARGV[15] amount (charged tokens, -1 = the estimate / block or force_open µs, -1 = none)
--- ARGV[16] admin pub/sub channel   ARGV[17] source name
--- ARGV[18] is_probe (report only; ARGV[12] is then count_attempt)
+-- ARGV[2] failure_threshold : streak channel threshold. Slots 2..8 are the scope's
+--              breaker params, all 0 when the op carries none (the TTL basis
+--              stored in the hash is then kept)
+-- ARGV[3] failure_rate : rate channel threshold, the one fractional argument
+-- ARGV[4] min_calls : window samples before the rate channel applies
+-- ARGV[5] window_us : the whole breaker window (two buckets of half each)
+-- ARGV[6] cooldown_us : base open duration
+-- ARGV[7] max_cooldown_us : open-duration cap; decay period of the cooldown level
+-- ARGV[8] probe_ttl_us : half-open probe lease
+-- ARGV[9] tpm : token bucket capacity (-1 = bucket disabled)
+-- ARGV[10] rpm : request bucket capacity (-1 = bucket disabled)
+-- ARGV[11] epoch : the epoch the reporting permit was granted under (0)
+-- ARGV[12] count_attempt : 0|1, a success counts in the window (0)
+-- ARGV[13] is_probe : 0|1, the reporting permit is the probe (0)
+-- ARGV[14] tokens : the reservation: to take (reserve, admit) or taken (settle, report)
+-- ARGV[15] settlement : settle: charge | refund_tokens | refund_all ('')
+-- ARGV[16] outcome : report: S success | F failure | R 429 | C cancelled ('')
+-- ARGV[17] charged : tokens actually used (-1 = the reservation)
+-- ARGV[18] block_us : block the quota this long (-1 = no block)
+-- ARGV[19] open_us : force_open: how long the breaker stays open (-1)
+-- ARGV[20] channel : admin ops: the pub/sub channel they announce on ('')
+-- ARGV[21] source : admin ops: the source named in the announcement ('')
 --
 -- Every clock reading is this server's TIME, in microseconds (exact in a double until
 -- 2^53 µs ≈ year 2255). Durations cross as integer microseconds (the caller caps them
@@ -32,8 +48,11 @@ local FTH, FRATE, MINC = tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4])
 local WIN, CD, MCD, PTTL = tonumber(ARGV[5]), tonumber(ARGV[6]), tonumber(ARGV[7]), tonumber(ARGV[8])
 local HAVE_P = WIN > 0
 local TPM, RPM = tonumber(ARGV[9]), tonumber(ARGV[10])
-local EPOCH, FLAG = tonumber(ARGV[11]), ARGV[12] == '1'
-local TOKENS, KIND, AMOUNT = tonumber(ARGV[13]), ARGV[14], tonumber(ARGV[15])
+local EPOCH = tonumber(ARGV[11])
+local COUNT_ATTEMPT, IS_PROBE = ARGV[12] == '1', ARGV[13] == '1'
+local TOKENS, SETTLEMENT, OUTCOME = tonumber(ARGV[14]), ARGV[15], ARGV[16]
+local CHARGED, BLOCK, OPEN_FOR = tonumber(ARGV[17]), tonumber(ARGV[18]), tonumber(ARGV[19])
+local CHANNEL, SOURCE = ARGV[20], ARGV[21]
 
 local MIN = 60000000 -- one minute in µs
 -- A 429 block lasts at most this long (the engine refuses retry_after > 1 day).
@@ -249,7 +268,7 @@ local function applied_reply(b, ok)
 end
 
 local function publish(what)
-  redis.call('PUBLISH', ARGV[16], what .. ' ' .. ARGV[17])
+  redis.call('PUBLISH', CHANNEL, what .. ' ' .. SOURCE)
 end
 
 -- ------------------------------------------------------------------ quota
@@ -348,7 +367,7 @@ if op == 'try_enter' then
 
 elseif op == 'record_success' then
   local b = bload()
-  local a = record_success(b, FLAG)
+  local a = record_success(b, COUNT_ATTEMPT)
   bsave(b)
   return applied_reply(b, a)
 
@@ -366,7 +385,7 @@ elseif op == 'release_probe' then
 
 elseif op == 'neutral' then
   local b = bload()
-  local a = neutral(b, FLAG)
+  local a = neutral(b, IS_PROBE)
   bsave(b)
   return applied_reply(b, a)
 
@@ -377,7 +396,7 @@ elseif op == 'peek' then
 
 elseif op == 'force_open' then
   local b = bload()
-  b.st, b.e, b.u, b.l, b.dirty = OPEN, b.e + 1, now + AMOUNT, -1, true
+  b.st, b.e, b.u, b.l, b.dirty = OPEN, b.e + 1, now + OPEN_FOR, -1, true
   bsave(b)
   publish('force_open')
   return applied_reply(b, true)
@@ -412,12 +431,12 @@ elseif op == 'reserve' then
 
 elseif op == 'settle' then
   local q = qload()
-  qsettle(q, TOKENS, KIND, AMOUNT)
+  qsettle(q, TOKENS, SETTLEMENT, CHARGED)
   qsave(q)
   return { 1 }
 
 elseif op == 'block' then
-  qblock(AMOUNT)
+  qblock(BLOCK)
   return { 1 }
 
 elseif op == 'admit' then
@@ -443,25 +462,25 @@ elseif op == 'report' then
   local q = qload()
   local b = bload()
   local a
-  if KIND == 'S' then
-    local charged = AMOUNT
+  if OUTCOME == 'S' then
+    local charged = CHARGED
     if charged < 0 then charged = TOKENS end
     qsettle(q, TOKENS, 'charge', charged)
     qsave(q)
-    a = record_success(b, FLAG)
-  elseif KIND == 'F' then
+    a = record_success(b, COUNT_ATTEMPT)
+  elseif OUTCOME == 'F' then
     qsettle(q, TOKENS, 'refund_tokens', 0)
     qsave(q)
     a = record_failure(b)
-  elseif KIND == 'R' then
+  elseif OUTCOME == 'R' then
     qsettle(q, TOKENS, 'refund_tokens', 0)
     qsave(q)
-    if AMOUNT >= 0 then qblock(AMOUNT) end
-    a = neutral(b, tonumber(ARGV[18]) == 1)
+    if BLOCK >= 0 then qblock(BLOCK) end
+    a = neutral(b, IS_PROBE)
   else
     qsettle(q, TOKENS, 'refund_all', 0)
     qsave(q)
-    a = neutral(b, tonumber(ARGV[18]) == 1)
+    a = neutral(b, IS_PROBE)
   end
   bsave(b)
   return applied_reply(b, a)

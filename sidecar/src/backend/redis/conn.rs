@@ -1,0 +1,178 @@
+//! Connections to Redis: a single node or a Redis Cluster, made lazily, bounded by
+//! the configured timeout, and rebuilt after a failure (§10).
+//!
+//! Nothing here waits for Redis at construction: the first script call connects, so
+//! the sidecar starts (and serves from its local fallback) while Redis is down. Both
+//! connection kinds multiplex and are cheap to clone (redis-rs `ConnectionManager`
+//! reconnects in the background; the cluster connection is re-made after an
+//! invalidation). Every call is bounded twice: by the client's connect and response
+//! timeouts, and by an outer `tokio::time::timeout` over the whole call, `NOSCRIPT`
+//! reload included.
+
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use ::redis::aio::{ConnectionManager, ConnectionManagerConfig};
+use ::redis::cluster::{ClusterClient, ClusterClientBuilder};
+use ::redis::cluster_async::ClusterConnection;
+use ::redis::{Client, RedisError, ScriptInvocation, Value};
+
+use super::fault::{classify, Fault};
+use super::reach::RETRY_INTERVAL;
+use super::RedisOptions;
+use crate::backend::{BResult, BackendError};
+
+/// A live connection (both kinds are cheap to clone and multiplex).
+#[derive(Clone)]
+enum Conn {
+    /// One node, reconnecting by itself.
+    Single(ConnectionManager),
+    /// A cluster, routed by each command's first key.
+    Cluster(ClusterConnection),
+}
+
+/// How to (re)build a connection.
+enum Target {
+    /// One node: its client and the manager's timeouts and retries.
+    Single(Client, ConnectionManagerConfig),
+    /// A cluster: its client (seed nodes, timeouts, retries).
+    Cluster(ClusterClient),
+}
+
+/// The way to Redis for every script call of one backend.
+pub(super) struct Connection {
+    /// How connections are made.
+    target: Target,
+    /// The current connection (`None` until first use or after an invalidation).
+    current: Mutex<Option<Conn>>,
+    /// Serialises (re)connecting in cluster mode.
+    connect_lock: tokio::sync::Mutex<()>,
+    /// When the connection was last thrown away (at most once per RETRY_INTERVAL).
+    last_invalidate: Mutex<Option<Instant>>,
+    /// Human-readable target for messages (`redis://…` or the cluster seeds).
+    describe: String,
+    /// Upper bound of one call, connecting and `NOSCRIPT` reload included.
+    timeout: Duration,
+}
+
+impl Connection {
+    /// The connection described by `opts`, and the node URLs the admin subscriber
+    /// may use. Validates the URLs; connects nothing.
+    pub(super) fn new(opts: &RedisOptions) -> BResult<(Self, Vec<String>)> {
+        let bad =
+            |e: RedisError| BackendError::Unavailable(format!("invalid redis configuration: {e}"));
+        let (target, describe, sub_urls) = if opts.cluster_nodes.is_empty() {
+            let client = Client::open(opts.url.as_str()).map_err(bad)?;
+            let cfg = ConnectionManagerConfig::new()
+                .set_connection_timeout(Some(opts.timeout))
+                .set_response_timeout(Some(opts.timeout))
+                .set_number_of_retries(1)
+                .set_min_delay(Duration::from_millis(50))
+                .set_max_delay(Duration::from_millis(500));
+            (
+                Target::Single(client, cfg),
+                opts.url.clone(),
+                vec![opts.url.clone()],
+            )
+        } else {
+            let client = ClusterClientBuilder::new(opts.cluster_nodes.clone())
+                .connection_timeout(opts.timeout)
+                .response_timeout(opts.timeout)
+                .retries(1)
+                .build()
+                .map_err(bad)?;
+            (
+                Target::Cluster(client),
+                format!("cluster [{}]", opts.cluster_nodes.join(", ")),
+                opts.cluster_nodes.clone(),
+            )
+        };
+        for u in &sub_urls {
+            Client::open(u.as_str()).map_err(bad)?;
+        }
+        let conn = Connection {
+            target,
+            current: Mutex::new(None),
+            connect_lock: tokio::sync::Mutex::new(()),
+            last_invalidate: Mutex::new(None),
+            describe,
+            timeout: opts.timeout,
+        };
+        Ok((conn, sub_urls))
+    }
+
+    /// The Redis target, for messages.
+    pub(super) fn describe(&self) -> &str {
+        &self.describe
+    }
+
+    /// The bound of one call.
+    pub(super) fn timeout(&self) -> Duration {
+        self.timeout
+    }
+
+    /// Run one script invocation, within the timeout. A failure is already sorted:
+    /// [`Fault::Unreachable`] (no answer in time included) or [`Fault::Rejected`].
+    pub(super) async fn run(&self, inv: &ScriptInvocation<'_>) -> Result<Vec<Value>, Fault> {
+        match tokio::time::timeout(self.timeout, self.invoke(inv)).await {
+            Ok(Ok(v)) => Ok(v),
+            Ok(Err(e)) => Err(classify(&e)),
+            Err(_) => Err(Fault::Unreachable(format!(
+                "no answer within {:?}",
+                self.timeout
+            ))),
+        }
+    }
+
+    async fn invoke(&self, inv: &ScriptInvocation<'_>) -> Result<Vec<Value>, RedisError> {
+        match &mut self.get().await? {
+            Conn::Single(m) => inv.invoke_async(m).await,
+            Conn::Cluster(cl) => inv.invoke_async(cl).await,
+        }
+    }
+
+    /// The current connection, made if needed.
+    async fn get(&self) -> Result<Conn, RedisError> {
+        if let Some(c) = self
+            .current
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+        {
+            return Ok(c);
+        }
+        let _g = self.connect_lock.lock().await;
+        if let Some(c) = self
+            .current
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+        {
+            return Ok(c);
+        }
+        let c = match &self.target {
+            Target::Single(client, cfg) => Conn::Single(ConnectionManager::new_lazy_with_config(
+                client.clone(),
+                cfg.clone(),
+            )?),
+            Target::Cluster(client) => Conn::Cluster(client.get_async_connection().await?),
+        };
+        *self.current.lock().unwrap_or_else(|e| e.into_inner()) = Some(c.clone());
+        Ok(c)
+    }
+
+    /// Throw the connection away after a failure (at most once per RETRY_INTERVAL), so
+    /// a connection that cannot recover by itself is rebuilt on the next try.
+    pub(super) fn invalidate(&self) {
+        let now = Instant::now();
+        let mut last = self
+            .last_invalidate
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        if last.is_some_and(|t| now.duration_since(t) < RETRY_INTERVAL) {
+            return;
+        }
+        *last = Some(now);
+        *self.current.lock().unwrap_or_else(|e| e.into_inner()) = None;
+    }
+}

@@ -1,0 +1,568 @@
+//! The operations of `gate.lua`, one struct each: which named [`Argv`] slots it
+//! fills and what its reply means (§6, §7, §9). The backend builds one of these per
+//! call and hands it to [`script::invocation`](super::script::invocation).
+
+use std::time::Duration;
+
+use ::redis::Value;
+
+use super::pubsub::AdminOp;
+use super::script::{
+    applied, bool_at, dur_at, int_at, level_at, proto, state_at, u64_at, Announce, Argv, Op,
+};
+use crate::backend::{
+    Admit, Applied, BResult, BreakerParams, Entry, Outcome, QuotaParams, Reserve, Settlement,
+    SourceSnapshot,
+};
+
+/// Gate 4 alone: may a caller enter?
+pub(super) struct TryEnterArgs<'a> {
+    /// The scope's breaker parameters.
+    pub p: &'a BreakerParams,
+}
+
+impl Op for TryEnterArgs<'_> {
+    const NAME: &'static str = "try_enter";
+    type Reply = Entry;
+    fn argv(&self) -> Argv<'_> {
+        Argv {
+            breaker: Some(self.p),
+            ..Argv::default()
+        }
+    }
+    fn read(v: &[Value]) -> BResult<Entry> {
+        Ok(Entry {
+            granted: bool_at(v, 0)?,
+            is_probe: bool_at(v, 1)?,
+            epoch: u64_at(v, 2)?,
+            state: state_at(v, 3)?,
+            retry_after: dur_at(v, 4)?,
+        })
+    }
+}
+
+/// A success under `epoch`.
+pub(super) struct RecordSuccessArgs<'a> {
+    /// The scope's breaker parameters.
+    pub p: &'a BreakerParams,
+    /// The permit's epoch.
+    pub epoch: u64,
+    /// `false` keeps the success out of the window.
+    pub count_attempt: bool,
+}
+
+impl Op for RecordSuccessArgs<'_> {
+    const NAME: &'static str = "record_success";
+    type Reply = Applied;
+    fn argv(&self) -> Argv<'_> {
+        Argv {
+            breaker: Some(self.p),
+            epoch: self.epoch,
+            count_attempt: self.count_attempt,
+            ..Argv::default()
+        }
+    }
+    fn read(v: &[Value]) -> BResult<Applied> {
+        applied(v)
+    }
+}
+
+/// A failure under `epoch`.
+pub(super) struct RecordFailureArgs<'a> {
+    /// The scope's breaker parameters.
+    pub p: &'a BreakerParams,
+    /// The permit's epoch.
+    pub epoch: u64,
+}
+
+impl Op for RecordFailureArgs<'_> {
+    const NAME: &'static str = "record_failure";
+    type Reply = Applied;
+    fn argv(&self) -> Argv<'_> {
+        Argv {
+            breaker: Some(self.p),
+            epoch: self.epoch,
+            ..Argv::default()
+        }
+    }
+    fn read(v: &[Value]) -> BResult<Applied> {
+        applied(v)
+    }
+}
+
+/// Release the probe lease held under `epoch`.
+pub(super) struct ReleaseProbeArgs {
+    /// The probe's epoch.
+    pub epoch: u64,
+}
+
+impl Op for ReleaseProbeArgs {
+    const NAME: &'static str = "release_probe";
+    type Reply = Applied;
+    fn argv(&self) -> Argv<'_> {
+        Argv {
+            epoch: self.epoch,
+            ..Argv::default()
+        }
+    }
+    fn read(v: &[Value]) -> BResult<Applied> {
+        applied(v)
+    }
+}
+
+/// An outcome that is no verdict (429, cancel) on the breaker alone.
+pub(super) struct NeutralArgs {
+    /// The permit's epoch.
+    pub epoch: u64,
+    /// The permit is the probe: its lease is released.
+    pub is_probe: bool,
+}
+
+impl Op for NeutralArgs {
+    const NAME: &'static str = "neutral";
+    type Reply = Applied;
+    fn argv(&self) -> Argv<'_> {
+        Argv {
+            epoch: self.epoch,
+            is_probe: self.is_probe,
+            ..Argv::default()
+        }
+    }
+    fn read(v: &[Value]) -> BResult<Applied> {
+        applied(v)
+    }
+}
+
+/// The source's §6 retry-after, read only.
+pub(super) struct PeekArgs;
+
+impl Op for PeekArgs {
+    const NAME: &'static str = "peek";
+    type Reply = Duration;
+    fn argv(&self) -> Argv<'_> {
+        Argv::default()
+    }
+    fn read(v: &[Value]) -> BResult<Duration> {
+        dur_at(v, 0)
+    }
+}
+
+/// Admin: OPEN for `open_for`, announced.
+pub(super) struct ForceOpenArgs<'a> {
+    /// How long the breaker stays open.
+    pub open_for: Duration,
+    /// Where the change is announced.
+    pub announce: Announce<'a>,
+}
+
+impl Op for ForceOpenArgs<'_> {
+    const NAME: &'static str = AdminOp::ForceOpen.wire();
+    type Reply = Applied;
+    fn argv(&self) -> Argv<'_> {
+        Argv {
+            open_for: Some(self.open_for),
+            announce: Some(self.announce),
+            ..Argv::default()
+        }
+    }
+    fn read(v: &[Value]) -> BResult<Applied> {
+        applied(v)
+    }
+}
+
+/// Admin: CLOSED now, announced.
+pub(super) struct ForceCloseArgs<'a> {
+    /// Where the change is announced.
+    pub announce: Announce<'a>,
+}
+
+impl Op for ForceCloseArgs<'_> {
+    const NAME: &'static str = AdminOp::ForceClose.wire();
+    type Reply = Applied;
+    fn argv(&self) -> Argv<'_> {
+        Argv {
+            announce: Some(self.announce),
+            ..Argv::default()
+        }
+    }
+    fn read(v: &[Value]) -> BResult<Applied> {
+        applied(v)
+    }
+}
+
+/// Admin: forget breaker and quota state (epoch bumped), announced.
+pub(super) struct ResetArgs<'a> {
+    /// Where the change is announced.
+    pub announce: Announce<'a>,
+}
+
+impl Op for ResetArgs<'_> {
+    const NAME: &'static str = AdminOp::Reset.wire();
+    type Reply = Applied;
+    fn argv(&self) -> Argv<'_> {
+        Argv {
+            announce: Some(self.announce),
+            ..Argv::default()
+        }
+    }
+    fn read(v: &[Value]) -> BResult<Applied> {
+        applied(v)
+    }
+}
+
+/// Gate 3 alone: reserve `tokens` and one request, or take nothing.
+pub(super) struct ReserveArgs<'a> {
+    /// The source's buckets.
+    pub q: &'a QuotaParams,
+    /// Tokens to reserve.
+    pub tokens: u64,
+}
+
+impl Op for ReserveArgs<'_> {
+    const NAME: &'static str = "reserve";
+    type Reply = Reserve;
+    fn argv(&self) -> Argv<'_> {
+        Argv {
+            quota: Some(self.q),
+            tokens: self.tokens,
+            ..Argv::default()
+        }
+    }
+    fn read(v: &[Value]) -> BResult<Reserve> {
+        Ok(if bool_at(v, 0)? {
+            Reserve::Reserved
+        } else {
+            Reserve::Denied {
+                retry_after: dur_at(v, 1)?,
+            }
+        })
+    }
+}
+
+/// Settle a reservation of `reserved` tokens.
+pub(super) struct SettleArgs<'a> {
+    /// The source's buckets.
+    pub q: &'a QuotaParams,
+    /// Tokens the reservation took.
+    pub reserved: u64,
+    /// How it is settled.
+    pub how: Settlement,
+}
+
+impl Op for SettleArgs<'_> {
+    const NAME: &'static str = "settle";
+    type Reply = ();
+    fn argv(&self) -> Argv<'_> {
+        let (settlement, charged) = match self.how {
+            Settlement::Charge { tokens } => ("charge", Some(tokens)),
+            Settlement::RefundTokens => ("refund_tokens", None),
+            Settlement::RefundAll => ("refund_all", None),
+        };
+        Argv {
+            quota: Some(self.q),
+            tokens: self.reserved,
+            settlement,
+            charged,
+            ..Argv::default()
+        }
+    }
+    fn read(_: &[Value]) -> BResult<()> {
+        Ok(())
+    }
+}
+
+/// A 429 with retry-after: block the quota for `block` (only moves forward).
+pub(super) struct BlockArgs {
+    /// How long.
+    pub block: Duration,
+}
+
+impl Op for BlockArgs {
+    const NAME: &'static str = "block";
+    type Reply = ();
+    fn argv(&self) -> Argv<'_> {
+        Argv {
+            block: Some(self.block),
+            ..Argv::default()
+        }
+    }
+    fn read(_: &[Value]) -> BResult<()> {
+        Ok(())
+    }
+}
+
+/// Gates 3 and 4 in one step (the hot path).
+pub(super) struct AdmitArgs<'a> {
+    /// The scope's breaker parameters.
+    pub p: &'a BreakerParams,
+    /// The source's buckets.
+    pub q: &'a QuotaParams,
+    /// Tokens to reserve.
+    pub tokens: u64,
+}
+
+impl Op for AdmitArgs<'_> {
+    const NAME: &'static str = "admit";
+    type Reply = Admit;
+    fn argv(&self) -> Argv<'_> {
+        Argv {
+            breaker: Some(self.p),
+            quota: Some(self.q),
+            tokens: self.tokens,
+            ..Argv::default()
+        }
+    }
+    fn read(v: &[Value]) -> BResult<Admit> {
+        match int_at(v, 0)? {
+            0 => Ok(Admit::Granted {
+                epoch: u64_at(v, 1)?,
+                is_probe: bool_at(v, 2)?,
+            }),
+            1 => Ok(Admit::RateLimited {
+                retry_after: dur_at(v, 4)?,
+            }),
+            2 => Ok(Admit::CircuitOpen {
+                state: state_at(v, 3)?,
+                retry_after: dur_at(v, 4)?,
+            }),
+            _ => Err(proto("admit", v)),
+        }
+    }
+}
+
+/// Settle the permit's reservation and feed the outcome to the breaker, in one step
+/// (the hot path).
+pub(super) struct ReportArgs<'a> {
+    /// The scope's breaker parameters.
+    pub p: &'a BreakerParams,
+    /// The source's buckets.
+    pub q: &'a QuotaParams,
+    /// The permit's epoch.
+    pub epoch: u64,
+    /// The permit is the probe.
+    pub is_probe: bool,
+    /// Tokens the permit's reservation took.
+    pub reserved: u64,
+    /// What happened.
+    pub outcome: Outcome,
+}
+
+impl Op for ReportArgs<'_> {
+    const NAME: &'static str = "report";
+    type Reply = Applied;
+    fn argv(&self) -> Argv<'_> {
+        let (outcome, count_attempt, charged, block) = match self.outcome {
+            Outcome::Success {
+                tokens,
+                count_attempt,
+            } => ("S", count_attempt, tokens, None),
+            Outcome::Failure(_) => ("F", false, None, None),
+            Outcome::RateLimited { retry_after } => ("R", false, None, retry_after),
+            Outcome::Cancelled => ("C", false, None, None),
+        };
+        Argv {
+            breaker: Some(self.p),
+            quota: Some(self.q),
+            epoch: self.epoch,
+            count_attempt,
+            is_probe: self.is_probe,
+            tokens: self.reserved,
+            outcome,
+            charged,
+            block,
+            ..Argv::default()
+        }
+    }
+    fn read(v: &[Value]) -> BResult<Applied> {
+        applied(v)
+    }
+}
+
+/// Everything about the source, for status (reads persist nothing).
+pub(super) struct SnapshotArgs<'a> {
+    /// The scope's breaker parameters.
+    pub p: &'a BreakerParams,
+    /// The source's buckets.
+    pub q: &'a QuotaParams,
+}
+
+impl Op for SnapshotArgs<'_> {
+    const NAME: &'static str = "snapshot";
+    type Reply = SourceSnapshot;
+    fn argv(&self) -> Argv<'_> {
+        Argv {
+            breaker: Some(self.p),
+            quota: Some(self.q),
+            ..Argv::default()
+        }
+    }
+    fn read(v: &[Value]) -> BResult<SourceSnapshot> {
+        Ok(SourceSnapshot {
+            state: state_at(v, 0)?,
+            epoch: u64_at(v, 1)?,
+            retry_after: dur_at(v, 2)?,
+            cooldown_level: u32::try_from(u64_at(v, 3)?).unwrap_or(u32::MAX),
+            window_successes: u64_at(v, 4)?,
+            window_failures: u64_at(v, 5)?,
+            streak: u32::try_from(u64_at(v, 6)?).unwrap_or(u32::MAX),
+            tokens_available: level_at(v, 7)?,
+            requests_available: level_at(v, 8)?,
+            quota_blocked: dur_at(v, 9)?,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::backend::redis::script::SLOTS;
+
+    /// The slot named `name` of `op`'s ARGV.
+    fn slot<O: Op>(op: &O, name: &str) -> String {
+        let i = SLOTS.iter().position(|s| *s == name).expect("a slot name");
+        op.argv().strings(O::NAME)[i].clone()
+    }
+
+    #[test]
+    fn numeric_script_arguments_are_integer_strings() {
+        let p = BreakerParams {
+            failure_threshold: u32::MAX,
+            failure_rate: 0.25,
+            min_calls: 7,
+            window: Duration::MAX,
+            cooldown: Duration::from_nanos(1_500),
+            max_cooldown: Duration::from_secs(u64::MAX / 1_000),
+            probe_ttl: Duration::from_millis(150),
+        };
+        let q = QuotaParams {
+            tpm: Some(u64::MAX),
+            rpm: None,
+        };
+        let report = ReportArgs {
+            p: &p,
+            q: &q,
+            epoch: u64::MAX,
+            is_probe: true,
+            reserved: u64::MAX,
+            outcome: Outcome::Success {
+                tokens: Some(u64::MAX),
+                count_attempt: true,
+            },
+        };
+        let announce = Announce {
+            channel: "chan",
+            source: "src",
+        };
+        let open = ForceOpenArgs {
+            open_for: Duration::MAX,
+            announce,
+        };
+        let strings = [
+            (report.argv().strings(ReportArgs::NAME), true),
+            (open.argv().strings(ForceOpenArgs::NAME), false),
+        ];
+        for (a, with_params) in &strings {
+            assert_eq!(a[2], if *with_params { "0.25" } else { "0" });
+            for (v, name) in a.iter().zip(SLOTS) {
+                if [
+                    "op",
+                    "failure_rate",
+                    "settlement",
+                    "outcome",
+                    "channel",
+                    "source",
+                ]
+                .contains(&name)
+                {
+                    continue;
+                }
+                let n: i128 = v
+                    .parse()
+                    .unwrap_or_else(|_| panic!("{name} = {v:?} is not an integer"));
+                // Epochs are compared, not computed with; everything else stays exact
+                // in a double.
+                if name != "epoch" {
+                    assert!(n.abs() <= 1 << 53, "{name} = {v} too large");
+                }
+            }
+        }
+        assert_eq!(slot(&report, "op"), "report");
+        assert_eq!(
+            slot(&report, "window_us"),
+            (1u64 << 52).to_string(),
+            "capped"
+        );
+        assert_eq!(slot(&report, "cooldown_us"), "1", "sub-µs part dropped");
+        assert_eq!(slot(&report, "tpm"), (1u64 << 53).to_string(), "tpm capped");
+        assert_eq!(slot(&report, "rpm"), "-1", "rpm disabled");
+        assert_eq!(slot(&report, "tokens"), (1u64 << 53).to_string(), "capped");
+        assert_eq!(slot(&report, "charged"), (1u64 << 53).to_string(), "capped");
+        assert_eq!(slot(&report, "count_attempt"), "1");
+        assert_eq!(slot(&report, "is_probe"), "1");
+        assert_eq!(slot(&report, "outcome"), "S");
+        assert_eq!(slot(&report, "block_us"), "-1", "no block");
+        assert_eq!(slot(&report, "channel"), "", "only admin ops announce");
+        assert_eq!(slot(&open, "op"), "force_open");
+        assert_eq!(slot(&open, "open_us"), (1u64 << 52).to_string(), "capped");
+        assert_eq!(slot(&open, "tokens"), "0");
+        assert_eq!(slot(&open, "channel"), "chan");
+        assert_eq!(slot(&open, "source"), "src");
+    }
+
+    #[test]
+    fn each_slot_keeps_its_meaning_across_operations() {
+        // A probe's 429 report: the probe flag and the block travel in their own
+        // slots, not in ones another operation reads differently.
+        let p = BreakerParams {
+            failure_threshold: 5,
+            failure_rate: 0.5,
+            min_calls: 20,
+            window: Duration::from_secs(60),
+            cooldown: Duration::from_secs(60),
+            max_cooldown: Duration::from_secs(600),
+            probe_ttl: Duration::from_secs(120),
+        };
+        let q = QuotaParams::default();
+        let report = ReportArgs {
+            p: &p,
+            q: &q,
+            epoch: 7,
+            is_probe: true,
+            reserved: 10,
+            outcome: Outcome::RateLimited {
+                retry_after: Some(Duration::from_secs(2)),
+            },
+        };
+        assert_eq!(slot(&report, "is_probe"), "1");
+        assert_eq!(slot(&report, "count_attempt"), "0");
+        assert_eq!(slot(&report, "block_us"), "2000000");
+        assert_eq!(slot(&report, "charged"), "-1");
+        assert_eq!(slot(&report, "outcome"), "R");
+        let neutral = NeutralArgs {
+            epoch: 7,
+            is_probe: true,
+        };
+        assert_eq!(slot(&neutral, "is_probe"), "1");
+        assert_eq!(slot(&neutral, "count_attempt"), "0");
+        let success = RecordSuccessArgs {
+            p: &p,
+            epoch: 7,
+            count_attempt: true,
+        };
+        assert_eq!(slot(&success, "count_attempt"), "1");
+        assert_eq!(slot(&success, "is_probe"), "0");
+        let settle = SettleArgs {
+            q: &q,
+            reserved: 10,
+            how: Settlement::Charge { tokens: 3 },
+        };
+        assert_eq!(slot(&settle, "settlement"), "charge");
+        assert_eq!(slot(&settle, "charged"), "3");
+        assert_eq!(slot(&settle, "outcome"), "");
+        let block = BlockArgs {
+            block: Duration::from_millis(1),
+        };
+        assert_eq!(slot(&block, "block_us"), "1000");
+        assert_eq!(slot(&block, "open_us"), "-1");
+    }
+}

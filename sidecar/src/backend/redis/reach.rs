@@ -1,0 +1,224 @@
+//! Whether Redis can be reached for each source, and what to do while it cannot
+//! (§10, `on_backend_error`). One log line per transition, never one per call.
+//!
+//! When a call for a source fails as an outage ([`Fault::Unreachable`]):
+//! - `on_backend_error = local`: the operation is served by the backend's embedded
+//!   memory backend, the source is marked degraded ([`Backend::degraded`]) and one
+//!   line is logged. While degraded, Redis is retried at most once per
+//!   [`RETRY_INTERVAL`] per source (the other calls go straight to local state), so a
+//!   dead Redis does not cost a timeout per admission; the first answer restores the
+//!   source (logged once). Local and Redis state are not merged: the local breakers'
+//!   epochs start at a random base ≥ 2^62 ([`local_epoch_base`]; Redis epochs count
+//!   up from 0), so a permit granted on one side is always fenced on the other across
+//!   a degrade/restore; its quota settlement is still applied to the buckets it lands
+//!   on (clamped).
+//! - `fail_closed`: [`BackendError::Unavailable`] naming the Redis target; within
+//!   [`RETRY_INTERVAL`] of a failure the error is returned at once, without waiting
+//!   for another timeout.
+//!
+//! Admin operations never take the degraded shortcut (they always ask Redis) and
+//! never fall back; see [`Route`].
+//!
+//! [`Fault::Unreachable`]: super::fault::Fault::Unreachable
+//! [`Backend::degraded`]: crate::backend::Backend::degraded
+
+use std::collections::HashMap;
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use crate::backend::{BResult, BackendError};
+use crate::config::OnBackendError;
+
+/// While a source is degraded, Redis is retried at most this often for it.
+pub const RETRY_INTERVAL: Duration = Duration::from_secs(1);
+
+/// Redis's reachability for one source.
+#[derive(Debug)]
+struct Reachability {
+    /// The last Redis call for this source failed.
+    down: bool,
+    /// While down: when Redis may be tried again.
+    next_try: Instant,
+    /// While down: the last error, for fail_closed's fast refusals.
+    last_error: String,
+}
+
+/// Where one operation goes, decided before it is sent.
+pub(super) enum Route {
+    /// Ask Redis.
+    Redis,
+    /// Serve it from local state (degraded, not yet time to retry).
+    Local,
+}
+
+/// Every configured source's [`Reachability`], and the policy applied to it.
+pub(super) struct Reach {
+    /// Configured sources (others are [`BackendError::UnknownSource`]).
+    sources: HashMap<String, Mutex<Reachability>>,
+    /// Degrade to local state or refuse.
+    on_error: OnBackendError,
+    /// The Redis target, for log lines and errors.
+    describe: String,
+}
+
+impl Reach {
+    /// Every source reachable until a call says otherwise.
+    pub(super) fn new(sources: &[String], on_error: OnBackendError, describe: &str) -> Self {
+        let now = Instant::now();
+        let sources = sources
+            .iter()
+            .map(|s| {
+                (
+                    s.clone(),
+                    Mutex::new(Reachability {
+                        down: false,
+                        next_try: now,
+                        last_error: String::new(),
+                    }),
+                )
+            })
+            .collect();
+        Reach {
+            sources,
+            on_error,
+            describe: describe.to_string(),
+        }
+    }
+
+    fn of(&self, source: &str) -> BResult<&Mutex<Reachability>> {
+        self.sources
+            .get(source)
+            .ok_or_else(|| BackendError::UnknownSource(source.to_string()))
+    }
+
+    /// Where an operation on `source` goes. An `admin` operation always asks Redis;
+    /// any other one, while the source is down and its retry is not due, is served
+    /// locally (`local`) or refused at once (`fail_closed`). The caller that finds
+    /// the retry due asks Redis; the others keep going local until the next one.
+    pub(super) fn route(&self, source: &str, admin: bool) -> BResult<Route> {
+        let r = self.of(source)?;
+        if admin {
+            return Ok(Route::Redis);
+        }
+        let mut g = r.lock().unwrap_or_else(|e| e.into_inner());
+        if g.down {
+            let now = Instant::now();
+            if now < g.next_try {
+                return match self.on_error {
+                    OnBackendError::Local => Ok(Route::Local),
+                    OnBackendError::FailClosed => Err(self.unavailable(&g.last_error)),
+                };
+            }
+            // This caller probes; the others keep going local until next_try.
+            g.next_try = now + RETRY_INTERVAL;
+        }
+        Ok(Route::Redis)
+    }
+
+    /// Redis answered for `source`: restored if it was down (logged once).
+    pub(super) fn answered(&self, source: &str) {
+        let Ok(r) = self.of(source) else { return };
+        let mut g = r.lock().unwrap_or_else(|e| e.into_inner());
+        if g.down {
+            g.down = false;
+            g.last_error.clear();
+            match self.on_error {
+                OnBackendError::Local => tracing::info!(
+                    source,
+                    redis = %self.describe,
+                    "redis reachable again; source served from redis"
+                ),
+                OnBackendError::FailClosed => tracing::info!(
+                    source,
+                    redis = %self.describe,
+                    "redis reachable again; source admitting"
+                ),
+            }
+        }
+    }
+
+    /// Redis could not be reached for `source` (`why`): the source is down until a
+    /// retry answers (logged once, on the transition).
+    pub(super) fn unreachable(&self, source: &str, why: &str) {
+        let Ok(r) = self.of(source) else { return };
+        let mut g = r.lock().unwrap_or_else(|e| e.into_inner());
+        let was_down = g.down;
+        g.down = true;
+        g.next_try = Instant::now() + RETRY_INTERVAL;
+        g.last_error = why.to_string();
+        if !was_down {
+            match self.on_error {
+                OnBackendError::Local => tracing::warn!(
+                    source,
+                    redis = %self.describe,
+                    error = %g.last_error,
+                    "redis unreachable; source degraded to local state"
+                ),
+                OnBackendError::FailClosed => tracing::warn!(
+                    source,
+                    redis = %self.describe,
+                    error = %g.last_error,
+                    "redis unreachable; source refused (fail_closed)"
+                ),
+            }
+        }
+    }
+
+    /// What a non-admin operation answers once Redis could not be reached (`why`):
+    /// `Ok` to serve it from local state (`local`), or the refusal naming the target
+    /// (`fail_closed`).
+    pub(super) fn after_outage(&self, why: &str) -> BResult<()> {
+        match self.on_error {
+            OnBackendError::Local => Ok(()),
+            OnBackendError::FailClosed => Err(self.unavailable(why)),
+        }
+    }
+
+    /// What an admin operation answers once Redis could not be reached (`why`), in
+    /// both modes: a local change would be invisible to every other host.
+    pub(super) fn admin_not_applied(&self, why: &str) -> BackendError {
+        BackendError::Unavailable(format!(
+            "admin operation not applied: shared backend unreachable (redis {}: {why}); \
+             a local change would be invisible to every other host, so nothing \
+             was changed; retry once redis is back",
+            self.describe
+        ))
+    }
+
+    /// `true` while `source` is served from local state (`local` mode only).
+    pub(super) fn degraded(&self, source: &str) -> bool {
+        self.on_error == OnBackendError::Local
+            && self
+                .sources
+                .get(source)
+                .is_some_and(|r| r.lock().unwrap_or_else(|e| e.into_inner()).down)
+    }
+
+    fn unavailable(&self, why: &str) -> BackendError {
+        BackendError::Unavailable(format!(
+            "redis backend {} unreachable: {why} (on_backend_error = fail_closed)",
+            self.describe
+        ))
+    }
+}
+
+/// Epoch base of the local fallback: at least 2^62, random below that, so no local
+/// epoch is ever reached by a Redis breaker (which counts up from 0) and two hosts'
+/// (or two runs') local epochs differ too.
+pub(super) fn local_epoch_base() -> u64 {
+    (1u64 << 62) | (rand::random::<u64>() >> 3)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn local_epoch_base_is_far_from_redis_epochs() {
+        for _ in 0..100 {
+            let b = local_epoch_base();
+            assert!((1 << 62..(1 << 62) + (1 << 61)).contains(&b), "{b}");
+        }
+        assert_ne!(local_epoch_base(), local_epoch_base());
+    }
+}
