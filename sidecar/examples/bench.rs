@@ -19,7 +19,7 @@ use ipc_protocol::{ClientCodec, ClientFrame, Outcome, Reply, Request, PROTOCOL_V
 use polygate::backend::memory::MemoryBackend;
 use polygate::backend::Outcome as EOutcome;
 use polygate::clock::{Clock, TokioClock};
-use polygate::config::parse::parse_str;
+use polygate::config::parse_str;
 use polygate::config::Config;
 use polygate::engine::Engine;
 use polygate::peer::AccessPolicy;

@@ -16,7 +16,7 @@ use ipc_protocol::{ClientCodec, ClientFrame, Reply, Request};
 use polygate::backend::redis::{AdminEvent, AdminOp};
 use polygate::backend::AnyBackend;
 use polygate::clock::{Clock, TokioClock};
-use polygate::config::{self, BackendKind, Config};
+use polygate::config::{self, Config};
 use polygate::engine::Engine;
 use polygate::server::{self, ServerOptions};
 use polygate::{notify, status_print};
@@ -103,13 +103,6 @@ fn load_config(path: Option<&Path>) -> Result<Config, ExitCode> {
     })
 }
 
-fn backend_name(b: BackendKind) -> &'static str {
-    match b {
-        BackendKind::Memory => "memory",
-        BackendKind::Redis => "redis",
-    }
-}
-
 /// One line: what `--check-config` validated.
 fn summary(c: &Config, path: Option<&Path>) -> String {
     let scopes: Vec<String> = c
@@ -124,7 +117,7 @@ fn summary(c: &Config, path: Option<&Path>) -> String {
             )
         })
         .collect();
-    let backend = backend_name(c.sidecar.backend);
+    let backend = c.sidecar.backend.as_str();
     format!(
         "configuration OK ({}): {} scope{}: {}; backend {backend}; socket {}",
         path.map_or("embedded example".into(), |p| p.display().to_string()),
@@ -254,7 +247,7 @@ async fn serve(config: Config, path: Option<PathBuf>) -> ExitCode {
     let backend = match AnyBackend::from_config(&config, clock.clone()).await {
         Ok(b) => b,
         Err(e) => {
-            error!("{} backend: {e}", backend_name(config.sidecar.backend));
+            error!("{} backend: {e}", config.sidecar.backend.as_str());
             return ExitCode::FAILURE;
         }
     };
@@ -545,10 +538,10 @@ fn apply_reload(
 
 /// The configuration from `path` (or the embedded example) with the environment's
 /// `{SCOPE}__{KEY}` overrides applied.
-fn read_config(path: Option<&Path>) -> Result<Config, config::parse::ConfigError> {
+fn read_config(path: Option<&Path>) -> Result<Config, config::ConfigError> {
     match path {
-        Some(p) => config::parse::load_file(p, std::env::vars()),
-        None => config::parse::parse_str(config::parse::EXAMPLE_CONFIG, std::env::vars()),
+        Some(p) => config::load_file(p, std::env::vars()),
+        None => config::parse_str(config::EXAMPLE_CONFIG, std::env::vars()),
     }
 }
 

@@ -1011,7 +1011,7 @@ timeout = "1s"
         srv.url(),
         prefix()
     );
-    let cfg = polygate::config::parse::parse_str(&toml, std::iter::empty()).expect("config");
+    let cfg = polygate::config::parse_str(&toml, std::iter::empty()).expect("config");
     let o = RedisOptions::from_config(&cfg);
     assert_eq!(
         o.sources,

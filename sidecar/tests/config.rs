@@ -3,7 +3,7 @@
 
 use std::time::Duration;
 
-use polygate::config::parse::{load_file, parse_str, ConfigError, EXAMPLE_CONFIG};
+use polygate::config::{load_file, parse_str, ConfigError, EXAMPLE_CONFIG};
 use polygate::config::{
     BackendKind, BreakerConfig, Config, Mode, OnBackendError, PacerConfig, Selector, SidecarConfig,
     DEFAULT_MAX_ATTEMPTS, DEFAULT_POLL_INTERVAL, DEFAULT_SOURCE_TIMEOUT, DEFAULT_STALL_WINDOW,
@@ -747,7 +747,7 @@ fn env_prefix_collisions_are_rejected() {
 #[test]
 fn admin_listen_parses_and_bad_values_name_the_key() {
     let base = "[scopes.chat]\n[[scopes.chat.sources]]\nname = \"a\"\n";
-    let ok = polygate::config::parse::parse_str(
+    let ok = polygate::config::parse_str(
         &format!("[sidecar]\nadmin_listen = \"127.0.0.1:9464\"\n{base}"),
         std::iter::empty(),
     )
@@ -756,9 +756,9 @@ fn admin_listen_parses_and_bad_values_name_the_key() {
         ok.sidecar.admin_listen,
         Some("127.0.0.1:9464".parse().unwrap())
     );
-    let none = polygate::config::parse::parse_str(base, std::iter::empty()).unwrap();
+    let none = polygate::config::parse_str(base, std::iter::empty()).unwrap();
     assert_eq!(none.sidecar.admin_listen, None, "off by default");
-    let err = polygate::config::parse::parse_str(
+    let err = polygate::config::parse_str(
         &format!("[sidecar]\nadmin_listen = \"localhost\"\n{base}"),
         std::iter::empty(),
     )
@@ -768,7 +768,7 @@ fn admin_listen_parses_and_bad_values_name_the_key() {
         err.contains("sidecar.admin_listen") && err.contains("127.0.0.1:9464"),
         "{err}"
     );
-    let env = polygate::config::parse::parse_str(
+    let env = polygate::config::parse_str(
         base,
         [("SIDECAR__ADMIN_LISTEN".to_string(), "nope".to_string())],
     )

@@ -17,7 +17,7 @@ use ipc_protocol::{
 };
 use polygate::backend::memory::MemoryBackend;
 use polygate::clock::{Clock, TokioClock};
-use polygate::config::parse::parse_str;
+use polygate::config::parse_str;
 use polygate::engine::Engine;
 use polygate::server::{self, ServerError, ServerOptions, ServerStats, MAX_IN_FLIGHT};
 use support::test_backend::TestBackend;

@@ -10,7 +10,7 @@ use futures_util::{SinkExt, StreamExt};
 use ipc_protocol::{ClientCodec, ClientFrame, Reply, Request, PROTOCOL_VERSION};
 use polygate::backend::memory::MemoryBackend;
 use polygate::clock::{Clock, TokioClock};
-use polygate::config::parse::parse_str;
+use polygate::config::parse_str;
 use polygate::engine::Engine;
 use polygate::server::{self, ServerOptions};
 use tokio::net::{UnixListener, UnixStream};

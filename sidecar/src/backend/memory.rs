@@ -82,7 +82,7 @@ impl MemoryBackend {
 
 impl Backend for MemoryBackend {
     fn name(&self) -> &'static str {
-        "memory"
+        crate::config::BackendKind::Memory.as_str()
     }
 
     async fn try_enter(&self, source: &str, p: &BreakerParams) -> BResult<Entry> {

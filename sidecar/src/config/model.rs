@@ -1,52 +1,100 @@
-//! The validated configuration model (§12a). Everything the engine and daemon read
-//! comes from here; parsing and validation live in [`super::parse`].
+//! The validated configuration model (§12a): every type the engine and daemon read,
+//! every default, and the one spelling table of each enumeration ([`Spelling`]).
+//! Reading a file into it lives in the sibling modules (`raw`, `env`, `validate`).
 
 use std::time::Duration;
 
-/// What a scope does when its gate says "not now" (§5).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Mode {
-    /// Sleep on the sidecar and try again.
-    Wait,
-    /// Return the error at once.
-    FailFast,
-}
+/// A configuration enumeration whose spellings come from one table: parsing reads
+/// it, and status, metrics and log lines print [`as_str`](Mode::as_str), which the
+/// same table generates.
+pub trait Spelling: Copy + 'static {
+    /// Every value with its spelling, in the order messages list them.
+    const SPELLINGS: &'static [(&'static str, Self)];
 
-impl Mode {
-    /// The config spelling.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Mode::Wait => "wait",
-            Mode::FailFast => "fail_fast",
-        }
+    /// The value spelled exactly `s`.
+    fn parse(s: &str) -> Option<Self> {
+        Self::SPELLINGS
+            .iter()
+            .find(|(name, _)| *name == s)
+            .map(|(_, v)| *v)
+    }
+
+    /// Every spelling, comma-separated (`wait, fail_fast`), for error messages.
+    fn allowed() -> String {
+        let names: Vec<&str> = Self::SPELLINGS.iter().map(|(n, _)| *n).collect();
+        names.join(", ")
     }
 }
 
-/// Candidate ordering (§4).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Selector {
-    /// Config order.
-    Priority,
-    /// Recent success rate, then latency.
-    Health,
+/// Declares a config enum and its one spelling table: the [`Spelling`] table and
+/// the inherent `as_str` both come from the `Variant = "spelling"` list.
+macro_rules! spelled {
+    (
+        $(#[$meta:meta])*
+        pub enum $name:ident {
+            $( $(#[$vmeta:meta])* $variant:ident = $spelling:literal, )+
+        }
+    ) => {
+        $(#[$meta])*
+        #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+        pub enum $name {
+            $( $(#[$vmeta])* $variant, )+
+        }
+
+        impl $name {
+            /// The config spelling (also what status, metrics and logs print).
+            pub const fn as_str(self) -> &'static str {
+                match self {
+                    $( $name::$variant => $spelling, )+
+                }
+            }
+        }
+
+        impl Spelling for $name {
+            const SPELLINGS: &'static [(&'static str, Self)] =
+                &[ $( ($spelling, $name::$variant), )+ ];
+        }
+    };
 }
 
-/// Which backend holds breaker and quota state (§10).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum BackendKind {
-    /// In-process, one host.
-    Memory,
-    /// Redis (single node or cluster), many hosts.
-    Redis,
+spelled! {
+    /// What a scope does when its gate says "not now" (§5).
+    pub enum Mode {
+        /// Sleep on the sidecar and try again.
+        Wait = "wait",
+        /// Return the error at once.
+        FailFast = "fail_fast",
+    }
 }
 
-/// What to do when Redis cannot be reached (§10).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum OnBackendError {
-    /// Serve the affected sources from local memory state.
-    Local,
-    /// Refuse admission with `BackendUnavailable`.
-    FailClosed,
+spelled! {
+    /// Candidate ordering (§4).
+    pub enum Selector {
+        /// Config order.
+        Priority = "priority",
+        /// Recent success rate, then latency.
+        Health = "health",
+    }
+}
+
+spelled! {
+    /// Which backend holds breaker and quota state (§10).
+    pub enum BackendKind {
+        /// In-process, one host.
+        Memory = "memory",
+        /// Redis (single node or cluster), many hosts.
+        Redis = "redis",
+    }
+}
+
+spelled! {
+    /// What to do when Redis cannot be reached (§10).
+    pub enum OnBackendError {
+        /// Serve the affected sources from local memory state.
+        Local = "local",
+        /// Refuse admission with `BackendUnavailable`.
+        FailClosed = "fail_closed",
+    }
 }
 
 /// The whole configuration.
@@ -125,7 +173,7 @@ impl ScopeConfig {
             .iter()
             .map(|s| s.timeout)
             .max()
-            .unwrap_or(Duration::from_secs(60))
+            .unwrap_or(DEFAULT_SOURCE_TIMEOUT)
     }
 }
 
@@ -243,11 +291,45 @@ impl Default for PacerConfig {
     }
 }
 
-/// Scope-level defaults (everything but `sources`).
+// ---------------------------------------------------------------------------------
+// Defaults: every key but `scopes.*.sources` has one (§12a). `[sidecar]`, breaker and
+// pacer defaults are the `Default` impls above.
+
+/// Default `max_attempts` of a scope.
 pub const DEFAULT_MAX_ATTEMPTS: u32 = 3;
-/// Default `poll_interval`.
+/// Default `poll_interval` of a scope.
 pub const DEFAULT_POLL_INTERVAL: Duration = Duration::from_millis(50);
-/// Default `stall_window`.
+/// Default `stall_window` of a scope.
 pub const DEFAULT_STALL_WINDOW: Duration = Duration::from_secs(300);
+/// Default `quota_full` of a scope.
+pub const DEFAULT_QUOTA_FULL: Mode = Mode::Wait;
+/// Default `circuit_open` of a scope.
+pub const DEFAULT_CIRCUIT_OPEN: Mode = Mode::FailFast;
+/// Default `selector` of a scope.
+pub const DEFAULT_SELECTOR: Selector = Selector::Priority;
 /// Default source `timeout`.
 pub const DEFAULT_SOURCE_TIMEOUT: Duration = Duration::from_secs(60);
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Each table lists every variant once, and `as_str` agrees with it.
+    fn round_trips<T: Spelling + PartialEq + std::fmt::Debug>(as_str: fn(T) -> &'static str) {
+        for (name, v) in T::SPELLINGS {
+            assert_eq!(as_str(*v), *name);
+            assert_eq!(T::parse(name), Some(*v));
+        }
+        assert_eq!(T::parse("no such value"), None);
+    }
+
+    #[test]
+    fn every_enum_spells_from_its_one_table() {
+        round_trips(Mode::as_str);
+        round_trips(Selector::as_str);
+        round_trips(BackendKind::as_str);
+        round_trips(OnBackendError::as_str);
+        assert_eq!(Mode::allowed(), "wait, fail_fast");
+        assert_eq!(OnBackendError::allowed(), "local, fail_closed");
+    }
+}

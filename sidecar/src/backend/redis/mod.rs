@@ -36,7 +36,7 @@ use super::{
     Reserve, Settlement, SourceSnapshot,
 };
 use crate::clock::Clock;
-use crate::config::OnBackendError;
+use crate::config::{BackendKind, OnBackendError};
 use conn::Connection;
 use fault::Fault;
 use ops::{
@@ -226,7 +226,7 @@ impl RedisBackend {
 
 impl Backend for RedisBackend {
     fn name(&self) -> &'static str {
-        "redis"
+        BackendKind::Redis.as_str()
     }
 
     fn is_remote(&self) -> bool {

@@ -158,7 +158,8 @@ impl Reach {
                     source,
                     redis = %self.describe,
                     error = %g.last_error,
-                    "redis unreachable; source refused (fail_closed)"
+                    "redis unreachable; source refused ({})",
+                    OnBackendError::FailClosed.as_str()
                 ),
             }
         }
@@ -196,8 +197,9 @@ impl Reach {
 
     fn unavailable(&self, why: &str) -> BackendError {
         BackendError::Unavailable(format!(
-            "redis backend {} unreachable: {why} (on_backend_error = fail_closed)",
-            self.describe
+            "redis backend {} unreachable: {why} (on_backend_error = {})",
+            self.describe,
+            OnBackendError::FailClosed.as_str()
         ))
     }
 }
