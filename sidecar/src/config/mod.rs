@@ -26,6 +26,18 @@ pub use model::*;
 /// embedded default when run without `--config`.
 pub const EXAMPLE_CONFIG: &str = include_str!("../../../examples/polygate.toml");
 
+/// The configuration from `path`, or the embedded [`EXAMPLE_CONFIG`] without one,
+/// with the overrides found in `env` (the daemon's start-up, reload and `status`).
+pub fn load(
+    path: Option<&Path>,
+    env: impl IntoIterator<Item = (String, String)>,
+) -> Result<Config, ConfigError> {
+    match path {
+        Some(p) => load_file(p, env),
+        None => parse_str(EXAMPLE_CONFIG, env),
+    }
+}
+
 /// Reads `path` and parses it with [`parse_str`].
 pub fn load_file(
     path: &Path,

@@ -248,7 +248,7 @@ impl SourceConfig {
 impl Default for SidecarConfig {
     fn default() -> Self {
         SidecarConfig {
-            socket: "/run/polygate/sidecar.sock".into(),
+            socket: DEFAULT_SOCKET.into(),
             socket_mode: 0o660,
             allowed_uids: vec![],
             allowed_gids: vec![],
@@ -295,6 +295,8 @@ impl Default for PacerConfig {
 // Defaults: every key but `scopes.*.sources` has one (§12a). `[sidecar]`, breaker and
 // pacer defaults are the `Default` impls above.
 
+/// Default `sidecar.socket` (also where `status` looks when told nothing else).
+pub const DEFAULT_SOCKET: &str = "/run/polygate/sidecar.sock";
 /// Default `max_attempts` of a scope.
 pub const DEFAULT_MAX_ATTEMPTS: u32 = 3;
 /// Default `poll_interval` of a scope.

@@ -1,8 +1,106 @@
-//! Human-readable rendering of a [`StatusReport`] (`polygate-sidecar status`).
+//! `polygate-sidecar status` (§12): ask a running sidecar for its live state over
+//! the worker socket (Hello, then Status) and print it as one text table per scope.
 
 use std::fmt::Write as _;
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+use std::time::Duration;
 
-use ipc_protocol::{BreakerState, ScopeStatus, SourceStatus, StatusReport};
+use futures_util::{SinkExt, StreamExt};
+use ipc_protocol::{
+    BreakerState, ClientCodec, ClientFrame, Reply, Request, ScopeStatus, SourceStatus, StatusReport,
+};
+use tokio::net::UnixStream;
+use tokio_util::codec::Framed;
+
+use crate::config::DEFAULT_SOCKET;
+
+/// How long `status` waits for the sidecar.
+const STATUS_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// The socket to ask: `--socket`, else `$POLYGATE_SOCKET`, else the `--config`
+/// file's socket, else [`DEFAULT_SOCKET`] (the default `sidecar.socket`). A `--config` that does not load is
+/// reported (exit status 2).
+pub fn socket_path(socket: Option<PathBuf>, config: Option<&Path>) -> Result<PathBuf, ExitCode> {
+    match socket.or_else(|| std::env::var_os("POLYGATE_SOCKET").map(Into::into)) {
+        Some(s) => Ok(s),
+        None if config.is_some() => super::load_config(config).map(|c| c.sidecar.socket.into()),
+        None => Ok(DEFAULT_SOCKET.into()),
+    }
+}
+
+/// Fetch the report from `socket` and print it; failures go to stderr.
+pub fn run(socket: &Path) -> ExitCode {
+    let rt = match tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("polygate-sidecar status: cannot start runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let fetch = async { tokio::time::timeout(STATUS_TIMEOUT, fetch(socket)).await };
+    match rt.block_on(fetch) {
+        Ok(Ok(report)) => {
+            print!("{}", render(&report));
+            ExitCode::SUCCESS
+        }
+        Ok(Err(e)) => {
+            eprintln!("polygate-sidecar status: {}: {e}", socket.display());
+            ExitCode::FAILURE
+        }
+        Err(_) => {
+            eprintln!(
+                "polygate-sidecar status: {}: no answer within {STATUS_TIMEOUT:?}",
+                socket.display()
+            );
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// Hello, then Status, on one connection.
+async fn fetch(socket: &Path) -> Result<StatusReport, String> {
+    let stream = UnixStream::connect(socket)
+        .await
+        .map_err(|e| format!("cannot connect: {e}"))?;
+    // A status report may be larger than a request frame: accept up to the decoder's limit.
+    let mut framed = Framed::new(stream, ClientCodec::new(ipc_protocol::codec::DECODE_LIMIT));
+    let mut ask = async |id: u64, request: Request| -> Result<Reply, String> {
+        framed
+            .send(ClientFrame { id, request })
+            .await
+            .map_err(|e| format!("send failed: {e}"))?;
+        loop {
+            match framed.next().await {
+                Some(Ok(f)) if f.id == id => return Ok(f.reply),
+                Some(Ok(_)) => continue,
+                Some(Err(e)) => return Err(format!("receive failed: {e}")),
+                None => return Err("the sidecar closed the connection".into()),
+            }
+        }
+    };
+    let hello = Request::Hello {
+        protocol_version: ipc_protocol::PROTOCOL_VERSION,
+        client_name: format!("polygate-sidecar-status/{}", env!("CARGO_PKG_VERSION")),
+        pid: std::process::id(),
+    };
+    match ask(1, hello).await? {
+        Reply::Welcome { .. } => {}
+        Reply::Error(e) => return Err(format!("{:?}: {}", e.kind, e.message)),
+        other => return Err(format!("unexpected answer to Hello: {other:?}")),
+    }
+    match ask(2, Request::Status).await? {
+        Reply::Status(report) => Ok(report),
+        Reply::Error(e) => Err(format!("{:?}: {}", e.kind, e.message)),
+        other => Err(format!("unexpected answer to Status: {other:?}")),
+    }
+}
+
+// ---------------------------------------------------------------------------------
+// rendering
 
 /// Column alignment.
 #[derive(Clone, Copy)]

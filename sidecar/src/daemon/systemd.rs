@@ -1,4 +1,5 @@
-//! A tiny sd_notify(3) and sd_listen_fds(3), without libsystemd (sozu style).
+//! systemd integration (§12): a tiny sd_notify(3) and sd_listen_fds(3), without
+//! libsystemd (sozu style), and the watchdog task.
 //!
 //! * [`notify`] sends one datagram (`READY=1`, `STOPPING=1`, …) to `$NOTIFY_SOCKET`,
 //!   a filesystem path or an abstract name written `@name`; without
@@ -7,6 +8,8 @@
 //! * [`watchdog_interval`] reads `$WATCHDOG_USEC` (honouring `$WATCHDOG_PID`); the
 //!   daemon should call [`watchdog`] at half that period.
 //! * [`listen_fds`] takes the listening socket passed by a systemd socket unit.
+//! * [`sd_notify`] logs a failed notification (the daemon never stops over one), and
+//!   [`spawn_watchdog`] pings at half the watchdog period while the daemon runs.
 //!
 //! The environment is read only in the thin wrappers; the `*_to` / `*_from`
 //! functions take everything as parameters, so they can be tested in parallel.
@@ -105,6 +108,27 @@ fn monotonic_usec() -> io::Result<u64> {
     let secs = u64::try_from(ts.tv_sec()).unwrap_or(0);
     let nanos = u64::try_from(ts.tv_nsec()).unwrap_or(0);
     Ok(secs * 1_000_000 + nanos / 1_000)
+}
+
+/// Log a failed sd_notify message `what`; systemd integration never stops the daemon.
+pub fn sd_notify(what: &str, r: io::Result<()>) {
+    if let Err(e) = r {
+        tracing::warn!(error = %e, "sd_notify {what} failed");
+    }
+}
+
+/// When systemd's watchdog is enabled for this process: a task sending `WATCHDOG=1`
+/// at half the period, until aborted.
+pub fn spawn_watchdog() -> Option<tokio::task::JoinHandle<()>> {
+    watchdog_interval().map(|every| {
+        tokio::spawn(async move {
+            let mut tick = tokio::time::interval(every / 2);
+            loop {
+                tick.tick().await;
+                sd_notify("WATCHDOG", watchdog());
+            }
+        })
+    })
 }
 
 /// The watchdog timeout systemd expects pings within (`WatchdogSec=`), if the

@@ -1,0 +1,51 @@
+//! The command-line side of `polygate-sidecar` that is not the daemon (§12): loading
+//! the configuration for the command line, `--check-config`'s summary, and the
+//! [`status`] client.
+
+pub mod status;
+
+use std::path::Path;
+use std::process::ExitCode;
+
+use crate::config::{self, Config};
+
+/// Exit status for an invalid configuration (also clap's usage-error status).
+pub const EXIT_CONFIG: u8 = 2;
+
+/// The configuration from `path` (or the embedded example) with the environment's
+/// `{SCOPE}__{KEY}` overrides; on error the message goes to stderr and the exit code
+/// is returned.
+pub fn load_config(path: Option<&Path>) -> Result<Config, ExitCode> {
+    config::load(path, std::env::vars()).map_err(|e| {
+        let origin = path.map_or("embedded example configuration".into(), |p| {
+            p.display().to_string()
+        });
+        eprintln!("polygate-sidecar: invalid configuration ({origin}): {e}");
+        ExitCode::from(EXIT_CONFIG)
+    })
+}
+
+/// One line: what `--check-config` validated.
+pub fn summary(c: &Config, path: Option<&Path>) -> String {
+    let scopes: Vec<String> = c
+        .scopes
+        .iter()
+        .map(|s| {
+            format!(
+                "{} ({} source{})",
+                s.name,
+                s.sources.len(),
+                if s.sources.len() == 1 { "" } else { "s" }
+            )
+        })
+        .collect();
+    format!(
+        "configuration OK ({}): {} scope{}: {}; backend {}; socket {}",
+        path.map_or("embedded example".into(), |p| p.display().to_string()),
+        c.scopes.len(),
+        if c.scopes.len() == 1 { "" } else { "s" },
+        scopes.join(", "),
+        c.sidecar.backend.as_str(),
+        c.sidecar.socket,
+    )
+}

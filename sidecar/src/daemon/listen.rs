@@ -1,0 +1,115 @@
+//! The sockets the daemon serves (§12): the worker socket — passed by systemd
+//! (socket activation) or bound here with exactly `socket_mode`, replacing only a
+//! stale socket file — and the optional admin HTTP listener.
+
+use std::io;
+use std::os::unix::fs::{FileTypeExt, PermissionsExt};
+use std::path::{Path, PathBuf};
+
+use tokio::net::{TcpListener, UnixListener};
+use tracing::{info, warn};
+
+use super::systemd;
+use crate::config::Config;
+
+/// A bound worker listener, and the socket file to remove on exit when we created it.
+pub(super) struct Bound {
+    /// Accepts worker connections.
+    pub listener: UnixListener,
+    /// The socket file this process created (`None` when socket-activated).
+    pub created: Option<PathBuf>,
+}
+
+/// Remove the socket file this process created (`created` of [`Bound`]; never a file
+/// it did not create).
+pub(super) fn remove_created(created: Option<&Path>) {
+    if let Some(p) = created {
+        match std::fs::remove_file(p) {
+            Ok(()) => {}
+            Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+            Err(e) => warn!(socket = %p.display(), error = %e, "cannot remove the socket file"),
+        }
+    }
+}
+
+/// `sidecar.admin_listen`, bound (`Ok(None)` when unset); the error names the key.
+pub(super) async fn admin(c: &Config) -> Result<Option<TcpListener>, String> {
+    match c.sidecar.admin_listen {
+        None => Ok(None),
+        Some(addr) => TcpListener::bind(addr)
+            .await
+            .map(Some)
+            .map_err(|e| format!("sidecar.admin_listen = {addr}: cannot bind: {e}")),
+    }
+}
+
+/// The listening socket: the one systemd passed (socket activation), else our own.
+pub(super) fn listen(c: &Config) -> Result<Bound, String> {
+    let activated = systemd::listen_fds().map_err(|e| format!("socket activation: {e}"))?;
+    if let Some(std_listener) = activated {
+        std_listener
+            .set_nonblocking(true)
+            .map_err(|e| format!("socket-activated listener: {e}"))?;
+        let listener = UnixListener::from_std(std_listener)
+            .map_err(|e| format!("socket-activated listener: {e}"))?;
+        info!("using the socket passed by systemd (socket activation)");
+        return Ok(Bound {
+            listener,
+            created: None,
+        });
+    }
+    let path = PathBuf::from(&c.sidecar.socket);
+    let fail = |what: &str, e: io::Error| format!("{what} {}: {e}", path.display());
+    if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+        std::fs::create_dir_all(dir)
+            .map_err(|e| format!("cannot create socket directory {}: {e}", dir.display()))?;
+    }
+    remove_stale_socket(&path)?;
+    // Bind with a tight umask so the socket never exists with looser permissions
+    // than `socket_mode`, then widen it to exactly that.
+    let old = nix::sys::stat::umask(nix::sys::stat::Mode::from_bits_truncate(0o177));
+    let bound = UnixListener::bind(&path);
+    nix::sys::stat::umask(old);
+    let listener = bound.map_err(|e| fail("cannot bind", e))?;
+    std::fs::set_permissions(
+        &path,
+        std::fs::Permissions::from_mode(c.sidecar.socket_mode),
+    )
+    .map_err(|e| fail("cannot set the mode of", e))?;
+    info!(socket = %path.display(), mode = format_args!("{:o}", c.sidecar.socket_mode), "listening");
+    Ok(Bound {
+        listener,
+        created: Some(path),
+    })
+}
+
+/// Remove a socket file nobody listens on; refuse to touch a live socket or a file
+/// that is not a socket.
+fn remove_stale_socket(path: &Path) -> Result<(), String> {
+    let meta = match std::fs::symlink_metadata(path) {
+        Ok(m) => m,
+        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(()),
+        Err(e) => return Err(format!("cannot inspect {}: {e}", path.display())),
+    };
+    if !meta.file_type().is_socket() {
+        return Err(format!(
+            "{} exists and is not a socket; refusing to replace it",
+            path.display()
+        ));
+    }
+    match std::os::unix::net::UnixStream::connect(path) {
+        Ok(_) => Err(format!(
+            "another process is already listening on {}",
+            path.display()
+        )),
+        Err(e) if e.kind() == io::ErrorKind::ConnectionRefused => {
+            warn!(socket = %path.display(), "removing a stale socket file");
+            std::fs::remove_file(path)
+                .map_err(|e| format!("cannot remove stale socket {}: {e}", path.display()))
+        }
+        Err(e) => Err(format!(
+            "cannot tell whether {} is in use: {e}",
+            path.display()
+        )),
+    }
+}

@@ -1,0 +1,246 @@
+//! Running the daemon (§12): the runtime and logging, then the engine served on the
+//! worker socket until a signal stops it.
+//!
+//! Start-up order matters and is kept here in one place: the backend (Redis is
+//! connected lazily, so this works while it is down), the signal handlers (before any
+//! socket exists, so an early SIGTERM drains cleanly), the admin listener (if its
+//! address is taken, exit before a worker can connect), the worker socket, then
+//! `READY=1`. The pieces: `listen` (sockets), `signals` (SIGTERM,
+//! SIGINT, SIGHUP and reload), [`systemd`] (sd_notify, socket activation, watchdog).
+
+mod listen;
+mod signals;
+pub mod systemd;
+
+use std::io::{self, IsTerminal};
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::net::{TcpListener, UnixListener};
+use tokio::sync::broadcast;
+use tokio_util::sync::CancellationToken;
+use tracing::{error, info, warn};
+
+use crate::backend::redis::{AdminEvent, AdminOp};
+use crate::backend::AnyBackend;
+use crate::clock::{Clock, TokioClock};
+use crate::config::Config;
+use crate::engine::Engine;
+use crate::server::{self, ServerOptions};
+use signals::{Lifecycle, Reload};
+use systemd::sd_notify;
+
+/// Extra time past `shutdown_grace` before the process stops waiting for itself.
+const EXIT_SLACK: Duration = Duration::from_secs(2);
+
+/// Run the daemon on `config` (read from `path`, which SIGHUP re-reads; `None`: the
+/// embedded example) until it is stopped; the process's exit status.
+pub fn run(config: Config, path: Option<PathBuf>) -> ExitCode {
+    init_tracing();
+    let rt = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            error!(error = %e, "cannot start the runtime");
+            return ExitCode::FAILURE;
+        }
+    };
+    let code = rt.block_on(serve(config, path));
+    // Request tasks still stuck (e.g. on a dead backend) must not hold up the exit.
+    rt.shutdown_timeout(Duration::from_millis(200));
+    code
+}
+
+fn init_tracing() {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let fmt = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(io::stderr)
+        .with_ansi(io::stderr().is_terminal());
+    // Under systemd the journal stamps every line itself.
+    if std::env::var_os("JOURNAL_STREAM").is_some() {
+        fmt.without_time().init();
+    } else {
+        fmt.init();
+    }
+}
+
+/// Set everything up in order, serve, and clean up the socket file.
+async fn serve(config: Config, path: Option<PathBuf>) -> ExitCode {
+    let clock: Arc<dyn Clock> = Arc::new(TokioClock::new());
+    // Redis is connected lazily: this succeeds while it is down.
+    let backend = match AnyBackend::from_config(&config, clock.clone()).await {
+        Ok(b) => b,
+        Err(e) => {
+            error!("{} backend: {e}", config.sidecar.backend.as_str());
+            return ExitCode::FAILURE;
+        }
+    };
+    // Signal handlers go in before the socket exists: a client (or systemd) may signal
+    // as soon as it can connect, and an early SIGTERM/SIGINT must shut down cleanly
+    // rather than kill the process with the default action.
+    let lifecycle = Lifecycle::default();
+    let (reload_tx, reload_rx) = tokio::sync::mpsc::unbounded_channel();
+    let signals = match signals::spawn_handlers(lifecycle.clone(), reload_tx) {
+        Ok(h) => h,
+        Err(e) => {
+            error!(error = %e, "cannot install signal handlers");
+            return ExitCode::FAILURE;
+        }
+    };
+    // The admin listener first: if its address is taken, exit before the worker socket
+    // exists, so no worker ever connects to a daemon that is about to go away.
+    let admin = match listen::admin(&config).await {
+        Ok(l) => l,
+        Err(e) => {
+            error!("{e}");
+            signals.abort();
+            return ExitCode::FAILURE;
+        }
+    };
+    let bound = match listen::listen(&config) {
+        Ok(b) => b,
+        Err(e) => {
+            error!("{e}");
+            signals.abort();
+            return ExitCode::FAILURE;
+        }
+    };
+    let reload = Reload {
+        requests: reload_rx,
+        path,
+    };
+    let listeners = Listeners {
+        worker: bound.listener,
+        admin,
+    };
+    let code = run_engine(&config, lifecycle, reload, backend, clock, listeners).await;
+    signals.abort();
+    listen::remove_created(bound.created.as_deref());
+    info!("stopped");
+    code
+}
+
+/// The bound sockets the daemon serves.
+struct Listeners {
+    /// The worker socket.
+    worker: UnixListener,
+    /// `sidecar.admin_listen`, when set.
+    admin: Option<TcpListener>,
+}
+
+/// The engine and its companions (admin HTTP, reloader, watchdog, admin events) from
+/// READY=1 until the worker server has drained or the drain is cut short.
+async fn run_engine(
+    config: &Config,
+    lifecycle: Lifecycle,
+    reload: Reload,
+    backend: AnyBackend,
+    clock: Arc<dyn Clock>,
+    listeners: Listeners,
+) -> ExitCode {
+    let admin_events = backend.admin_events();
+    let engine = Engine::new(config, backend, clock);
+    let admin_sync = admin_events.map(|rx| tokio::spawn(apply_admin_events(rx, engine.clone())));
+    let opts = ServerOptions::from_config(&config.sidecar);
+    let grace = opts.shutdown_grace;
+    let stop = lifecycle.stop.clone();
+    // The admin listener outlives `stop`: it serves until the worker server has
+    // drained, so `/ready` answers 503 during the drain.
+    let admin_stop = CancellationToken::new();
+    let admin_http = listeners.admin.map(|l| {
+        match l.local_addr() {
+            Ok(addr) => info!(%addr, "admin listener: /live /ready /metrics"),
+            Err(_) => info!("admin listener: /live /ready /metrics"),
+        }
+        tokio::spawn(crate::admin_http::serve(
+            l,
+            engine.clone(),
+            admin_stop.clone().cancelled_owned(),
+        ))
+    });
+    let reloader = signals::spawn_reloader(
+        reload,
+        engine.clone(),
+        config.sidecar.clone(),
+        lifecycle.clone(),
+    );
+    let watchdog = systemd::spawn_watchdog();
+
+    info!(
+        version = env!("CARGO_PKG_VERSION"),
+        backend = engine.backend_name(),
+        scopes = config.scopes.len(),
+        "polygate-sidecar ready"
+    );
+    {
+        // A SIGTERM during startup already said STOPPING=1.
+        let _order = lifecycle.notify_lock();
+        if !stop.is_cancelled() {
+            sd_notify("READY", systemd::ready());
+        }
+    }
+
+    let run = server::run(
+        listeners.worker,
+        engine,
+        opts,
+        stop.clone().cancelled_owned(),
+    );
+    let forced = async {
+        stop.cancelled().await;
+        tokio::time::sleep(grace + EXIT_SLACK).await;
+    };
+    let code = tokio::select! {
+        r = run => match r {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(e) => {
+                error!("{e}");
+                ExitCode::FAILURE
+            }
+        },
+        () = forced => {
+            warn!("shutdown did not finish within {:?}; exiting anyway", grace + EXIT_SLACK);
+            ExitCode::SUCCESS
+        }
+        // Logged by the signal handler.
+        () = lifecycle.force.cancelled() => ExitCode::SUCCESS,
+    };
+    admin_stop.cancel();
+    reloader.abort();
+    for task in [watchdog, admin_sync, admin_http].into_iter().flatten() {
+        task.abort();
+    }
+    code
+}
+
+/// §9: admin events from the shared backend (any host's force_open / force_close /
+/// reset), applied to this host's engine as they arrive.
+async fn apply_admin_events(
+    mut rx: broadcast::Receiver<AdminEvent>,
+    engine: Arc<Engine<AnyBackend>>,
+) {
+    use tokio::sync::broadcast::error::RecvError;
+    loop {
+        match rx.recv().await {
+            Ok(ev) => apply_admin_event(&engine, &ev),
+            Err(RecvError::Lagged(n)) => warn!(missed = n, "admin events were dropped"),
+            Err(RecvError::Closed) => return,
+        }
+    }
+}
+
+/// One admin event from another host (or this one): an operator's force_close /
+/// reset on any host clears this host's memo entry for the source. The one place
+/// that decides what an admin event does here.
+fn apply_admin_event(engine: &Engine<AnyBackend>, ev: &AdminEvent) {
+    info!(source = %ev.source, op = ?ev.op, "admin event from the shared backend");
+    if matches!(ev.op, AdminOp::ForceClose | AdminOp::Reset) {
+        engine.clear_memo(&ev.source);
+    }
+}
