@@ -19,7 +19,6 @@ use ::redis::{Client, RedisError, ScriptInvocation, Value};
 
 use super::fault::{classify, Fault};
 use super::reach::RETRY_INTERVAL;
-use super::RedisOptions;
 use crate::backend::{BResult, BackendError};
 
 /// A live connection (both kinds are cheap to clone and multiplex).
@@ -56,35 +55,40 @@ pub(super) struct Connection {
 }
 
 impl Connection {
-    /// The connection described by `opts`, and the node URLs the admin subscriber
-    /// may use. Validates the URLs; connects nothing.
-    pub(super) fn new(opts: &RedisOptions) -> BResult<(Self, Vec<String>)> {
+    /// The connection to `url` (single node) or, when `cluster_nodes` is non-empty,
+    /// to that cluster, each call bounded by `timeout`; and the node URLs the admin
+    /// subscriber may use. Validates the URLs; connects nothing.
+    pub(super) fn new(
+        url: &str,
+        cluster_nodes: &[String],
+        timeout: Duration,
+    ) -> BResult<(Self, Vec<String>)> {
         let bad =
             |e: RedisError| BackendError::Unavailable(format!("invalid redis configuration: {e}"));
-        let (target, describe, sub_urls) = if opts.cluster_nodes.is_empty() {
-            let client = Client::open(opts.url.as_str()).map_err(bad)?;
+        let (target, describe, sub_urls) = if cluster_nodes.is_empty() {
+            let client = Client::open(url).map_err(bad)?;
             let cfg = ConnectionManagerConfig::new()
-                .set_connection_timeout(Some(opts.timeout))
-                .set_response_timeout(Some(opts.timeout))
+                .set_connection_timeout(Some(timeout))
+                .set_response_timeout(Some(timeout))
                 .set_number_of_retries(1)
                 .set_min_delay(Duration::from_millis(50))
                 .set_max_delay(Duration::from_millis(500));
             (
                 Target::Single(client, cfg),
-                opts.url.clone(),
-                vec![opts.url.clone()],
+                url.to_string(),
+                vec![url.to_string()],
             )
         } else {
-            let client = ClusterClientBuilder::new(opts.cluster_nodes.clone())
-                .connection_timeout(opts.timeout)
-                .response_timeout(opts.timeout)
+            let client = ClusterClientBuilder::new(cluster_nodes.to_vec())
+                .connection_timeout(timeout)
+                .response_timeout(timeout)
                 .retries(1)
                 .build()
                 .map_err(bad)?;
             (
                 Target::Cluster(client),
-                format!("cluster [{}]", opts.cluster_nodes.join(", ")),
-                opts.cluster_nodes.clone(),
+                format!("cluster [{}]", cluster_nodes.join(", ")),
+                cluster_nodes.to_vec(),
             )
         };
         for u in &sub_urls {
@@ -96,7 +100,7 @@ impl Connection {
             connect_lock: tokio::sync::Mutex::new(()),
             last_invalidate: Mutex::new(None),
             describe,
-            timeout: opts.timeout,
+            timeout,
         };
         Ok((conn, sub_urls))
     }

@@ -120,7 +120,7 @@ impl RedisBackend {
     /// re-made after failures, so this succeeds while Redis is down. Must be called
     /// inside a Tokio runtime (it spawns the admin subscriber).
     pub async fn connect(opts: RedisOptions, local_clock: Arc<dyn Clock>) -> BResult<Self> {
-        let (conn, sub_urls) = Connection::new(&opts)?;
+        let (conn, sub_urls) = Connection::new(&opts.url, &opts.cluster_nodes, opts.timeout)?;
         let reach = Reach::new(&opts.sources, opts.on_backend_error, conn.describe());
         let admin = AdminFeed::start(sub_urls, &opts.key_prefix, opts.timeout);
         Ok(RedisBackend {
