@@ -11,7 +11,7 @@ use std::time::Duration;
 use crate::backend::{Admit, Backend, BackendError, State};
 use crate::config::Selector;
 use crate::engine::{Engine, Policy, SkipReason};
-use crate::health::rank;
+use crate::gate::health::rank;
 
 /// A grant made by a pass and not yet recorded as a permit.
 #[derive(Debug, Clone, Copy)]

@@ -22,9 +22,9 @@ use crate::backend::{
 };
 use crate::clock::Clock;
 use crate::config::{Config, Mode, ScopeConfig, SourceConfig};
-use crate::health::Health;
-use crate::memo::{Memo, QuotaHint};
-use crate::pacer::{Pacer, Signal};
+use crate::gate::health::Health;
+use crate::gate::memo::{Memo, QuotaHint};
+use crate::gate::pacer::{Pacer, Signal};
 
 /// Identifies who holds calls and permits (one per connection in the daemon).
 pub type OwnerId = u64;

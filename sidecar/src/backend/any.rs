@@ -8,12 +8,12 @@ use tokio::sync::broadcast;
 
 use super::memory::MemoryBackend;
 use super::redis::{AdminEvent, RedisBackend, RedisOptions};
-use super::{
-    Admit, Applied, BResult, Backend, BreakerParams, Entry, Outcome, QuotaParams, Reserve,
-    Settlement, SourceSnapshot,
-};
+use super::{BResult, Backend, SourceSnapshot};
 use crate::clock::Clock;
 use crate::config::BackendKind;
+use crate::gate::breaker::{Applied, BreakerParams, Entry};
+use crate::gate::quota::{QuotaParams, Reserve, Settlement};
+use crate::gate::{Admit, Outcome};
 
 /// Either backend; every [`Backend`] method delegates.
 // One per process, built once and never moved on a hot path: the size gap between the

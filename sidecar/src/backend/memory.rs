@@ -2,36 +2,26 @@
 //!
 //! Each configured source has its own mutex-protected cell, created at start-up, so
 //! operations on different sources never contend and the admission path allocates
-//! nothing. The combined operations (`admit`, `report`) run under one lock
-//! acquisition, which makes them atomic like the Redis scripts.
+//! nothing. The combined operations (`admit`, `report`) are the gates' own
+//! compositions ([`Gates::admit`], [`Gates::report`]) run under one lock acquisition,
+//! which makes them atomic like the Redis scripts.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use super::{
-    Admit, Applied, BResult, Backend, BackendError, BreakerParams, Entry, Outcome, QuotaParams,
-    Reserve, Settlement, SourceSnapshot,
-};
-use crate::breaker::Breaker;
+use super::{BResult, Backend, BackendError, SourceSnapshot};
 use crate::clock::Clock;
-use crate::quota::Quota;
-
-/// Breaker and quota of one source.
-#[derive(Debug)]
-struct Cell {
-    /// §6 state machine.
-    breaker: Breaker,
-    /// §7 buckets.
-    quota: Quota,
-}
+use crate::gate::breaker::{Applied, BreakerParams, Entry};
+use crate::gate::quota::{QuotaParams, Reserve, Settlement};
+use crate::gate::{Admit, Gates, Outcome};
 
 /// The memory backend.
 pub struct MemoryBackend {
     /// Time source (injected so tests drive it).
     clock: Arc<dyn Clock>,
     /// One cell per configured source; the map itself never changes after start-up.
-    cells: HashMap<String, Mutex<Cell>>,
+    cells: HashMap<String, Mutex<Gates>>,
 }
 
 impl MemoryBackend {
@@ -56,20 +46,12 @@ impl MemoryBackend {
         let now = clock.now();
         let cells = sources
             .into_iter()
-            .map(|s| {
-                (
-                    s.into(),
-                    Mutex::new(Cell {
-                        breaker: Breaker::with_epoch(now, base),
-                        quota: Quota::new(),
-                    }),
-                )
-            })
+            .map(|s| (s.into(), Mutex::new(Gates::new(now, base))))
             .collect();
         MemoryBackend { clock, cells }
     }
 
-    fn with<T>(&self, source: &str, f: impl FnOnce(&mut Cell, Duration) -> T) -> BResult<T> {
+    fn with<T>(&self, source: &str, f: impl FnOnce(&mut Gates, Duration) -> T) -> BResult<T> {
         let cell = self
             .cells
             .get(source)
@@ -132,10 +114,7 @@ impl Backend for MemoryBackend {
     }
 
     async fn reset(&self, source: &str) -> BResult<Applied> {
-        self.with(source, |c, now| {
-            c.quota = Quota::new();
-            c.breaker.reset(now)
-        })
+        self.with(source, |c, now| c.reset(now))
     }
 
     async fn reserve(&self, source: &str, q: &QuotaParams, tokens: u64) -> BResult<Reserve> {
@@ -189,24 +168,7 @@ impl Backend for MemoryBackend {
         q: &QuotaParams,
         tokens: u64,
     ) -> BResult<Admit> {
-        self.with(source, |c, now| {
-            if let Reserve::Denied { retry_after } = c.quota.reserve(q, tokens, now) {
-                return Admit::RateLimited { retry_after };
-            }
-            let e = c.breaker.try_enter(now, p);
-            if e.granted {
-                Admit::Granted {
-                    epoch: e.epoch,
-                    is_probe: e.is_probe,
-                }
-            } else {
-                c.quota.settle(q, tokens, Settlement::RefundAll, now);
-                Admit::CircuitOpen {
-                    state: e.state,
-                    retry_after: e.retry_after,
-                }
-            }
-        })
+        self.with(source, |c, now| c.admit(now, p, q, tokens))
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -221,21 +183,7 @@ impl Backend for MemoryBackend {
         outcome: Outcome,
     ) -> BResult<Applied> {
         self.with(source, |c, now| {
-            c.quota
-                .settle(q, reserved_tokens, outcome.settlement(reserved_tokens), now);
-            match outcome {
-                Outcome::Success { count_attempt, .. } => {
-                    c.breaker.record_success(now, epoch, count_attempt, p)
-                }
-                Outcome::Failure(_) => c.breaker.record_failure(now, epoch, p),
-                Outcome::RateLimited { retry_after } => {
-                    if let Some(d) = retry_after {
-                        c.quota.block(d, now);
-                    }
-                    c.breaker.neutral(now, epoch, is_probe)
-                }
-                Outcome::Cancelled => c.breaker.neutral(now, epoch, is_probe),
-            }
+            c.report(now, p, q, epoch, is_probe, reserved_tokens, outcome)
         })
     }
 

@@ -5,8 +5,13 @@
 //! against each. The primitive operations (`try_enter`, `record_*`, `reserve`,
 //! `settle`, …) are what the contract pins; [`Backend::admit`] and
 //! [`Backend::report`] are the two combined operations the engine calls on its hot
-//! path, so a remote backend can do each in **one round trip** (§10). Their default
-//! bodies compose the primitives; backends override them to make them atomic.
+//! path, so a remote backend can do each in **one round trip** (§10). Every backend
+//! makes them atomic: the memory backend runs [`crate::gate::Gates`] under one lock,
+//! Redis runs one script.
+//!
+//! The vocabulary (breaker and quota parameters and answers, outcomes) belongs to the
+//! gates in [`crate::gate`]; it is re-exported here because it is also the trait's, so
+//! a backend needs only `use crate::backend::*`.
 //!
 //! Methods return `impl Future + Send` rather than boxed futures so the memory
 //! backend's admission path allocates nothing; the daemon picks a backend through the
@@ -79,176 +84,12 @@ pub mod memory;
 pub mod redis;
 pub use any::AnyBackend;
 
+pub use crate::gate::breaker::{Applied, BreakerParams, Entry, State};
+pub use crate::gate::quota::{QuotaParams, Reserve, Settlement};
+pub use crate::gate::{Admit, FailureKind, Outcome};
+
 use std::future::Future;
 use std::time::Duration;
-
-/// Breaker parameters, taken from the scope doing the operation (§6).
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct BreakerParams {
-    /// Streak channel threshold.
-    pub failure_threshold: u32,
-    /// Rate channel threshold, a fraction.
-    pub failure_rate: f64,
-    /// Window samples needed before the rate channel / healthy-window veto apply.
-    pub min_calls: u32,
-    /// Whole window (two buckets of half each).
-    pub window: Duration,
-    /// Base open duration.
-    pub cooldown: Duration,
-    /// Cap of the open duration, and the decay period of the cooldown level.
-    pub max_cooldown: Duration,
-    /// Probe lease: 2 × the slowest source timeout of the scope.
-    pub probe_ttl: Duration,
-}
-
-/// Quota parameters of a source (§7). `None` disables that bucket.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub struct QuotaParams {
-    /// Tokens per minute.
-    pub tpm: Option<u64>,
-    /// Requests per minute.
-    pub rpm: Option<u64>,
-}
-
-/// Breaker state.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum State {
-    /// Calls flow.
-    Closed,
-    /// Calls refused until the cooldown ends.
-    Open,
-    /// One probe may run.
-    HalfOpen,
-}
-
-/// Answer of [`Backend::try_enter`].
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct Entry {
-    /// The caller may proceed.
-    pub granted: bool,
-    /// The caller holds the half-open probe lease.
-    pub is_probe: bool,
-    /// Epoch the grant (or refusal) was made under.
-    pub epoch: u64,
-    /// State after the operation.
-    pub state: State,
-    /// §6 retry-after: OPEN → until − now, else 0.
-    pub retry_after: Duration,
-}
-
-/// Answer of an outcome operation (`record_*`, `release_probe`, `report`).
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct Applied {
-    /// `false` when fenced out (epoch mismatch): nothing changed.
-    pub applied: bool,
-    /// State after the operation.
-    pub state: State,
-    /// Current epoch after the operation.
-    pub epoch: u64,
-    /// §6 retry-after: OPEN → until − now, else 0.
-    pub retry_after: Duration,
-}
-
-/// Answer of [`Backend::reserve`].
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub enum Reserve {
-    /// Tokens and one request were taken.
-    Reserved,
-    /// Not enough in a bucket, or blocked by a 429; nothing was taken.
-    Denied {
-        /// Estimated time until the reservation could succeed.
-        retry_after: Duration,
-    },
-}
-
-/// How a reservation is finally settled (§7).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Settlement {
-    /// The request counted; the token charge becomes `tokens` (refund or extra debit
-    /// of the difference from the reservation).
-    Charge {
-        /// Actual tokens used.
-        tokens: u64,
-    },
-    /// The request counted but used no tokens (transient failure, 429): the token
-    /// deposit nets to zero.
-    RefundTokens,
-    /// Nothing was sent: both the tokens and the request go back.
-    RefundAll,
-}
-
-/// Answer of the combined admission step ([`Backend::admit`]).
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub enum Admit {
-    /// Quota reserved and breaker entered.
-    Granted {
-        /// Epoch of the grant, carried by the permit.
-        epoch: u64,
-        /// The permit is the half-open probe.
-        is_probe: bool,
-    },
-    /// Quota refused (gate 3); the breaker was not consulted.
-    RateLimited {
-        /// Estimated time until quota frees.
-        retry_after: Duration,
-    },
-    /// Breaker refused (gate 4); the quota reservation was released.
-    CircuitOpen {
-        /// Breaker state.
-        state: State,
-        /// §6 retry-after.
-        retry_after: Duration,
-    },
-}
-
-/// Failure kinds (§13), as the engine sees them.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum FailureKind {
-    /// Timed out (also lowers the pacer ceiling).
-    Timeout,
-    /// 5xx.
-    ServerError,
-    /// Connection trouble.
-    Connection,
-    /// Unusable answer.
-    BadResult,
-    /// Anything else.
-    Error,
-}
-
-/// What happened on one attempt (§2).
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub enum Outcome {
-    /// Useful answer.
-    Success {
-        /// Actual tokens; `None` keeps the estimate.
-        tokens: Option<u64>,
-        /// `false` keeps the success out of the breaker window.
-        count_attempt: bool,
-    },
-    /// The upstream failed.
-    Failure(FailureKind),
-    /// 429: backpressure, not failure.
-    RateLimited {
-        /// Upstream retry-after: blocks the quota until then, for every host.
-        retry_after: Option<Duration>,
-    },
-    /// Given up before or while sending.
-    Cancelled,
-}
-
-impl Outcome {
-    /// §7 settlement of the reservation for this outcome.
-    pub fn settlement(&self, reserved_tokens: u64) -> Settlement {
-        match *self {
-            Outcome::Success { tokens, .. } => Settlement::Charge {
-                tokens: tokens.unwrap_or(reserved_tokens),
-            },
-            Outcome::Failure(_) | Outcome::RateLimited { .. } => Settlement::RefundTokens,
-            Outcome::Cancelled => Settlement::RefundAll,
-        }
-    }
-}
 
 /// Everything known about one source, for `status`. The default is a fresh source:
 /// CLOSED, epoch 0, nothing counted, no buckets.
@@ -414,38 +255,19 @@ pub trait Backend: Send + Sync + 'static {
 
     // ---- combined hot-path operations ----
 
-    /// Gates 3 and 4 for one source: reserve quota, then `try_enter`; a breaker refusal
-    /// releases the reservation. Remote backends do this in one round trip.
+    /// Gates 3 and 4 for one source, atomically: reserve quota, then `try_enter`; a
+    /// breaker refusal releases the reservation. Remote backends do this in one round
+    /// trip.
     fn admit(
         &self,
         source: &str,
         p: &BreakerParams,
         q: &QuotaParams,
         tokens: u64,
-    ) -> impl Future<Output = BResult<Admit>> + Send {
-        async move {
-            if let Reserve::Denied { retry_after } = self.reserve(source, q, tokens).await? {
-                return Ok(Admit::RateLimited { retry_after });
-            }
-            let e = self.try_enter(source, p).await?;
-            if e.granted {
-                Ok(Admit::Granted {
-                    epoch: e.epoch,
-                    is_probe: e.is_probe,
-                })
-            } else {
-                self.settle(source, q, tokens, Settlement::RefundAll)
-                    .await?;
-                Ok(Admit::CircuitOpen {
-                    state: e.state,
-                    retry_after: e.retry_after,
-                })
-            }
-        }
-    }
+    ) -> impl Future<Output = BResult<Admit>> + Send;
 
-    /// Settle the permit's reservation and feed the outcome to the breaker. Remote
-    /// backends do this in one round trip.
+    /// Settle the permit's reservation and feed the outcome to the breaker,
+    /// atomically. Remote backends do this in one round trip.
     #[allow(clippy::too_many_arguments)]
     fn report(
         &self,
@@ -456,30 +278,7 @@ pub trait Backend: Send + Sync + 'static {
         is_probe: bool,
         reserved_tokens: u64,
         outcome: Outcome,
-    ) -> impl Future<Output = BResult<Applied>> + Send {
-        async move {
-            self.settle(
-                source,
-                q,
-                reserved_tokens,
-                outcome.settlement(reserved_tokens),
-            )
-            .await?;
-            match outcome {
-                Outcome::Success { count_attempt, .. } => {
-                    self.record_success(source, epoch, count_attempt, p).await
-                }
-                Outcome::Failure(_) => self.record_failure(source, epoch, p).await,
-                Outcome::RateLimited { retry_after } => {
-                    if let Some(d) = retry_after {
-                        self.block_quota(source, d).await?;
-                    }
-                    self.neutral(source, epoch, is_probe).await
-                }
-                Outcome::Cancelled => self.neutral(source, epoch, is_probe).await,
-            }
-        }
-    }
+    ) -> impl Future<Output = BResult<Applied>> + Send;
 
     /// An outcome that is no verdict (429, cancel): releases the probe lease if the
     /// permit was the probe; otherwise changes nothing. `applied` says whether the

@@ -1,10 +1,48 @@
 //! The quota gate (§7): two continuously refilled token buckets per source (tokens
 //! per minute, requests per minute) and a 429 block. Plain data; `now` is passed in.
 //! The Redis backend implements the same rules in Lua (see `backend/mod.rs`).
+//!
+//! The quota's vocabulary lives here too ([`QuotaParams`], [`Reserve`],
+//! [`Settlement`]): every backend speaks it, and none of it depends on a backend.
 
 use std::time::Duration;
 
-use crate::backend::{QuotaParams, Reserve, Settlement};
+/// Quota parameters of a source (§7). `None` disables that bucket.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct QuotaParams {
+    /// Tokens per minute.
+    pub tpm: Option<u64>,
+    /// Requests per minute.
+    pub rpm: Option<u64>,
+}
+
+/// Answer of `reserve` (gate 3).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Reserve {
+    /// Tokens and one request were taken.
+    Reserved,
+    /// Not enough in a bucket, or blocked by a 429; nothing was taken.
+    Denied {
+        /// Estimated time until the reservation could succeed.
+        retry_after: Duration,
+    },
+}
+
+/// How a reservation is finally settled (§7).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Settlement {
+    /// The request counted; the token charge becomes `tokens` (refund or extra debit
+    /// of the difference from the reservation).
+    Charge {
+        /// Actual tokens used.
+        tokens: u64,
+    },
+    /// The request counted but used no tokens (transient failure, 429): the token
+    /// deposit nets to zero.
+    RefundTokens,
+    /// Nothing was sent: both the tokens and the request go back.
+    RefundAll,
+}
 
 /// One bucket: capacity = one minute's worth, refill capacity/60 per second.
 #[derive(Debug, Clone, Copy, PartialEq)]

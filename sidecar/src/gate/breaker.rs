@@ -4,10 +4,69 @@
 //! backend's clock origin), so the memory backend can drive it under a mutex with an
 //! injected clock and tests can walk it step by step. The Redis backend implements the
 //! same rules in Lua; `backend/mod.rs` documents them, the contract suite pins them.
+//!
+//! The breaker's vocabulary lives here too ([`State`], [`BreakerParams`], [`Entry`],
+//! [`Applied`]): every backend speaks it, and none of it depends on a backend.
 
 use std::time::Duration;
 
-use crate::backend::{Applied, BreakerParams, Entry, State};
+/// Breaker parameters, taken from the scope doing the operation (§6).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct BreakerParams {
+    /// Streak channel threshold.
+    pub failure_threshold: u32,
+    /// Rate channel threshold, a fraction.
+    pub failure_rate: f64,
+    /// Window samples needed before the rate channel / healthy-window veto apply.
+    pub min_calls: u32,
+    /// Whole window (two buckets of half each).
+    pub window: Duration,
+    /// Base open duration.
+    pub cooldown: Duration,
+    /// Cap of the open duration, and the decay period of the cooldown level.
+    pub max_cooldown: Duration,
+    /// Probe lease: 2 × the slowest source timeout of the scope.
+    pub probe_ttl: Duration,
+}
+
+/// Breaker state.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum State {
+    /// Calls flow.
+    Closed,
+    /// Calls refused until the cooldown ends.
+    Open,
+    /// One probe may run.
+    HalfOpen,
+}
+
+/// Answer of `try_enter` (gate 4).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Entry {
+    /// The caller may proceed.
+    pub granted: bool,
+    /// The caller holds the half-open probe lease.
+    pub is_probe: bool,
+    /// Epoch the grant (or refusal) was made under.
+    pub epoch: u64,
+    /// State after the operation.
+    pub state: State,
+    /// §6 retry-after: OPEN → until − now, else 0.
+    pub retry_after: Duration,
+}
+
+/// Answer of an outcome operation (`record_*`, `release_probe`, `report`).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Applied {
+    /// `false` when fenced out (epoch mismatch): nothing changed.
+    pub applied: bool,
+    /// State after the operation.
+    pub state: State,
+    /// Current epoch after the operation.
+    pub epoch: u64,
+    /// §6 retry-after: OPEN → until − now, else 0.
+    pub retry_after: Duration,
+}
 
 /// Success/failure counts of one window bucket.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]

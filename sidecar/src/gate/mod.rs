@@ -1,0 +1,180 @@
+//! The gates (§4, §6–§9): each a small, clock-free state machine with its own types,
+//! plus the one composition of the two cross-host gates that the hot path uses.
+//!
+//! - [`memo`] (gate 1, §9) and [`pacer`] (gate 2, §8) are host-local and live in the
+//!   engine; [`health`] ranks sources for the `health` selector (§4).
+//! - [`quota`] (gate 3, §7) and [`breaker`] (gate 4, §6) hold the state a backend
+//!   keeps per source. [`Gates`] is that pair for one source, with the combined
+//!   operations [`Gates::admit`] (reserve, then enter; a breaker refusal gives the
+//!   reservation back) and [`Gates::report`] (settle, then the verdict). The memory
+//!   backend runs them under one lock; the Redis script implements the same rules.
+//!
+//! Nothing here imports a backend or the engine: they import the gates.
+
+pub mod breaker;
+pub mod health;
+pub mod memo;
+pub mod pacer;
+pub mod quota;
+
+use std::time::Duration;
+
+use breaker::{Applied, Breaker, BreakerParams, State};
+use quota::{Quota, QuotaParams, Reserve, Settlement};
+
+/// Answer of the combined admission step (gates 3 + 4, [`Gates::admit`]).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Admit {
+    /// Quota reserved and breaker entered.
+    Granted {
+        /// Epoch of the grant, carried by the permit.
+        epoch: u64,
+        /// The permit is the half-open probe.
+        is_probe: bool,
+    },
+    /// Quota refused (gate 3); the breaker was not consulted.
+    RateLimited {
+        /// Estimated time until quota frees.
+        retry_after: Duration,
+    },
+    /// Breaker refused (gate 4); the quota reservation was released.
+    CircuitOpen {
+        /// Breaker state.
+        state: State,
+        /// §6 retry-after.
+        retry_after: Duration,
+    },
+}
+
+/// Failure kinds (§13), as the engine sees them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FailureKind {
+    /// Timed out (also lowers the pacer ceiling).
+    Timeout,
+    /// 5xx.
+    ServerError,
+    /// Connection trouble.
+    Connection,
+    /// Unusable answer.
+    BadResult,
+    /// Anything else.
+    Error,
+}
+
+/// What happened on one attempt (§2).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Outcome {
+    /// Useful answer.
+    Success {
+        /// Actual tokens; `None` keeps the estimate.
+        tokens: Option<u64>,
+        /// `false` keeps the success out of the breaker window.
+        count_attempt: bool,
+    },
+    /// The upstream failed.
+    Failure(FailureKind),
+    /// 429: backpressure, not failure.
+    RateLimited {
+        /// Upstream retry-after: blocks the quota until then, for every host.
+        retry_after: Option<Duration>,
+    },
+    /// Given up before or while sending.
+    Cancelled,
+}
+
+impl Outcome {
+    /// §7 settlement of the reservation for this outcome.
+    pub fn settlement(&self, reserved_tokens: u64) -> Settlement {
+        match *self {
+            Outcome::Success { tokens, .. } => Settlement::Charge {
+                tokens: tokens.unwrap_or(reserved_tokens),
+            },
+            Outcome::Failure(_) | Outcome::RateLimited { .. } => Settlement::RefundTokens,
+            Outcome::Cancelled => Settlement::RefundAll,
+        }
+    }
+}
+
+/// The cross-host gates of one source: what a backend stores for it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Gates {
+    /// §6 state machine (gate 4).
+    pub breaker: Breaker,
+    /// §7 buckets and 429 block (gate 3).
+    pub quota: Quota,
+}
+
+impl Gates {
+    /// A closed breaker whose epoch starts at `epoch`, and full buckets.
+    pub fn new(now: Duration, epoch: u64) -> Self {
+        Gates {
+            breaker: Breaker::with_epoch(now, epoch),
+            quota: Quota::new(),
+        }
+    }
+
+    /// Gates 3 and 4 in one step: reserve `tokens` and one request, then enter the
+    /// breaker; a breaker refusal releases the reservation.
+    pub fn admit(
+        &mut self,
+        now: Duration,
+        p: &BreakerParams,
+        q: &QuotaParams,
+        tokens: u64,
+    ) -> Admit {
+        if let Reserve::Denied { retry_after } = self.quota.reserve(q, tokens, now) {
+            return Admit::RateLimited { retry_after };
+        }
+        let e = self.breaker.try_enter(now, p);
+        if e.granted {
+            Admit::Granted {
+                epoch: e.epoch,
+                is_probe: e.is_probe,
+            }
+        } else {
+            self.quota.settle(q, tokens, Settlement::RefundAll, now);
+            Admit::CircuitOpen {
+                state: e.state,
+                retry_after: e.retry_after,
+            }
+        }
+    }
+
+    /// Settle a permit's reservation of `reserved_tokens` for `outcome` (§7) and feed
+    /// the outcome to the breaker under the permit's `epoch` (§6): a success or
+    /// failure is a verdict; a 429 (which may block the quota) or a cancellation only
+    /// releases a probe lease.
+    #[allow(clippy::too_many_arguments)]
+    pub fn report(
+        &mut self,
+        now: Duration,
+        p: &BreakerParams,
+        q: &QuotaParams,
+        epoch: u64,
+        is_probe: bool,
+        reserved_tokens: u64,
+        outcome: Outcome,
+    ) -> Applied {
+        self.quota
+            .settle(q, reserved_tokens, outcome.settlement(reserved_tokens), now);
+        match outcome {
+            Outcome::Success { count_attempt, .. } => {
+                self.breaker.record_success(now, epoch, count_attempt, p)
+            }
+            Outcome::Failure(_) => self.breaker.record_failure(now, epoch, p),
+            Outcome::RateLimited { retry_after } => {
+                if let Some(d) = retry_after {
+                    self.quota.block(d, now);
+                }
+                self.breaker.neutral(now, epoch, is_probe)
+            }
+            Outcome::Cancelled => self.breaker.neutral(now, epoch, is_probe),
+        }
+    }
+
+    /// Admin: forget breaker and quota state (epoch bumped, never rewound).
+    pub fn reset(&mut self, now: Duration) -> Applied {
+        self.quota = Quota::new();
+        self.breaker.reset(now)
+    }
+}
