@@ -8,7 +8,6 @@
 //! the `status` client).
 
 pub mod admin_http;
-pub mod admission;
 pub mod backend;
 pub mod cli;
 pub mod clock;

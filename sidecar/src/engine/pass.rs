@@ -6,25 +6,18 @@
 //! order, nothing per candidate; an OPEN source remembered in the memo costs no
 //! backend traffic at all.
 
+use std::sync::Arc;
 use std::time::Duration;
 
-use crate::backend::{Admit, Backend, BackendError, State};
+use super::runtime::Policy;
+use super::tables::Granted;
+use super::{Engine, SkipReason};
+use crate::backend::{BResult, Backend, BackendError};
 use crate::config::Selector;
-use crate::engine::{Engine, Policy, SkipReason};
+use crate::gate::breaker::{BreakerParams, State};
 use crate::gate::health::rank;
-
-/// A grant made by a pass and not yet recorded as a permit.
-#[derive(Debug, Clone, Copy)]
-pub(crate) struct Granted {
-    /// Source index (engine-wide).
-    pub source: usize,
-    /// Breaker epoch of the grant.
-    pub epoch: u64,
-    /// The grant is the probe.
-    pub is_probe: bool,
-    /// Tokens reserved.
-    pub tokens: u64,
-}
+use crate::gate::quota::QuotaParams;
+use crate::gate::{Admit, Outcome};
 
 /// What a pass that granted nothing saw.
 #[derive(Debug, Default)]
@@ -46,8 +39,43 @@ pub(crate) enum Pass {
     Refused(Refused),
 }
 
+/// A remote admission's answer in transit from its task to the Acquire. If it is
+/// dropped unread (the Acquire was cancelled during the round trip, before or after
+/// the send), a grant in it is given back to the backend. The pacer slot is not
+/// touched here: the pass's slot guard released it when the Acquire was dropped.
+struct AdmitResult<B: Backend> {
+    /// The engine that asked.
+    engine: Arc<Engine<B>>,
+    /// Scope of the call.
+    scope: usize,
+    /// Source index.
+    source: usize,
+    /// Tokens the admission reserved.
+    tokens: u64,
+    /// The backend's answer; taken when read.
+    result: Option<BResult<Admit>>,
+}
+
+impl<B: Backend> Drop for AdmitResult<B> {
+    fn drop(&mut self) {
+        if let Some(Ok(Admit::Granted { epoch, is_probe })) = self.result.take() {
+            let undo = self.engine.settle_detached(
+                self.scope,
+                self.source,
+                epoch,
+                is_probe,
+                self.tokens,
+                Outcome::Cancelled,
+            );
+            if let Ok(rt) = tokio::runtime::Handle::try_current() {
+                rt.spawn(undo);
+            }
+        }
+    }
+}
+
 /// §5 nap: `r` is a uniform random number in [0, 1).
-pub fn nap(
+pub(crate) fn nap(
     hint: Duration,
     poll: Duration,
     stall_window: Duration,
@@ -83,7 +111,7 @@ impl<B: Backend> Engine<B> {
     /// One pass (§4) under one policy snapshot. `reasons` is indexed by position in
     /// the scope and persists across the passes of one Acquire (`paced` never
     /// overwrites a recorded reason).
-    pub(crate) async fn pass(
+    pub(super) async fn pass(
         &self,
         scope: usize,
         policy: &Policy,
@@ -167,6 +195,42 @@ impl<B: Backend> Engine<B> {
             }
         }
         Pass::Refused(refused)
+    }
+
+    /// Gates 3–4 for one source; a remote backend's round trip runs in its own task so
+    /// a dropped Acquire cannot strand a half-made grant.
+    async fn backend_admit(
+        &self,
+        scope: usize,
+        source: usize,
+        bp: &BreakerParams,
+        qp: &QuotaParams,
+        tokens: u64,
+    ) -> BResult<Admit> {
+        let src = &self.sources[source];
+        let (bp, qp) = (*bp, *qp);
+        if !self.backend.is_remote() {
+            return self.backend.admit(&src.name, &bp, &qp, tokens).await;
+        }
+        let me = self.arc();
+        let (tx, rx) = tokio::sync::oneshot::channel::<AdmitResult<B>>();
+        tokio::spawn(async move {
+            let src = &me.sources[source];
+            let r = me.backend.admit(&src.name, &bp, &qp, tokens).await;
+            // If the Acquire is gone (send fails, or the value is never received),
+            // dropping the AdmitResult gives a grant back.
+            let _ = tx.send(AdmitResult {
+                engine: me.clone(),
+                scope,
+                source,
+                tokens,
+                result: Some(r),
+            });
+        });
+        match rx.await {
+            Ok(mut r) => r.result.take().expect("filled once"),
+            Err(_) => Err(BackendError::Unavailable("admission task failed".into())),
+        }
     }
 }
 

@@ -1,0 +1,313 @@
+//! A call's start and its Acquire (§3, §5): the budget checks, the loop of passes,
+//! the §5 dispatch after a pass that granted nothing, and the cancellable wait.
+//!
+//! Cancel-safety: dropping the Acquire future at any await ends the wait and leaves
+//! nothing reserved. The guards here carry that: [`AcquireGuard`] clears the call's
+//! `acquiring` flag, [`WaiterGuard`] the scope's waiter count, and a [`Ticket`] gives
+//! a pass's grant back unless it became a permit (no await between the two).
+
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::time::Duration;
+
+use super::error::{EngineError, Exhaustion, SkipReason};
+use super::pass::{nap, Pass};
+use super::runtime::bump;
+use super::tables::{Granted, OwnerId, PermitRec};
+use super::{Engine, Grant};
+use crate::backend::Backend;
+use crate::config::Mode;
+use crate::gate::pacer::Signal;
+use crate::gate::Outcome;
+
+/// Clears a call's `acquiring` flag when the Acquire ends, however it ends.
+struct AcquireGuard<'a, B: Backend> {
+    /// The engine holding the call.
+    engine: &'a Engine<B>,
+    /// The call whose Acquire this is.
+    call: u64,
+}
+
+impl<B: Backend> Drop for AcquireGuard<'_, B> {
+    fn drop(&mut self) {
+        self.engine.lock().end_acquire(self.call);
+    }
+}
+
+/// Counts a sleeping Acquire in its scope's `waiters`.
+struct WaiterGuard<'a>(&'a AtomicU32);
+
+impl Drop for WaiterGuard<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+/// A grant not yet turned into a permit. Dropping it unrecorded (cancelled Acquire,
+/// call ended meanwhile) gives everything back: nothing was sent upstream.
+struct Ticket<'a, B: Backend> {
+    /// The engine that made the grant.
+    engine: &'a Engine<B>,
+    /// Scope of the call (its breaker parameters settle the give-back).
+    scope: usize,
+    /// The grant; `None` once it became a permit.
+    grant: Option<Granted>,
+}
+
+impl<B: Backend> Drop for Ticket<'_, B> {
+    fn drop(&mut self) {
+        if let Some(g) = self.grant.take() {
+            self.engine.undo_grant(self.scope, g);
+        }
+    }
+}
+
+impl<B: Backend> Engine<B> {
+    /// Start a call in `scope`; the stall clock starts now.
+    pub fn begin_call(
+        &self,
+        owner: OwnerId,
+        scope: &str,
+        est_tokens: Option<u64>,
+    ) -> Result<u64, EngineError> {
+        let si = *self
+            .scope_index
+            .get(scope)
+            .ok_or_else(|| EngineError::UnknownScope(scope.to_string()))?;
+        let now = self.clock.now();
+        self.lock().begin(owner, si, est_tokens, now)
+    }
+
+    /// Run admission for the call (§4–§5); may wait. Cancel-safe: dropping the future
+    /// ends the wait and leaves nothing reserved.
+    pub async fn acquire(&self, owner: OwnerId, call: u64) -> Result<Grant, EngineError> {
+        let r = self.acquire_inner(owner, call).await;
+        if let Err(e) = &r {
+            self.count_error(e);
+        }
+        r
+    }
+
+    async fn acquire_inner(&self, owner: OwnerId, call: u64) -> Result<Grant, EngineError> {
+        if self.shutdown.is_cancelled() {
+            return Err(EngineError::ShuttingDown);
+        }
+        let si = self.lock().start_acquire(owner, call)?;
+        let _acquiring = AcquireGuard { engine: self, call };
+        let sc = &self.scopes[si];
+        let scope_name = || sc.name.clone();
+        let mut reasons: Vec<Option<SkipReason>> = vec![None; sc.sources.len()];
+        let mut waiting: Option<WaiterGuard<'_>> = None;
+        let mut failed = Vec::new();
+        let mut first = true;
+        loop {
+            // Register for early wake-ups before looking, so none is missed.
+            let notified = sc.notify.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            // Read per pass: a SIGHUP reload applies to calls already waiting.
+            let policy = sc.policy();
+            let cfg = &policy.cfg;
+
+            let budget = self.lock().budget(call, self.clock.now(), &mut failed)?;
+            // §5: the budgets are checked once, before the first pass; after a nap the
+            // pass the nap was timed for always runs (the post-pass stall check below
+            // ends the call if that pass grants nothing).
+            let check_budgets = std::mem::take(&mut first);
+            if check_budgets && budget.attempts >= cfg.max_attempts {
+                return Err(EngineError::Exhausted {
+                    scope: scope_name(),
+                    reason: Exhaustion::RetryExhausted,
+                    retry_after: Duration::ZERO,
+                    reasons: self.reasons_of(si, &reasons),
+                });
+            }
+            if check_budgets && budget.stall > cfg.stall_window {
+                return Err(EngineError::Exhausted {
+                    scope: scope_name(),
+                    reason: Exhaustion::Stalled,
+                    retry_after: Duration::ZERO,
+                    reasons: self.reasons_of(si, &reasons),
+                });
+            }
+            let refused = match self
+                .pass(si, &policy, &failed, budget.est_tokens, &mut reasons)
+                .await
+            {
+                Pass::Granted(g) => {
+                    let ticket = Ticket {
+                        engine: self,
+                        scope: si,
+                        grant: Some(g),
+                    };
+                    let (grant, stale) = self.record_grant(owner, call, ticket)?;
+                    // No await before returning: a Cancel now cannot strand the grant.
+                    for p in stale {
+                        self.sources[p.source].pacer.release(Signal::Hold);
+                        bump(&self.sources[p.source].counters.abandoned);
+                        self.run_detached(self.abandon_backend(p));
+                    }
+                    return Ok(grant);
+                }
+                Pass::Refused(r) => r,
+            };
+            if let Some(message) = refused.unavailable {
+                return Err(EngineError::BackendUnavailable {
+                    scope: scope_name(),
+                    message,
+                    reasons: self.reasons_of(si, &reasons),
+                });
+            }
+            // §5 dispatch.
+            let hint = if refused.gate_rejections == sc.sources.len() {
+                let hint = refused.circuit_retry_after.unwrap_or(Duration::ZERO);
+                if cfg.circuit_open == Mode::FailFast {
+                    return Err(EngineError::CircuitOpen {
+                        scope: scope_name(),
+                        retry_after: hint,
+                        reasons: self.reasons_of(si, &reasons),
+                    });
+                }
+                hint
+            } else {
+                if cfg.quota_full == Mode::FailFast {
+                    return Err(EngineError::Exhausted {
+                        scope: scope_name(),
+                        reason: Exhaustion::QuotaExhausted,
+                        retry_after: Duration::ZERO,
+                        reasons: self.reasons_of(si, &reasons),
+                    });
+                }
+                Duration::ZERO
+            };
+            let stall = self.lock().stall(call, self.clock.now())?;
+            if stall > cfg.stall_window {
+                return Err(EngineError::Exhausted {
+                    scope: scope_name(),
+                    reason: Exhaustion::Stalled,
+                    retry_after: hint,
+                    reasons: self.reasons_of(si, &reasons),
+                });
+            }
+            let sleep = nap(
+                hint,
+                cfg.poll_interval,
+                cfg.stall_window,
+                stall,
+                rand::random::<f64>(),
+            );
+            if waiting.is_none() {
+                sc.waiters.fetch_add(1, Ordering::Relaxed);
+                waiting = Some(WaiterGuard(&sc.waiters));
+                bump(&sc.counters.waits);
+                tracing::info!(
+                    scope = %cfg.name,
+                    reasons = ?self.reasons_of(si, &reasons),
+                    sleep_s = sleep.as_secs_f64(),
+                    "wait started"
+                );
+            }
+            tokio::select! {
+                _ = tokio::time::sleep(sleep) => {}
+                _ = notified => {}
+                _ = self.shutdown.cancelled() => return Err(EngineError::ShuttingDown),
+            }
+        }
+    }
+
+    /// The skip reasons of a scope's sources by name, config order.
+    fn reasons_of(
+        &self,
+        scope: usize,
+        reasons: &[Option<SkipReason>],
+    ) -> Vec<(String, SkipReason)> {
+        self.scopes[scope]
+            .sources
+            .iter()
+            .zip(reasons)
+            .filter_map(|(&idx, r)| r.map(|r| (self.sources[idx].name.to_string(), r)))
+            .collect()
+    }
+
+    /// Count an Acquire that ended in a gateway error (grants are counted in
+    /// `record_grant`, which knows the source's index).
+    fn count_error(&self, e: &EngineError) {
+        let scope = match e {
+            EngineError::CircuitOpen { scope, .. }
+            | EngineError::Exhausted { scope, .. }
+            | EngineError::BackendUnavailable { scope, .. } => scope,
+            _ => return,
+        };
+        let Some(&si) = self.scope_index.get(scope) else {
+            return;
+        };
+        let c = &self.scopes[si].counters;
+        bump(match e {
+            EngineError::CircuitOpen { .. } => &c.circuit_open,
+            EngineError::Exhausted {
+                reason: Exhaustion::Stalled,
+                ..
+            } => &c.stalled,
+            EngineError::Exhausted {
+                reason: Exhaustion::QuotaExhausted,
+                ..
+            } => &c.quota_exhausted,
+            EngineError::Exhausted { .. } => &c.retry_exhausted,
+            _ => &c.backend_unavailable,
+        });
+    }
+
+    /// Turn a pass's grant into a permit of the call (or give it back if the call
+    /// ended meanwhile). A new probe means the breaker saw the previous probe's lease
+    /// expire: any older probe permit of the source still held here is returned for
+    /// reclaiming at once, so this host never holds two probes of one source (the
+    /// periodic reclaim could otherwise lag the lease by up to its period).
+    fn record_grant(
+        &self,
+        owner: OwnerId,
+        call: u64,
+        mut ticket: Ticket<'_, B>,
+    ) -> Result<(Grant, Vec<PermitRec>), EngineError> {
+        let g = ticket.grant.expect("ticket armed");
+        let src = &self.sources[g.source];
+        let now = self.clock.now();
+        let mut t = self.lock();
+        let Some((permit, attempt)) = t.grant(owner, call, &g, now, src.params().lease) else {
+            drop(t);
+            return Err(EngineError::UnknownCall(call)); // ticket drop gives it back
+        };
+        let stale = if g.is_probe {
+            let ids = t.other_probes(g.source, permit);
+            t.detach(&ids, now)
+        } else {
+            Vec::new()
+        };
+        drop(t);
+        ticket.grant = None;
+        bump(&src.counters.grants);
+        if g.is_probe {
+            bump(&src.counters.probes);
+        }
+        let grant = Grant {
+            permit,
+            source: src.name.clone(),
+            is_probe: g.is_probe,
+            attempt,
+            est_tokens: g.tokens,
+        };
+        Ok((grant, stale))
+    }
+
+    /// Give back a grant that never became a permit: nothing was sent.
+    fn undo_grant(&self, scope: usize, g: Granted) {
+        self.sources[g.source].pacer.release(Signal::Hold);
+        self.run_detached(self.settle_detached(
+            scope,
+            g.source,
+            g.epoch,
+            g.is_probe,
+            g.tokens,
+            Outcome::Cancelled,
+        ));
+        self.wake_one(g.source);
+    }
+}

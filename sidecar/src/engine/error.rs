@@ -1,0 +1,99 @@
+//! What an engine operation can answer besides success: the errors a call ends with
+//! (§5, §6 `retry_after_s`), the per-source skip reasons that travel with them (§4),
+//! and the client and lifecycle errors. Each [`EngineError`] maps to one wire error
+//! kind (the server's `convert`).
+
+use std::time::Duration;
+
+/// Why a source was skipped in an admission pass (§4).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SkipReason {
+    /// Memo or breaker refused.
+    CircuitOpen,
+    /// Pacer ceiling reached.
+    Paced,
+    /// Quota refused.
+    RateLimited,
+    /// Shared backend unreachable under `fail_closed`.
+    BackendUnavailable,
+}
+
+/// Which budget of a call ran out (§5).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Exhaustion {
+    /// Stall clock passed `stall_window`.
+    Stalled,
+    /// Quota/pacer refused under `quota_full = fail_fast`.
+    QuotaExhausted,
+    /// `max_attempts` used.
+    RetryExhausted,
+}
+
+/// Engine errors; each maps to one wire error kind.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum EngineError {
+    /// Every source refused for circuit reasons under `circuit_open = fail_fast`.
+    #[error("scope {scope:?}: every source's circuit is open (retry after {:.3}s)", retry_after.as_secs_f64())]
+    CircuitOpen {
+        /// Scope of the call.
+        scope: String,
+        /// §6 retry-after over all sources.
+        retry_after: Duration,
+        /// Per-source skip reasons of the last pass, config order.
+        reasons: Vec<(String, SkipReason)>,
+    },
+    /// A call budget ran out.
+    #[error("scope {scope:?}: all sources exhausted ({reason:?})")]
+    Exhausted {
+        /// Scope of the call.
+        scope: String,
+        /// Which budget.
+        reason: Exhaustion,
+        /// §6 retry-after over all sources (0 unless every source was open).
+        retry_after: Duration,
+        /// Per-source skip reasons of the last pass (empty for `retry_exhausted`
+        /// decided before any pass).
+        reasons: Vec<(String, SkipReason)>,
+    },
+    /// Shared backend unreachable and `on_backend_error = fail_closed`.
+    #[error("{}", scoped(scope, message))]
+    BackendUnavailable {
+        /// Scope of the call.
+        scope: String,
+        /// What failed.
+        message: String,
+        /// Per-source skip reasons of the last pass.
+        reasons: Vec<(String, SkipReason)>,
+    },
+    /// No such scope in the configuration.
+    #[error("unknown scope {0:?}")]
+    UnknownScope(String),
+    /// No such live call for this owner.
+    #[error("unknown call {0}")]
+    UnknownCall(u64),
+    /// No such live permit for this owner (already reported, reclaimed, or never
+    /// granted).
+    #[error("unknown permit {0}")]
+    UnknownPermit(u64),
+    /// No such source in the configuration.
+    #[error("unknown source {0:?}")]
+    UnknownSource(String),
+    /// The call already waits in an Acquire or holds an unreported permit.
+    #[error("call {0} already has an acquire in progress or an unreported permit")]
+    Busy(u64),
+    /// A bad argument; the message names it.
+    #[error("invalid argument: {0}")]
+    InvalidArgument(String),
+    /// The engine is shutting down.
+    #[error("sidecar is shutting down")]
+    ShuttingDown,
+}
+
+/// `scope "x": message`, or just the message for errors outside a call (admin).
+fn scoped(scope: &str, message: &str) -> String {
+    if scope.is_empty() {
+        message.to_string()
+    } else {
+        format!("scope {scope:?}: {message}")
+    }
+}

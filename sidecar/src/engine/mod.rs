@@ -1,0 +1,248 @@
+//! The governance engine's public face: calls, permits, admission, reporting,
+//! reclaim, admin and status. No socket code and no wire types live here; the server
+//! maps [`ipc_protocol`] messages onto these calls.
+//!
+//! Ownership: every call and permit belongs to an `owner` (the server uses one owner id
+//! per connection). Ids are only valid for their owner, and
+//! [`Engine::release_owner`] releases everything an owner still holds (§12).
+//!
+//! One Acquire reads top-down through the files: [`acquire`](self::acquire) (budgets,
+//! the §5 dispatch, the wait) → `pass` (one §4 pass: memo, pacer, then quota + breaker
+//! in one backend operation) → [`crate::gate`] / [`crate::backend`]. A Report goes
+//! through `report` (tables, pacer, health, then the backend's settle + verdict).
+//! `tables` is the synchronous call/permit bookkeeping, `runtime` the host-local
+//! scope/source state, `status` and `admin` the operator's side.
+
+mod acquire;
+mod admin;
+mod error;
+mod pass;
+mod report;
+mod runtime;
+mod status;
+mod tables;
+
+pub use error::{EngineError, Exhaustion, SkipReason};
+pub use runtime::{ScopeCounters, SourceCounters};
+pub use tables::{LiveCounts, OwnerId, MAX_CALLS_PER_OWNER};
+
+use std::collections::HashMap;
+use std::future::Future;
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Mutex, MutexGuard, Weak};
+use std::time::Duration;
+
+use tokio_util::sync::CancellationToken;
+
+use crate::backend::{Backend, BackendError, SourceSnapshot};
+use crate::clock::Clock;
+use crate::config::Config;
+use crate::gate::breaker::{Applied, State};
+use runtime::{ScopeRt, SourceRt, Topology};
+use tables::Tables;
+
+/// A granted permit.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Grant {
+    /// Permit id (unguessable-enough, never reused while live).
+    pub permit: u64,
+    /// Source to call.
+    pub source: Arc<str>,
+    /// This is the half-open probe.
+    pub is_probe: bool,
+    /// 1-based attempt number.
+    pub attempt: u32,
+    /// Tokens reserved.
+    pub est_tokens: u64,
+}
+
+/// Live state of one source, for status.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SourceStatus {
+    /// Source name.
+    pub name: String,
+    /// The backend's view: breaker and quota (defaults when it could not be read,
+    /// with `degraded` set).
+    pub shared: SourceSnapshot,
+    /// Remaining memo skip on this host.
+    pub memo_remaining: Duration,
+    /// Pacer ceiling on this host.
+    pub pacer_ceiling: f64,
+    /// Permits in flight on this host.
+    pub in_flight: u32,
+    /// Served from local state because the shared backend is down.
+    pub degraded: bool,
+}
+
+/// Live state of one scope, for status.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ScopeStatus {
+    /// Scope name.
+    pub name: String,
+    /// `wait` / `fail_fast`.
+    pub circuit_open: &'static str,
+    /// `wait` / `fail_fast`.
+    pub quota_full: &'static str,
+    /// Calls waiting in Acquire.
+    pub waiters: u32,
+    /// Live calls.
+    pub calls: u32,
+    /// Sources in config order.
+    pub sources: Vec<SourceStatus>,
+}
+
+/// The engine. Cheap to share behind an `Arc`.
+pub struct Engine<B: Backend> {
+    /// Self-reference, for tasks that must outlive a cancelled caller.
+    me: Weak<Engine<B>>,
+    /// Where breaker and quota state lives.
+    backend: B,
+    /// Host clock (stall clock, memo, leases).
+    pub(crate) clock: Arc<dyn Clock>,
+    /// Scopes, config order.
+    pub(crate) scopes: Vec<ScopeRt>,
+    /// Scope name → index.
+    scope_index: HashMap<String, usize>,
+    /// Every distinct source.
+    pub(crate) sources: Vec<SourceRt>,
+    /// Source name → index.
+    source_index: HashMap<String, usize>,
+    /// Calls and permits.
+    tables: Mutex<Tables>,
+    /// Cancelled on shutdown: ends every wait.
+    shutdown: CancellationToken,
+}
+
+impl<B: Backend> Engine<B> {
+    /// Build an engine over a validated configuration and a backend.
+    pub fn new(config: &Config, backend: B, clock: Arc<dyn Clock>) -> Arc<Self> {
+        let Topology {
+            scopes,
+            scope_index,
+            sources,
+            source_index,
+        } = Topology::build(config);
+        Arc::new_cyclic(|me| Engine {
+            me: me.clone(),
+            backend,
+            clock,
+            scopes,
+            scope_index,
+            sources,
+            source_index,
+            tables: Mutex::new(Tables::default()),
+            shutdown: CancellationToken::new(),
+        })
+    }
+
+    /// Apply a new configuration (SIGHUP) without dropping a call: scope policies
+    /// (modes, budgets, poll interval, selector, breaker parameters), source quotas,
+    /// estimates and timeouts, and pacer bounds take effect at the next admission pass,
+    /// also for calls already waiting. Scopes and sources must stay the same (adding,
+    /// removing, renaming or reordering them needs a restart): such a config is refused
+    /// whole and nothing changes. Returns what changed, one line each.
+    pub fn reload(&self, config: &Config) -> Result<Vec<String>, EngineError> {
+        runtime::reload(&self.scopes, &self.sources, config)
+    }
+
+    /// End every wait with [`EngineError::ShuttingDown`] and refuse new acquires.
+    pub fn shutdown(&self) {
+        self.shutdown.cancel();
+        for sc in &self.scopes {
+            sc.notify.notify_waiters();
+        }
+    }
+
+    /// `true` once [`Engine::shutdown`] ran.
+    pub fn is_shutting_down(&self) -> bool {
+        self.shutdown.is_cancelled()
+    }
+
+    /// The backend (for tests and status).
+    pub fn backend(&self) -> &B {
+        &self.backend
+    }
+
+    /// The backend's name (`memory` / `redis`).
+    pub fn backend_name(&self) -> &'static str {
+        self.backend.name()
+    }
+
+    fn lock(&self) -> MutexGuard<'_, Tables> {
+        self.tables.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn arc(&self) -> Arc<Self> {
+        self.me.upgrade().expect("engine used after drop")
+    }
+
+    fn source_idx(&self, source: &str) -> Result<usize, EngineError> {
+        self.source_index
+            .get(source)
+            .copied()
+            .ok_or_else(|| EngineError::UnknownSource(source.to_string()))
+    }
+
+    /// Log a backend error that is not an outage (the store rejected the operation),
+    /// at most once every 10 s per source so a persistent one cannot flood the log.
+    fn log_backend_error(&self, source: usize, e: &BackendError) {
+        const EVERY: u64 = 10_000_000_000;
+        let now = self.clock.now().as_nanos() as u64 + 1;
+        let src = &self.sources[source];
+        let last = src.error_logged.load(Ordering::Relaxed);
+        if (last == 0 || now.saturating_sub(last) >= EVERY)
+            && src
+                .error_logged
+                .compare_exchange(last, now, Ordering::Relaxed, Ordering::Relaxed)
+                .is_ok()
+        {
+            tracing::warn!(source = %src.name, error = %e, "backend rejected an admission; source skipped");
+        }
+    }
+
+    /// One resource of `source` freed (a pacer slot, a reservation, a probe lease):
+    /// wake one waiter per scope naming it. Only one can use it, and waking them all
+    /// would cost a pass per waiter for every freed slot; if the woken one cannot use
+    /// it, the others' next nap (at most `poll_interval` away) picks it up.
+    fn wake_one(&self, source: usize) {
+        // Whatever was freed may be quota: let the next admission ask the backend.
+        self.sources[source].quota_hint.clear();
+        for &s in &self.sources[source].scopes {
+            self.scopes[s].notify.notify_one();
+        }
+    }
+
+    /// The source's state changed so that many may proceed (closed, reset, memo
+    /// cleared): wake every waiter of every scope naming it.
+    fn wake_all(&self, source: usize) {
+        self.sources[source].quota_hint.clear();
+        for &s in &self.sources[source].scopes {
+            self.scopes[s].notify.notify_waiters();
+        }
+    }
+
+    /// Keep the memo in step with a state the backend just told us.
+    fn note_state(&self, source: usize, a: &Applied) {
+        let memo = &self.sources[source].memo;
+        match a.state {
+            State::Open if !a.retry_after.is_zero() => {
+                memo.set_until(self.clock.now() + a.retry_after)
+            }
+            State::Closed => memo.clear(),
+            _ => {}
+        }
+    }
+
+    /// Run backend work that must not depend on the caller staying alive: in its own
+    /// task for a remote backend; for the memory backend to completion right here (its
+    /// futures finish in their first poll), so its effects are visible on return.
+    fn run_detached(&self, work: impl Future<Output = ()> + Send + 'static) {
+        if self.backend.is_remote() {
+            tokio::spawn(work);
+        } else {
+            let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
+            let done = std::pin::pin!(work).poll(&mut cx).is_ready();
+            debug_assert!(done, "memory backend futures complete in one poll");
+        }
+    }
+}

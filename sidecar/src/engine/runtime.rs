@@ -1,0 +1,298 @@
+//! Host-local runtime state of scopes and sources: the policy SIGHUP may swap, the
+//! host-local gates (pacer §8, memo §9, quota hint, health §4), the wake-up channel of
+//! a scope's waiters, and the `/metrics` counters (§12). Built once from the
+//! configuration ([`Topology::build`]) and updated in place by [`reload`]; nothing
+//! here knows about calls, permits or the backend.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::{Arc, RwLock};
+use std::time::Duration;
+
+use tokio::sync::Notify;
+
+use super::error::EngineError;
+use crate::config::{Config, ScopeConfig, SourceConfig};
+use crate::gate::breaker::BreakerParams;
+use crate::gate::health::Health;
+use crate::gate::memo::{Memo, QuotaHint};
+use crate::gate::pacer::Pacer;
+use crate::gate::quota::QuotaParams;
+
+/// A scope's policy: everything SIGHUP may change about it. Swapped whole, so one
+/// admission pass always sees one consistent policy.
+pub(crate) struct Policy {
+    /// Policy from the configuration.
+    pub(crate) cfg: ScopeConfig,
+    /// Breaker parameters derived from `cfg` (probe TTL included).
+    pub(crate) bp: BreakerParams,
+}
+
+impl Policy {
+    fn new(sc: &ScopeConfig) -> Self {
+        let b = sc.breaker;
+        Policy {
+            bp: BreakerParams {
+                failure_threshold: b.failure_threshold,
+                failure_rate: b.failure_rate,
+                min_calls: b.min_calls,
+                window: b.window,
+                cooldown: b.cooldown,
+                max_cooldown: b.max_cooldown,
+                probe_ttl: sc.probe_ttl(),
+            },
+            cfg: sc.clone(),
+        }
+    }
+}
+
+/// Per-source parameters SIGHUP may change.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub(crate) struct SourceParams {
+    /// Quota parameters.
+    pub(crate) qp: QuotaParams,
+    /// §7 default estimate.
+    pub(crate) est_tokens: u64,
+    /// A permit never reported is reclaimed after this (2 × timeout).
+    pub(crate) lease: Duration,
+}
+
+impl SourceParams {
+    fn new(s: &SourceConfig) -> Self {
+        SourceParams {
+            qp: QuotaParams {
+                tpm: s.tpm,
+                rpm: s.rpm,
+            },
+            est_tokens: s.default_est_tokens(),
+            lease: s.permit_lease(),
+        }
+    }
+}
+
+/// Monotonic counters of one scope, for `/metrics`.
+#[derive(Debug, Default)]
+pub struct ScopeCounters {
+    /// Acquires that started waiting (one per Acquire, not per wake-up).
+    pub waits: AtomicU64,
+    /// Acquires that ended `CircuitOpen`.
+    pub circuit_open: AtomicU64,
+    /// Acquires that ended `stalled`.
+    pub stalled: AtomicU64,
+    /// Acquires that ended `quota_exhausted`.
+    pub quota_exhausted: AtomicU64,
+    /// Acquires that ended `retry_exhausted`.
+    pub retry_exhausted: AtomicU64,
+    /// Acquires refused because the shared backend is unreachable (`fail_closed`).
+    pub backend_unavailable: AtomicU64,
+}
+
+/// Monotonic counters of one source, for `/metrics`.
+#[derive(Debug, Default)]
+pub struct SourceCounters {
+    /// Permits granted.
+    pub grants: AtomicU64,
+    /// Of which probes.
+    pub probes: AtomicU64,
+    /// Reported successes.
+    pub successes: AtomicU64,
+    /// Reported failures.
+    pub failures: AtomicU64,
+    /// Reported 429s.
+    pub rate_limited: AtomicU64,
+    /// Reported cancellations.
+    pub cancelled: AtomicU64,
+    /// Permits abandoned (connection closed, EndCall, lease expired).
+    pub abandoned: AtomicU64,
+}
+
+/// Count one event.
+pub(crate) fn bump(c: &AtomicU64) {
+    c.fetch_add(1, Ordering::Relaxed);
+}
+
+/// Host-local runtime state of one scope.
+pub(crate) struct ScopeRt {
+    /// Scope name (fixed: renaming is a topology change).
+    pub(crate) name: String,
+    /// Current policy; replaced by `reload`.
+    policy: RwLock<Arc<Policy>>,
+    /// Engine-wide indices of the scope's sources, config order.
+    pub(crate) sources: Vec<usize>,
+    /// Woken whenever something that could let a waiter through frees up (a permit
+    /// reported, reclaimed or released; an admin op; shutdown). The nap is only the
+    /// longest gap between checks.
+    pub(crate) notify: Notify,
+    /// Acquires of this scope currently sleeping.
+    pub(crate) waiters: AtomicU32,
+    /// Counters for `/metrics`.
+    pub(crate) counters: ScopeCounters,
+}
+
+/// Host-local runtime state of one source (shared by every scope naming it).
+pub(crate) struct SourceRt {
+    /// Name (global key of breaker and quota).
+    pub(crate) name: Arc<str>,
+    /// Quota, estimate and lease; replaced by `reload`.
+    params: RwLock<SourceParams>,
+    /// §8 AIMD pacer (parameters of the first scope naming the source).
+    pub(crate) pacer: Pacer,
+    /// §9 cooldown memo.
+    pub(crate) memo: Memo,
+    /// Recent quota refusal, shared by this host's waiters (one backend check per tick).
+    pub(crate) quota_hint: QuotaHint,
+    /// Recent outcomes for the health selector.
+    pub(crate) health: Health,
+    /// Scopes naming this source (to wake their waiters).
+    pub(crate) scopes: Vec<usize>,
+    /// Counters for `/metrics`.
+    pub(crate) counters: SourceCounters,
+    /// When a rejected backend operation was last logged (nanos on the engine clock
+    /// + 1; 0 = never), to log at most every 10 s per source.
+    pub(crate) error_logged: AtomicU64,
+}
+
+impl ScopeRt {
+    /// The current policy (cheap: one `Arc` clone under a read lock).
+    pub(crate) fn policy(&self) -> Arc<Policy> {
+        self.policy
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+    }
+}
+
+impl SourceRt {
+    /// The current parameters.
+    pub(crate) fn params(&self) -> SourceParams {
+        *self.params.read().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+/// Every scope and every distinct source of a configuration, with name indices.
+pub(crate) struct Topology {
+    /// Scopes, config order.
+    pub(crate) scopes: Vec<ScopeRt>,
+    /// Scope name → index.
+    pub(crate) scope_index: HashMap<String, usize>,
+    /// Every distinct source, in order of first mention.
+    pub(crate) sources: Vec<SourceRt>,
+    /// Source name → index.
+    pub(crate) source_index: HashMap<String, usize>,
+}
+
+impl Topology {
+    /// The runtime state of a validated configuration. A source named by several
+    /// scopes is one [`SourceRt`] (one pacer, one memo), configured by the first.
+    pub(crate) fn build(config: &Config) -> Self {
+        let mut sources: Vec<SourceRt> = Vec::new();
+        let mut source_index: HashMap<String, usize> = HashMap::new();
+        let mut scopes = Vec::new();
+        let mut scope_index = HashMap::new();
+        for (si, sc) in config.scopes.iter().enumerate() {
+            let mut idxs = Vec::new();
+            for s in &sc.sources {
+                let idx = *source_index.entry(s.name.clone()).or_insert_with(|| {
+                    sources.push(SourceRt {
+                        name: Arc::from(s.name.as_str()),
+                        params: RwLock::new(SourceParams::new(s)),
+                        pacer: Pacer::new(sc.pacer),
+                        memo: Memo::default(),
+                        quota_hint: QuotaHint::default(),
+                        health: Health::default(),
+                        scopes: Vec::new(),
+                        counters: SourceCounters::default(),
+                        error_logged: AtomicU64::new(0),
+                    });
+                    sources.len() - 1
+                });
+                if !sources[idx].scopes.contains(&si) {
+                    sources[idx].scopes.push(si);
+                }
+                idxs.push(idx);
+            }
+            scopes.push(ScopeRt {
+                name: sc.name.clone(),
+                policy: RwLock::new(Arc::new(Policy::new(sc))),
+                sources: idxs,
+                notify: Notify::new(),
+                waiters: AtomicU32::new(0),
+                counters: ScopeCounters::default(),
+            });
+            scope_index.insert(sc.name.clone(), si);
+        }
+        Topology {
+            scopes,
+            scope_index,
+            sources,
+            source_index,
+        }
+    }
+}
+
+/// Apply a new configuration to running scopes and sources (SIGHUP); see
+/// [`super::Engine::reload`] for what may change. Refused whole, changing nothing,
+/// when scopes or sources were added, removed, renamed or reordered.
+pub(crate) fn reload(
+    scopes: &[ScopeRt],
+    sources: &[SourceRt],
+    config: &Config,
+) -> Result<Vec<String>, EngineError> {
+    let names = |c: &Config| -> Vec<(String, Vec<String>)> {
+        c.scopes
+            .iter()
+            .map(|s| {
+                (
+                    s.name.clone(),
+                    s.sources.iter().map(|x| x.name.clone()).collect(),
+                )
+            })
+            .collect()
+    };
+    let now: Vec<(String, Vec<String>)> = scopes
+        .iter()
+        .map(|s| {
+            (
+                s.name.clone(),
+                s.sources
+                    .iter()
+                    .map(|&i| sources[i].name.to_string())
+                    .collect(),
+            )
+        })
+        .collect();
+    if names(config) != now {
+        return Err(EngineError::InvalidArgument(
+            "scopes or sources were added, removed, renamed or reordered: that needs a restart; \
+             the running configuration is kept"
+                .into(),
+        ));
+    }
+    let mut changes = Vec::new();
+    // Per-source settings follow the first scope naming the source, as at start-up
+    // (scopes may disagree on est_tokens/timeout/pacer; tpm/rpm must agree).
+    let mut seen = vec![false; sources.len()];
+    for (sc, new) in scopes.iter().zip(&config.scopes) {
+        if sc.policy().cfg != *new {
+            changes.push(format!("scope {}: policy updated", sc.name));
+        }
+        *sc.policy.write().unwrap_or_else(|e| e.into_inner()) = Arc::new(Policy::new(new));
+        for (&idx, s) in sc.sources.iter().zip(&new.sources) {
+            if std::mem::replace(&mut seen[idx], true) {
+                continue;
+            }
+            let src = &sources[idx];
+            let p = SourceParams::new(s);
+            if src.params() != p {
+                changes.push(format!(
+                    "source {}: quota/estimate/timeout updated",
+                    src.name
+                ));
+                *src.params.write().unwrap_or_else(|e| e.into_inner()) = p;
+            }
+            src.pacer.reconfigure(new.pacer);
+        }
+        sc.notify.notify_waiters();
+    }
+    Ok(changes)
+}

@@ -1,0 +1,69 @@
+//! What the engine shows (§12): the live state of every scope and source for
+//! `Status`, `status --json` and `/metrics`, and the invariant counts the tests check.
+
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use super::tables::LiveCounts;
+use super::{Engine, ScopeStatus, SourceStatus};
+use crate::backend::{Backend, SourceSnapshot};
+
+impl<B: Backend> Engine<B> {
+    /// Live state of every scope and source.
+    pub async fn status(&self) -> Vec<ScopeStatus> {
+        let calls_per_scope = self.lock().calls_per_scope(self.scopes.len());
+        let mut out = Vec::with_capacity(self.scopes.len());
+        for (si, sc) in self.scopes.iter().enumerate() {
+            let policy = sc.policy();
+            let mut sources = Vec::with_capacity(sc.sources.len());
+            for &idx in &sc.sources {
+                let src = &self.sources[idx];
+                let now = self.clock.now();
+                let (pacer_ceiling, in_flight) = src.pacer.view();
+                let snap = self
+                    .backend
+                    .snapshot(&src.name, &policy.bp, &src.params().qp)
+                    .await;
+                let mut degraded = self.backend.degraded(&src.name);
+                let shared = snap.unwrap_or_else(|e| {
+                    tracing::debug!(source = %src.name, error = %e, "status: backend snapshot failed");
+                    degraded = true;
+                    SourceSnapshot::default()
+                });
+                sources.push(SourceStatus {
+                    name: src.name.to_string(),
+                    shared,
+                    memo_remaining: src.memo.remaining(now),
+                    pacer_ceiling,
+                    in_flight,
+                    degraded,
+                });
+            }
+            out.push(ScopeStatus {
+                name: sc.name.clone(),
+                circuit_open: policy.cfg.circuit_open.as_str(),
+                quota_full: policy.cfg.quota_full.as_str(),
+                waiters: sc.waiters.load(Ordering::Relaxed),
+                calls: calls_per_scope[si],
+                sources,
+            });
+        }
+        out
+    }
+
+    /// Counts for invariant checks (tests, debugging).
+    #[doc(hidden)]
+    pub fn live_counts(&self) -> LiveCounts {
+        let t = self.lock();
+        LiveCounts {
+            pacer_in_flight: self.sources.iter().map(|s| s.pacer.view().1).sum(),
+            ..t.live_counts(self.sources.len())
+        }
+    }
+
+    /// The earliest lease expiry among live permits (tests: no permit outlives it).
+    #[doc(hidden)]
+    pub fn oldest_permit_expiry(&self) -> Option<Duration> {
+        self.lock().oldest_expiry()
+    }
+}
