@@ -165,8 +165,9 @@ pub trait Backend: Send + Sync + 'static {
     /// `true` when operations really wait on I/O (Redis). The engine then runs each
     /// state-changing operation in its own task so that a cancelled Acquire (its future
     /// dropped mid-round-trip) can never leave a grant half-made: the task finishes
-    /// and releases what the dropped caller would have owned. The memory backend's
-    /// futures complete in their first poll, so they run inline, allocation-free.
+    /// and releases what the dropped caller would have owned. `false` promises that
+    /// every future completes in its first poll (the memory backend's do), so the
+    /// engine runs them inline, allocation-free (`engine/detach.rs`).
     fn is_remote(&self) -> bool {
         false
     }

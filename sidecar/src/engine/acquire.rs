@@ -11,13 +11,13 @@ use std::time::Duration;
 
 use super::error::{EngineError, Exhaustion, SkipReason};
 use super::pass::{nap, Pass};
+use super::report::{Abandon, GiveBack, Settle};
 use super::runtime::bump;
 use super::tables::{Granted, OwnerId, PermitRec};
 use super::{Engine, Grant};
 use crate::backend::Backend;
 use crate::config::Mode;
 use crate::gate::pacer::Signal;
-use crate::gate::Outcome;
 
 /// Clears a call's `acquiring` flag when the Acquire ends, however it ends.
 struct AcquireGuard<'a, B: Backend> {
@@ -144,7 +144,7 @@ impl<B: Backend> Engine<B> {
                     for p in stale {
                         self.sources[p.source].pacer.release(Signal::Hold);
                         bump(&self.sources[p.source].counters.abandoned);
-                        self.run_detached(self.abandon_backend(p));
+                        self.detach(Abandon(p));
                     }
                     return Ok(grant);
                 }
@@ -300,14 +300,7 @@ impl<B: Backend> Engine<B> {
     /// Give back a grant that never became a permit: nothing was sent.
     fn undo_grant(&self, scope: usize, g: Granted) {
         self.sources[g.source].pacer.release(Signal::Hold);
-        self.run_detached(self.settle_detached(
-            scope,
-            g.source,
-            g.epoch,
-            g.is_probe,
-            g.tokens,
-            Outcome::Cancelled,
-        ));
+        self.detach(GiveBack(Settle::of_grant(self, scope, &g)));
         self.wake_one(g.source);
     }
 }

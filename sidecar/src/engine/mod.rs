@@ -15,6 +15,7 @@
 
 mod acquire;
 mod admin;
+mod detach;
 mod error;
 mod pass;
 mod report;
@@ -27,7 +28,6 @@ pub use runtime::{ScopeCounters, SourceCounters};
 pub use tables::{LiveCounts, OwnerId, MAX_CALLS_PER_OWNER};
 
 use std::collections::HashMap;
-use std::future::Future;
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
 use std::time::Duration;
@@ -230,19 +230,6 @@ impl<B: Backend> Engine<B> {
             }
             State::Closed => memo.clear(),
             _ => {}
-        }
-    }
-
-    /// Run backend work that must not depend on the caller staying alive: in its own
-    /// task for a remote backend; for the memory backend to completion right here (its
-    /// futures finish in their first poll), so its effects are visible on return.
-    fn run_detached(&self, work: impl Future<Output = ()> + Send + 'static) {
-        if self.backend.is_remote() {
-            tokio::spawn(work);
-        } else {
-            let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
-            let done = std::pin::pin!(work).poll(&mut cx).is_ready();
-            debug_assert!(done, "memory backend futures complete in one poll");
         }
     }
 }

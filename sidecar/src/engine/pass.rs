@@ -6,9 +6,11 @@
 //! order, nothing per candidate; an OPEN source remembered in the memo costs no
 //! backend traffic at all.
 
-use std::sync::Arc;
+use std::future::Future;
 use std::time::Duration;
 
+use super::detach::Work;
+use super::report::{GiveBack, Settle};
 use super::runtime::Policy;
 use super::tables::Granted;
 use super::{Engine, SkipReason};
@@ -17,7 +19,7 @@ use crate::config::Selector;
 use crate::gate::breaker::{BreakerParams, State};
 use crate::gate::health::rank;
 use crate::gate::quota::QuotaParams;
-use crate::gate::{Admit, Outcome};
+use crate::gate::Admit;
 
 /// What a pass that granted nothing saw.
 #[derive(Debug, Default)]
@@ -39,36 +41,44 @@ pub(crate) enum Pass {
     Refused(Refused),
 }
 
-/// A remote admission's answer in transit from its task to the Acquire. If it is
-/// dropped unread (the Acquire was cancelled during the round trip, before or after
-/// the send), a grant in it is given back to the backend. The pacer slot is not
-/// touched here: the pass's slot guard released it when the Acquire was dropped.
-struct AdmitResult<B: Backend> {
-    /// The engine that asked.
-    engine: Arc<Engine<B>>,
-    /// Scope of the call.
+/// Gates 3 + 4 for one source as one backend operation. On a remote backend it runs
+/// in its own task ([`Engine::detached`]); if the Acquire was cancelled during the
+/// round trip, before or after the answer came, a grant in the unread answer is given
+/// back to the backend. The pacer slot is not touched there: the pass's slot guard
+/// released it when the Acquire was dropped.
+struct Admission {
+    /// Scope of the call (its breaker parameters settle a give-back).
     scope: usize,
     /// Source index.
     source: usize,
-    /// Tokens the admission reserved.
+    /// Breaker parameters of the scope's policy.
+    bp: BreakerParams,
+    /// Quota parameters of the source.
+    qp: QuotaParams,
+    /// Tokens to reserve.
     tokens: u64,
-    /// The backend's answer; taken when read.
-    result: Option<BResult<Admit>>,
 }
 
-impl<B: Backend> Drop for AdmitResult<B> {
-    fn drop(&mut self) {
-        if let Some(Ok(Admit::Granted { epoch, is_probe })) = self.result.take() {
-            let undo = self.engine.settle_detached(
-                self.scope,
-                self.source,
-                epoch,
-                is_probe,
-                self.tokens,
-                Outcome::Cancelled,
-            );
-            if let Ok(rt) = tokio::runtime::Handle::try_current() {
-                rt.spawn(undo);
+impl<B: Backend> Work<B> for Admission {
+    type Output = BResult<Admit>;
+
+    fn run<'a>(&'a self, engine: &'a Engine<B>) -> impl Future<Output = Self::Output> + Send + 'a {
+        let name = &engine.sources[self.source].name;
+        engine.backend.admit(name, &self.bp, &self.qp, self.tokens)
+    }
+
+    fn unread(&self, out: Self::Output, engine: &Engine<B>) {
+        if let Ok(Admit::Granted { epoch, is_probe }) = out {
+            // A task's answer is dropped inside the runtime; outside one (runtime
+            // teardown) nothing could run the give-back anyway.
+            if tokio::runtime::Handle::try_current().is_ok() {
+                let g = Granted {
+                    source: self.source,
+                    epoch,
+                    is_probe,
+                    tokens: self.tokens,
+                };
+                engine.detach(GiveBack(Settle::of_grant(engine, self.scope, &g)));
             }
         }
     }
@@ -151,10 +161,18 @@ impl<B: Backend> Engine<B> {
                 continue;
             }
             let hint_generation = src.quota_hint.generation();
-            match self
-                .backend_admit(scope, idx, &policy.bp, &params.qp, tokens)
+            let admission = Admission {
+                scope,
+                source: idx,
+                bp: policy.bp,
+                qp: params.qp,
+                tokens,
+            };
+            let answer = self
+                .detached(admission)
                 .await
-            {
+                .unwrap_or_else(|| Err(BackendError::Unavailable("admission task failed".into())));
+            match answer {
                 Ok(Admit::Granted { epoch, is_probe }) => {
                     // From here the grant's Ticket owns the slot (no await between).
                     slot.keep();
@@ -195,42 +213,6 @@ impl<B: Backend> Engine<B> {
             }
         }
         Pass::Refused(refused)
-    }
-
-    /// Gates 3–4 for one source; a remote backend's round trip runs in its own task so
-    /// a dropped Acquire cannot strand a half-made grant.
-    async fn backend_admit(
-        &self,
-        scope: usize,
-        source: usize,
-        bp: &BreakerParams,
-        qp: &QuotaParams,
-        tokens: u64,
-    ) -> BResult<Admit> {
-        let src = &self.sources[source];
-        let (bp, qp) = (*bp, *qp);
-        if !self.backend.is_remote() {
-            return self.backend.admit(&src.name, &bp, &qp, tokens).await;
-        }
-        let me = self.arc();
-        let (tx, rx) = tokio::sync::oneshot::channel::<AdmitResult<B>>();
-        tokio::spawn(async move {
-            let src = &me.sources[source];
-            let r = me.backend.admit(&src.name, &bp, &qp, tokens).await;
-            // If the Acquire is gone (send fails, or the value is never received),
-            // dropping the AdmitResult gives a grant back.
-            let _ = tx.send(AdmitResult {
-                engine: me.clone(),
-                scope,
-                source,
-                tokens,
-                result: Some(r),
-            });
-        });
-        match rx.await {
-            Ok(mut r) => r.result.take().expect("filled once"),
-            Err(_) => Err(BackendError::Unavailable("admission task failed".into())),
-        }
     }
 }
 

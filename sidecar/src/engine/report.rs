@@ -6,14 +6,17 @@
 use std::future::Future;
 use std::time::Duration;
 
+use futures_util::future::join_all;
+
+use super::detach::Work;
 use super::error::EngineError;
 use super::runtime::bump;
-use super::tables::{OwnerId, PermitRec};
+use super::tables::{Granted, OwnerId, PermitRec};
 use super::Engine;
-use crate::backend::{Backend, BackendError};
-use crate::gate::breaker::{Applied, State};
+use crate::backend::{BResult, Backend, BackendError};
+use crate::gate::breaker::{Applied, BreakerParams, State};
 use crate::gate::pacer::Signal;
-use crate::gate::quota::Settlement;
+use crate::gate::quota::{QuotaParams, Settlement};
 use crate::gate::{FailureKind, Outcome};
 
 impl<B: Backend> Engine<B> {
@@ -57,23 +60,10 @@ impl<B: Backend> Engine<B> {
             Outcome::Failure(_) => src.health.record(false, now.saturating_sub(p.granted_at)),
             _ => {}
         }
-        let bp = self.scopes[p.scope].policy().bp;
-        let qp = src.params().qp;
-        let r = if self.backend.is_remote() {
-            let me = self.arc();
-            tokio::spawn(async move {
-                let src = &me.sources[p.source];
-                me.backend
-                    .report(&src.name, &bp, &qp, p.epoch, p.is_probe, p.tokens, outcome)
-                    .await
-            })
+        let r = self
+            .detached(Settle::of_permit(self, &p, outcome))
             .await
-            .unwrap_or_else(|_| Err(BackendError::Unavailable("report task failed".into())))
-        } else {
-            self.backend
-                .report(&src.name, &bp, &qp, p.epoch, p.is_probe, p.tokens, outcome)
-                .await
-        };
+            .unwrap_or_else(|| Err(BackendError::Unavailable("report task failed".into())));
         let applied = match r {
             Ok(a) => a,
             Err(e) => {
@@ -140,74 +130,110 @@ impl<B: Backend> Engine<B> {
             self.sources[p.source].pacer.release(Signal::Hold);
             bump(&self.sources[p.source].counters.abandoned);
         }
-        if self.backend.is_remote() {
-            let tasks: Vec<_> = permits
-                .into_iter()
-                .map(|p| tokio::spawn(self.abandon_backend(p)))
-                .collect();
-            for t in tasks {
-                let _ = t.await;
-            }
-        } else {
-            for p in permits {
-                self.abandon_backend(p).await;
-            }
+        join_all(permits.into_iter().map(|p| self.detached(Abandon(p)))).await;
+    }
+}
+
+/// The backend half of a report: settle a grant's reservation for `outcome` and feed
+/// the breaker under the grant's epoch, with the parameters current when it was made.
+pub(super) struct Settle {
+    /// Source index.
+    source: usize,
+    /// Breaker parameters of the call's scope.
+    bp: BreakerParams,
+    /// Quota parameters of the source.
+    qp: QuotaParams,
+    /// Breaker epoch of the grant.
+    epoch: u64,
+    /// The grant holds the probe lease.
+    is_probe: bool,
+    /// Tokens the grant reserved.
+    tokens: u64,
+    /// What happened.
+    outcome: Outcome,
+}
+
+impl Settle {
+    /// The report of `p`'s attempt.
+    fn of_permit<B: Backend>(engine: &Engine<B>, p: &PermitRec, outcome: Outcome) -> Self {
+        Settle {
+            source: p.source,
+            bp: engine.scopes[p.scope].policy().bp,
+            qp: engine.sources[p.source].params().qp,
+            epoch: p.epoch,
+            is_probe: p.is_probe,
+            tokens: p.tokens,
+            outcome,
         }
     }
 
-    /// The backend half of abandoning a permit: keep the estimate, release a probe.
-    pub(super) fn abandon_backend(
-        &self,
-        p: PermitRec,
-    ) -> impl Future<Output = ()> + Send + 'static {
-        let me = self.arc();
-        async move {
-            let src = &me.sources[p.source];
-            let how = Settlement::Charge { tokens: p.tokens };
-            if let Err(e) = me
-                .backend
-                .settle(&src.name, &src.params().qp, p.tokens, how)
-                .await
-            {
-                tracing::warn!(source = %src.name, error = %e, "could not settle an abandoned permit");
-            }
-            if let Err(e) = me.backend.neutral(&src.name, p.epoch, p.is_probe).await {
-                tracing::warn!(source = %src.name, error = %e, "could not release an abandoned probe");
-            }
-            me.wake_one(p.source);
+    /// Giving back `g`, a grant of a call in `scope` that never became a permit.
+    pub(super) fn of_grant<B: Backend>(engine: &Engine<B>, scope: usize, g: &Granted) -> Self {
+        Settle {
+            source: g.source,
+            bp: engine.scopes[scope].policy().bp,
+            qp: engine.sources[g.source].params().qp,
+            epoch: g.epoch,
+            is_probe: g.is_probe,
+            tokens: g.tokens,
+            outcome: Outcome::Cancelled,
         }
     }
+}
 
-    /// A backend report that owns everything it needs, so it can run in its own task.
-    pub(super) fn settle_detached(
-        &self,
-        scope: usize,
-        source: usize,
-        epoch: u64,
-        is_probe: bool,
-        tokens: u64,
-        outcome: Outcome,
-    ) -> impl Future<Output = ()> + Send + 'static {
-        let me = self.arc();
-        async move {
-            let src = &me.sources[source];
-            let bp = me.scopes[scope].policy().bp;
-            let r = me
-                .backend
-                .report(
-                    &src.name,
-                    &bp,
-                    &src.params().qp,
-                    epoch,
-                    is_probe,
-                    tokens,
-                    outcome,
-                )
-                .await;
-            if let Err(e) = r {
-                tracing::warn!(source = %src.name, error = %e, "could not release a grant");
-            }
-            me.wake_one(source);
+impl<B: Backend> Work<B> for Settle {
+    type Output = BResult<Applied>;
+
+    fn run<'a>(&'a self, engine: &'a Engine<B>) -> impl Future<Output = Self::Output> + Send + 'a {
+        let name = &engine.sources[self.source].name;
+        engine.backend.report(
+            name,
+            &self.bp,
+            &self.qp,
+            self.epoch,
+            self.is_probe,
+            self.tokens,
+            self.outcome,
+        )
+    }
+}
+
+/// Give back a grant that never became a permit (nothing was sent), with nobody to
+/// tell: a failure is logged, and the freed capacity wakes a waiter.
+pub(super) struct GiveBack(pub(super) Settle);
+
+impl<B: Backend> Work<B> for GiveBack {
+    type Output = ();
+
+    async fn run(&self, engine: &Engine<B>) {
+        if let Err(e) = self.0.run(engine).await {
+            let name = &engine.sources[self.0.source].name;
+            tracing::warn!(source = %name, error = %e, "could not release a grant");
         }
+        engine.wake_one(self.0.source);
+    }
+}
+
+/// The backend half of abandoning a permit: keep the estimate, release a probe.
+pub(super) struct Abandon(pub(super) PermitRec);
+
+impl<B: Backend> Work<B> for Abandon {
+    type Output = ();
+
+    async fn run(&self, engine: &Engine<B>) {
+        let p = &self.0;
+        let src = &engine.sources[p.source];
+        let how = Settlement::Charge { tokens: p.tokens };
+        if let Err(e) = engine
+            .backend
+            .settle(&src.name, &src.params().qp, p.tokens, how)
+            .await
+        {
+            tracing::warn!(source = %src.name, error = %e, "could not settle an abandoned permit");
+        }
+        if let Err(e) = engine.backend.neutral(&src.name, p.epoch, p.is_probe).await {
+            tracing::warn!(source = %src.name, error = %e, "could not release an abandoned probe");
+        }
+        engine.wake_one(p.source);
     }
 }
