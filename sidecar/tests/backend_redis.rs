@@ -11,7 +11,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use polygate::backend::redis::{AdminEvent, AdminOp, RedisBackend, RedisOptions};
+use polygate::backend::redis::{RedisBackend, RedisOptions};
+use polygate::backend::{AdminEvent, AdminOp};
 use polygate::backend::{
     Admit, AnyBackend, Backend, BackendError, BreakerParams, Outcome, QuotaParams, State,
 };

@@ -6,8 +6,9 @@ use std::time::Duration;
 
 use tokio::sync::broadcast;
 
+use super::event::AdminEvent;
 use super::memory::MemoryBackend;
-use super::redis::{AdminEvent, RedisBackend, RedisOptions};
+use super::redis::{RedisBackend, RedisOptions};
 use super::{BResult, Backend, SourceSnapshot};
 use crate::clock::Clock;
 use crate::config::BackendKind;

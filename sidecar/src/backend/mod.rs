@@ -80,9 +80,11 @@
 //! - `block_quota(d)`: blocked_until = max(blocked_until, now + d).
 
 pub mod any;
+pub mod event;
 pub mod memory;
 pub mod redis;
 pub use any::AnyBackend;
+pub use event::{AdminEvent, AdminOp};
 
 pub use crate::gate::breaker::{Applied, BreakerParams, Entry, State};
 pub use crate::gate::quota::{QuotaParams, Reserve, Settlement};

@@ -23,7 +23,7 @@ use tokio::sync::broadcast;
 use tokio_util::sync::CancellationToken;
 use tracing::{error, info, warn};
 
-use crate::backend::redis::{AdminEvent, AdminOp};
+use crate::backend::AdminEvent;
 use crate::backend::AnyBackend;
 use crate::clock::{Clock, TokioClock};
 use crate::config::Config;
@@ -228,19 +228,9 @@ async fn apply_admin_events(
     use tokio::sync::broadcast::error::RecvError;
     loop {
         match rx.recv().await {
-            Ok(ev) => apply_admin_event(&engine, &ev),
+            Ok(ev) => engine.apply_admin_event(&ev),
             Err(RecvError::Lagged(n)) => warn!(missed = n, "admin events were dropped"),
             Err(RecvError::Closed) => return,
         }
-    }
-}
-
-/// One admin event from another host (or this one): an operator's force_close /
-/// reset on any host clears this host's memo entry for the source. The one place
-/// that decides what an admin event does here.
-fn apply_admin_event(engine: &Engine<AnyBackend>, ev: &AdminEvent) {
-    info!(source = %ev.source, op = ?ev.op, "admin event from the shared backend");
-    if matches!(ev.op, AdminOp::ForceClose | AdminOp::Reset) {
-        engine.clear_memo(&ev.source);
     }
 }

@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use super::error::EngineError;
 use super::Engine;
-use crate::backend::{BResult, Backend};
+use crate::backend::{AdminEvent, AdminOp, BResult, Backend};
 use crate::gate::breaker::Applied;
 
 impl<B: Backend> Engine<B> {
@@ -44,9 +44,16 @@ impl<B: Backend> Engine<B> {
         Ok(a)
     }
 
-    /// Forget `source`'s memo entry (an admin op broadcast from another host).
-    pub fn clear_memo(&self, source: &str) {
-        if let Some(&idx) = self.source_index.get(source) {
+    /// An operator's action on any host, as the shared backend broadcast it (§9): a
+    /// `force_close` or `reset` clears this host's memo entry for the source and wakes
+    /// its waiters (a `force_open` needs nothing: the next admission sees it). Events
+    /// about sources this host does not know are ignored.
+    pub fn apply_admin_event(&self, ev: &AdminEvent) {
+        tracing::info!(source = %ev.source, op = ?ev.op, "admin event from the shared backend");
+        if !matches!(ev.op, AdminOp::ForceClose | AdminOp::Reset) {
+            return;
+        }
+        if let Some(&idx) = self.source_index.get(ev.source.as_str()) {
             self.sources[idx].memo.clear();
             self.wake_all(idx);
         }
@@ -62,5 +69,52 @@ impl<B: Backend> Engine<B> {
         })?;
         self.wake_all(source);
         Ok(a)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use super::*;
+    use crate::backend::memory::MemoryBackend;
+    use crate::clock::{Clock, ManualClock};
+    use crate::config::parse_str;
+
+    fn event(op: AdminOp, source: &str) -> AdminEvent {
+        AdminEvent {
+            source: source.into(),
+            op,
+        }
+    }
+
+    #[tokio::test]
+    async fn a_broadcast_close_or_reset_clears_the_memo_and_open_does_not() {
+        let cfg = parse_str(
+            "[[scopes.chat.sources]]\nname = \"a\"\n[[scopes.chat.sources]]\nname = \"b\"\n",
+            [],
+        )
+        .expect("valid config");
+        let clock: Arc<dyn Clock> = Arc::new(ManualClock::new());
+        let e = Engine::new(&cfg, MemoryBackend::new(clock.clone(), ["a", "b"]), clock);
+        let memo = |e: &Engine<MemoryBackend>, i: usize| e.sources[i].memo.remaining(e.clock.now());
+        for op in [AdminOp::ForceClose, AdminOp::Reset] {
+            e.force_open("a", Duration::from_secs(60)).await.unwrap();
+            e.force_open("b", Duration::from_secs(60)).await.unwrap();
+            e.apply_admin_event(&event(AdminOp::ForceOpen, "a"));
+            assert_eq!(
+                memo(&e, 0),
+                Duration::from_secs(60),
+                "force_open: nothing to do"
+            );
+            e.apply_admin_event(&event(op, "nope"));
+            e.apply_admin_event(&event(op, "a"));
+            assert_eq!(memo(&e, 0), Duration::ZERO, "{op:?} clears the memo");
+            assert_eq!(
+                memo(&e, 1),
+                Duration::from_secs(60),
+                "{op:?} of a touches only a"
+            );
+        }
     }
 }

@@ -30,6 +30,7 @@ use std::time::Duration;
 
 use tokio::sync::broadcast;
 
+use super::event::AdminEvent;
 use super::memory::MemoryBackend;
 use super::{
     Admit, Applied, BResult, Backend, BackendError, BreakerParams, Entry, Outcome, QuotaParams,
@@ -45,7 +46,6 @@ use ops::{
     SnapshotArgs, TryEnterArgs,
 };
 use pubsub::AdminFeed;
-pub use pubsub::{AdminEvent, AdminOp};
 pub use reach::RETRY_INTERVAL;
 use reach::{Reach, Route};
 use script::{Announce, Op};

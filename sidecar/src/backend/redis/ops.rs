@@ -6,10 +6,10 @@ use std::time::Duration;
 
 use ::redis::Value;
 
-use super::pubsub::AdminOp;
 use super::script::{
     applied, bool_at, dur_at, int_at, level_at, proto, state_at, u64_at, Announce, Argv, Op,
 };
+use crate::backend::event::AdminOp;
 use crate::backend::{
     Admit, Applied, BResult, BreakerParams, Entry, Outcome, QuotaParams, Reserve, Settlement,
     SourceSnapshot,

@@ -16,6 +16,8 @@ use ::redis::{Client, Value};
 use futures_util::StreamExt;
 use tokio::sync::broadcast;
 
+use crate::backend::event::AdminEvent;
+
 /// Capacity of the admin event channel (a lagging receiver loses the oldest events).
 const ADMIN_CHANNEL_CAPACITY: usize = 256;
 
@@ -24,57 +26,6 @@ const SUBSCRIBER_PING: Duration = Duration::from_secs(5);
 
 /// Pause between two subscription attempts.
 const RESUBSCRIBE_DELAY: Duration = Duration::from_millis(200);
-
-/// An operator action broadcast to every host.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct AdminEvent {
-    /// The source acted on.
-    pub source: String,
-    /// What was done.
-    pub op: AdminOp,
-}
-
-/// Admin operations that are broadcast.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum AdminOp {
-    /// `force_open`.
-    ForceOpen,
-    /// `force_close`.
-    ForceClose,
-    /// `reset`.
-    Reset,
-}
-
-impl AdminOp {
-    /// The spelling in a broadcast message (also the script operation's name).
-    pub(super) const fn wire(self) -> &'static str {
-        match self {
-            AdminOp::ForceOpen => "force_open",
-            AdminOp::ForceClose => "force_close",
-            AdminOp::Reset => "reset",
-        }
-    }
-
-    fn from_wire(s: &str) -> Option<Self> {
-        match s {
-            "force_open" => Some(AdminOp::ForceOpen),
-            "force_close" => Some(AdminOp::ForceClose),
-            "reset" => Some(AdminOp::Reset),
-            _ => None,
-        }
-    }
-}
-
-impl AdminEvent {
-    /// Parse a `"<op> <source>"` payload.
-    fn parse(payload: &str) -> Option<Self> {
-        let (op, source) = payload.split_once(' ')?;
-        Some(AdminEvent {
-            source: source.to_string(),
-            op: AdminOp::from_wire(op)?,
-        })
-    }
-}
 
 /// The live subscription to the admin channel and the events it yields; the
 /// subscriber task stops when this is dropped.
@@ -210,26 +161,5 @@ async fn subscribe(
                     .map_err(|e| e.to_string())?;
             }
         }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn admin_payload_round_trip() {
-        for op in [AdminOp::ForceOpen, AdminOp::ForceClose, AdminOp::Reset] {
-            let ev = AdminEvent::parse(&format!("{} my source", op.wire())).unwrap();
-            assert_eq!(
-                ev,
-                AdminEvent {
-                    source: "my source".into(),
-                    op
-                }
-            );
-        }
-        assert!(AdminEvent::parse("bogus x").is_none());
-        assert!(AdminEvent::parse("reset").is_none());
     }
 }
