@@ -80,7 +80,7 @@ async fn backend(
 }
 
 async fn admit_report<B: Backend>(b: &B, source: &str) {
-    let Admit::Granted { epoch, is_probe } = b.admit(source, &bp(), &qp(), 10).await.unwrap()
+    let Admit::Admitted { epoch, is_probe } = b.admit(source, &bp(), &qp(), 10).await.unwrap()
     else {
         panic!("admit refused")
     };
@@ -274,7 +274,7 @@ async fn huge_counts_and_durations_keep_sane_ttls() {
     let q = qp();
     assert!(matches!(
         b.admit("s1", &bp(), &q, u64::MAX).await.unwrap(),
-        Admit::Granted { .. }
+        Admit::Admitted { .. }
     ));
     let pttl = |k: &str| -> i64 { srv.cli(&["PTTL", k]).trim().parse().unwrap() };
     // Full bucket − 2^53 tokens, floored at −60 000: two minutes to full, plus one.
@@ -437,7 +437,7 @@ async fn redis_restart_reconnects_and_reloads_script() {
     let deadline = Instant::now() + Duration::from_secs(4);
     loop {
         match b.admit("s1", &bp(), &qp(), 10).await {
-            Ok(Admit::Granted { .. }) => break,
+            Ok(Admit::Admitted { .. }) => break,
             Ok(a) => panic!("unexpected {a:?}"),
             Err(e) => {
                 assert!(Instant::now() < deadline, "no recovery after restart: {e}");
@@ -515,7 +515,7 @@ async fn stalled_redis_costs_at_most_the_timeout() {
     let r = b.admit("s1", &bp(), &qp(), 10).await.unwrap();
     let took = t0.elapsed();
     srv.resume();
-    assert!(matches!(r, Admit::Granted { .. }), "served locally: {r:?}");
+    assert!(matches!(r, Admit::Admitted { .. }), "served locally: {r:?}");
     assert!(
         took >= timeout && took < timeout + ms(150),
         "bounded by the timeout: {took:?}"

@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use polygate::backend::{FailureKind, Outcome, State};
 use polygate::config::{Mode, Selector};
-use polygate::engine::{EngineError, Exhaustion, SkipReason};
+use polygate::engine::{EngineError, Exhaustion, ReloadError, SkipReason};
 use support::engine_cfg::*;
 use tokio::time::Instant;
 
@@ -569,7 +569,9 @@ async fn reload_updates_source_quota_and_refuses_topology_changes() {
         scope("chat", vec![source("b"), source("a")]),
     ] {
         match e.reload(&config(vec![bad])) {
-            Err(EngineError::InvalidArgument(m)) => assert!(m.contains("restart"), "{m}"),
+            Err(e @ ReloadError::TopologyChanged) => {
+                assert!(e.to_string().contains("restart"), "{e}")
+            }
             other => panic!("topology change must be refused: {other:?}"),
         }
     }

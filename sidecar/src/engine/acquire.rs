@@ -4,16 +4,16 @@
 //! Cancel-safety: dropping the Acquire future at any await ends the wait and leaves
 //! nothing reserved. The guards here carry that: [`AcquireGuard`] clears the call's
 //! `acquiring` flag, [`WaiterGuard`] the scope's waiter count, and a [`Ticket`] gives
-//! a pass's grant back unless it became a permit (no await between the two).
+//! a pass's hold back unless it became a permit (no await between the two).
 
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Duration;
 
 use super::error::{EngineError, Exhaustion, SkipReason};
-use super::pass::{nap, Pass};
+use super::pass::nap;
 use super::report::{Abandon, GiveBack, Settle};
 use super::runtime::bump;
-use super::tables::{Granted, OwnerId, PermitRec};
+use super::tables::{Hold, OwnerId, PermitRec};
 use super::{Engine, Grant};
 use crate::backend::Backend;
 use crate::config::Mode;
@@ -42,21 +42,21 @@ impl Drop for WaiterGuard<'_> {
     }
 }
 
-/// A grant not yet turned into a permit. Dropping it unrecorded (cancelled Acquire,
-/// call ended meanwhile) gives everything back: nothing was sent upstream.
+/// A pass's [`Hold`] not yet turned into a permit. Dropping it unrecorded (cancelled
+/// Acquire, call ended meanwhile) gives everything back: nothing was sent upstream.
 struct Ticket<'a, B: Backend> {
     /// The engine that made the grant.
     engine: &'a Engine<B>,
     /// Scope of the call (its breaker parameters settle the give-back).
     scope: usize,
-    /// The grant; `None` once it became a permit.
-    grant: Option<Granted>,
+    /// What the pass holds; `None` once it became a permit.
+    hold: Option<Hold>,
 }
 
 impl<B: Backend> Drop for Ticket<'_, B> {
     fn drop(&mut self) {
-        if let Some(g) = self.grant.take() {
-            self.engine.undo_grant(self.scope, g);
+        if let Some(h) = self.hold.take() {
+            self.engine.give_back(self.scope, h);
         }
     }
 }
@@ -133,11 +133,11 @@ impl<B: Backend> Engine<B> {
                 .pass(si, &policy, &failed, budget.est_tokens, &mut reasons)
                 .await
             {
-                Pass::Granted(g) => {
+                Ok(hold) => {
                     let ticket = Ticket {
                         engine: self,
                         scope: si,
-                        grant: Some(g),
+                        hold: Some(hold),
                     };
                     let (grant, stale) = self.record_grant(owner, call, ticket)?;
                     // No await before returning: a Cancel now cannot strand the grant.
@@ -148,11 +148,11 @@ impl<B: Backend> Engine<B> {
                     }
                     return Ok(grant);
                 }
-                Pass::Refused(r) => r,
+                Err(refused) => refused,
             };
             if let Some(message) = refused.unavailable {
                 return Err(EngineError::BackendUnavailable {
-                    scope: scope_name(),
+                    scope: Some(scope_name()),
                     message,
                     reasons: self.reasons_of(si, &reasons),
                 });
@@ -234,7 +234,9 @@ impl<B: Backend> Engine<B> {
         let scope = match e {
             EngineError::CircuitOpen { scope, .. }
             | EngineError::Exhausted { scope, .. }
-            | EngineError::BackendUnavailable { scope, .. } => scope,
+            | EngineError::BackendUnavailable {
+                scope: Some(scope), ..
+            } => scope,
             _ => return,
         };
         let Some(&si) = self.scope_index.get(scope) else {
@@ -256,7 +258,7 @@ impl<B: Backend> Engine<B> {
         });
     }
 
-    /// Turn a pass's grant into a permit of the call (or give it back if the call
+    /// Turn a pass's hold into a permit of the call (or give it back if the call
     /// ended meanwhile). A new probe means the breaker saw the previous probe's lease
     /// expire: any older probe permit of the source still held here is returned for
     /// reclaiming at once, so this host never holds two probes of one source (the
@@ -267,7 +269,7 @@ impl<B: Backend> Engine<B> {
         call: u64,
         mut ticket: Ticket<'_, B>,
     ) -> Result<(Grant, Vec<PermitRec>), EngineError> {
-        let g = ticket.grant.expect("ticket armed");
+        let g = ticket.hold.expect("ticket armed");
         let src = &self.sources[g.source];
         let now = self.clock.now();
         let mut t = self.lock();
@@ -282,7 +284,7 @@ impl<B: Backend> Engine<B> {
             Vec::new()
         };
         drop(t);
-        ticket.grant = None;
+        ticket.hold = None;
         bump(&src.counters.grants);
         if g.is_probe {
             bump(&src.counters.probes);
@@ -297,10 +299,10 @@ impl<B: Backend> Engine<B> {
         Ok((grant, stale))
     }
 
-    /// Give back a grant that never became a permit: nothing was sent.
-    fn undo_grant(&self, scope: usize, g: Granted) {
+    /// Give back a hold that never became a permit: nothing was sent.
+    fn give_back(&self, scope: usize, g: Hold) {
         self.sources[g.source].pacer.release(Signal::Hold);
-        self.detach(GiveBack(Settle::of_grant(self, scope, &g)));
+        self.detach(GiveBack(Settle::of_hold(self, scope, &g)));
         self.wake_one(g.source);
     }
 }

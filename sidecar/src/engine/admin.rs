@@ -63,7 +63,7 @@ impl<B: Backend> Engine<B> {
     /// operator must know the change did not happen); success wakes every waiter.
     fn admin_result(&self, source: usize, r: BResult<Applied>) -> Result<Applied, EngineError> {
         let a = r.map_err(|e| EngineError::BackendUnavailable {
-            scope: String::new(),
+            scope: None,
             message: e.to_string(),
             reasons: Vec::new(),
         })?;

@@ -1,6 +1,6 @@
 //! What an engine operation can answer besides success: the errors a call ends with
 //! (§5, §6 `retry_after_s`), the per-source skip reasons that travel with them (§4),
-//! and the client and lifecycle errors. Each [`EngineError`] maps to one wire error
+//! the client and lifecycle errors, and a refused reload. Each [`EngineError`] maps to one wire error
 //! kind (the server's `convert`).
 
 use std::time::Duration;
@@ -55,11 +55,12 @@ pub enum EngineError {
         /// decided before any pass).
         reasons: Vec<(String, SkipReason)>,
     },
-    /// Shared backend unreachable and `on_backend_error = fail_closed`.
-    #[error("{}", scoped(scope, message))]
+    /// Shared backend unreachable and `on_backend_error = fail_closed`, or an admin
+    /// operation that could not reach it.
+    #[error("{}", scoped(scope.as_deref(), message))]
     BackendUnavailable {
-        /// Scope of the call.
-        scope: String,
+        /// Scope of the call; `None` for an operation outside any call (admin).
+        scope: Option<String>,
         /// What failed.
         message: String,
         /// Per-source skip reasons of the last pass.
@@ -90,10 +91,22 @@ pub enum EngineError {
 }
 
 /// `scope "x": message`, or just the message for errors outside a call (admin).
-fn scoped(scope: &str, message: &str) -> String {
-    if scope.is_empty() {
-        message.to_string()
-    } else {
-        format!("scope {scope:?}: {message}")
+fn scoped(scope: Option<&str>, message: &str) -> String {
+    match scope {
+        Some(scope) => format!("scope {scope:?}: {message}"),
+        None => message.to_string(),
     }
+}
+
+/// Why a new configuration was refused by [`super::Engine::reload`]; the running one
+/// is kept whole.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ReloadError {
+    /// Scopes or sources were added, removed, renamed or reordered: the calls, permits
+    /// and host-local state are indexed by them, so only a restart can apply that.
+    #[error(
+        "scopes or sources were added, removed, renamed or reordered: that needs a restart; \
+         the running configuration is kept"
+    )]
+    TopologyChanged,
 }

@@ -23,7 +23,7 @@ mod runtime;
 mod status;
 mod tables;
 
-pub use error::{EngineError, Exhaustion, SkipReason};
+pub use error::{EngineError, Exhaustion, ReloadError, SkipReason};
 pub use runtime::{ScopeCounters, SourceCounters};
 pub use tables::{LiveCounts, OwnerId, MAX_CALLS_PER_OWNER};
 
@@ -141,7 +141,7 @@ impl<B: Backend> Engine<B> {
     /// also for calls already waiting. Scopes and sources must stay the same (adding,
     /// removing, renaming or reordering them needs a restart): such a config is refused
     /// whole and nothing changes. Returns what changed, one line each.
-    pub fn reload(&self, config: &Config) -> Result<Vec<String>, EngineError> {
+    pub fn reload(&self, config: &Config) -> Result<Vec<String>, ReloadError> {
         runtime::reload(&self.scopes, &self.sources, config)
     }
 

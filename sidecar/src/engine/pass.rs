@@ -12,7 +12,7 @@ use std::time::Duration;
 use super::detach::Work;
 use super::report::{GiveBack, Settle};
 use super::runtime::Policy;
-use super::tables::Granted;
+use super::tables::Hold;
 use super::{Engine, SkipReason};
 use crate::backend::{BResult, Backend, BackendError};
 use crate::config::Selector;
@@ -30,15 +30,6 @@ pub(crate) struct Refused {
     pub circuit_retry_after: Option<Duration>,
     /// A backend error under `fail_closed`, if any source hit one.
     pub unavailable: Option<String>,
-}
-
-/// Result of a pass.
-#[derive(Debug)]
-pub(crate) enum Pass {
-    /// The first candidate that passed every gate.
-    Granted(Granted),
-    /// Nothing runnable.
-    Refused(Refused),
 }
 
 /// Gates 3 + 4 for one source as one backend operation. On a remote backend it runs
@@ -68,17 +59,17 @@ impl<B: Backend> Work<B> for Admission {
     }
 
     fn unread(&self, out: Self::Output, engine: &Engine<B>) {
-        if let Ok(Admit::Granted { epoch, is_probe }) = out {
+        if let Ok(Admit::Admitted { epoch, is_probe }) = out {
             // A task's answer is dropped inside the runtime; outside one (runtime
             // teardown) nothing could run the give-back anyway.
             if tokio::runtime::Handle::try_current().is_ok() {
-                let g = Granted {
+                let g = Hold {
                     source: self.source,
                     epoch,
                     is_probe,
                     tokens: self.tokens,
                 };
-                engine.detach(GiveBack(Settle::of_grant(engine, self.scope, &g)));
+                engine.detach(GiveBack(Settle::of_hold(engine, self.scope, &g)));
             }
         }
     }
@@ -128,7 +119,7 @@ impl<B: Backend> Engine<B> {
         failed: &[usize],
         est_tokens: Option<u64>,
         reasons: &mut [Option<SkipReason>],
-    ) -> Pass {
+    ) -> Result<Hold, Refused> {
         let mut refused = Refused::default();
         let note_retry = |r: &mut Refused, d: Duration| {
             r.circuit_retry_after = Some(r.circuit_retry_after.map_or(d, |m| m.min(d)));
@@ -173,10 +164,10 @@ impl<B: Backend> Engine<B> {
                 .await
                 .unwrap_or_else(|| Err(BackendError::Unavailable("admission task failed".into())));
             match answer {
-                Ok(Admit::Granted { epoch, is_probe }) => {
-                    // From here the grant's Ticket owns the slot (no await between).
+                Ok(Admit::Admitted { epoch, is_probe }) => {
+                    // From here the Acquire's Ticket owns the slot (no await between).
                     slot.keep();
-                    return Pass::Granted(Granted {
+                    return Ok(Hold {
                         source: idx,
                         epoch,
                         is_probe,
@@ -212,7 +203,7 @@ impl<B: Backend> Engine<B> {
                 }
             }
         }
-        Pass::Refused(refused)
+        Err(refused)
     }
 }
 

@@ -11,7 +11,7 @@ use futures_util::future::join_all;
 use super::detach::Work;
 use super::error::EngineError;
 use super::runtime::bump;
-use super::tables::{Granted, OwnerId, PermitRec};
+use super::tables::{Hold, OwnerId, PermitRec};
 use super::Engine;
 use crate::backend::{BResult, Backend, BackendError};
 use crate::gate::breaker::{Applied, BreakerParams, State};
@@ -69,7 +69,7 @@ impl<B: Backend> Engine<B> {
             Err(e) => {
                 self.wake_one(p.source);
                 return Err(EngineError::BackendUnavailable {
-                    scope: self.scopes[p.scope].name.clone(),
+                    scope: Some(self.scopes[p.scope].name.clone()),
                     message: e.to_string(),
                     reasons: Vec::new(),
                 });
@@ -167,8 +167,8 @@ impl Settle {
         }
     }
 
-    /// Giving back `g`, a grant of a call in `scope` that never became a permit.
-    pub(super) fn of_grant<B: Backend>(engine: &Engine<B>, scope: usize, g: &Granted) -> Self {
+    /// Giving back `g`, a hold of a call in `scope` that never became a permit.
+    pub(super) fn of_hold<B: Backend>(engine: &Engine<B>, scope: usize, g: &Hold) -> Self {
         Settle {
             source: g.source,
             bp: engine.scopes[scope].policy().bp,
@@ -198,7 +198,7 @@ impl<B: Backend> Work<B> for Settle {
     }
 }
 
-/// Give back a grant that never became a permit (nothing was sent), with nobody to
+/// Give back a hold that never became a permit (nothing was sent), with nobody to
 /// tell: a failure is logged, and the freed capacity wakes a waiter.
 pub(super) struct GiveBack(pub(super) Settle);
 

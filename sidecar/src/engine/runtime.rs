@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use tokio::sync::Notify;
 
-use super::error::EngineError;
+use super::error::ReloadError;
 use crate::config::{Config, ScopeConfig, SourceConfig};
 use crate::gate::breaker::BreakerParams;
 use crate::gate::health::Health;
@@ -237,7 +237,7 @@ pub(crate) fn reload(
     scopes: &[ScopeRt],
     sources: &[SourceRt],
     config: &Config,
-) -> Result<Vec<String>, EngineError> {
+) -> Result<Vec<String>, ReloadError> {
     let names = |c: &Config| -> Vec<(String, Vec<String>)> {
         c.scopes
             .iter()
@@ -262,11 +262,7 @@ pub(crate) fn reload(
         })
         .collect();
     if names(config) != now {
-        return Err(EngineError::InvalidArgument(
-            "scopes or sources were added, removed, renamed or reordered: that needs a restart; \
-             the running configuration is kept"
-                .into(),
-        ));
+        return Err(ReloadError::TopologyChanged);
     }
     let mut changes = Vec::new();
     // Per-source settings follow the first scope naming the source, as at start-up

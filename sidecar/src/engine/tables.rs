@@ -72,9 +72,11 @@ pub(crate) struct PermitRec {
     pub(crate) expires: Duration,
 }
 
-/// A grant made by a pass and not yet recorded as a permit.
+/// What a pass admitted and the Acquire has not yet recorded as a permit: a source
+/// whose pacer slot, quota reservation and (for a probe) breaker lease are held for
+/// the call. Recorded by [`Tables::grant`], or given back.
 #[derive(Debug, Clone, Copy)]
-pub(crate) struct Granted {
+pub(crate) struct Hold {
     /// Source index (engine-wide).
     pub(crate) source: usize,
     /// Breaker epoch of the grant.
@@ -224,14 +226,14 @@ impl Tables {
             .stall(now))
     }
 
-    /// Record `g` as a new permit of `owner`'s `call`, granted at `now` with a lease
+    /// Record the hold `g` as a new permit of `owner`'s `call`, granted at `now` with a lease
     /// of `lease` (one more attempt; the stall clock stops). `None` when the call
     /// ended meanwhile: nothing is recorded. Returns the permit id and the attempt.
     pub(crate) fn grant(
         &mut self,
         owner: OwnerId,
         call: u64,
-        g: &Granted,
+        g: &Hold,
         now: Duration,
         lease: Duration,
     ) -> Option<(u64, u32)> {

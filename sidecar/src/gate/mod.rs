@@ -26,7 +26,7 @@ use quota::{Quota, QuotaParams, Reserve, Settlement};
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub enum Admit {
     /// Quota reserved and breaker entered.
-    Granted {
+    Admitted {
         /// Epoch of the grant, carried by the permit.
         epoch: u64,
         /// The permit is the half-open probe.
@@ -127,7 +127,7 @@ impl Gates {
         }
         let e = self.breaker.try_enter(now, p);
         if e.granted {
-            Admit::Granted {
+            Admit::Admitted {
                 epoch: e.epoch,
                 is_probe: e.is_probe,
             }

@@ -220,12 +220,6 @@ pub fn error(kind: wire::ErrorKind, message: impl Into<String>) -> wire::ErrorRe
     }
 }
 
-/// An engine scope name → the wire `scope`: absent when the error concerns no scope
-/// (the engine says so with an empty name, e.g. for admin requests).
-fn scope_of(scope: &str) -> Option<String> {
-    (!scope.is_empty()).then(|| scope.to_string())
-}
-
 /// Engine error → wire error reply (kind, message, retry hint, reasons, scope).
 pub fn engine_error(e: &EngineError) -> wire::ErrorReply {
     use wire::ErrorKind as K;
@@ -238,7 +232,7 @@ pub fn engine_error(e: &EngineError) -> wire::ErrorReply {
         } => wire::ErrorReply {
             retry_after_s: retry_after.as_secs_f64(),
             per_source_reasons: reasons(r),
-            scope: scope_of(scope),
+            scope: Some(scope.clone()),
             ..error(K::CircuitOpen, "")
         },
         EngineError::Exhausted {
@@ -250,18 +244,18 @@ pub fn engine_error(e: &EngineError) -> wire::ErrorReply {
             retry_after_s: retry_after.as_secs_f64(),
             per_source_reasons: reasons(r),
             exhausted: Some(exhaustion(*reason)),
-            scope: scope_of(scope),
+            scope: Some(scope.clone()),
             ..error(K::AllSourcesExhausted, "")
         },
         EngineError::BackendUnavailable {
             scope, reasons: r, ..
         } => wire::ErrorReply {
             per_source_reasons: reasons(r),
-            scope: scope_of(scope),
+            scope: scope.clone(),
             ..error(K::BackendUnavailable, "")
         },
         EngineError::UnknownScope(scope) => wire::ErrorReply {
-            scope: scope_of(scope),
+            scope: Some(scope.clone()),
             ..error(K::UnknownScope, "")
         },
         EngineError::UnknownCall(_) => error(K::UnknownCall, ""),
@@ -468,7 +462,7 @@ mod tests {
     #[test]
     fn errors_without_a_scope_carry_none() {
         let admin = EngineError::BackendUnavailable {
-            scope: String::new(),
+            scope: None,
             message: "redis down".into(),
             reasons: vec![],
         };
@@ -476,7 +470,7 @@ mod tests {
         assert_eq!(r.kind, wire::ErrorKind::BackendUnavailable);
         assert_eq!(r.scope, None, "{r:?}");
         let scoped = EngineError::BackendUnavailable {
-            scope: "chat".into(),
+            scope: Some("chat".into()),
             message: "redis down".into(),
             reasons: vec![],
         };
@@ -488,17 +482,6 @@ mod tests {
             EngineError::Busy(3),
             EngineError::InvalidArgument("y".into()),
             EngineError::ShuttingDown,
-            EngineError::CircuitOpen {
-                scope: String::new(),
-                retry_after: Duration::ZERO,
-                reasons: vec![],
-            },
-            EngineError::Exhausted {
-                scope: String::new(),
-                reason: Exhaustion::QuotaExhausted,
-                retry_after: Duration::ZERO,
-                reasons: vec![],
-            },
         ] {
             assert_eq!(engine_error(&e).scope, None, "{e:?}");
         }

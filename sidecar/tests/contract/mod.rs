@@ -779,7 +779,7 @@ pub async fn admit_quota_refusal_does_not_touch_breaker<H: Harness>(h: &H) {
 pub async fn admit_grants_probe_and_report_settles<H: Harness>(h: &H) {
     let b = h.fresh().await;
     let q = qp_tokens_only();
-    let Admit::Granted { epoch, is_probe } = b.admit(S1, &bp(), &q, 20).await.unwrap() else {
+    let Admit::Admitted { epoch, is_probe } = b.admit(S1, &bp(), &q, 20).await.unwrap() else {
         panic!("fresh source must admit")
     };
     assert!(!is_probe);
@@ -802,7 +802,7 @@ pub async fn admit_grants_probe_and_report_settles<H: Harness>(h: &H) {
     let snap = b.snapshot(S1, &bp(), &q).await.unwrap();
     assert_level(snap.tokens_available, 48.0, "charged the actual tokens");
     assert_eq!(snap.window_successes, 1);
-    let Admit::Granted { epoch, .. } = b.admit(S1, &bp(), &q, 20).await.unwrap() else {
+    let Admit::Admitted { epoch, .. } = b.admit(S1, &bp(), &q, 20).await.unwrap() else {
         panic!()
     };
     let a = b

@@ -138,7 +138,7 @@ impl Backend for TestBackend {
             return Err(BackendError::Protocol(format!("test: store rejected {s}")));
         }
         let r = self.inner.admit(s, p, q, t).await;
-        if let Ok(Admit::Granted { .. }) = r {
+        if let Ok(Admit::Admitted { .. }) = r {
             self.tokens.fetch_add(t as i64, Ordering::SeqCst);
             self.requests.fetch_add(1, Ordering::SeqCst);
         }

@@ -314,7 +314,7 @@ impl Op for AdmitArgs<'_> {
     }
     fn read(v: &[Value]) -> BResult<Admit> {
         match int_at(v, 0)? {
-            0 => Ok(Admit::Granted {
+            0 => Ok(Admit::Admitted {
                 epoch: u64_at(v, 1)?,
                 is_probe: bool_at(v, 2)?,
             }),
