@@ -1,11 +1,15 @@
-//! PolyGate sidecar library: the governance engine (breaker, quota, pacer, memo,
-//! admission, calls) and the daemon that serves it over a Unix socket.
+//! PolyGate sidecar library: the governance engine (gates, admission, calls and
+//! permits) and the daemon that serves it over a Unix socket. `ARCHITECTURE.md` at
+//! the repository root draws the whole picture.
 //!
-//! Layers, each testable alone: [`config`] (model + parsing), [`gate`] (the gates as
-//! clock-free state machines), [`backend`] (where breaker and quota state lives), the
-//! engine modules (no socket code), the server (wire types ↔ engine), and the process
-//! around it: [`daemon`] (sockets, signals, systemd) and [`cli`] (`--check-config`,
-//! the `status` client).
+//! Layers, each testable alone, each depending only on the ones before it:
+//! [`clock`] and [`config`] (model + parsing); [`gate`] (the gates as clock-free
+//! state machines with their own types); [`backend`] (where breaker and quota state
+//! lives: memory or Redis); [`engine`] (calls, permits, admission, report; no socket
+//! code); [`server`] (wire types ↔ engine), [`admin_http`] and [`metrics`] (the
+//! operator's listener), [`peer`] (who may connect); and the process around it:
+//! [`daemon`] (sockets, signals, systemd) and [`cli`] (`--check-config`, the `status`
+//! client).
 
 pub mod admin_http;
 pub mod backend;

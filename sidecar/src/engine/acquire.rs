@@ -19,48 +19,6 @@ use crate::backend::Backend;
 use crate::config::Mode;
 use crate::gate::pacer::Signal;
 
-/// Clears a call's `acquiring` flag when the Acquire ends, however it ends.
-struct AcquireGuard<'a, B: Backend> {
-    /// The engine holding the call.
-    engine: &'a Engine<B>,
-    /// The call whose Acquire this is.
-    call: u64,
-}
-
-impl<B: Backend> Drop for AcquireGuard<'_, B> {
-    fn drop(&mut self) {
-        self.engine.lock().end_acquire(self.call);
-    }
-}
-
-/// Counts a sleeping Acquire in its scope's `waiters`.
-struct WaiterGuard<'a>(&'a AtomicU32);
-
-impl Drop for WaiterGuard<'_> {
-    fn drop(&mut self) {
-        self.0.fetch_sub(1, Ordering::Relaxed);
-    }
-}
-
-/// A pass's [`Hold`] not yet turned into a permit. Dropping it unrecorded (cancelled
-/// Acquire, call ended meanwhile) gives everything back: nothing was sent upstream.
-struct Ticket<'a, B: Backend> {
-    /// The engine that made the grant.
-    engine: &'a Engine<B>,
-    /// Scope of the call (its breaker parameters settle the give-back).
-    scope: usize,
-    /// What the pass holds; `None` once it became a permit.
-    hold: Option<Hold>,
-}
-
-impl<B: Backend> Drop for Ticket<'_, B> {
-    fn drop(&mut self) {
-        if let Some(h) = self.hold.take() {
-            self.engine.give_back(self.scope, h);
-        }
-    }
-}
-
 impl<B: Backend> Engine<B> {
     /// Start a call in `scope`; the stall clock starts now.
     pub fn begin_call(
@@ -304,5 +262,50 @@ impl<B: Backend> Engine<B> {
         self.sources[g.source].pacer.release(Signal::Hold);
         self.detach(GiveBack(Settle::of_hold(self, scope, &g)));
         self.wake_one(g.source);
+    }
+}
+
+/// Clears a call's `acquiring` flag when the Acquire ends, however it ends.
+struct AcquireGuard<'a, B: Backend> {
+    /// The engine holding the call.
+    engine: &'a Engine<B>,
+    /// The call whose Acquire this is.
+    call: u64,
+}
+
+impl<B: Backend> Drop for AcquireGuard<'_, B> {
+    fn drop(&mut self) {
+        self.engine.lock().end_acquire(self.call);
+    }
+}
+
+/// Counts a sleeping Acquire in its scope's `waiters`.
+struct WaiterGuard<'a>(
+    /// The scope's waiter count, decremented on drop.
+    &'a AtomicU32,
+);
+
+impl Drop for WaiterGuard<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+/// A pass's [`Hold`] not yet turned into a permit. Dropping it unrecorded (cancelled
+/// Acquire, call ended meanwhile) gives everything back: nothing was sent upstream.
+struct Ticket<'a, B: Backend> {
+    /// The engine that made the grant.
+    engine: &'a Engine<B>,
+    /// Scope of the call (its breaker parameters settle the give-back).
+    scope: usize,
+    /// What the pass holds; `None` once it became a permit.
+    hold: Option<Hold>,
+}
+
+impl<B: Backend> Drop for Ticket<'_, B> {
+    fn drop(&mut self) {
+        if let Some(h) = self.hold.take() {
+            self.engine.give_back(self.scope, h);
+        }
     }
 }

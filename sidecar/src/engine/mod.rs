@@ -6,12 +6,15 @@
 //! per connection). Ids are only valid for their owner, and
 //! [`Engine::release_owner`] releases everything an owner still holds (§12).
 //!
-//! One Acquire reads top-down through the files: [`acquire`](self::acquire) (budgets,
-//! the §5 dispatch, the wait) → `pass` (one §4 pass: memo, pacer, then quota + breaker
-//! in one backend operation) → [`crate::gate`] / [`crate::backend`]. A Report goes
-//! through `report` (tables, pacer, health, then the backend's settle + verdict).
-//! `tables` is the synchronous call/permit bookkeeping, `runtime` the host-local
-//! scope/source state, `status` and `admin` the operator's side.
+//! One Acquire reads top-down through the files: `acquire.rs` (budgets, the §5
+//! dispatch, the wait) → `pass.rs` (one §4 pass: memo, pacer, then quota + breaker in
+//! one backend operation) → [`crate::gate`] / [`crate::backend`]. A Report goes
+//! through `report.rs` (tables, pacer, health, then the backend's settle + verdict).
+//! `detach.rs` runs every backend operation inline on a local backend and in its own
+//! task on a remote one; `tables.rs` is the synchronous call/permit bookkeeping,
+//! `runtime.rs` the host-local scope/source state and reload, `status.rs` and
+//! `admin.rs` the operator's side, `error.rs` what can go wrong. The leaf modules
+//! (`error`, `runtime`, `tables`) never name the [`Engine`].
 
 mod acquire;
 mod admin;

@@ -32,83 +32,7 @@ pub(crate) struct Refused {
     pub unavailable: Option<String>,
 }
 
-/// Gates 3 + 4 for one source as one backend operation. On a remote backend it runs
-/// in its own task ([`Engine::detached`]); if the Acquire was cancelled during the
-/// round trip, before or after the answer came, a grant in the unread answer is given
-/// back to the backend. The pacer slot is not touched there: the pass's slot guard
-/// released it when the Acquire was dropped.
-struct Admission {
-    /// Scope of the call (its breaker parameters settle a give-back).
-    scope: usize,
-    /// Source index.
-    source: usize,
-    /// Breaker parameters of the scope's policy.
-    bp: BreakerParams,
-    /// Quota parameters of the source.
-    qp: QuotaParams,
-    /// Tokens to reserve.
-    tokens: u64,
-}
-
-impl<B: Backend> Work<B> for Admission {
-    type Output = BResult<Admit>;
-
-    fn run<'a>(&'a self, engine: &'a Engine<B>) -> impl Future<Output = Self::Output> + Send + 'a {
-        let name = &engine.sources[self.source].name;
-        engine.backend.admit(name, &self.bp, &self.qp, self.tokens)
-    }
-
-    fn unread(&self, out: Self::Output, engine: &Engine<B>) {
-        if let Ok(Admit::Admitted { epoch, is_probe }) = out {
-            // A task's answer is dropped inside the runtime; outside one (runtime
-            // teardown) nothing could run the give-back anyway.
-            if tokio::runtime::Handle::try_current().is_ok() {
-                let g = Hold {
-                    source: self.source,
-                    epoch,
-                    is_probe,
-                    tokens: self.tokens,
-                };
-                engine.detach(GiveBack(Settle::of_hold(engine, self.scope, &g)));
-            }
-        }
-    }
-}
-
-/// §5 nap: `r` is a uniform random number in [0, 1).
-pub(crate) fn nap(
-    hint: Duration,
-    poll: Duration,
-    stall_window: Duration,
-    stall: Duration,
-    r: f64,
-) -> Duration {
-    let jitter = poll.mul_f64(0.5 + 0.5 * r.clamp(0.0, 1.0));
-    let budget = (stall_window + poll).saturating_sub(stall);
-    let wait = if hint > Duration::ZERO {
-        hint + jitter
-    } else {
-        jitter
-    };
-    jitter.max(wait.min(budget))
-}
-
 impl<B: Backend> Engine<B> {
-    /// Candidate order for a pass: selector order, then this call's failed sources
-    /// moved to the back (their order kept). Entries are (position in scope, source).
-    fn candidates(&self, scope: usize, policy: &Policy, failed: &[usize]) -> Vec<(usize, usize)> {
-        let sc = &self.scopes[scope];
-        let mut order: Vec<(usize, usize)> = sc.sources.iter().copied().enumerate().collect();
-        if policy.cfg.selector == Selector::Health {
-            order.sort_by_cached_key(|&(pos, idx)| (rank(self.sources[idx].health.score()), pos));
-        }
-        if !failed.is_empty() {
-            // Stable: keeps the relative order within both groups.
-            order.sort_by_key(|&(_, idx)| failed.contains(&idx));
-        }
-        order
-    }
-
     /// One pass (§4) under one policy snapshot. `reasons` is indexed by position in
     /// the scope and persists across the passes of one Acquire (`paced` never
     /// overwrites a recorded reason).
@@ -205,6 +129,82 @@ impl<B: Backend> Engine<B> {
         }
         Err(refused)
     }
+
+    /// Candidate order for a pass: selector order, then this call's failed sources
+    /// moved to the back (their order kept). Entries are (position in scope, source).
+    fn candidates(&self, scope: usize, policy: &Policy, failed: &[usize]) -> Vec<(usize, usize)> {
+        let sc = &self.scopes[scope];
+        let mut order: Vec<(usize, usize)> = sc.sources.iter().copied().enumerate().collect();
+        if policy.cfg.selector == Selector::Health {
+            order.sort_by_cached_key(|&(pos, idx)| (rank(self.sources[idx].health.score()), pos));
+        }
+        if !failed.is_empty() {
+            // Stable: keeps the relative order within both groups.
+            order.sort_by_key(|&(_, idx)| failed.contains(&idx));
+        }
+        order
+    }
+}
+
+/// Gates 3 + 4 for one source as one backend operation. On a remote backend it runs
+/// in its own task ([`Engine::detached`]); if the Acquire was cancelled during the
+/// round trip, before or after the answer came, a grant in the unread answer is given
+/// back to the backend. The pacer slot is not touched there: the pass's slot guard
+/// released it when the Acquire was dropped.
+struct Admission {
+    /// Scope of the call (its breaker parameters settle a give-back).
+    scope: usize,
+    /// Source index.
+    source: usize,
+    /// Breaker parameters of the scope's policy.
+    bp: BreakerParams,
+    /// Quota parameters of the source.
+    qp: QuotaParams,
+    /// Tokens to reserve.
+    tokens: u64,
+}
+
+impl<B: Backend> Work<B> for Admission {
+    type Output = BResult<Admit>;
+
+    fn run<'a>(&'a self, engine: &'a Engine<B>) -> impl Future<Output = Self::Output> + Send + 'a {
+        let name = &engine.sources[self.source].name;
+        engine.backend.admit(name, &self.bp, &self.qp, self.tokens)
+    }
+
+    fn unread(&self, out: Self::Output, engine: &Engine<B>) {
+        if let Ok(Admit::Admitted { epoch, is_probe }) = out {
+            // A task's answer is dropped inside the runtime; outside one (runtime
+            // teardown) nothing could run the give-back anyway.
+            if tokio::runtime::Handle::try_current().is_ok() {
+                let g = Hold {
+                    source: self.source,
+                    epoch,
+                    is_probe,
+                    tokens: self.tokens,
+                };
+                engine.detach(GiveBack(Settle::of_hold(engine, self.scope, &g)));
+            }
+        }
+    }
+}
+
+/// §5 nap: `r` is a uniform random number in [0, 1).
+pub(crate) fn nap(
+    hint: Duration,
+    poll: Duration,
+    stall_window: Duration,
+    stall: Duration,
+    r: f64,
+) -> Duration {
+    let jitter = poll.mul_f64(0.5 + 0.5 * r.clamp(0.0, 1.0));
+    let budget = (stall_window + poll).saturating_sub(stall);
+    let wait = if hint > Duration::ZERO {
+        hint + jitter
+    } else {
+        jitter
+    };
+    jitter.max(wait.min(budget))
 }
 
 #[cfg(test)]

@@ -200,7 +200,10 @@ impl<B: Backend> Work<B> for Settle {
 
 /// Give back a hold that never became a permit (nothing was sent), with nobody to
 /// tell: a failure is logged, and the freed capacity wakes a waiter.
-pub(super) struct GiveBack(pub(super) Settle);
+pub(super) struct GiveBack(
+    /// The cancellation report that gives it back.
+    pub(super) Settle,
+);
 
 impl<B: Backend> Work<B> for GiveBack {
     type Output = ();
@@ -215,7 +218,10 @@ impl<B: Backend> Work<B> for GiveBack {
 }
 
 /// The backend half of abandoning a permit: keep the estimate, release a probe.
-pub(super) struct Abandon(pub(super) PermitRec);
+pub(super) struct Abandon(
+    /// The permit, already out of the tables.
+    pub(super) PermitRec,
+);
 
 impl<B: Backend> Work<B> for Abandon {
     type Output = ();
