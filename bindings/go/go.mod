@@ -1,0 +1,3 @@
+module github.com/polygate/polygate/bindings/go
+
+go 1.22
