@@ -2,7 +2,9 @@
 # Runs every PolyGate test on a fresh machine: formatting and lints, the Rust tests
 # (engine, the backend contract suite on memory / Redis / Redis Cluster, Redis fault
 # tests, protocol vectors, server and binary tests), then the Python binding's tests
-# (golden vectors, fake sidecar) and the end-to-end tests against the real daemon.
+# (golden vectors, fake sidecar) and the end-to-end tests against the real daemon,
+# then the Go binding (gofmt, go vet, go test -race: vectors, fake sidecar,
+# conformance scenarios and end-to-end tests against the real daemon and Redis).
 #
 # It installs what it needs: redis-server (Debian package) if missing, and a Python
 # venv in .venv with pytest and the `polygate` binding (editable). Tests start their
@@ -45,3 +47,22 @@ fi
 step "Python tests (binding, vectors, end-to-end against the real daemon)"
 export POLYGATE_SIDECAR_BIN="$root/target/debug/polygate-sidecar"
 .venv/bin/python -m pytest -q bindings/python/tests tests
+
+step "Go binding (gofmt, go vet, go test -race: vectors, fake sidecar, conformance, e2e)"
+if ! command -v go >/dev/null 2>&1; then
+    if [ "${CI:-}" = true ]; then
+        echo "go is missing: the Go binding's tests (bindings/go) need Go 1.22+ (https://go.dev/dl); CI=true, so this fails the run" >&2
+        exit 1
+    fi
+    echo "go is missing: the Go binding's tests (bindings/go) need Go 1.22+ (https://go.dev/dl); skipping them" >&2
+else
+    go_dirs="bindings/go examples/worker-go bench/drivers/go_client"
+    # shellcheck disable=SC2086
+    unformatted=$(gofmt -l $go_dirs)
+    if [ -n "$unformatted" ]; then
+        printf 'gofmt: these files are not formatted (run gofmt -w):\n%s\n' "$unformatted" >&2
+        exit 1
+    fi
+    go vet ./bindings/go/... ./examples/worker-go/... ./bench/drivers/go_client/...
+    (cd bindings/go && go test -race -count=1 -timeout 600s ./...)
+fi
