@@ -51,6 +51,21 @@ func wantRequests(t *testing.T, s *fakeSidecar, want ...string) {
 	}
 }
 
+// acquireOne begins a call in scope and acquires its first permit.
+func acquireOne(t *testing.T, c *Client, scope string) (*Call, *Permit) {
+	t.Helper()
+	ctx := tctx(t)
+	call, err := c.Begin(ctx, scope, CallOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	p, err := call.Acquire(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return call, p
+}
+
 func lastRequest(t *testing.T, s *fakeSidecar) request {
 	t.Helper()
 	e := s.entries()
@@ -199,11 +214,7 @@ func TestEndAbandonsUnreportedPermit(t *testing.T) {
 	s := startFake(t)
 	c := dialFake(t, s)
 	ctx := tctx(t)
-	call, _ := c.Begin(ctx, "chat", CallOptions{})
-	p, err := call.Acquire(ctx)
-	if err != nil {
-		t.Fatal(err)
-	}
+	call, p := acquireOne(t, c, "chat")
 	if _, err := call.Acquire(ctx); err == nil {
 		t.Fatal("Acquire with an unreported permit")
 	} else {
@@ -559,11 +570,7 @@ func TestConnectionLostMidCall(t *testing.T) {
 	s := startFake(t)
 	c := dialFake(t, s)
 	ctx := tctx(t)
-	call, _ := c.Begin(ctx, "chat", CallOptions{})
-	p, err := call.Acquire(ctx)
-	if err != nil {
-		t.Fatal(err)
-	}
+	call, p := acquireOne(t, c, "chat")
 	s.dropConns()
 	time.Sleep(20 * time.Millisecond)
 	asSidecar(t, p.Success(ctx, 3), "connection")
@@ -818,8 +825,7 @@ func TestRetryUnknownPermitFallsBackToAcquire(t *testing.T) {
 		}
 		return false
 	})
-	call, _ := c.Begin(ctx, "chat", CallOptions{})
-	p, _ := call.Acquire(ctx)
+	call, p := acquireOne(t, c, "chat")
 	p.Failure(ctx, Timeout)
 	p2, err := call.Acquire(ctx)
 	if err != nil {
@@ -845,8 +851,7 @@ func TestFinishUnknownPermitEndsCall(t *testing.T) {
 		}
 		return false
 	})
-	call, _ := c.Begin(ctx, "chat", CallOptions{})
-	p, _ := call.Acquire(ctx)
+	call, p := acquireOne(t, c, "chat")
 	asSidecar(t, p.Success(ctx, 1), "unknown_permit")
 	call.End(ctx)
 	wantRequests(t, s, "Start", "Finish", "EndCall")
