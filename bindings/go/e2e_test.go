@@ -325,3 +325,32 @@ func TestE2EShutdownEndsWaits(t *testing.T) {
 		t.Fatal("the wait did not end on SIGTERM")
 	}
 }
+
+// BenchmarkE2ECall measures full success calls (Start + Finish) from parallel
+// goroutines on one client against the real daemon (go test -bench E2ECall).
+func BenchmarkE2ECall(b *testing.B) {
+	d := startSidecar(b, e2eConfig, "memory")
+	c := d.dial(b)
+	ctx := context.Background()
+	b.ReportAllocs()
+	b.SetParallelism(32)
+	b.ResetTimer()
+	b.RunParallel(func(pb *testing.PB) {
+		for pb.Next() {
+			call, err := c.Begin(ctx, "chat", CallOptions{})
+			if err != nil {
+				b.Error(err)
+				return
+			}
+			p, err := call.Acquire(ctx)
+			if err != nil {
+				b.Error(err)
+				return
+			}
+			if err := p.Success(ctx, 1); err != nil {
+				b.Error(err)
+				return
+			}
+		}
+	})
+}
