@@ -857,33 +857,33 @@ func TestFinishUnknownPermitEndsCall(t *testing.T) {
 	wantRequests(t, s, "Start", "Finish", "EndCall")
 }
 
-func TestManyGoroutinesShareOneConnection(t *testing.T) {
-	s := startFake(t, &fakeScope{name: "chat", sources: []string{"a", "b", "c"}, maxAttempts: 5})
-	c := dialFake(t, s)
+// manyCalls makes n concurrent Runs in scope "chat" on c: call i fails its first
+// attempt with failure when i%failEvery == 0, checks that every permit it gets is
+// its own call's (EstTokens = i+1), and every tenth call also asks for Status. It
+// returns how many first attempts failed.
+func manyCalls(t *testing.T, c *Client, n, failEvery int, failure error) int {
+	t.Helper()
 	ctx := tctx(t)
-	const n = 1000
 	var wg sync.WaitGroup
 	var failed atomic.Int64
-	errs := make(chan error, n)
+	errs := make(chan error, 2*n)
 	for i := 0; i < n; i++ {
 		wg.Add(1)
 		go func(i int) {
 			defer wg.Done()
-			attempts := 0
 			err := c.Run(ctx, "chat", CallOptions{EstTokens: i + 1}, func(ctx context.Context, p *Permit) error {
-				attempts++
 				if p.EstTokens != uint64(i+1) {
-					return fmt.Errorf("goroutine %d got the permit of another call: %v", i, p)
+					return fmt.Errorf("call %d got the permit of another call: %v", i, p)
 				}
-				if i%7 == 0 && attempts == 1 {
+				if i%failEvery == 0 && p.Attempt == 1 {
 					failed.Add(1)
-					return context.DeadlineExceeded // → timeout, the next attempt fails over
+					return failure
 				}
 				p.SetTokens(i)
 				return nil
 			})
 			if err != nil {
-				errs <- err
+				errs <- fmt.Errorf("call %d: %w", i, err)
 			}
 			if i%10 == 0 {
 				if _, err := c.Status(ctx); err != nil {
@@ -897,6 +897,15 @@ func TestManyGoroutinesShareOneConnection(t *testing.T) {
 	for err := range errs {
 		t.Fatal(err)
 	}
+	return int(failed.Load())
+}
+
+func TestManyGoroutinesShareOneConnection(t *testing.T) {
+	s := startFake(t, &fakeScope{name: "chat", sources: []string{"a", "b", "c"}, maxAttempts: 5})
+	c := dialFake(t, s)
+	ctx := tctx(t)
+	const n = 1000
+	failed := manyCalls(t, c, n, 7, context.DeadlineExceeded) // a timeout: the next attempt fails over
 	if s.connCount() != 1 {
 		t.Fatalf("%d connections", s.connCount())
 	}
@@ -918,7 +927,7 @@ func TestManyGoroutinesShareOneConnection(t *testing.T) {
 	for _, r := range s.requests() {
 		counts[r]++
 	}
-	if counts["Start"] != n || counts["Finish"] != n || counts["Retry"] != int(failed.Load()) {
-		t.Fatalf("frames %v (%d failures)", counts, failed.Load())
+	if counts["Start"] != n || counts["Finish"] != n || counts["Retry"] != failed {
+		t.Fatalf("frames %v (%d failures)", counts, failed)
 	}
 }

@@ -8,8 +8,6 @@ import (
 	"fmt"
 	"os"
 	"strings"
-	"sync"
-	"sync/atomic"
 	"testing"
 	"time"
 )
@@ -218,41 +216,16 @@ func waitStatus(t *testing.T, c *Client, ok func(*Status) bool) *Status {
 func TestE2EThousandGoroutinesOneClient(t *testing.T) {
 	eachBackend(t, func(t *testing.T, d *daemon) {
 		c := d.dial(t)
-		ctx := tctx(t)
 		const n = 1000
-		var wg sync.WaitGroup
-		var retried atomic.Int64
-		errs := make(chan error, n)
-		for i := 0; i < n; i++ {
-			wg.Add(1)
-			go func(i int) {
-				defer wg.Done()
-				err := c.Run(ctx, "chat", CallOptions{EstTokens: 10}, func(ctx context.Context, p *Permit) error {
-					if i%5 == 0 && p.Attempt == 1 {
-						retried.Add(1)
-						return &HTTPError{StatusCode: 500}
-					}
-					p.SetTokens(7)
-					return nil
-				})
-				if err != nil {
-					errs <- fmt.Errorf("call %d: %w", i, err)
-				}
-			}(i)
-		}
-		wg.Wait()
-		close(errs)
-		for err := range errs {
-			t.Fatal(err)
-		}
+		retried := manyCalls(t, c, n, 5, &HTTPError{StatusCode: 500})
 		st := waitStatus(t, c, func(st *Status) bool { return st.Scope("chat").Calls == 0 })
 		sc := st.Scope("chat")
 		a, b := sc.Source("a"), sc.Source("b")
 		if got := a.WindowSuccesses + b.WindowSuccesses; got != n {
 			t.Fatalf("%d successes, want %d", got, n)
 		}
-		if got := a.WindowFailures + b.WindowFailures; got != uint64(retried.Load()) {
-			t.Fatalf("%d failures, want %d", got, retried.Load())
+		if got := a.WindowFailures + b.WindowFailures; got != uint64(retried) {
+			t.Fatalf("%d failures, want %d", got, retried)
 		}
 		if a.InFlight+b.InFlight != 0 || sc.Waiters != 0 {
 			t.Fatalf("left behind: %s", st.Raw)
