@@ -12,8 +12,8 @@
 ``polygate.aio`` has the same names, awaitable. See README.md.
 """
 
-from ._core import CLIENT_VERSION as __version__
-from ._core import ReportResult
+from ._core import ReportResult, ScopeStatus, SourceStatus, Status
+from ._version import __version__
 from ._sync import Call, Client, Permit, connect
 from .errors import (
     AllSourcesExhausted,
@@ -29,6 +29,9 @@ __all__ = [
     "Call",
     "Permit",
     "ReportResult",
+    "Status",
+    "ScopeStatus",
+    "SourceStatus",
     "PolyGateError",
     "SidecarError",
     "GatewayUnavailableError",

@@ -48,15 +48,6 @@ class _Connection:
 
     # ------------------------------------------------------------ sending
 
-    def _encode(self, rid: int, request: Any) -> bytes:
-        payload = _wire.encode_client_frame({"id": rid, "request": request})
-        if len(payload) > self.max_frame:
-            raise SidecarError(
-                "request of %d bytes exceeds the sidecar's max_frame %d" % (len(payload), self.max_frame),
-                kind="frame_too_large",
-            )
-        return _wire.frame(payload)
-
     def _write(self, data: bytes) -> None:
         # Frames go out through the writer thread: an interrupt (KeyboardInterrupt
         # lands only on the main thread) can then never cut a frame in half.
@@ -71,8 +62,7 @@ class _Connection:
             try:
                 self.sock.sendall(data)
             except OSError as e:
-                self._die(SidecarError("connection to the sidecar at %s lost: %s" % (self.path, e),
-                                       kind="connection"))
+                self._die(_core.lost_error(self.path, e))
                 return
 
     def _register(self, request: Any, slot: _Slot) -> "tuple[int, bytes]":
@@ -80,7 +70,7 @@ class _Connection:
             if self._dead is not None:
                 raise self._dead
             rid = next(self._ids)
-        data = self._encode(rid, request)  # bad input: raises, nothing registered or sent
+        data = _core.frame_request(rid, request, self.max_frame)  # bad input: raises, nothing registered or sent
         with self._lock:
             if self._dead is not None:
                 raise self._dead
@@ -151,9 +141,7 @@ class _Connection:
                 try:
                     data = self.sock.recv(65536)
                 except OSError as e:
-                    reason = SidecarError(
-                        "connection to the sidecar at %s lost: %s" % (self.path, e), kind="connection"
-                    )
+                    reason = _core.lost_error(self.path, e)
                     break
                 if not data:
                     break
@@ -161,7 +149,7 @@ class _Connection:
                     for payload in decoder.feed(data):
                         self._dispatch(_wire.decode_server_frame(payload))
                 except _wire.WireError as e:
-                    reason = SidecarError("undecodable frame from the sidecar: %s" % e, kind="protocol")
+                    reason = _core.undecodable_error(e)
                     break
         finally:
             if reason is None:
@@ -218,23 +206,11 @@ class _Connection:
 class Permit(_core.PermitBase):
     """Permission to make one attempt on ``source``. Report exactly once."""
 
-    def __init__(self, call: "Call", body: Dict[str, Any]) -> None:
-        super().__init__(call, body)
-        self._lock = threading.Lock()
-
-    @property
-    def reported(self) -> bool:
-        return self._reported
+    _call: "Call"
 
     def _report(self, outcome: Any) -> ReportResult:
-        with self._lock:
-            if self._reported:
-                raise RuntimeError("permit %d (source %r) was already reported" % (self.id, self.source))
-            self._reported = True
-        if self._call._permit is self:
-            self._call._permit = None
-        self.result = _core.report_result(self._call._conn.request(_core.report(self.id, outcome)))
-        return self.result
+        request = self._claim(outcome)
+        return self._reported_as(self._call._conn.request(request))
 
     def success(self, tokens: Optional[int] = None, count_attempt: bool = True) -> ReportResult:
         """The upstream answered usefully. ``tokens``: actual usage (None keeps the
@@ -255,31 +231,19 @@ class Permit(_core.PermitBase):
         """The attempt was given up before (or while) sending."""
         return self._report(_core.OUTCOME_CANCELLED)
 
-    def __repr__(self) -> str:
-        return _core.fmt_permit(self)
 
-
-class Call:
+class Call(_core.CallBase[Permit]):
     """One logical request in a scope. Use as a context manager; leaving the
     block reports ``Cancelled`` on an unreported permit and ends the call."""
 
-    def __init__(self, client: "Client", scope: str, est_tokens: Optional[int]) -> None:
-        _core.begin_call(scope, est_tokens)  # validate early
-        self._client = client
-        self._conn = client._conn
-        self.scope = scope
-        self.est_tokens = est_tokens
-        self.id: Optional[int] = None
-        self._permit: Optional[Permit] = None
-        self._ended = False
+    _permit_class = Permit
+    _conn: _Connection
 
     def begin(self) -> "Call":
         """Send ``BeginCall`` (done by ``with``; the stall clock starts now)."""
-        if self._ended:
-            raise RuntimeError("call in scope %r has ended" % self.scope)
-        if self.id is None:
-            body = _core.expect(self._conn.request(_core.begin_call(self.scope, self.est_tokens)), "CallBegun")
-            self.id = body["call"]
+        request = self._begin_request()
+        if request is not None:
+            self._began(self._conn.request(request))
         return self
 
     def acquire(self) -> Permit:
@@ -287,51 +251,31 @@ class Call:
         AllSourcesExhausted, GatewayUnavailableError or SidecarError. An
         interrupted wait (KeyboardInterrupt, ...) sends ``Cancel``."""
         self.begin()
-        reply = self._conn.request(_core.acquire(self.id), cancel_on_interrupt=True)
-        permit = Permit(self, _core.expect(reply, "Granted"))
-        self._permit = permit
-        return permit
-
-    @property
-    def permit(self) -> Optional[Permit]:
-        """The granted permit not yet reported, if any."""
-        return self._permit
+        return self._granted(self._conn.request(self._acquire_request(), cancel_on_interrupt=True))
 
     def end(self, _quiet: bool = False) -> None:
         """Release what the call holds and forget it (idempotent)."""
-        if self._ended:
-            return
-        self._ended = True
-        permit, self._permit = self._permit, None
-        if self.id is None or self._conn.closed:
-            return  # nothing begun, or the sidecar already released it all
+        requests = self._release()
         if _quiet:
-            if permit is not None and not permit.reported:
-                permit._reported = True
-                self._conn.post(_core.report(permit.id, _core.OUTCOME_CANCELLED))
-            self._conn.post(_core.end_call(self.id))
+            for r in requests:
+                self._conn.post(r)
             return
-        end_sent = False
-        try:
-            if permit is not None and not permit.reported:
-                try:
-                    permit.cancel()
-                except PolyGateError:
-                    pass  # e.g. the lease was reclaimed; EndCall releases anyway
-            end_sent = True
-            _core.expect(self._conn.request(_core.end_call(self.id)), "Ok")
-        except SidecarError as e:
-            if e.kind not in ("connection", "unknown_call"):
+        for i, r in enumerate(requests):
+            try:
+                reply = self._conn.request(r)
+            except SidecarError as e:
+                _core.check_release(r, None, e)
+            except BaseException:  # interrupted: make sure the call still ends
+                for rest in requests[i + 1:]:
+                    self._conn.post(rest)
                 raise
-        except BaseException:  # interrupted: make sure the call still ends
-            if not end_sent:
-                self._conn.post(_core.end_call(self.id))
-            raise
+            else:
+                _core.check_release(r, reply, None)
 
     def __enter__(self) -> "Call":
         return self.begin()
 
-    def __exit__(self, exc_type, exc, tb) -> None:
+    def __exit__(self, exc_type: Optional[type], exc: Optional[BaseException], tb: Any) -> None:
         self.end(_quiet=exc_type is not None)
 
     def __repr__(self) -> str:
@@ -353,10 +297,10 @@ class Client:
         """A call in ``scope``; use ``with client.call(...) as call:``."""
         return Call(self, scope, est_tokens)
 
-    def status(self) -> Dict[str, Any]:
+    def status(self) -> _core.Status:
         """Live state: {"sidecar_version", "backend", "scopes": {scope: {...,
         "sources": {source: {...}}}}}."""
-        return _core.status_dict(self._conn.request(_core.STATUS))
+        return _core.status_dict(_core.expect(self._conn.request(_core.STATUS), "Status"))
 
     def force_open(self, source: str, seconds: float = 30) -> None:
         """Admin: open ``source``'s breaker for ``seconds``."""

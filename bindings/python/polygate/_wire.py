@@ -496,7 +496,8 @@ def encode_client_frame(value: Dict[str, Any]) -> bytes:
 
 
 def decode_client_frame(payload: bytes) -> Dict[str, Any]:
-    return decode(CLIENT_FRAME, payload)
+    value: Dict[str, Any] = decode(CLIENT_FRAME, payload)
+    return value
 
 
 def encode_server_frame(value: Dict[str, Any]) -> bytes:
@@ -505,7 +506,8 @@ def encode_server_frame(value: Dict[str, Any]) -> bytes:
 
 
 def decode_server_frame(payload: bytes) -> Dict[str, Any]:
-    return decode(SERVER_FRAME, payload)
+    value: Dict[str, Any] = decode(SERVER_FRAME, payload)
+    return value
 
 
 # --------------------------------------------------------------------------

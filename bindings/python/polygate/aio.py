@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import struct
 import time
 from typing import Any, Dict, Optional
 
@@ -47,9 +46,6 @@ __all__ = [
     "AllSourcesExhausted",
 ]
 
-_BE32 = struct.Struct(">I")
-
-
 class _Connection:
     def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, path: str) -> None:
         self.path = path
@@ -59,7 +55,7 @@ class _Connection:
         self._ids = itertools.count(1)
         # id -> future of a waiting requester, or None for a reply nobody awaits
         # (fire-and-forget, abandoned): such replies only get cleaned up.
-        self._pending: Dict[int, Optional[asyncio.Future]] = {}
+        self._pending: Dict[int, "Optional[asyncio.Future[Any]]"] = {}
         self._dead: Optional[SidecarError] = None
         self._fatal: Optional[PolyGateError] = None
         self._drain_lock = asyncio.Lock()
@@ -71,13 +67,7 @@ class _Connection:
         if self._dead is not None:
             raise self._dead
         rid = next(self._ids)
-        payload = _wire.encode_client_frame({"id": rid, "request": request})
-        if len(payload) > self.max_frame:
-            raise SidecarError(
-                "request of %d bytes exceeds the sidecar's max_frame %d" % (len(payload), self.max_frame),
-                kind="frame_too_large",
-            )
-        self._writer.write(_wire.frame(payload))  # one write per frame: never interleaved
+        self._writer.write(_core.frame_request(rid, request, self.max_frame))  # whole frames: never interleaved
         return rid
 
     async def request(self, request: Any, *, cancel_on_cancel: bool = False) -> Any:
@@ -95,7 +85,7 @@ class _Connection:
             self._abandon(rid, fut, cancel_on_cancel)
             raise
         except (ConnectionError, OSError) as e:
-            err = SidecarError("connection to the sidecar at %s lost: %s" % (self.path, e), kind="connection")
+            err = _core.lost_error(self.path, e)
             self._die(err)
             raise err from e
 
@@ -107,7 +97,7 @@ class _Connection:
             return
         self._pending[rid] = None
 
-    def _abandon(self, rid: int, fut: asyncio.Future, cancel: bool) -> None:
+    def _abandon(self, rid: int, fut: "asyncio.Future[Any]", cancel: bool) -> None:
         if fut.done() and not fut.cancelled():
             if fut.exception() is None:  # the reply beat the cancellation
                 self._cleanup_late(fut.result())
@@ -126,25 +116,23 @@ class _Connection:
     # ------------------------------------------------------------ reading
 
     async def _read_loop(self) -> None:
+        decoder = _wire.FrameDecoder(_core.MAX_INCOMING_FRAME)
         reason: Optional[SidecarError] = None
         try:
             while True:
-                head = await self._reader.readexactly(4)
-                (n,) = _BE32.unpack(head)
-                if n > _core.MAX_INCOMING_FRAME:
-                    raise _wire.WireError("incoming frame of %d bytes exceeds %d" % (n, _core.MAX_INCOMING_FRAME))
-                payload = await self._reader.readexactly(n)
-                self._dispatch(_wire.decode_server_frame(payload))
-        except asyncio.IncompleteReadError:
-            pass
+                data = await self._reader.read(65536)
+                if not data:
+                    break
+                for payload in decoder.feed(data):
+                    self._dispatch(_wire.decode_server_frame(payload))
         except _wire.WireError as e:
-            reason = SidecarError("undecodable frame from the sidecar: %s" % e, kind="protocol")
+            reason = _core.undecodable_error(e)
         except (ConnectionError, OSError) as e:
-            reason = SidecarError("connection to the sidecar at %s lost: %s" % (self.path, e), kind="connection")
+            reason = _core.lost_error(self.path, e)
         except asyncio.CancelledError:
-            reason = SidecarError("the client closed its connection to %s" % self.path, kind="connection")
+            reason = _core.client_closed_error(self.path)
         except Exception as e:  # noqa: BLE001 - a bug must not leave waiters hanging
-            reason = SidecarError("reader failed: %r" % (e,), kind="protocol")
+            reason = _core.protocol_error("reader failed: %r" % (e,))
         if reason is None:
             reason = _core.closed_error(self.path, self._fatal)
         self._die(reason)
@@ -194,18 +182,11 @@ class _Connection:
 class Permit(_core.PermitBase):
     """Permission to make one attempt on ``source``. Report exactly once (awaitable)."""
 
-    @property
-    def reported(self) -> bool:
-        return self._reported
+    _call: "Call"
 
     async def _report(self, outcome: Any) -> ReportResult:
-        if self._reported:
-            raise RuntimeError("permit %d (source %r) was already reported" % (self.id, self.source))
-        self._reported = True
-        if self._call._permit is self:
-            self._call._permit = None
-        self.result = _core.report_result(await self._call._conn.request(_core.report(self.id, outcome)))
-        return self.result
+        request = self._claim(outcome)
+        return self._reported_as(await self._call._conn.request(request))
 
     async def success(self, tokens: Optional[int] = None, count_attempt: bool = True) -> ReportResult:
         """The upstream answered usefully (see :meth:`polygate.Permit.success`)."""
@@ -213,8 +194,7 @@ class Permit(_core.PermitBase):
 
     async def failure(self, kind: str) -> ReportResult:
         """kind: timeout, server_error, connection, bad_result or error."""
-        outcome = _core.outcome_failure(kind)  # ValueError before marking reported
-        return await self._report(outcome)
+        return await self._report(_core.outcome_failure(kind))
 
     async def rate_limited(self, retry_after_s: Optional[float] = None) -> ReportResult:
         """The upstream answered 429 (backpressure, not failure)."""
@@ -224,29 +204,18 @@ class Permit(_core.PermitBase):
         """The attempt was given up before (or while) sending."""
         return await self._report(_core.OUTCOME_CANCELLED)
 
-    def __repr__(self) -> str:
-        return _core.fmt_permit(self)
 
-
-class Call:
+class Call(_core.CallBase[Permit]):
     """One logical request in a scope; ``async with client.call(...) as call``."""
 
-    def __init__(self, client: "Client", scope: str, est_tokens: Optional[int]) -> None:
-        _core.begin_call(scope, est_tokens)
-        self._client = client
-        self._conn = client._conn
-        self.scope = scope
-        self.est_tokens = est_tokens
-        self.id: Optional[int] = None
-        self._permit: Optional[Permit] = None
-        self._ended = False
+    _permit_class = Permit
+    _conn: _Connection
 
     async def begin(self) -> "Call":
-        if self._ended:
-            raise RuntimeError("call in scope %r has ended" % self.scope)
-        if self.id is None:
-            reply = await self._conn.request(_core.begin_call(self.scope, self.est_tokens))
-            self.id = _core.expect(reply, "CallBegun")["call"]
+        """Send ``BeginCall`` (done by ``async with``; the stall clock starts now)."""
+        request = self._begin_request()
+        if request is not None:
+            self._began(await self._conn.request(request))
         return self
 
     async def acquire(self) -> Permit:
@@ -254,59 +223,32 @@ class Call:
         GatewayUnavailableError or SidecarError. Cancelling the awaiting task
         sends ``Cancel`` and re-raises CancelledError."""
         await self.begin()
-        reply = await self._conn.request(_core.acquire(self.id), cancel_on_cancel=True)
-        permit = Permit(self, _core.expect(reply, "Granted"))
-        self._permit = permit
-        return permit
-
-    @property
-    def permit(self) -> Optional[Permit]:
-        return self._permit
-
-    def _release_now(self) -> None:
-        """Synchronously queue Report(Cancelled) + EndCall (never awaits)."""
-        permit, self._permit = self._permit, None
-        if self.id is None or self._conn.closed:
-            return
-        if permit is not None and not permit.reported:
-            permit._reported = True
-            self._conn.post(_core.report(permit.id, _core.OUTCOME_CANCELLED))
-        self._conn.post(_core.end_call(self.id))
+        return self._granted(await self._conn.request(self._acquire_request(), cancel_on_cancel=True))
 
     async def end(self) -> None:
         """Release what the call holds and forget it (idempotent)."""
-        if self._ended:
-            return
-        self._ended = True
-        permit, self._permit = self._permit, None
-        if self.id is None or self._conn.closed:
-            return
-        end_sent = False
-        try:
-            if permit is not None and not permit.reported:
-                try:
-                    await permit.cancel()
-                except PolyGateError:
-                    pass  # e.g. the lease was reclaimed; EndCall releases anyway
-            end_sent = True
-            _core.expect(await self._conn.request(_core.end_call(self.id)), "Ok")
-        except asyncio.CancelledError:
-            if not end_sent:
-                self._conn.post(_core.end_call(self.id))
-            raise
-        except SidecarError as e:
-            if e.kind not in ("connection", "unknown_call"):
+        requests = self._release()
+        for i, r in enumerate(requests):
+            try:
+                reply = await self._conn.request(r)
+            except SidecarError as e:
+                _core.check_release(r, None, e)
+            except asyncio.CancelledError:  # make sure the call still ends
+                for rest in requests[i + 1:]:
+                    self._conn.post(rest)
                 raise
+            else:
+                _core.check_release(r, reply, None)
 
     async def __aenter__(self) -> "Call":
         return await self.begin()
 
-    async def __aexit__(self, exc_type, exc, tb) -> None:
+    async def __aexit__(self, exc_type: Optional[type], exc: Optional[BaseException], tb: Any) -> None:
         if exc_type is None:
             await self.end()
-        elif not self._ended:
-            self._ended = True
-            self._release_now()
+        else:  # queue the releases without awaiting (the task may be cancelled)
+            for r in self._release():
+                self._conn.post(r)
 
     def __repr__(self) -> str:
         return "<aio.Call %s scope=%r>" % (self.id, self.scope)
@@ -325,8 +267,8 @@ class Client:
     def call(self, scope: str, est_tokens: Optional[int] = None) -> Call:
         return Call(self, scope, est_tokens)
 
-    async def status(self) -> Dict[str, Any]:
-        return _core.status_dict(await self._conn.request(_core.STATUS))
+    async def status(self) -> _core.Status:
+        return _core.status_dict(_core.expect(await self._conn.request(_core.STATUS), "Status"))
 
     async def force_open(self, source: str, seconds: float = 30) -> None:
         _core.expect(await self._conn.request(_core.force_open(source, seconds)), "Ok")

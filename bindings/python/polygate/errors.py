@@ -105,9 +105,17 @@ class CircuitOpenError(GatewayUnavailableError):
     ``retry_after_s`` is when the first breaker's cooldown ends.
     """
 
-    def __init__(self, message: str, **kw) -> None:
-        kw.setdefault("kind", "circuit_open")
-        super().__init__(message, **kw)
+    def __init__(
+        self,
+        message: str,
+        *,
+        kind: str = "circuit_open",
+        retry_after_s: float = 0.0,
+        per_source_reasons: Optional[Dict[str, str]] = None,
+        scope: Optional[str] = None,
+    ) -> None:
+        super().__init__(message, kind=kind, retry_after_s=retry_after_s,
+                         per_source_reasons=per_source_reasons, scope=scope)
 
 
 class AllSourcesExhausted(GatewayUnavailableError):
@@ -118,7 +126,16 @@ class AllSourcesExhausted(GatewayUnavailableError):
     or ``"retry_exhausted"`` (``max_attempts`` attempts were made).
     """
 
-    def __init__(self, message: str, *, reason: Optional[str] = None, **kw) -> None:
-        kw.setdefault("kind", "all_sources_exhausted")
-        super().__init__(message, **kw)
+    def __init__(
+        self,
+        message: str,
+        *,
+        reason: Optional[str] = None,
+        kind: str = "all_sources_exhausted",
+        retry_after_s: float = 0.0,
+        per_source_reasons: Optional[Dict[str, str]] = None,
+        scope: Optional[str] = None,
+    ) -> None:
+        super().__init__(message, kind=kind, retry_after_s=retry_after_s,
+                         per_source_reasons=per_source_reasons, scope=scope)
         self.reason = reason
