@@ -7,9 +7,9 @@
 # conformance scenarios and end-to-end tests against the real daemon and Redis).
 #
 # It installs what it needs: redis-server (Debian package) if missing, and a Python
-# venv in .venv with pytest and the `polygate` binding (editable). Tests start their
-# own redis-server instances on free ports; with CI=true a Redis that cannot start
-# fails the run instead of skipping.
+# venv in .venv with pytest, pytest-timeout, mypy and the `polygate` binding
+# (editable). Tests start their own redis-server instances on free ports; with
+# CI=true a Redis that cannot start fails the run instead of skipping.
 set -euo pipefail
 
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -37,14 +37,20 @@ step "Rust tests"
 cargo build --workspace --quiet
 cargo test --workspace
 
-step "Python venv (.venv) with pytest and the polygate binding"
+step "Python venv (.venv) with pytest, pytest-timeout, mypy and the polygate binding"
 if [ ! -x .venv/bin/python ]; then
     python3 -m venv .venv
 fi
-.venv/bin/python -m pip install --quiet --disable-pip-version-check --upgrade pytest
+# Test tools only: the binding itself has no runtime dependencies (and `openai` /
+# `httpx` stay uninstalled on purpose: the binding must work without them).
+.venv/bin/python -m pip install --quiet --disable-pip-version-check --upgrade pytest pytest-timeout mypy
 .venv/bin/python -m pip install --quiet --disable-pip-version-check -e bindings/python
 
-step "Python tests (binding, vectors, end-to-end against the real daemon)"
+step "mypy --strict on the binding (it ships py.typed)"
+.venv/bin/python -m mypy --strict --python-version 3.10 --no-incremental --cache-dir=/dev/null \
+    bindings/python/polygate
+
+step "Python tests (binding, vectors, end-to-end against the real daemon; 60 s timeout each)"
 export POLYGATE_SIDECAR_BIN="$root/target/debug/polygate-sidecar"
 .venv/bin/python -m pytest -q bindings/python/tests tests
 

@@ -265,14 +265,28 @@ def test_unknown_scope(sidecar_path):
 
 # ---------------------------------------------------------------- waits, threads, interrupts
 
-def test_keyboard_interrupt_cancels_waiting_acquire(fake):
+@pytest.fixture
+def sigint_raises():
+    """SIGINT raises KeyboardInterrupt in this test, whatever the environment did
+    to it: a shell that starts the run in the background leaves SIGINT ignored,
+    and then a pthread_kill(SIGINT) would never interrupt the wait."""
+    assert threading.current_thread() is threading.main_thread(), "signal-based test must run on the main thread"
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield threading.main_thread().ident
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def test_keyboard_interrupt_cancels_waiting_acquire(fake, sigint_raises):
     fake.on_acquire = lambda conn, rid, call: HOLD
-    main = threading.main_thread().ident
-    assert threading.get_ident() == main, "signal-based test must run on the main thread"
+    main = sigint_raises
     with polygate.connect(fake.path) as client:
         def interrupt():
-            fake.wait_held(1)
-            signal.pthread_kill(main, signal.SIGINT)
+            try:
+                fake.wait_held(1)
+            finally:  # interrupt even if the Acquire never arrived: the asserts then fail
+                signal.pthread_kill(main, signal.SIGINT)
         threading.Thread(target=interrupt, daemon=True).start()
         with pytest.raises(KeyboardInterrupt):
             with client.call("chat") as call:
@@ -286,18 +300,20 @@ def test_keyboard_interrupt_cancels_waiting_acquire(fake):
         assert client.ping() >= 0
 
 
-def test_late_grant_after_interrupt_is_released(fake):
+def test_late_grant_after_interrupt_is_released(fake, sigint_raises):
     """The sidecar granted before it saw the Cancel: the client reports Cancelled."""
     fake.on_acquire = lambda conn, rid, call: HOLD
     fake.on_cancel = lambda conn, rid, target: conn.release_held(
         target, fake.grant(conn, target, conn.held[target]["call"]))
-    main = threading.main_thread().ident
+    main = sigint_raises
     with polygate.connect(fake.path) as client:
         call = client.call("chat").begin()
 
         def interrupt():
-            fake.wait_held(1)
-            signal.pthread_kill(main, signal.SIGINT)
+            try:
+                fake.wait_held(1)
+            finally:  # interrupt even if the Acquire never arrived: the asserts then fail
+                signal.pthread_kill(main, signal.SIGINT)
         threading.Thread(target=interrupt, daemon=True).start()
         with pytest.raises(KeyboardInterrupt):
             call.acquire()
