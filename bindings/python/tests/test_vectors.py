@@ -156,3 +156,120 @@ def test_frame_decoder_limits_and_chunks():
         d.feed((11).to_bytes(4, "big"))
     with pytest.raises(_wire.WireError, match="exceeds max_frame 2"):
         _wire.frame(b"abc", max_frame=2)
+
+
+# ---------------------------------------------------------------- the hot codec (polygate._frames)
+#
+# Every vector of a hot frame must also pass through the struct encoders and
+# decoders the clients use, byte for byte; they must agree with the generic codec
+# on every input, malformed ones included.
+
+from polygate import _frames  # noqa: E402
+
+
+def _hot_outcome(o):
+    name = o if isinstance(o, str) else next(iter(o))
+    body = None if isinstance(o, str) else o[name]
+    if name == "Success":
+        return _frames.success(body["tokens"], body["count_attempt"])
+    if name == "Failure":
+        return _frames.failure(body["kind"])
+    if name == "RateLimited":
+        return _frames.rate_limited(body["retry_after_s"])
+    if name == "Cancelled":
+        return _frames.CANCELLED
+    if name == "SuccessUsage":
+        u = body["usage"]
+        return _frames.success_usage(u["tokens"], u["input_tokens"], u["output_tokens"], body["count_attempt"])
+    if name == "FailureUsage":
+        u = body["usage"]
+        return _frames.failure_usage(body["kind"], u["tokens"], u["input_tokens"], u["output_tokens"])
+    raise AssertionError("outcome %r has no hot encoder" % name)
+
+
+def _spec(b):
+    return _frames.call_spec(b["scope"], b["est_tokens"], b["priority"], b["est_input_tokens"],
+                             b["est_output_tokens"])
+
+
+HOT_ENCODERS = {
+    "Start": lambda b: _frames.start(_spec(b)),
+    "Begin": lambda b: _frames.begin(_spec(b)),
+    "Retry": lambda b: _frames.retry(b["permit"], _hot_outcome(b["outcome"])),
+    "Finish": lambda b: _frames.finish(b["permit"], _hot_outcome(b["outcome"])),
+    "Report": lambda b: _frames.report(b["permit"], _hot_outcome(b["outcome"])),
+    "Acquire": lambda b: _frames.acquire(b["call"]),
+    "EndCall": lambda b: _frames.end_call(b["call"]),
+    "Cancel": lambda b: _frames.cancel(b["target"]),
+}
+def _variant_name(x):
+    return x if isinstance(x, str) else next(iter(x))
+
+
+HOT_CLIENT = [v for v in VECTORS if v["direction"] == "client" and _variant_name(v["value"]["request"]) in HOT_ENCODERS]
+HOT_SERVER = [v for v in VECTORS if v["direction"] == "server" and _variant_name(v["value"]["reply"]) in _frames.HOT_REPLIES]
+
+
+def test_hot_sets_are_the_brief():
+    assert set(HOT_ENCODERS) - {"Begin"} == set(_frames.HOT_REQUESTS)
+    assert set(_frames.HOT_REPLIES) == {"Started", "Granted", "Reported", "Error", "CallBegun", "Ok", "Pong"}
+    # every hot variant has vectors; every outcome variant is covered by some hot vector
+    assert {_variant_name(v["value"]["request"]) for v in HOT_CLIENT} == set(HOT_ENCODERS)
+    assert {_variant_name(v["value"]["reply"]) for v in HOT_SERVER} == set(_frames.HOT_REPLIES)
+    outcomes = {_variant_name(v["value"]["request"][_variant_name(v["value"]["request"])]["outcome"])
+                for v in HOT_CLIENT if _variant_name(v["value"]["request"]) in ("Report", "Retry", "Finish")}
+    assert outcomes == {name for name, _ in _wire.OUTCOME.variants}
+
+
+@pytest.mark.parametrize("vec", HOT_CLIENT, ids=[v["name"] for v in HOT_CLIENT])
+def test_vector_hot_encoder_byte_for_byte(vec):
+    req = vec["value"]["request"]
+    name = _variant_name(req)
+    data = _frames.frame(vec["value"]["id"], HOT_ENCODERS[name](req[name]))
+    assert data.hex() == vec["frame_hex"].lower()
+
+
+@pytest.mark.parametrize("vec", HOT_SERVER, ids=[v["name"] for v in HOT_SERVER])
+def test_vector_hot_decoder(vec):
+    payload, _ = _wire.split_frame(bytes.fromhex(vec["frame_hex"]))
+    hot = _frames.decode_hot_reply(payload)
+    assert hot is not None, "the struct path must take %s" % vec["name"]
+    assert {"id": hot[0], "reply": hot[1]} == vec["value"]
+    assert _frames.decode_server_frame(payload) == vec["value"]
+
+
+def _same(payload):
+    """The hot decoder and the generic one agree: same value, or same error."""
+    try:
+        want = ("ok", _wire.decode_server_frame(payload))
+    except _wire.WireError as e:
+        want = ("err", str(e))
+    try:
+        got = ("ok", _frames.decode_server_frame(payload))
+    except _wire.WireError as e:
+        got = ("err", str(e))
+    assert repr(got) == repr(want), payload.hex()  # repr: NaN == NaN
+    hot = _frames.decode_hot_reply(payload)
+    if hot is not None:
+        assert repr(want) == repr(("ok", {"id": hot[0], "reply": hot[1]})), payload.hex()
+
+
+@pytest.mark.parametrize("vec", HOT_SERVER, ids=[v["name"] for v in HOT_SERVER])
+def test_hot_decoder_agrees_on_mutations(vec):
+    payload, _ = _wire.split_frame(bytes.fromhex(vec["frame_hex"]))
+    for n in range(len(payload) + 1):  # every truncation
+        _same(payload[:n])
+    _same(payload + b"\0")
+    for i in range(8, len(payload)):  # every byte after the id, set to values that matter
+        for v in (0, 1, 2, 0x7F, 0xFF):
+            m = bytearray(payload)
+            m[i] = v
+            _same(bytes(m))
+
+
+def test_hot_decoder_cold_tags_fall_back():
+    for vec in VECTORS:
+        if vec["direction"] == "server" and vec not in HOT_SERVER:
+            payload, _ = _wire.split_frame(bytes.fromhex(vec["frame_hex"]))
+            assert _frames.decode_hot_reply(payload) is None
+            assert _frames.decode_server_frame(payload) == vec["value"]
