@@ -35,10 +35,11 @@ def two_hosts(sidecars, redis_server):
 def test_breaker_opened_on_a_is_open_on_b_with_remaining_cooldown(two_hosts):
     a, ca, b, cb = two_hosts({"chat": scope("s1", breaker={"failure_threshold": 2, "cooldown": "4s",
                                                             "max_cooldown": "1m"})})
-    last = None
     with ca.call("chat") as call:
         call.acquire().failure("server_error")
-        last = call.acquire().failure("server_error")
+        permit = call.acquire()
+        permit.failure("server_error")
+    last = permit.result  # the failure went out with the block's end (Finish), answered Reported
     opened_at = time.monotonic()
     assert last.applied and last.state == "open", last
     assert 3.5 < last.retry_after_s <= 4.0, last
@@ -58,7 +59,9 @@ def test_breaker_opened_on_a_is_open_on_b_with_remaining_cooldown(two_hosts):
 def test_only_one_probe_across_hosts(two_hosts):
     a, ca, b, cb = two_hosts({"chat": scope("s1", breaker={"failure_threshold": 1, "cooldown": "300ms"})})
     with ca.call("chat") as call:
-        r = call.acquire().failure("server_error")
+        permit = call.acquire()
+        permit.failure("server_error")
+    r = permit.result
     assert r.state == "open"
     time.sleep(0.45)
 
@@ -135,12 +138,13 @@ def test_stale_outcome_is_fenced_across_hosts(two_hosts, admin):
         cb.force_open("s1", seconds=30)
         if admin == "force_open_then_close":
             cb.force_close("s1")
-        r = permit.failure("server_error")
-        assert r.applied is False, "an outcome granted under an older epoch must be fenced out: %r" % (r,)
-        if admin == "force_open":
-            assert r.state == "open" and 28 < r.retry_after_s <= 30, r
-        else:
-            assert r.state == "closed" and r.retry_after_s == 0.0, r
+        permit.failure("server_error")
+    r = permit.result  # sent as Finish when the block ended
+    assert r.applied is False, "an outcome granted under an older epoch must be fenced out: %r" % (r,)
+    if admin == "force_open":
+        assert r.state == "open" and 28 < r.retry_after_s <= 30, r
+    else:
+        assert r.state == "closed" and r.retry_after_s == 0.0, r
     st = a.source_status(ca, "s1")
     assert st["epoch"] > epoch0
     assert st["window_failures"] == 0 and st["streak"] == 0, "fenced failure must not count: %r" % st
@@ -177,8 +181,9 @@ def test_rate_limited_retry_after_blocks_quota_on_every_host(two_hosts):
     src = {"name": "s1", "rpm": 600, "timeout": "5s"}
     a, ca, b, cb = two_hosts({"chat": scope(src, quota_full="fail_fast")})
     with ca.call("chat") as call:
-        r = call.acquire().rate_limited(retry_after_s=5)
-    assert r.applied
+        permit = call.acquire()
+        permit.rate_limited(retry_after_s=5)
+    assert permit.result.applied
     with cb.call("chat") as call:
         with pytest.raises(polygate.AllSourcesExhausted) as ei:
             call.acquire()

@@ -48,8 +48,7 @@ def test_failover_to_next_source_after_failure(sidecar):
     with client.call("chat") as call:
         p1 = call.acquire()
         assert p1.source == "a"
-        r = p1.failure("server_error")
-        assert r.applied and r.state == "closed"
+        p1.failure("server_error")  # travels with the next acquire (Retry)
         p2 = call.acquire()
         assert p2.source == "b", "the failed source must be demoted within the call"
         assert p2.attempt == 2
@@ -455,13 +454,16 @@ def test_probe_failure_reopens_with_doubled_cooldown(sidecar):
     sidecar.start()
     client = sidecar.client()
     with client.call("chat") as call:
-        r = call.acquire().failure("server_error")
+        p = call.acquire()
+        p.failure("server_error")
+    r = p.result  # the block's end sent it (Finish) and got Reported
     assert r.state == "open" and 0.1 < r.retry_after_s <= 0.2, r  # streak open: k stays 0
     time.sleep(0.25)
     with client.call("chat") as call:
         p = call.acquire()
         assert p.is_probe
-        r = p.failure("server_error")
+        p.failure("server_error")
+    r = p.result
     assert r.state == "open" and 0.3 < r.retry_after_s <= 0.4, "probe-failure reopen doubles: %r" % (r,)
     assert sidecar.source_status(client, "a")["cooldown_level"] == 1
 
@@ -476,7 +478,8 @@ def test_rate_limited_probe_releases_lease(sidecar):
     with client.call("chat") as call:
         p = call.acquire()
         assert p.is_probe
-        r = p.rate_limited()
+        p.rate_limited()
+    r = p.result
     assert r.state == "half_open", r
     st = sidecar.source_status(client, "a")
     assert st["in_flight"] == 0 and st["window_failures"] == 0 and st["streak"] == 0, st
@@ -513,9 +516,10 @@ def test_est_tokens_derived_from_quota_and_settlement(sidecar):
         p.cancel()  # cancelled before sending: refund
     assert tokens() > full - 200
     with client.call("emb", est_tokens=3000) as call:
-        call.acquire().failure("server_error")  # transient failure: refund the tokens
-        assert tokens() > full - 200
-        call.acquire().success(tokens=1000)  # charge the actual usage
+        call.acquire().failure("server_error")  # transient failure: refund the tokens ...
+        p = call.acquire()  # ... applied by this Retry, which reserves the next attempt's 3000
+        assert full - 3300 < tokens() < full - 2700, "one reservation outstanding, the failed one refunded"
+        p.success(tokens=1000)  # charge the actual usage
     assert full - 1300 < tokens() < full - 700, (full, tokens())
 
 

@@ -1,103 +1,172 @@
-"""Synchronous PolyGate client (thread-safe; one socket, one reader thread)."""
+"""Synchronous PolyGate client: thread-safe, one socket, no helper threads.
+
+The request path has no thread hop (DESIGN §16): the calling thread frames its
+request and writes it under a lock, then waits for the reply by reading the
+socket itself. When several threads wait at once, one of them reads for all
+(the *leader*): it hands each reply to the thread waiting for that id and, once
+its own reply is in, passes the reading on to another waiter.
+
+Interrupts: ``KeyboardInterrupt`` reaches only the main thread, and it may land
+at any bytecode — also between a ``send`` or ``recv`` returning and the client
+noting how many bytes moved, which would cut the byte stream. So while a
+request of the main thread is on its way, SIGINT's handler is swapped for one
+that *defers* it to safe points: the waits (a ``poll``, or a follower's event),
+where nothing is half-read, and the end of the request. An interrupted wait
+sends ``Cancel`` for its request and re-raises. Any other exception raised in
+the middle of a read or write (another signal's handler) closes the connection
+instead: every pending request fails with ``SidecarError``, and the sidecar
+releases everything the connection held.
+"""
 
 from __future__ import annotations
 
 import itertools
-import queue
+import select
+import signal
 import socket
 import threading
 import time
-from typing import Any, Dict, Optional
+from typing import Any, Callable, Dict, List, Optional, TypeVar
 
-from . import _core, _wire
+from . import _core, _frames, _wire
 from ._core import ReportResult
 from .errors import PolyGateError, SidecarError
 
 __all__ = ["connect", "Client", "Call", "Permit"]
 
-_WAIT_SLICE = 0.25  # waits wake this often so asynchronous exceptions get through
+_WAIT_SLICE = 0.25  # the main thread's waits wake this often so signals get through
+_RECV_SIZE = 65536
+_MAIN_IDENT = threading.main_thread().ident
+
+T = TypeVar("T")
+
+
+class _SigintGuard:
+    """Defers SIGINT on the main thread while a request is on its way (see the
+    module doc): a SIGINT is handed to the previous handler at once during a
+    safe wait, else noted and handed over at the next safe point."""
+
+    __slots__ = ("prev", "pending", "safe")
+
+    def __init__(self, prev: Callable[[int, Any], Any]) -> None:
+        self.prev = prev
+        self.pending = False
+        self.safe = False
+
+    def __call__(self, signum: int, frame: Any) -> None:
+        if self.safe:
+            self.safe = False
+            self.prev(signum, frame)
+        else:
+            self.pending = True
+
+    def deliver(self) -> None:
+        """At a safe point: run a deferred SIGINT (KeyboardInterrupt raises here)."""
+        if self.pending:
+            self.pending = False
+            self.prev(signal.SIGINT, None)
+
+    @staticmethod
+    def install() -> "Optional[_SigintGuard]":
+        """A guard for this request: only on the main thread, and only when SIGINT
+        runs a Python handler (SIG_IGN / SIG_DFL never raise)."""
+        if threading.get_ident() != _MAIN_IDENT:
+            return None
+        prev = signal.getsignal(signal.SIGINT)
+        if not callable(prev) or isinstance(prev, _SigintGuard):
+            return None
+        guard = _SigintGuard(prev)
+        signal.signal(signal.SIGINT, guard)
+        return guard
+
+    def restore(self) -> None:
+        signal.signal(signal.SIGINT, self.prev)
+        self.deliver()
 
 
 class _Slot:
-    __slots__ = ("event", "reply", "error", "abandoned")
+    """One request awaiting its reply."""
 
-    def __init__(self) -> None:
-        self.event = threading.Event()
+    __slots__ = ("done", "reply", "error", "abandoned", "event", "on_late")
+
+    def __init__(self, on_late: Optional[_core.OnReply]) -> None:
+        self.done = False
         self.reply: Any = None
         self.error: Optional[BaseException] = None
-        self.abandoned = False
+        self.abandoned = False  # nobody awaits the reply: on_late reads it
+        self.event: Optional[threading.Event] = None  # made when a thread waits as a follower
+        self.on_late = on_late
 
 
 class _Connection:
-    """Frames requests, demultiplexes replies by id to the waiting threads."""
+    """Frames requests, and demultiplexes replies by id to the waiting threads."""
 
     def __init__(self, sock: socket.socket, path: str) -> None:
         self.sock = sock
         self.path = path
         self.max_frame = _wire.DEFAULT_MAX_FRAME
         self._ids = itertools.count(1)
-        self._lock = threading.Lock()  # pending + closed state
-        self._outq: "queue.SimpleQueue[Optional[bytes]]" = queue.SimpleQueue()
+        self._lock = threading.Lock()  # pending, the reading role, dead
+        self._wlock = threading.Lock()  # one writer at a time: frames never interleave
         self._pending: Dict[int, _Slot] = {}
+        self._reading = False
+        self._close_fd = False  # close() came while a leader was reading: it closes the fd
         self._dead: Optional[SidecarError] = None
         self._fatal: Optional[PolyGateError] = None  # an id-0 error, explains the close
-        self._reader = threading.Thread(target=self._read_loop, name="polygate-reader", daemon=True)
-        self._writer = threading.Thread(target=self._write_loop, name="polygate-writer", daemon=True)
-        self._reader.start()
-        self._writer.start()
+        self._decoder = _wire.FrameDecoder(_core.MAX_INCOMING_FRAME)
+        self._buf = bytearray(_RECV_SIZE)
+        self._view = memoryview(self._buf)
+        self._poll = select.poll()
+        self._poll.register(sock.fileno(), select.POLLIN)
 
     # ------------------------------------------------------------ sending
 
-    def _write(self, data: bytes) -> None:
-        # Frames go out through the writer thread: an interrupt (KeyboardInterrupt
-        # lands only on the main thread) can then never cut a frame in half.
-        # SimpleQueue.put is one C call: the frame is either queued or not.
-        self._outq.put(data)
-
-    def _write_loop(self) -> None:
-        while True:
-            data = self._outq.get()
-            if data is None:
-                return
-            try:
-                self.sock.sendall(data)
-            except OSError as e:
-                self._die(_core.lost_error(self.path, e))
-                return
-
     def _register(self, request: Any, slot: _Slot) -> "tuple[int, bytes]":
-        with self._lock:
-            if self._dead is not None:
-                raise self._dead
-            rid = next(self._ids)
-        data = _core.frame_request(rid, request, self.max_frame)  # bad input: raises, nothing registered or sent
+        rid = next(self._ids)
+        data = _core.frame_request(rid, request, self.max_frame)  # bad input: raises, nothing registered
         with self._lock:
             if self._dead is not None:
                 raise self._dead
             self._pending[rid] = slot
         return rid, data
 
+    def _send(self, data: bytes) -> None:
+        with self._wlock:
+            try:
+                self.sock.sendall(data)
+            except OSError as e:
+                self._die(_core.lost_error(self.path, e))
+                raise self._dead_error() from None
+            except BaseException:  # an interrupt inside sendall: part of the frame may be out
+                self._die(SidecarError("interrupted while writing to the sidecar at %s; the connection "
+                                       "was closed (its frames could be cut)" % self.path, kind="connection"))
+                raise
+
+    def _dead_error(self) -> SidecarError:
+        assert self._dead is not None
+        return self._dead
+
     def request(self, request: Any, *, cancel_on_interrupt: bool = False,
-                timeout: Optional[float] = None) -> Any:
+                on_late: Optional[_core.OnReply] = None, timeout: Optional[float] = None) -> Any:
         """Send ``request``, block until its reply, return the reply value.
 
-        If the wait is interrupted by any exception (KeyboardInterrupt, ...), the
-        request is abandoned: with ``cancel_on_interrupt`` a ``Cancel`` is sent,
-        and whatever a late reply created (permit, call) is released.
+        If the wait ends by any exception (KeyboardInterrupt, ...), the request
+        is abandoned: with ``cancel_on_interrupt`` a ``Cancel`` is sent, and a
+        late reply goes to ``on_late`` (default: release what it created).
         """
-        slot = _Slot()
+        slot = _Slot(on_late)
         rid, data = self._register(request, slot)
         deadline = None if timeout is None else time.monotonic() + timeout
-        # From here on the request may be on the wire (an interrupt can land between
-        # any two bytecodes), so every exit by exception abandons it; a Cancel for an
-        # id the sidecar never saw is answered Ok and does no harm.
+        # From here on the request may be on the wire, so every exit by exception
+        # abandons it; a Cancel for an id the sidecar never saw is answered Ok.
         try:
-            self._write(data)
-            while not slot.event.wait(_WAIT_SLICE):
-                if deadline is not None and time.monotonic() >= deadline:
-                    raise SidecarError(
-                        "no reply from the sidecar at %s within %ss" % (self.path, timeout), kind="connection"
-                    )
+            guard = _SigintGuard.install()
+            try:
+                self._send(data)
+                self._wait(slot, deadline, timeout, guard)
+            finally:
+                if guard is not None:
+                    guard.restore()
         except BaseException:
             self._abandon(rid, slot, cancel_on_interrupt)
             raise
@@ -105,82 +174,200 @@ class _Connection:
             raise slot.error
         return slot.reply
 
-    def post(self, request: Any) -> None:
-        """Fire and forget: send ``request``, discard its reply."""
-        slot = _Slot()
+    def post(self, request: Any, on_late: Optional[_core.OnReply] = None) -> None:
+        """Fire and forget: send ``request``; its reply goes to ``on_late``."""
+        slot = _Slot(on_late)
         slot.abandoned = True
         try:
             _, data = self._register(request, slot)
-            self._write(data)
+            guard = _SigintGuard.install()
+            try:
+                self._send(data)
+            finally:
+                if guard is not None:
+                    guard.restore()
         except (SidecarError, _wire.WireError):
-            pass
+            return
+        self._ensure_drain()
 
     def _abandon(self, rid: int, slot: _Slot, cancel: bool) -> None:
         with self._lock:
-            arrived = slot.event.is_set()
+            arrived = slot.done
             slot.abandoned = True
         if arrived:
             if slot.error is None:
-                self._cleanup_late(slot.reply)
+                self._late(slot, slot.reply)
             return
-        if cancel:
+        if cancel and self._dead is None:
             self.post(_core.cancel(rid))
+        self._ensure_drain()
 
-    def _cleanup_late(self, reply: Any) -> None:
-        req = _core.late_cleanup(reply)
-        if req is not None:
-            self.post(req)
+    def _late(self, slot: _Slot, reply: Any) -> None:
+        follow = (slot.on_late or _core.late_cleanup)(reply)
+        if follow is not None:
+            self.post(follow)
 
-    # ------------------------------------------------------------ reading
+    # ------------------------------------------------------------ waiting and reading
 
-    def _read_loop(self) -> None:
-        decoder = _wire.FrameDecoder(_core.MAX_INCOMING_FRAME)
-        reason: Optional[SidecarError] = None
+    def _wait(self, slot: _Slot, deadline: Optional[float], timeout: Optional[float],
+              guard: Optional[_SigintGuard]) -> None:
+        while not slot.done:
+            with self._lock:
+                if slot.done:
+                    return
+                lead = not self._reading
+                if lead:
+                    self._reading = True
+                elif slot.event is None:
+                    slot.event = threading.Event()
+                event = slot.event
+            if lead:
+                try:
+                    self._read_until(slot, deadline, timeout, guard)
+                finally:
+                    self._hand_over()
+            else:
+                assert event is not None
+                if guard is not None:
+                    guard.deliver()
+                    guard.safe = True
+                event.wait(_WAIT_SLICE)
+                if guard is not None:
+                    guard.safe = False
+                with self._lock:
+                    if not slot.done:
+                        event.clear()  # a hand-over nudge: loop and take the reading
+                self._check_deadline(deadline, timeout)
+
+    def _check_deadline(self, deadline: Optional[float], timeout: Optional[float]) -> None:
+        if deadline is not None and time.monotonic() >= deadline:
+            raise SidecarError("no reply from the sidecar at %s within %ss" % (self.path, timeout),
+                               kind="connection")
+
+    def _read_until(self, slot: _Slot, deadline: Optional[float], timeout: Optional[float],
+                    guard: Optional[_SigintGuard]) -> None:
+        """Read and dispatch frames until ``slot`` is answered (we hold the reading)."""
+        careful = deadline is not None or guard is not None or threading.get_ident() == _MAIN_IDENT
+        while not slot.done and self._read_once(careful, guard, deadline, timeout):
+            pass
+
+    def _read_once(self, careful: bool, guard: Optional[_SigintGuard], deadline: Optional[float],
+                   timeout: Optional[float]) -> bool:
+        """One read (waiting for data first when ``careful``) and the dispatch of
+        the frames it completes; False once the connection is dead."""
+        if careful:  # an interrupt (or the deadline) in poll consumes nothing
+            wait = _WAIT_SLICE
+            if deadline is not None:
+                wait = max(0.0, min(wait, deadline - time.monotonic()))
+            if guard is not None:
+                guard.deliver()
+                guard.safe = True
+            ready = self._poll.poll(int(wait * 1000) + 1)
+            if guard is not None:
+                guard.safe = False
+            if not ready:
+                self._check_deadline(deadline, timeout)
+                return self._dead is None
+        try:
+            n = self.sock.recv_into(self._buf)
+            if n == 0:
+                self._die(_core.closed_error(self.path, self._fatal))
+                return False
+            self._dispatch(self._decoder.feed(self._view[:n]))
+        except InterruptedError:
+            pass
+        except OSError as e:
+            self._die(_core.lost_error(self.path, e))
+            return False
+        except _wire.WireError as e:
+            self._die(_core.undecodable_error(e))
+            return False
+        except BaseException:  # interrupted between reading bytes and handing them out
+            self._die(SidecarError("interrupted while reading from the sidecar at %s; the connection "
+                                   "was closed (replies could be lost)" % self.path, kind="connection"))
+            raise
+        return self._dead is None
+
+    def _ensure_drain(self) -> None:
+        """Replies nobody waits for (a cancelled request's, a release's) may hold
+        something to release — a grant that raced its Cancel. When no thread is
+        reading, one short-lived thread reads until they are all in, so nothing
+        stays held until this client's next request."""
+        with self._lock:
+            if self._reading or self._dead is not None or not any(s.abandoned for s in self._pending.values()):
+                return
+            self._reading = True
+        try:
+            threading.Thread(target=self._drain, name="polygate-drain", daemon=True).start()
+        except BaseException:
+            self._hand_over()
+            raise
+
+    def _drain(self) -> None:
         try:
             while True:
-                try:
-                    data = self.sock.recv(65536)
-                except OSError as e:
-                    reason = _core.lost_error(self.path, e)
-                    break
-                if not data:
-                    break
-                try:
-                    for payload in decoder.feed(data):
-                        self._dispatch(_wire.decode_server_frame(payload))
-                except _wire.WireError as e:
-                    reason = _core.undecodable_error(e)
-                    break
+                with self._lock:
+                    if not any(s.abandoned for s in self._pending.values()):
+                        return
+                if not self._read_once(True, None, None, None):
+                    return
         finally:
-            if reason is None:
-                reason = _core.closed_error(self.path, self._fatal)
-            self._die(reason)
+            self._hand_over()
 
-    def _dispatch(self, frame: Dict[str, Any]) -> None:
-        rid, reply = frame["id"], frame["reply"]
+    def _dispatch(self, payloads: List[bytes]) -> None:
+        for payload in payloads:
+            frame = _frames.decode_server_frame(payload)
+            rid, reply = frame["id"], frame["reply"]
+            with self._lock:
+                slot = self._pending.pop(rid, None)
+                if slot is None:
+                    if rid == 0:
+                        self._fatal = _core.connection_error(reply) or self._fatal
+                    continue
+                slot.reply = reply
+                slot.done = True
+                late, event = slot.abandoned, slot.event
+            if late:
+                self._late(slot, reply)
+            elif event is not None:
+                event.set()
+
+    def _hand_over(self) -> None:
+        """Give up the reading; wake a waiting follower to take it."""
+        nudge: Optional[threading.Event] = None
         with self._lock:
-            slot = self._pending.pop(rid, None)
-            if slot is None:
-                if rid == 0:
-                    self._fatal = _core.connection_error(reply) or self._fatal
-                return
-            slot.reply = reply
-            slot.event.set()
-            late = slot.abandoned
-        if late:
-            self._cleanup_late(reply)
+            self._reading = False
+            close_fd, self._close_fd = self._close_fd, False
+            for s in self._pending.values():
+                if s.event is not None and not s.done:
+                    nudge = s.event
+                    break
+        if nudge is not None:
+            nudge.set()
+        if close_fd:
+            self._close_socket()
 
     def _die(self, err: SidecarError) -> None:
+        events = []
         with self._lock:
             if self._dead is None:
                 self._dead = err
             pending, self._pending = self._pending, {}
             for slot in pending.values():
                 slot.error = self._dead
-                slot.event.set()
-        self._outq.put(None)
+                slot.done = True
+                if slot.event is not None:
+                    events.append(slot.event)
+        for e in events:
+            e.set()
         try:
-            self.sock.shutdown(socket.SHUT_RDWR)
+            self.sock.shutdown(socket.SHUT_RDWR)  # wakes a leader blocked in recv
+        except OSError:
+            pass
+
+    def _close_socket(self) -> None:
+        try:
+            self.sock.close()
         except OSError:
             pass
 
@@ -189,18 +376,13 @@ class _Connection:
         return self._dead is not None
 
     def close(self) -> None:
-        if self._dead is None:
-            self._outq.put(None)  # the writer sends what is queued, then stops
-            if threading.current_thread() is not self._writer:
-                self._writer.join(timeout=5)
         self._die(_core.client_closed_error(self.path))
-        for t in (self._reader, self._writer):
-            if threading.current_thread() is not t:
-                t.join(timeout=5)
-        try:
-            self.sock.close()
-        except OSError:
-            pass
+        with self._lock:
+            reading = self._reading
+            if reading:
+                self._close_fd = True  # the leader closes it when it lets go: no fd reuse under it
+        if not reading:
+            self._close_socket()
 
 
 class Permit(_core.PermitBase):
@@ -208,72 +390,93 @@ class Permit(_core.PermitBase):
 
     _call: "Call"
 
-    def _report(self, outcome: Any) -> ReportResult:
-        request = self._claim(outcome)
-        return self._reported_as(self._call._conn.request(request))
+    def success(self, tokens: Optional[int] = None, *, input_tokens: Optional[int] = None,
+                output_tokens: Optional[int] = None, count_attempt: bool = True) -> Optional[ReportResult]:
+        """The upstream answered usefully; this ends the call (one ``Finish``)
+        and returns the sidecar's :class:`ReportResult`.
 
-    def success(self, tokens: Optional[int] = None, count_attempt: bool = True) -> ReportResult:
-        """The upstream answered usefully. ``tokens``: actual usage (None keeps the
-        estimate). ``count_attempt=False`` keeps an unusable "success" out of the
-        breaker window."""
-        return self._report(_core.outcome_success(tokens, count_attempt))
+        ``tokens``: actual usage (None keeps the estimate); ``input_tokens`` /
+        ``output_tokens``: the split (input excluding cached reads), ``tokens``
+        then defaults to their sum. ``count_attempt=False``: the answer was
+        unusable — kept out of the breaker window, and the call goes on (the
+        report is held like a failure's, and None is returned)."""
+        outcome = _core.outcome_success(tokens, count_attempt, input_tokens, output_tokens)
+        call = self._call
+        request = call._report(self, outcome, final=count_attempt)
+        if request is None:
+            return None
+        try:
+            reply = call._conn.request(request)
+        except BaseException:
+            call._finish_abandoned()
+            raise
+        return call._finished(self, reply)
 
-    def failure(self, kind: str) -> ReportResult:
+    def failure(self, kind: str, tokens: Optional[int] = None) -> None:
         """The upstream failed; ``kind`` is one of timeout, server_error,
-        connection, bad_result, error."""
-        return self._report(_core.outcome_failure(kind))
+        connection, bad_result, error. ``tokens``: what the failed request still
+        consumed, if known. The report goes out with the next ``acquire()``
+        (as ``Retry``) or when the call ends (as ``Finish``)."""
+        self._call._report(self, _core.outcome_failure(kind, tokens), final=False)
 
-    def rate_limited(self, retry_after_s: Optional[float] = None) -> ReportResult:
-        """The upstream answered 429 (backpressure, not failure)."""
-        return self._report(_core.outcome_rate_limited(retry_after_s))
+    def rate_limited(self, retry_after_s: Optional[float] = None) -> None:
+        """The upstream answered 429 (backpressure, not failure); pass its
+        ``Retry-After`` in seconds. Held like a failure."""
+        self._call._report(self, _core.outcome_rate_limited(retry_after_s), final=False)
 
-    def cancel(self) -> ReportResult:
-        """The attempt was given up before (or while) sending."""
-        return self._report(_core.OUTCOME_CANCELLED)
+    def cancel(self) -> None:
+        """The attempt was given up before (or while) sending. Held like a failure."""
+        self._call._report(self, _core.OUTCOME_CANCELLED, final=False)
 
 
 class Call(_core.CallBase[Permit]):
     """One logical request in a scope. Use as a context manager; leaving the
-    block reports ``Cancelled`` on an unreported permit and ends the call."""
+    block releases what the call still holds, in one frame at most."""
 
     _permit_class = Permit
     _conn: _Connection
 
     def begin(self) -> "Call":
-        """Send ``BeginCall`` (done by ``with``; the stall clock starts now)."""
+        """Optional: send ``Begin`` now, so the stall clock starts before the
+        first ``acquire()`` (which otherwise begins the call itself)."""
         request = self._begin_request()
         if request is not None:
-            self._began(self._conn.request(request))
+            self._began(self._conn.request(request, on_late=_core.late_cleanup))
         return self
 
     def acquire(self) -> Permit:
-        """Block until the sidecar grants a permit. Raises CircuitOpenError,
-        AllSourcesExhausted, GatewayUnavailableError or SidecarError. An
-        interrupted wait (KeyboardInterrupt, ...) sends ``Cancel``."""
-        self.begin()
-        return self._granted(self._conn.request(self._acquire_request(), cancel_on_interrupt=True))
+        """Block until the sidecar grants a permit (sending any held report with
+        it). Raises CircuitOpenError, AllSourcesExhausted, GatewayUnavailableError
+        — the call is over then — or SidecarError. An interrupted wait
+        (KeyboardInterrupt, ...) sends ``Cancel`` and ends the call."""
+        acq = self._acquisition()
+        try:
+            reply = self._conn.request(acq.request, cancel_on_interrupt=True, on_late=acq.on_late)
+        except BaseException:
+            self._acquire_abandoned(acq)
+            raise
+        return self._acquired(acq, reply)
 
     def end(self, _quiet: bool = False) -> None:
-        """Release what the call holds and forget it (idempotent)."""
-        requests = self._release()
-        if _quiet:
-            for r in requests:
-                self._conn.post(r)
+        """Release what the call holds and forget it (idempotent; never raises
+        for the sidecar's answer: the release is best effort by design)."""
+        rel = self._release()
+        if rel is None:
             return
-        for i, r in enumerate(requests):
-            try:
-                reply = self._conn.request(r)
-            except SidecarError as e:
-                _core.check_release(r, None, e)
-            except BaseException:  # interrupted: make sure the call still ends
-                for rest in requests[i + 1:]:
-                    self._conn.post(rest)
-                raise
-            else:
-                _core.check_release(r, reply, None)
+        if _quiet:
+            self._conn.post(rel.request, on_late=rel.on_reply)
+            return
+        try:
+            reply = self._conn.request(rel.request, on_late=rel.on_reply)
+        except SidecarError:
+            return  # the connection is gone: the sidecar released everything
+        follow = rel.on_reply(reply)
+        if follow is not None:
+            self._conn.post(follow)
 
     def __enter__(self) -> "Call":
-        return self.begin()
+        self._check_open()
+        return self
 
     def __exit__(self, exc_type: Optional[type], exc: Optional[BaseException], tb: Any) -> None:
         self.end(_quiet=exc_type is not None)
@@ -293,14 +496,17 @@ class Client:
         self.sidecar_version: str = welcome["sidecar_version"]
         self.max_frame: int = welcome["max_frame"]
 
-    def call(self, scope: str, est_tokens: Optional[int] = None) -> Call:
-        """A call in ``scope``; use ``with client.call(...) as call:``."""
-        return Call(self, scope, est_tokens)
+    def call(self, scope: str, est_tokens: Optional[int] = None, priority: Optional[str] = None, *,
+             est_input_tokens: Optional[int] = None, est_output_tokens: Optional[int] = None) -> Call:
+        """A call in ``scope``; use ``with client.call(...) as call:``. Nothing is
+        sent until the first ``acquire()`` (or ``begin()``)."""
+        return Call(self, scope, est_tokens, priority, est_input_tokens, est_output_tokens)
 
     def status(self) -> _core.Status:
         """Live state: {"sidecar_version", "backend", "scopes": {scope: {...,
-        "sources": {source: {...}}}}}."""
-        return _core.status_dict(_core.expect(self._conn.request(_core.STATUS), "Status"))
+        "sources": {source: {...}}}}, ...} (``StatusJson``; new keys pass through)."""
+        body = _core.expect(self._conn.request(_core.STATUS_JSON), "StatusJson")
+        return _core.status_from_json(body)
 
     def force_open(self, source: str, seconds: float = 30) -> None:
         """Admin: open ``source``'s breaker for ``seconds``."""
@@ -344,7 +550,8 @@ def connect(path: Optional[str] = None, *, client_name: Optional[str] = None,
 
     ``path``: the socket; default ``$POLYGATE_SOCKET``, else
     ``/run/polygate/sidecar.sock``. ``timeout`` bounds connect + handshake only.
-    Raises :class:`SidecarError` (naming the path) if it cannot connect.
+    Raises :class:`SidecarError` (naming the path) if it cannot connect, or if
+    the sidecar does not speak protocol version 2.
     """
     path = _core.resolve_path(path)
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)

@@ -24,9 +24,9 @@ from __future__ import annotations
 import struct
 from typing import Any, Dict, List, Optional, Tuple
 
-PROTOCOL_VERSION = 1
-# The newest protocol whose frames this codec can encode and decode (version 2 only
-# appended variants; the client still says PROTOCOL_VERSION in Hello).
+PROTOCOL_VERSION = 2
+# The newest protocol whose frames this codec can encode and decode (the vectors
+# file's version); the client says PROTOCOL_VERSION in Hello.
 SCHEMA_VERSION = 2
 DEFAULT_MAX_FRAME = 65536
 LENGTH_PREFIX = 4
@@ -535,17 +535,25 @@ class FrameDecoder:
         self.max_frame = max_frame
         self._buf = bytearray()
 
-    def feed(self, data: bytes) -> List[bytes]:
-        self._buf += data
+    def feed(self, data: "bytes | bytearray | memoryview") -> List[bytes]:
+        """Add ``data``; return the payloads now complete (copies, so ``data``'s
+        buffer may be reused at once)."""
+        if self._buf:
+            self._buf += data
+            data = self._buf
         frames = []
-        while len(self._buf) >= LENGTH_PREFIX:
-            (n,) = _BE32.unpack_from(self._buf, 0)
+        pos = 0
+        size = len(data)
+        while size - pos >= LENGTH_PREFIX:
+            (n,) = _BE32.unpack_from(data, pos)
             if n > self.max_frame:
                 raise WireError("incoming frame of %d bytes exceeds max_frame %d" % (n, self.max_frame))
-            if len(self._buf) < LENGTH_PREFIX + n:
+            end = pos + LENGTH_PREFIX + n
+            if end > size:
                 break
-            frames.append(bytes(self._buf[LENGTH_PREFIX:LENGTH_PREFIX + n]))
-            del self._buf[:LENGTH_PREFIX + n]
+            frames.append(bytes(data[pos + LENGTH_PREFIX:end]))
+            pos = end
+        self._buf = bytearray(data[pos:])
         return frames
 
     @property

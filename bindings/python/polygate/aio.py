@@ -1,7 +1,6 @@
 """asyncio PolyGate client: the same names as :mod:`polygate`, awaitable.
 
-One connection multiplexes every concurrent call of the event loop: a reader
-task resolves futures keyed by request id::
+One connection multiplexes every concurrent call of the event loop::
 
     client = await polygate.aio.connect()
     async with client.call("chat", est_tokens=1200) as call:
@@ -9,11 +8,14 @@ task resolves futures keyed by request id::
         ...
         await permit.success(tokens=1234)
 
-Cancelling a task blocked in ``await call.acquire()`` sends ``Cancel`` for
-that request and re-raises ``CancelledError``; leaving the ``async with``
-block (normally, by exception or by cancellation) releases what the call
-holds. When the connection dies, every pending await fails with
-:class:`SidecarError`.
+The connection is an :class:`asyncio.Protocol`: frames queued during one turn of
+the event loop go out in one ``write`` (DESIGN §16), and replies are decoded
+in ``data_received`` and resolve the futures waiting for their ids.
+
+Cancelling a task blocked in ``await call.acquire()`` sends ``Cancel`` for that
+request and re-raises ``CancelledError``; leaving the ``async with`` block
+(normally, by exception or by cancellation) releases what the call holds. When
+the connection dies, every pending await fails with :class:`SidecarError`.
 """
 
 from __future__ import annotations
@@ -21,10 +23,10 @@ from __future__ import annotations
 import asyncio
 import itertools
 import time
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional
 
-from . import _core, _wire
-from ._core import ReportResult
+from . import _core, _frames, _wire
+from ._core import ReportResult, ScopeStatus, SourceStatus, Status
 from .errors import (
     AllSourcesExhausted,
     CircuitOpenError,
@@ -39,6 +41,9 @@ __all__ = [
     "Call",
     "Permit",
     "ReportResult",
+    "Status",
+    "ScopeStatus",
+    "SourceStatus",
     "PolyGateError",
     "SidecarError",
     "GatewayUnavailableError",
@@ -46,106 +51,134 @@ __all__ = [
     "AllSourcesExhausted",
 ]
 
-class _Connection:
-    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, path: str) -> None:
+
+class _Slot:
+    """One request awaiting its reply (``fut`` None: nobody awaits it)."""
+
+    __slots__ = ("fut", "on_late")
+
+    def __init__(self, fut: "Optional[asyncio.Future[Any]]", on_late: Optional[_core.OnReply]) -> None:
+        self.fut = fut
+        self.on_late = on_late
+
+
+class _Connection(asyncio.Protocol):
+    def __init__(self, path: str) -> None:
         self.path = path
         self.max_frame = _wire.DEFAULT_MAX_FRAME
-        self._reader = reader
-        self._writer = writer
+        self._loop = asyncio.get_running_loop()
+        self._transport: Optional[asyncio.Transport] = None
         self._ids = itertools.count(1)
-        # id -> future of a waiting requester, or None for a reply nobody awaits
-        # (fire-and-forget, abandoned): such replies only get cleaned up.
-        self._pending: Dict[int, "Optional[asyncio.Future[Any]]"] = {}
+        self._pending: Dict[int, _Slot] = {}
+        self._out: List[bytes] = []  # frames queued this tick; _flush writes them as one
+        self._flush_handle: Optional[asyncio.Handle] = None
+        self._paused: "Optional[asyncio.Future[None]]" = None  # set while the transport's buffer is full
+        self._decoder = _wire.FrameDecoder(_core.MAX_INCOMING_FRAME)
         self._dead: Optional[SidecarError] = None
         self._fatal: Optional[PolyGateError] = None
-        self._drain_lock = asyncio.Lock()
-        self._task = asyncio.ensure_future(self._read_loop())
+        self._lost = self._loop.create_future()  # resolved by connection_lost
+
+    # ------------------------------------------------------------ asyncio.Protocol
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self._transport = transport
+
+    def data_received(self, data: bytes) -> None:
+        try:
+            for payload in self._decoder.feed(data):
+                self._dispatch(_frames.decode_server_frame(payload))
+        except _wire.WireError as e:
+            self._die(_core.undecodable_error(e))
+        except Exception as e:  # noqa: BLE001 - a bug must not leave waiters hanging
+            self._die(_core.protocol_error("reader failed: %r" % (e,)))
+
+    def connection_lost(self, exc: Optional[Exception]) -> None:
+        if exc is not None:
+            self._die(_core.lost_error(self.path, exc))
+        else:
+            self._die(_core.closed_error(self.path, self._fatal))
+        if not self._lost.done():
+            self._lost.set_result(None)
+
+    def pause_writing(self) -> None:
+        if self._paused is None:
+            self._paused = self._loop.create_future()
+
+    def resume_writing(self) -> None:
+        paused, self._paused = self._paused, None
+        if paused is not None and not paused.done():
+            paused.set_result(None)
 
     # ------------------------------------------------------------ sending
 
-    def _write(self, request: Any) -> int:
+    def _queue(self, request: Any, slot: _Slot) -> int:
         if self._dead is not None:
             raise self._dead
         rid = next(self._ids)
-        self._writer.write(_core.frame_request(rid, request, self.max_frame))  # whole frames: never interleaved
+        self._out.append(_core.frame_request(rid, request, self.max_frame))  # bad input raises here
+        self._pending[rid] = slot
+        if self._flush_handle is None:
+            self._flush_handle = self._loop.call_soon(self._flush)
         return rid
 
-    async def request(self, request: Any, *, cancel_on_cancel: bool = False) -> Any:
+    def _flush(self) -> None:
+        self._flush_handle = None
+        out, self._out = self._out, []
+        if out and self._dead is None and self._transport is not None:
+            self._transport.write(out[0] if len(out) == 1 else b"".join(out))
+
+    async def request(self, request: Any, *, cancel_on_cancel: bool = False,
+                      on_late: Optional[_core.OnReply] = None) -> Any:
         """Send ``request`` and await its reply value. If the awaiting task is
         cancelled, the request is abandoned (``Cancel`` sent when
-        ``cancel_on_cancel``; whatever a late reply creates is released)."""
-        rid = self._write(request)
-        fut = asyncio.get_running_loop().create_future()
-        self._pending[rid] = fut
+        ``cancel_on_cancel``; a late reply goes to ``on_late``, by default
+        releasing what it created)."""
+        fut: "asyncio.Future[Any]" = self._loop.create_future()
+        slot = _Slot(fut, on_late)
+        rid = self._queue(request, slot)
         try:
-            async with self._drain_lock:
-                await self._writer.drain()
+            if self._paused is not None:
+                await asyncio.shield(self._paused)
             return await fut
         except asyncio.CancelledError:
-            self._abandon(rid, fut, cancel_on_cancel)
+            self._abandon(rid, slot, cancel_on_cancel)
             raise
-        except (ConnectionError, OSError) as e:
-            err = _core.lost_error(self.path, e)
-            self._die(err)
-            raise err from e
 
-    def post(self, request: Any) -> None:
-        """Fire and forget (synchronous write; the reply is discarded)."""
+    def post(self, request: Any, on_late: Optional[_core.OnReply] = None) -> None:
+        """Fire and forget (queued now, written this tick; the reply goes to ``on_late``)."""
         try:
-            rid = self._write(request)
-        except (SidecarError, _wire.WireError, ConnectionError, OSError, RuntimeError):
-            return
-        self._pending[rid] = None
+            self._queue(request, _Slot(None, on_late))
+        except (SidecarError, _wire.WireError):
+            pass
 
-    def _abandon(self, rid: int, fut: "asyncio.Future[Any]", cancel: bool) -> None:
-        if fut.done() and not fut.cancelled():
+    def _abandon(self, rid: int, slot: _Slot, cancel: bool) -> None:
+        fut = slot.fut
+        slot.fut = None
+        if fut is not None and fut.done() and not fut.cancelled():
             if fut.exception() is None:  # the reply beat the cancellation
-                self._cleanup_late(fut.result())
+                self._late(slot, fut.result())
             return
-        if self._dead is not None:
-            return
-        self._pending[rid] = None
-        if cancel:
+        if cancel and self._dead is None:
             self.post(_core.cancel(rid))
 
-    def _cleanup_late(self, reply: Any) -> None:
-        req = _core.late_cleanup(reply)
-        if req is not None:
-            self.post(req)
+    def _late(self, slot: _Slot, reply: Any) -> None:
+        follow = (slot.on_late or _core.late_cleanup)(reply)
+        if follow is not None:
+            self.post(follow)
 
     # ------------------------------------------------------------ reading
 
-    async def _read_loop(self) -> None:
-        decoder = _wire.FrameDecoder(_core.MAX_INCOMING_FRAME)
-        reason: Optional[SidecarError] = None
-        try:
-            while True:
-                data = await self._reader.read(65536)
-                if not data:
-                    break
-                for payload in decoder.feed(data):
-                    self._dispatch(_wire.decode_server_frame(payload))
-        except _wire.WireError as e:
-            reason = _core.undecodable_error(e)
-        except (ConnectionError, OSError) as e:
-            reason = _core.lost_error(self.path, e)
-        except asyncio.CancelledError:
-            reason = _core.client_closed_error(self.path)
-        except Exception as e:  # noqa: BLE001 - a bug must not leave waiters hanging
-            reason = _core.protocol_error("reader failed: %r" % (e,))
-        if reason is None:
-            reason = _core.closed_error(self.path, self._fatal)
-        self._die(reason)
-
     def _dispatch(self, frame: Dict[str, Any]) -> None:
         rid, reply = frame["id"], frame["reply"]
-        if rid not in self._pending:
+        slot = self._pending.pop(rid, None)
+        if slot is None:
             if rid == 0:
                 self._fatal = _core.connection_error(reply) or self._fatal
             return
-        fut = self._pending.pop(rid)
+        fut = slot.fut
         if fut is None or fut.done():
-            self._cleanup_late(reply)
+            self._late(slot, reply)
         else:
             fut.set_result(reply)
 
@@ -153,13 +186,13 @@ class _Connection:
         if self._dead is None:
             self._dead = err
         pending, self._pending = self._pending, {}
-        for fut in pending.values():
-            if fut is not None and not fut.done():
-                fut.set_exception(self._dead)
-        try:
-            self._writer.close()
-        except Exception:  # noqa: BLE001
-            pass
+        self._out = []
+        for slot in pending.values():
+            if slot.fut is not None and not slot.fut.done():
+                slot.fut.set_exception(self._dead)
+        self.resume_writing()
+        if self._transport is not None:
+            self._transport.close()
 
     @property
     def closed(self) -> bool:
@@ -167,15 +200,9 @@ class _Connection:
 
     async def close(self) -> None:
         self._die(_core.client_closed_error(self.path))
-        if not self._task.done():
-            self._task.cancel()
         try:
-            await self._task
-        except BaseException:  # noqa: BLE001
-            pass
-        try:
-            await self._writer.wait_closed()
-        except Exception:  # noqa: BLE001
+            await asyncio.wait_for(asyncio.shield(self._lost), 5)
+        except (asyncio.TimeoutError, asyncio.CancelledError):
             pass
 
 
@@ -184,25 +211,33 @@ class Permit(_core.PermitBase):
 
     _call: "Call"
 
-    async def _report(self, outcome: Any) -> ReportResult:
-        request = self._claim(outcome)
-        return self._reported_as(await self._call._conn.request(request))
+    async def success(self, tokens: Optional[int] = None, *, input_tokens: Optional[int] = None,
+                      output_tokens: Optional[int] = None, count_attempt: bool = True) -> Optional[ReportResult]:
+        """The upstream answered usefully; ends the call (see :meth:`polygate.Permit.success`)."""
+        outcome = _core.outcome_success(tokens, count_attempt, input_tokens, output_tokens)
+        call = self._call
+        request = call._report(self, outcome, final=count_attempt)
+        if request is None:
+            return None
+        try:
+            reply = await call._conn.request(request)
+        except asyncio.CancelledError:
+            call._finish_abandoned()
+            raise
+        return call._finished(self, reply)
 
-    async def success(self, tokens: Optional[int] = None, count_attempt: bool = True) -> ReportResult:
-        """The upstream answered usefully (see :meth:`polygate.Permit.success`)."""
-        return await self._report(_core.outcome_success(tokens, count_attempt))
+    async def failure(self, kind: str, tokens: Optional[int] = None) -> None:
+        """kind: timeout, server_error, connection, bad_result or error; held
+        for the next ``acquire()`` (see :meth:`polygate.Permit.failure`)."""
+        self._call._report(self, _core.outcome_failure(kind, tokens), final=False)
 
-    async def failure(self, kind: str) -> ReportResult:
-        """kind: timeout, server_error, connection, bad_result or error."""
-        return await self._report(_core.outcome_failure(kind))
+    async def rate_limited(self, retry_after_s: Optional[float] = None) -> None:
+        """The upstream answered 429 (backpressure, not failure). Held."""
+        self._call._report(self, _core.outcome_rate_limited(retry_after_s), final=False)
 
-    async def rate_limited(self, retry_after_s: Optional[float] = None) -> ReportResult:
-        """The upstream answered 429 (backpressure, not failure)."""
-        return await self._report(_core.outcome_rate_limited(retry_after_s))
-
-    async def cancel(self) -> ReportResult:
-        """The attempt was given up before (or while) sending."""
-        return await self._report(_core.OUTCOME_CANCELLED)
+    async def cancel(self) -> None:
+        """The attempt was given up before (or while) sending. Held."""
+        self._call._report(self, _core.OUTCOME_CANCELLED, final=False)
 
 
 class Call(_core.CallBase[Permit]):
@@ -212,43 +247,53 @@ class Call(_core.CallBase[Permit]):
     _conn: _Connection
 
     async def begin(self) -> "Call":
-        """Send ``BeginCall`` (done by ``async with``; the stall clock starts now)."""
+        """Optional: send ``Begin`` now (the stall clock starts before the first acquire)."""
         request = self._begin_request()
         if request is not None:
-            self._began(await self._conn.request(request))
+            self._began(await self._conn.request(request, on_late=_core.late_cleanup))
         return self
 
     async def acquire(self) -> Permit:
-        """Await a permit. Raises CircuitOpenError, AllSourcesExhausted,
-        GatewayUnavailableError or SidecarError. Cancelling the awaiting task
-        sends ``Cancel`` and re-raises CancelledError."""
-        await self.begin()
-        return self._granted(await self._conn.request(self._acquire_request(), cancel_on_cancel=True))
+        """Await a permit (sending any held report with it). Raises
+        CircuitOpenError, AllSourcesExhausted, GatewayUnavailableError (the call
+        is over then) or SidecarError. Cancelling the awaiting task sends
+        ``Cancel`` and re-raises CancelledError."""
+        acq = self._acquisition()
+        try:
+            reply = await self._conn.request(acq.request, cancel_on_cancel=True, on_late=acq.on_late)
+        except BaseException:
+            self._acquire_abandoned(acq)
+            raise
+        return self._acquired(acq, reply)
+
+    def _release_now(self) -> None:
+        """Queue the release without awaiting (the task may be cancelled)."""
+        rel = self._release()
+        if rel is not None:
+            self._conn.post(rel.request, on_late=rel.on_reply)
 
     async def end(self) -> None:
-        """Release what the call holds and forget it (idempotent)."""
-        requests = self._release()
-        for i, r in enumerate(requests):
-            try:
-                reply = await self._conn.request(r)
-            except SidecarError as e:
-                _core.check_release(r, None, e)
-            except asyncio.CancelledError:  # make sure the call still ends
-                for rest in requests[i + 1:]:
-                    self._conn.post(rest)
-                raise
-            else:
-                _core.check_release(r, reply, None)
+        """Release what the call holds and forget it (idempotent, best effort)."""
+        rel = self._release()
+        if rel is None:
+            return
+        try:
+            reply = await self._conn.request(rel.request, on_late=rel.on_reply)
+        except SidecarError:
+            return  # the connection is gone: the sidecar released everything
+        follow = rel.on_reply(reply)
+        if follow is not None:
+            self._conn.post(follow)
 
     async def __aenter__(self) -> "Call":
-        return await self.begin()
+        self._check_open()
+        return self
 
     async def __aexit__(self, exc_type: Optional[type], exc: Optional[BaseException], tb: Any) -> None:
         if exc_type is None:
             await self.end()
-        else:  # queue the releases without awaiting (the task may be cancelled)
-            for r in self._release():
-                self._conn.post(r)
+        else:
+            self._release_now()
 
     def __repr__(self) -> str:
         return "<aio.Call %s scope=%r>" % (self.id, self.scope)
@@ -264,11 +309,14 @@ class Client:
         self.sidecar_version: str = welcome["sidecar_version"]
         self.max_frame: int = welcome["max_frame"]
 
-    def call(self, scope: str, est_tokens: Optional[int] = None) -> Call:
-        return Call(self, scope, est_tokens)
+    def call(self, scope: str, est_tokens: Optional[int] = None, priority: Optional[str] = None, *,
+             est_input_tokens: Optional[int] = None, est_output_tokens: Optional[int] = None) -> Call:
+        """A call in ``scope``; ``async with client.call(...) as call:``."""
+        return Call(self, scope, est_tokens, priority, est_input_tokens, est_output_tokens)
 
-    async def status(self) -> _core.Status:
-        return _core.status_dict(_core.expect(await self._conn.request(_core.STATUS), "Status"))
+    async def status(self) -> Status:
+        body = _core.expect(await self._conn.request(_core.STATUS_JSON), "StatusJson")
+        return _core.status_from_json(body)
 
     async def force_open(self, source: str, seconds: float = 30) -> None:
         _core.expect(await self._conn.request(_core.force_open(source, seconds)), "Ok")
@@ -306,14 +354,14 @@ async def connect(path: Optional[str] = None, *, client_name: Optional[str] = No
                   timeout: Optional[float] = 10.0) -> Client:
     """Connect and handshake; see :func:`polygate.connect`."""
     path = _core.resolve_path(path)
+    loop = asyncio.get_running_loop()
     try:
-        reader, writer = await asyncio.wait_for(asyncio.open_unix_connection(path), timeout)
+        _, conn = await asyncio.wait_for(loop.create_unix_connection(lambda: _Connection(path), path), timeout)
     except asyncio.TimeoutError:
         raise SidecarError("cannot connect to the PolyGate sidecar at %s: timed out" % path,
                            kind="connection") from None
     except OSError as e:
         raise _core.connect_error(path, e) from None
-    conn = _Connection(reader, writer, path)
     try:
         reply = await asyncio.wait_for(conn.request(_core.hello(client_name)), timeout)
         welcome = _core.check_welcome(reply)

@@ -9,6 +9,7 @@ sidecar (scopes with sources, grants on the first source); tests override
 from __future__ import annotations
 
 import itertools
+import json
 import os
 import socket
 import threading
@@ -33,7 +34,7 @@ def error(kind: str, message: str = "", *, retry_after_s: float = 0.0,
     }}
 
 
-def source_status(name: str, state: str = "Closed") -> Dict[str, Any]:
+def source_status(name: str, state: str = "closed") -> Dict[str, Any]:
     return {
         "name": name, "state": state, "epoch": 3, "retry_after_s": 0.0, "cooldown_level": 0,
         "window_successes": 10, "window_failures": 1, "streak": 0, "memo_remaining_s": 0.0,
@@ -66,9 +67,10 @@ class FakeConn:
 
     def release_held(self, rid: int, reply: Any) -> bool:
         with self.server.lock:
-            if self.held.pop(rid, None) is None:
+            body = self.held.pop(rid, None)
+            if body is None:
                 return False
-        self.send(rid, reply)
+        self.send(rid, self.server._after_acquire(body, reply))
         return True
 
     def close(self) -> None:
@@ -81,7 +83,7 @@ class FakeConn:
 
 class FakeSidecar:
     def __init__(self, path: str, scopes: Optional[Dict[str, List[str]]] = None,
-                 max_frame: int = 65536, version: str = "0.1.0-fake", protocol_version: int = 1) -> None:
+                 max_frame: int = 65536, version: str = "0.1.0-fake", protocol_version: int = 2) -> None:
         self.path = path
         self.scopes = scopes or {"chat": ["src-a", "src-b"], "embedding": ["emb-1"]}
         self.max_frame = max_frame
@@ -93,7 +95,8 @@ class FakeSidecar:
         self._call_ids = itertools.count(100)
         self._permit_ids = itertools.count(500)
         self.attempts: Dict[int, int] = {}
-        self.calls: Dict[int, str] = {}
+        self.calls: Dict[int, str] = {}  # live calls: id -> scope
+        self.permits: Dict[int, int] = {}  # granted permits: id -> call
         # Hooks: return a reply value, or HOLD (on_acquire only).
         self.on_acquire: Callable[[FakeConn, int, int], Any] = self.grant
         self.on_admin: Optional[Callable[[FakeConn, int, Any], Any]] = None
@@ -107,7 +110,7 @@ class FakeSidecar:
         s.bind(self.path)
         s.listen(64)
         self._listener = s
-        threading.Thread(target=self._accept_loop, daemon=True).start()
+        threading.Thread(target=self._accept_loop, name="fake-sidecar", daemon=True).start()
         return self
 
     def stop(self) -> None:
@@ -141,7 +144,7 @@ class FakeSidecar:
             with self.lock:
                 conn = FakeConn(self, sock, len(self.conns))
                 self.conns.append(conn)
-            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+            threading.Thread(target=self._serve, args=(conn,), name="fake-sidecar", daemon=True).start()
 
     # ------------------------------------------------------------ inspection
 
@@ -190,14 +193,51 @@ class FakeSidecar:
             self.attempts[call] = self.attempts.get(call, 0) + 1
             attempt = self.attempts[call]
             permit = next(self._permit_ids)
+            self.permits[permit] = call
         return {"Granted": {"permit": permit, "source": source or self.scopes[scope][0],
                             "is_probe": is_probe, "attempt": attempt, "est_tokens": 1000}}
 
     def status_report(self) -> Dict[str, Any]:
-        return {"Status": {"sidecar_version": self.version, "backend": "memory", "scopes": [
-            {"name": name, "circuit_open": "fail_fast", "quota_full": "wait", "waiters": 0,
-             "calls": 0, "sources": [source_status(s, "HalfOpen" if i else "Closed") for i, s in enumerate(srcs)]}
-            for name, srcs in self.scopes.items()]}}
+        """The StatusJson document (as the sidecar's JSON, before the client reshapes it)."""
+        return {"sidecar_version": self.version, "backend": "memory", "protocol_version": 2,
+                "future_key": {"ignored": True},
+                "scopes": [
+                    {"name": name, "circuit_open": "fail_fast", "quota_full": "wait", "waiters": 0, "calls": 0,
+                     "sources": [source_status(s, "half_open" if i else "closed") for i, s in enumerate(srcs)]}
+                    for name, srcs in self.scopes.items()]}
+
+    def _after_acquire(self, held: Dict[str, Any], reply: Any) -> Any:
+        """A Start is answered Started (its Granted with the call id); a Start or
+        Retry answered with an error leaves no call, like the real sidecar."""
+        if held.get("kind") in ("start", "retry"):
+            name = _name(reply)
+            with self.lock:
+                if name == "Granted" and held["kind"] == "start":
+                    return {"Started": dict(reply["Granted"], call=held["call"])}
+                if name == "Error":
+                    self.calls.pop(held["call"], None)
+        return reply
+
+    def _acquire(self, conn: FakeConn, rid: int, call: int, kind: str) -> Any:
+        reply = self.on_acquire(conn, rid, call)
+        held = {"call": call, "kind": kind}
+        if reply is HOLD:
+            with self.lock:
+                conn.held[rid] = held
+                self.lock.notify_all()
+            return HOLD
+        return self._after_acquire(held, reply)
+
+    def _new_call(self, spec: Dict[str, Any]) -> Any:
+        if spec["scope"] not in self.scopes:
+            return error("UnknownScope", "unknown scope %r" % spec["scope"], scope=spec["scope"])
+        if spec.get("priority") is not None:
+            return error("InvalidArgument", "scope %r has no priority classes; omit priority" % spec["scope"],
+                         scope=spec["scope"])
+        cid = next(self._call_ids)
+        with self.lock:
+            self.calls[cid] = spec["scope"]
+        return cid
 
     def _serve(self, conn: FakeConn) -> None:
         dec = _wire.FrameDecoder(self.max_frame)
@@ -225,31 +265,41 @@ class FakeSidecar:
         name = _name(req)
         body = req[name] if isinstance(req, dict) else None
         if name == "Hello":
-            reply = {"Welcome": {"protocol_version": self.protocol_version,
-                                 "sidecar_version": self.version, "max_frame": self.max_frame}}
-        elif name == "BeginCall":
-            if body["scope"] not in self.scopes:
-                reply = error("UnknownScope", "unknown scope %r" % body["scope"], scope=body["scope"])
-            else:
-                cid = next(self._call_ids)
-                with self.lock:
-                    self.calls[cid] = body["scope"]
-                reply = {"CallBegun": {"call": cid}}
-        elif name == "Acquire":
-            reply = self.on_acquire(conn, rid, body["call"])
-            if reply is HOLD:
-                with self.lock:
-                    conn.held[rid] = body
-                    self.lock.notify_all()
+            theirs = body["protocol_version"]
+            if not 1 <= theirs <= self.protocol_version:
+                # what a version-1 sidecar says (and then it closes the connection)
+                conn.send(rid, error("ProtocolViolation", "protocol version mismatch: client %r speaks version "
+                                     "%d, this sidecar speaks version %d"
+                                     % (body["client_name"], theirs, self.protocol_version)))
+                conn.close()
                 return
-        elif name == "Report":
-            reply = {"Reported": {"applied": True, "state": "Closed", "retry_after_s": 0.0}}
+            reply = {"Welcome": {"protocol_version": theirs,
+                                 "sidecar_version": self.version, "max_frame": self.max_frame}}
+        elif name in ("BeginCall", "Begin"):
+            cid = self._new_call(dict({"priority": None}, **body))
+            reply = {"CallBegun": {"call": cid}} if isinstance(cid, int) else cid
+        elif name == "Start":
+            cid = self._new_call(body)
+            reply = cid if not isinstance(cid, int) else self._acquire(conn, rid, cid, "start")
+        elif name == "Acquire":
+            reply = self._acquire(conn, rid, body["call"], "acquire")
+        elif name in ("Report", "Retry", "Finish"):
+            with self.lock:
+                call = self.permits.pop(body["permit"], None)
+                if call is not None and name == "Finish":
+                    self.calls.pop(call, None)
+            if call is None:
+                reply = error("UnknownPermit", "no permit %d on this connection" % body["permit"])
+            elif name == "Retry":
+                reply = self._acquire(conn, rid, call, "retry")
+            else:
+                reply = {"Reported": {"applied": True, "state": "Closed", "retry_after_s": 0.0}}
         elif name == "EndCall":
             with self.lock:
-                self.calls.pop(body["call"], None)
-            reply = "Ok"
-        elif name == "Status":
-            reply = self.status_report()
+                known = self.calls.pop(body["call"], None) is not None
+            reply = "Ok" if known else error("UnknownCall", "no call %d on this connection" % body["call"])
+        elif name == "StatusJson":
+            reply = {"StatusJson": json.dumps(self.status_report())}
         elif name in ("ForceOpen", "ForceClose", "Reset"):
             reply = self.on_admin(conn, rid, req) if self.on_admin else "Ok"
         elif name == "Ping":
@@ -262,7 +312,8 @@ class FakeSidecar:
             reply = "Ok"
         else:  # pragma: no cover
             reply = error("Internal", "fake cannot handle %s" % name)
-        conn.send(rid, reply)
+        if reply is not HOLD:
+            conn.send(rid, reply)
 
 
 def _name(value: Any) -> str:

@@ -63,10 +63,9 @@ def test_wire_flow(fake):
     hello = fake.requests("Hello")[0]["request"]["Hello"]
     assert hello["pid"] == os.getpid()
     names = [_variant(f["request"]) for f in fake.requests()]
-    assert names == ["Hello", "BeginCall", "Acquire", "Report", "Acquire", "Report", "EndCall",
-                     "ForceOpen", "ForceClose", "Reset"]
-    assert [f["request"]["Report"]["outcome"] for f in fake.requests("Report")] == [
-        {"Failure": {"kind": "ServerError"}}, {"RateLimited": {"retry_after_s": None}}]
+    assert names == ["Hello", "Start", "Retry", "Finish", "ForceOpen", "ForceClose", "Reset"]
+    assert fake.requests("Retry")[0]["request"]["Retry"]["outcome"] == {"Failure": {"kind": "ServerError"}}
+    assert fake.requests("Finish")[0]["request"]["Finish"]["outcome"] == {"RateLimited": {"retry_after_s": None}}
 
 
 def test_missing_socket_names_path(sockdir):
@@ -116,10 +115,10 @@ def test_block_exception_releases(fake):
             await client.ping()
             return permit
     permit = run(main())
-    fake.wait_for(lambda: fake.requests("EndCall"))
     names = [_variant(f["request"]) for f in fake.requests()]
-    assert names[-3:] == ["Report", "EndCall", "Ping"]
-    assert fake.requests("Report")[0]["request"]["Report"] == {"permit": permit.id, "outcome": "Cancelled"}
+    assert names == ["Hello", "Start", "Finish", "Ping"]  # the release is one frame
+    assert fake.requests("Finish")[0]["request"]["Finish"] == {"permit": permit.id, "outcome": "Cancelled"}
+    assert not fake.calls and not fake.permits
 
 
 def test_cancel_pending_acquire_sends_cancel(fake):
@@ -135,15 +134,13 @@ def test_cancel_pending_acquire_sends_cancel(fake):
             task.cancel()
             with pytest.raises(asyncio.CancelledError):
                 await task
-            await asyncio.get_event_loop().run_in_executor(
-                None, fake.wait_for, lambda: fake.requests("EndCall"))
             assert await client.ping() >= 0
     run(main())
-    acq = fake.requests("Acquire")[0]
-    assert fake.requests("Cancel")[0]["request"] == {"Cancel": {"target": acq["id"]}}
+    start = fake.requests("Start")[0]
+    assert fake.requests("Cancel")[0]["request"] == {"Cancel": {"target": start["id"]}}
     names = [_variant(f["request"]) for f in fake.requests()]
-    assert names.index("Cancel") < names.index("EndCall")
-    assert fake.held_count() == 0
+    assert names == ["Hello", "Start", "Cancel", "Ping"]  # a cancelled Start leaves no call to end
+    assert fake.held_count() == 0 and not fake.calls
 
 
 def test_wait_for_timeout_cancels(fake):
@@ -156,7 +153,7 @@ def test_wait_for_timeout_cancels(fake):
                     await asyncio.wait_for(call.acquire(), 0.2)
             await client.ping()
     run(main())
-    assert len(fake.requests("Cancel")) == 1 and len(fake.requests("EndCall")) == 1
+    assert len(fake.requests("Cancel")) == 1 and not fake.requests("EndCall") and not fake.calls
 
 
 def test_500_concurrent_calls_one_connection(fake):
@@ -182,11 +179,12 @@ def test_500_concurrent_calls_one_connection(fake):
     sources = run(main())
     assert sources == ["src-a"] * n
     assert len(fake.conns) == 1
-    for v in ("BeginCall", "Acquire", "Report", "EndCall"):
+    for v in ("Start", "Finish"):
         assert len(fake.requests(v)) == n, v
+    assert len(fake.requests()) == 1 + 2 * n
     ids = [f["id"] for f in fake.requests()]
     assert len(set(ids)) == len(ids)
-    assert sorted(f["request"]["Report"]["outcome"]["Success"]["tokens"] for f in fake.requests("Report")) == list(range(n))
+    assert sorted(f["request"]["Finish"]["outcome"]["Success"]["tokens"] for f in fake.requests("Finish")) == list(range(n))
 
 
 def test_connection_loss_fails_pending(fake):
@@ -212,21 +210,83 @@ def test_connection_loss_fails_pending(fake):
     run(main())
 
 
-def test_late_grant_after_cancel_is_released(fake):
+@pytest.mark.parametrize("begun", [False, True])
+def test_late_grant_after_cancel_is_released(fake, begun):
     fake.on_acquire = lambda conn, rid, call: HOLD
     fake.on_cancel = lambda conn, rid, target: conn.release_held(
         target, fake.grant(conn, target, conn.held[target]["call"]))
 
     async def main():
         async with await polygate.aio.connect(fake.path) as client:
-            call = await client.call("chat").begin()
+            call = client.call("chat")
+            if begun:
+                await call.begin()
             task = asyncio.ensure_future(call.acquire())
             await asyncio.get_event_loop().run_in_executor(None, fake.wait_held, 1)
             task.cancel()
             with pytest.raises(asyncio.CancelledError):
                 await task
             await asyncio.get_event_loop().run_in_executor(
-                None, fake.wait_for, lambda: fake.requests("Report"))
+                None, fake.wait_for, lambda: fake.requests("Report" if begun else "Finish"))
             await call.end()
+            await client.ping()
     run(main())
-    assert fake.requests("Report")[0]["request"]["Report"]["outcome"] == "Cancelled"
+    if begun:  # a plain Acquire's late grant is reported Cancelled; the call ends with EndCall
+        assert fake.requests("Report")[0]["request"]["Report"]["outcome"] == "Cancelled"
+        assert fake.requests("EndCall")
+    else:  # a Start's late grant is finished: the call is gone in the same frame
+        assert fake.requests("Finish")[0]["request"]["Finish"]["outcome"] == "Cancelled"
+        assert not fake.requests("EndCall")
+    assert not fake.calls and not fake.permits
+
+
+def test_writes_coalesce_per_tick(fake, monkeypatch):
+    """Frames queued in one turn of the event loop leave in one write."""
+    writes = []
+
+    async def main():
+        async with await polygate.aio.connect(fake.path) as client:
+            transport = client._conn._transport
+            real = transport.write
+            monkeypatch.setattr(transport, "write", lambda data: (writes.append(bytes(data)), real(data)))
+
+            async def one(i):
+                async with client.call("chat", est_tokens=i + 1) as call:
+                    await (await call.acquire()).success(tokens=i)
+            await asyncio.gather(*(one(i) for i in range(50)))
+    run(main())
+    assert len(fake.requests("Start")) == 50 and len(fake.requests("Finish")) == 50
+    # 50 Starts went out in the first tick as one write; far fewer writes than frames overall
+    assert writes[0].count(b"\x0b\x00\x00\x00\x04\x00\x00\x00\x00\x00\x00\x00chat") == 50
+    assert len(writes) < 50, len(writes)
+
+
+def test_held_reports_and_usage(fake):
+    async def main():
+        async with await polygate.aio.connect(fake.path) as client:
+            async with client.call("chat", priority=None, est_input_tokens=10) as call:
+                p = await call.acquire()
+                assert await p.failure("timeout", tokens=3) is None
+                p = await call.acquire()
+                r = await p.success(input_tokens=7, output_tokens=2)
+                assert r == polygate.ReportResult(True, "closed", 0.0) and call.ended
+                with pytest.raises(RuntimeError, match="succeeded"):
+                    await call.acquire()
+            async with client.call("chat") as call:
+                await (await call.acquire()).rate_limited(1.5)
+            assert (await client.status())["protocol_version"] == 2
+    run(main())
+    names = [_variant(f["request"]) for f in fake.requests()]
+    assert names == ["Hello", "Start", "Retry", "Finish", "Start", "Finish", "StatusJson"]
+    assert fake.requests("Start")[0]["request"]["Start"]["est_input_tokens"] == 10
+    assert fake.requests("Finish")[1]["request"]["Finish"]["outcome"] == {"RateLimited": {"retry_after_s": 1.5}}
+
+
+def test_version_1_sidecar_is_a_clear_error(fake):
+    fake.protocol_version = 1
+
+    async def main():
+        with pytest.raises(polygate.SidecarError) as ei:
+            await polygate.aio.connect(fake.path)
+        assert "the sidecar speaks protocol 1, this client needs 2: upgrade polygate-sidecar" in str(ei.value)
+    run(main())

@@ -21,10 +21,10 @@ def _variant(x):
 def test_handshake(fake):
     with polygate.connect(fake.path) as client:
         assert client.sidecar_version == "0.1.0-fake"
-        assert client.protocol_version == 1 and client.max_frame == 65536
+        assert client.protocol_version == 2 and client.max_frame == 65536
         (hello,) = fake.requests("Hello")
         assert hello["request"]["Hello"] == {
-            "protocol_version": 1,
+            "protocol_version": 2,
             "client_name": "polygate-python/%s" % polygate.__version__,
             "pid": os.getpid(),
         }
@@ -55,23 +55,24 @@ def test_missing_socket_names_path(sockdir, monkeypatch):
             polygate.connect()
 
 
-def test_protocol_version_mismatch(fake):
-    fake.protocol_version = 2
+def test_version_1_sidecar_is_a_clear_error(fake):
+    fake.protocol_version = 1  # refuses Hello 2 the way a version-1 sidecar does
     with pytest.raises(polygate.SidecarError) as ei:
         polygate.connect(fake.path)
-    assert ei.value.kind == "protocol_violation" and "version 2" in str(ei.value)
+    assert ei.value.kind == "protocol_violation"
+    assert "the sidecar speaks protocol 1, this client needs 2: upgrade polygate-sidecar" in str(ei.value)
 
 
 def test_ping_status_admin(sidecar_path):
     with polygate.connect(sidecar_path) as client:
         assert client.ping() >= 0
         st = client.status()
-        assert set(st) == {"sidecar_version", "backend", "scopes"}
+        assert {"sidecar_version", "backend", "scopes"} <= set(st)  # plus keys as they are added
         assert SCOPE in st["scopes"]
         sc = st["scopes"][SCOPE]
-        assert set(sc) == {"circuit_open", "quota_full", "waiters", "calls", "sources"}
+        assert {"circuit_open", "quota_full", "waiters", "calls", "sources"} <= set(sc)
         for src in sc["sources"].values():
-            assert set(src) == {
+            assert set(src) >= {
                 "state", "epoch", "retry_after_s", "cooldown_level", "window_successes",
                 "window_failures", "streak", "memo_remaining_s", "pacer_ceiling", "in_flight",
                 "tokens_available", "requests_available", "quota_blocked_s", "degraded"}
@@ -81,7 +82,11 @@ def test_ping_status_admin(sidecar_path):
 def test_status_values_and_admin_wire(fake):
     with polygate.connect(fake.path) as client:
         st = client.status()
-        assert st["backend"] == "memory"
+        assert fake.requests("StatusJson") and not fake.requests("Status")
+        assert st["backend"] == "memory" and st["protocol_version"] == 2
+        assert st["future_key"] == {"ignored": True}  # unknown keys pass through
+        assert list(st["scopes"]) == ["chat", "embedding"] and list(st["scopes"]["chat"]["sources"]) == ["src-a", "src-b"]
+        assert "name" not in st["scopes"]["chat"] and "name" not in st["scopes"]["chat"]["sources"]["src-a"]
         assert st["scopes"]["chat"]["sources"]["src-b"]["state"] == "half_open"
         assert st["scopes"]["chat"]["sources"]["src-a"]["tokens_available"] == 29000.5
         assert st["scopes"]["chat"]["sources"]["src-a"]["requests_available"] is None
@@ -122,40 +127,75 @@ def test_grant_success_flow(sidecar_path):
             assert call.permit is None
 
 
+def _reqs(fake):
+    return [f["request"] for f in fake.requests() if _variant(f["request"]) != "Hello"]
+
+
 def test_grant_success_wire(fake):
+    """A call that succeeds first time is two frames: Start, Finish."""
     with polygate.connect(fake.path) as client:
         with client.call("chat", est_tokens=1200) as call:
+            assert fake.requests("Hello") and not _reqs(fake), "entering the block sends nothing"
             permit = call.acquire()
             assert (permit.source, permit.attempt, permit.is_probe, permit.est_tokens) == ("src-a", 1, False, 1000)
+            assert call.id == 100
             assert permit.success(tokens=1234) == polygate.ReportResult(True, "closed", 0.0)
-        reqs = [f["request"] for f in fake.requests()][1:]
-    cid = fake.requests("Acquire")[0]["request"]["Acquire"]["call"]
-    assert reqs == [
-        {"BeginCall": {"scope": "chat", "est_tokens": 1200}},
-        {"Acquire": {"call": cid}},
-        {"Report": {"permit": permit.id, "outcome": {"Success": {"tokens": 1234, "count_attempt": True}}}},
-        {"EndCall": {"call": cid}},
+            assert permit.result == polygate.ReportResult(True, "closed", 0.0)
+            assert call.ended
+            with pytest.raises(RuntimeError, match="succeeded"):
+                call.acquire()
+    assert _reqs(fake) == [
+        {"Start": {"scope": "chat", "est_tokens": 1200, "priority": None, "est_input_tokens": None,
+                   "est_output_tokens": None}},
+        {"Finish": {"permit": permit.id, "outcome": {"Success": {"tokens": 1234, "count_attempt": True}}}},
     ]
 
 
+def test_call_spec_and_usage_on_the_wire(fake):
+    with polygate.connect(fake.path) as client:
+        with client.call("chat", est_tokens=None, est_input_tokens=900, est_output_tokens=300) as call:
+            call.acquire().failure("bad_result", tokens=740)
+            call.acquire().success(input_tokens=1200, output_tokens=334)
+        with client.call("chat", priority="") as call:  # empty = the scope's default
+            call.acquire().success(tokens=5, count_attempt=True)
+        with pytest.raises(polygate.SidecarError) as ei:
+            with client.call("chat", priority="interactive") as call:
+                call.acquire()
+        assert ei.value.kind == "invalid_argument" and "priority" in str(ei.value)
+    r = _reqs(fake)
+    assert r[0] == {"Start": {"scope": "chat", "est_tokens": None, "priority": None, "est_input_tokens": 900,
+                              "est_output_tokens": 300}}
+    assert r[1]["Retry"]["outcome"] == {"FailureUsage": {"kind": "BadResult", "usage": {
+        "tokens": 740, "input_tokens": None, "output_tokens": None}}}
+    assert r[2]["Finish"]["outcome"] == {"SuccessUsage": {"usage": {
+        "tokens": None, "input_tokens": 1200, "output_tokens": 334}, "count_attempt": True}}
+    assert r[3]["Start"]["priority"] is None
+    assert r[5]["Start"]["priority"] == "interactive"
+    assert len(r) == 6, r  # the refused Start leaves no call: nothing sent at the block's end
+
+
 def test_failure_then_retry_and_outcomes(fake):
+    """Held reports travel with the next acquire (Retry) or the end (Finish)."""
     with polygate.connect(fake.path) as client:
         with client.call("chat") as call:
             p1 = call.acquire()
-            p1.failure("timeout")
+            assert p1.failure("timeout") is None and p1.reported and p1.result is None
+            assert call.permit is None
             p2 = call.acquire()
             assert p2.attempt == 2
             p2.rate_limited(retry_after_s=2.5)
             p3 = call.acquire()
-            p3.success(count_attempt=False)
+            assert p3.success(count_attempt=False) is None  # unusable: the call goes on
             p4 = call.acquire()
             p4.cancel()
-    outcomes = [f["request"]["Report"]["outcome"] for f in fake.requests("Report")]
-    assert outcomes == [
-        {"Failure": {"kind": "Timeout"}},
-        {"RateLimited": {"retry_after_s": 2.5}},
-        {"Success": {"tokens": None, "count_attempt": False}},
-        "Cancelled",
+        assert p4.result == polygate.ReportResult(True, "closed", 0.0)  # the Finish at the end answered
+    permits = [p1.id, p2.id, p3.id, p4.id]
+    assert [_variant(r) for r in _reqs(fake)] == ["Start", "Retry", "Retry", "Retry", "Finish"]
+    assert [(r[_variant(r)].get("permit"), r[_variant(r)].get("outcome")) for r in _reqs(fake)][1:] == [
+        (permits[0], {"Failure": {"kind": "Timeout"}}),
+        (permits[1], {"RateLimited": {"retry_after_s": 2.5}}),
+        (permits[2], {"Success": {"tokens": None, "count_attempt": False}}),
+        (permits[3], "Cancelled"),
     ]
 
 
@@ -174,8 +214,50 @@ def test_failure_kinds(fake):
             assert "oops" in str(ei.value)
             assert not permit.reported  # a rejected kind does not consume the permit
             permit.failure("server_error")
-    assert [f["request"]["Report"]["outcome"]["Failure"]["kind"] for f in fake.requests("Report")] == \
-        list(wire.values()) + ["ServerError"]
+    assert [f["request"]["Retry"]["outcome"]["Failure"]["kind"] for f in fake.requests("Retry")] == list(wire.values())
+    assert fake.requests("Finish")[0]["request"]["Finish"]["outcome"] == {"Failure": {"kind": "ServerError"}}
+
+
+@pytest.mark.parametrize("bad", [
+    lambda p: p.success(tokens=10**9 + 1),
+    lambda p: p.success(tokens=-1),
+    lambda p: p.success(input_tokens=6 * 10**8, output_tokens=6 * 10**8),
+    lambda p: p.success(tokens=True),
+    lambda p: p.failure("timeout", tokens=2**64),
+    lambda p: p.rate_limited(retry_after_s=-1),
+    lambda p: p.rate_limited(retry_after_s=float("inf")),
+    lambda p: p.rate_limited(retry_after_s=float("nan")),
+])
+def test_bad_report_values_are_refused_here(fake, bad):
+    with polygate.connect(fake.path) as client:
+        with client.call("chat") as call:
+            permit = call.acquire()
+            with pytest.raises(ValueError):
+                bad(permit)
+            assert not permit.reported and call.permit is permit
+            permit.success()
+    assert [_variant(r) for r in _reqs(fake)] == ["Start", "Finish"]
+
+
+@pytest.mark.parametrize("kw", [dict(est_tokens=10**9 + 1), dict(est_input_tokens=-1), dict(priority=3),
+                                dict(est_output_tokens=1.5)])
+def test_bad_call_values_are_refused_before_sending(fake, kw):
+    with polygate.connect(fake.path) as client:
+        with pytest.raises(ValueError):
+            client.call("chat", **kw)
+        with pytest.raises(ValueError):
+            client.call("")
+    assert not _reqs(fake)
+
+
+def test_acquire_with_an_unreported_permit_is_a_clear_error(fake):
+    with polygate.connect(fake.path) as client:
+        with client.call("chat") as call:
+            permit = call.acquire()
+            with pytest.raises(RuntimeError, match="permit %d of this call is not reported" % permit.id):
+                call.acquire()
+    assert [_variant(r) for r in _reqs(fake)] == ["Start", "Finish"]  # the exit released it (Cancelled)
+    assert fake.requests("Finish")[0]["request"]["Finish"]["outcome"] == "Cancelled"
 
 
 def test_report_twice_raises(fake):
@@ -187,19 +269,32 @@ def test_report_twice_raises(fake):
                           permit.rate_limited):
                 with pytest.raises(RuntimeError, match="already reported"):
                     again()
-    assert len(fake.requests("Report")) == 1
+    assert len(fake.requests("Finish")) == 1 and not fake.requests("EndCall")
 
 
-def test_block_exception_releases(fake):
+def test_block_exception_releases_in_one_frame(fake):
     with polygate.connect(fake.path) as client:
         with pytest.raises(ZeroDivisionError):
             with client.call("chat") as call:
                 permit = call.acquire()
                 1 / 0
-        fake.wait_for(lambda: len(fake.requests("EndCall")) == 1)
-        assert [_variant(f["request"]) for f in fake.requests()][-2:] == ["Report", "EndCall"]
-        assert fake.requests("Report")[0]["request"]["Report"] == {"permit": permit.id, "outcome": "Cancelled"}
+        fake.wait_for(lambda: len(fake.requests("Finish")) == 1)
+        assert [_variant(r) for r in _reqs(fake)] == ["Start", "Finish"]
+        assert fake.requests("Finish")[0]["request"]["Finish"] == {"permit": permit.id, "outcome": "Cancelled"}
         assert client.ping() >= 0  # connection still fine
+        assert not fake.calls and not fake.permits  # nothing left on the "sidecar"
+
+
+def test_block_exception_after_failure_finishes_with_it(fake):
+    with polygate.connect(fake.path) as client:
+        with pytest.raises(KeyError):
+            with client.call("chat") as call:
+                call.acquire().failure("timeout")
+                raise KeyError("gave up")
+        fake.wait_for(lambda: fake.requests("Finish"))
+        assert client.ping() >= 0
+    assert [_variant(r) for r in _reqs(fake)][:2] == ["Start", "Finish"]
+    assert fake.requests("Finish")[0]["request"]["Finish"]["outcome"] == {"Failure": {"kind": "Timeout"}}
 
 
 def test_block_normal_exit_with_unreported_permit(fake):
@@ -207,8 +302,63 @@ def test_block_normal_exit_with_unreported_permit(fake):
         with client.call("chat") as call:
             permit = call.acquire()
         assert permit.reported
-        assert [_variant(f["request"]) for f in fake.requests()][-2:] == ["Report", "EndCall"]
-        assert fake.requests("Report")[0]["request"]["Report"]["outcome"] == "Cancelled"
+        assert [_variant(r) for r in _reqs(fake)] == ["Start", "Finish"]
+        assert fake.requests("Finish")[0]["request"]["Finish"]["outcome"] == "Cancelled"
+
+
+def test_block_without_acquire_sends_nothing(fake):
+    with polygate.connect(fake.path) as client:
+        with client.call("chat"):
+            pass
+        with client.call("chat").begin() as call:  # begin(): Begin now, then a plain Acquire
+            call.acquire().failure("timeout")
+            call.acquire().success()
+        with client.call("chat").begin():
+            pass
+    assert [_variant(r) for r in _reqs(fake)] == ["Begin", "Acquire", "Retry", "Finish", "Begin", "EndCall"]
+    assert not fake.calls
+
+
+def test_retry_final_error_ends_the_call(fake):
+    replies = iter([None, error("AllSourcesExhausted", "3 of 3 attempts", exhausted="RetryExhausted", scope="chat")])
+
+    def on_acquire(conn, rid, call):
+        r = next(replies)
+        return fake.grant(conn, rid, call) if r is None else r
+    fake.on_acquire = on_acquire
+    with polygate.connect(fake.path) as client:
+        with client.call("chat") as call:
+            call.acquire().failure("server_error")
+            with pytest.raises(polygate.AllSourcesExhausted) as ei:
+                call.acquire()
+            assert ei.value.reason == "retry_exhausted" and call.ended
+            with pytest.raises(RuntimeError, match="has ended: 3 of 3 attempts"):
+                call.acquire()
+    assert [_variant(r) for r in _reqs(fake)] == ["Start", "Retry"]  # the call is gone: nothing at the end
+
+
+def test_retry_of_a_reclaimed_permit_keeps_the_call(fake):
+    with polygate.connect(fake.path) as client:
+        with client.call("chat") as call:
+            call.acquire().failure("timeout")
+            fake.permits.clear()  # the lease expired on the sidecar
+            with pytest.raises(polygate.SidecarError) as ei:
+                call.acquire()
+            assert ei.value.kind == "unknown_permit" and not call.ended
+            p = call.acquire()  # the call is still open: a plain Acquire
+            assert p.attempt == 2
+            p.success()
+    assert [_variant(r) for r in _reqs(fake)] == ["Start", "Retry", "Acquire", "Finish"]
+
+
+def test_finish_of_a_reclaimed_permit_at_exit_ends_the_call(fake):
+    with polygate.connect(fake.path) as client:
+        with client.call("chat") as call:
+            call.acquire().failure("timeout")
+            fake.permits.clear()
+        fake.wait_for(lambda: fake.requests("EndCall"))
+        assert not fake.calls
+    assert [_variant(r) for r in _reqs(fake)] == ["Start", "Finish", "EndCall"]
 
 
 # ---------------------------------------------------------------- error mapping
@@ -256,8 +406,8 @@ def test_error_mapping(fake, reply, cls, attrs):
 def test_unknown_scope(sidecar_path):
     with polygate.connect(sidecar_path) as client:
         with pytest.raises(polygate.SidecarError) as ei:
-            with client.call("no-such-scope-xyz"):
-                pass
+            with client.call("no-such-scope-xyz") as call:
+                call.acquire()
         assert ei.value.kind == "unknown_scope"
         assert "no-such-scope-xyz" in str(ei.value)
         assert client.ping() >= 0
@@ -291,35 +441,73 @@ def test_keyboard_interrupt_cancels_waiting_acquire(fake, sigint_raises):
         with pytest.raises(KeyboardInterrupt):
             with client.call("chat") as call:
                 call.acquire()
-        fake.wait_for(lambda: fake.requests("EndCall"))
-        acq = fake.requests("Acquire")[0]
+        fake.wait_for(lambda: fake.requests("Cancel"))
+        start = fake.requests("Start")[0]
         (cancel,) = fake.requests("Cancel")
-        assert cancel["request"] == {"Cancel": {"target": acq["id"]}}
-        assert [_variant(f["request"]) for f in fake.requests()][-2:] == ["Cancel", "EndCall"]
-        assert fake.held_count() == 0
+        assert cancel["request"] == {"Cancel": {"target": start["id"]}}
         assert client.ping() >= 0
+        # a cancelled Start leaves no call: nothing else was sent, nothing is held
+        assert [_variant(r) for r in _reqs(fake)] == ["Start", "Cancel", "Ping"]
+        assert fake.held_count() == 0 and not fake.calls
+        assert call.ended
 
 
-def test_late_grant_after_interrupt_is_released(fake, sigint_raises):
-    """The sidecar granted before it saw the Cancel: the client reports Cancelled."""
+@pytest.mark.parametrize("begun", [False, True])
+def test_late_grant_after_interrupt_is_released(fake, sigint_raises, begun):
+    """The sidecar granted before it saw the Cancel: the client releases the grant
+    (Finish Cancelled after a Start, Report Cancelled after a plain Acquire)."""
     fake.on_acquire = lambda conn, rid, call: HOLD
     fake.on_cancel = lambda conn, rid, target: conn.release_held(
         target, fake.grant(conn, target, conn.held[target]["call"]))
     main = sigint_raises
     with polygate.connect(fake.path) as client:
-        call = client.call("chat").begin()
+        call = client.call("chat")
+        if begun:
+            call.begin()
 
         def interrupt():
             try:
                 fake.wait_held(1)
-            finally:  # interrupt even if the Acquire never arrived: the asserts then fail
+            finally:
                 signal.pthread_kill(main, signal.SIGINT)
         threading.Thread(target=interrupt, daemon=True).start()
         with pytest.raises(KeyboardInterrupt):
             call.acquire()
-        fake.wait_for(lambda: fake.requests("Report"))
-        assert fake.requests("Report")[0]["request"]["Report"]["outcome"] == "Cancelled"
         call.end()
+        if begun:
+            fake.wait_for(lambda: fake.requests("Report") and fake.requests("EndCall"))
+            assert fake.requests("Report")[0]["request"]["Report"]["outcome"] == "Cancelled"
+        else:
+            fake.wait_for(lambda: fake.requests("Finish"))
+            assert fake.requests("Finish")[0]["request"]["Finish"]["outcome"] == "Cancelled"
+            assert not fake.requests("EndCall")
+        assert client.ping() >= 0
+        assert not fake.calls and not fake.permits
+
+
+def test_interrupts_racing_replies_never_cut_the_stream(fake, sigint_raises):
+    """SIGINT sent the moment the sidecar sees the request — so it lands while the
+    main thread is still in send, or reading the reply — is deferred to a safe
+    point: KeyboardInterrupt is raised, the connection stays usable and whatever
+    the request created is released."""
+    main = sigint_raises
+
+    def on_acquire(conn, rid, call):
+        signal.pthread_kill(main, signal.SIGINT)
+        return fake.grant(conn, rid, call)
+    fake.on_acquire = on_acquire
+    with polygate.connect(fake.path) as client:
+        interrupted = 0
+        for _ in range(30):
+            try:
+                with client.call("chat") as call:
+                    call.acquire().success()
+            except KeyboardInterrupt:
+                interrupted += 1
+            assert not client.closed
+        assert interrupted == 30
+        assert client.ping() >= 0
+        fake.wait_for(lambda: not fake.calls and not fake.permits)
 
 
 def test_threads_share_one_connection(fake):
@@ -344,7 +532,7 @@ def test_threads_share_one_connection(fake):
             t.join(10)
     assert not errors and len(results) == n
     assert len(fake.conns) == 1
-    assert sorted(f["request"]["Report"]["outcome"]["Success"]["tokens"] for f in fake.requests("Report")) == list(range(n))
+    assert sorted(f["request"]["Finish"]["outcome"]["Success"]["tokens"] for f in fake.requests("Finish")) == list(range(n))
 
 
 def test_connection_loss_fails_pending_waits(fake):
@@ -408,3 +596,46 @@ def test_oversize_request_rejected_locally(fake):
             client.call("x" * 100).begin()
         assert ei.value.kind == "frame_too_large"
         assert client.ping() >= 0
+
+
+def test_no_helper_threads(fake):
+    """The request path has no thread hop: the calling threads write and read."""
+    def ours():  # threads other than the fake sidecar's
+        return {t for t in threading.enumerate() if t.name != "fake-sidecar"}
+    before = ours()
+    with polygate.connect(fake.path) as client:
+        with client.call("chat") as call:
+            call.acquire().success()
+        assert ours() == before
+        errors = []
+
+        def worker():
+            try:
+                for _ in range(50):
+                    with client.call("chat") as c:
+                        c.acquire().success()
+            except BaseException as e:  # noqa: BLE001
+                errors.append(e)
+        threads = [threading.Thread(target=worker) for _ in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(20)
+        assert not errors and ours() == before
+    assert len(fake.requests("Finish")) == 201
+
+
+def test_handshake_timeout(sockdir):
+    """A sidecar that accepts but never answers Hello: connect() gives up in time."""
+    import socket
+    path = os.path.join(sockdir, "mute.sock")
+    srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    srv.bind(path)
+    srv.listen(1)
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(polygate.SidecarError, match="within 0.3s"):
+            polygate.connect(path, timeout=0.3)
+        assert time.monotonic() - t0 < 3
+    finally:
+        srv.close()

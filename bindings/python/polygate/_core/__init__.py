@@ -11,7 +11,7 @@ the I/O. The names below are the core's face for both clients (and the tests).
 """
 
 from .._version import __version__ as CLIENT_VERSION
-from .calls import CallBase, PermitBase, check_release
+from .calls import Acquisition, CallBase, OnReply, PermitBase, Release
 from .errmap import (
     SOCKET_ENV,
     client_closed_error,
@@ -32,13 +32,17 @@ from .protocol import (
     OUTCOME_CANCELLED,
     PING,
     STATUS,
+    STATUS_JSON,
+    MAX_COUNT,
     Reply,
     Request,
     acquire,
-    begin_call,
+    begin,
+    call_spec,
     cancel,
     check_welcome,
     end_call,
+    finish,
     expect,
     force_close,
     force_open,
@@ -50,19 +54,21 @@ from .protocol import (
     outcome_success,
     report,
     reset,
+    retry,
+    start,
     resolve_path,
     variant,
 )
-from .status import ReportResult, ScopeStatus, SourceStatus, Status, report_result, status_dict
+from .status import ReportResult, ScopeStatus, SourceStatus, Status, report_result, status_from_json
 
 __all__ = [
-    "CLIENT_VERSION", "CallBase", "PermitBase", "check_release",
+    "CLIENT_VERSION", "Acquisition", "CallBase", "OnReply", "PermitBase", "Release",
     "SOCKET_ENV", "client_closed_error", "closed_error", "connect_error", "connection_error",
     "error_from_reply", "lost_error", "protocol_error", "snake", "undecodable_error",
     "DEFAULT_CLIENT_NAME", "DEFAULT_SOCKET", "FAILURE_KINDS", "MAX_INCOMING_FRAME",
-    "OUTCOME_CANCELLED", "PING", "STATUS", "Reply", "Request", "acquire", "begin_call", "cancel",
-    "check_welcome", "end_call", "expect", "force_close", "force_open", "frame_request", "hello", "late_cleanup",
-    "outcome_failure", "outcome_rate_limited", "outcome_success", "report", "reset",
+    "OUTCOME_CANCELLED", "PING", "STATUS", "STATUS_JSON", "MAX_COUNT", "Reply", "Request", "acquire", "begin", "call_spec", "cancel",
+    "check_welcome", "end_call", "finish", "expect", "force_close", "force_open", "frame_request", "hello", "late_cleanup",
+    "outcome_failure", "outcome_rate_limited", "outcome_success", "report", "reset", "retry", "start",
     "resolve_path", "variant",
-    "ReportResult", "ScopeStatus", "SourceStatus", "Status", "report_result", "status_dict",
+    "ReportResult", "ScopeStatus", "SourceStatus", "Status", "report_result", "status_from_json",
 ]

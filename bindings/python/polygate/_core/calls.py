@@ -1,17 +1,60 @@
 """The state of a call and its permits, shared by the sync and asyncio clients:
-which request to send next, what a reply means, what leaving a call must
-release. The clients add only the I/O (send, wait). No I/O here."""
+which frame to send next, what a reply means, what leaving a call must release.
+The clients add only the I/O (send, wait). No I/O here.
+
+Protocol version 2 (PROTOCOL.md §14), in the fewest frames:
+
+* the first ``acquire()`` sends ``Start`` (BeginCall + Acquire); ``begin()``, if
+  called first, sends ``Begin`` and the first ``acquire()`` a plain ``Acquire``;
+* a ``failure`` / ``rate_limited`` / ``cancel`` / uncounted ``success`` report is
+  *held* and travels with the next ``acquire()`` as ``Retry`` — or with the end of
+  the call as ``Finish``;
+* a counted ``success`` sends ``Finish`` at once: the call is over;
+* leaving the call sends one frame at most: ``Finish`` of a held report (or of an
+  unreported permit, as ``Cancelled``), else ``EndCall`` of a call still open.
+
+An error answering ``Start`` or ``Retry`` (other than the validation errors
+``UnknownPermit`` / ``InvalidArgument``) means the sidecar has no call any more:
+the call is over here too, and nothing is sent at its end.
+"""
 
 from __future__ import annotations
 
 import threading
-from typing import Any, Dict, Generic, List, Optional, Type, TypeVar
+from typing import Any, Callable, Dict, Generic, NamedTuple, Optional, Tuple, Type, TypeVar
 
-from ..errors import PolyGateError, SidecarError
 from . import protocol as p
+from .errmap import error_from_reply
 from .status import ReportResult, report_result
 
-__all__ = ["PermitBase", "CallBase"]
+__all__ = ["PermitBase", "CallBase", "Acquisition", "Release"]
+
+# Errors after which Retry / Finish changed nothing: the call is still open.
+_VALIDATION = ("UnknownPermit", "InvalidArgument")
+
+OnReply = Callable[[p.Reply], Optional[bytes]]
+"""Reads a reply nobody awaits (or a release's reply); returns a follow-up request."""
+
+
+def _nothing(reply: p.Reply) -> Optional[bytes]:
+    return None
+
+
+class Acquisition(NamedTuple):
+    """What one ``acquire()`` sends, and how a reply nobody awaits is cleaned up."""
+
+    request: bytes
+    kind: str
+    """``"start"``, ``"retry"`` or ``"acquire"``."""
+    on_late: OnReply
+
+
+class Release(NamedTuple):
+    """The one frame that releases what a call still holds on the sidecar."""
+
+    request: bytes
+    on_reply: OnReply
+    """Reads its reply (records a permit's result; may ask for an ``EndCall``)."""
 
 
 class PermitBase:
@@ -29,8 +72,12 @@ class PermitBase:
         """1 for the call's first attempt, 2 for the second, ..."""
         self.est_tokens: int = body["est_tokens"]
         """The tokens reserved for this attempt."""
+        self.tokens: Optional[int] = None
+        """Usage a ``client.run`` function may set (``permit.tokens = n``) when its
+        result carries none; ``run`` reports it."""
         self.result: Optional[ReportResult] = None
-        """The sidecar's answer to the report, once it arrived."""
+        """The sidecar's answer to this permit's report, once one arrived (a report
+        sent with ``Retry`` gets none: the answer to Retry is the next permit)."""
         self._reported = False
         self._lock = threading.Lock()  # threads of the sync client may race to report
 
@@ -39,19 +86,13 @@ class PermitBase:
         """True once an outcome was given (or the permit was released)."""
         return self._reported
 
-    def _claim(self, outcome: Any) -> p.Request:
-        """Mark the permit reported (once only) and return its ``Report``."""
+    def _claim(self) -> None:
         with self._lock:
             if self._reported:
                 raise RuntimeError("permit %d (source %r) was already reported" % (self.id, self.source))
             self._reported = True
         if self._call._permit is self:
             self._call._permit = None
-        return p.report(self.id, outcome)
-
-    def _reported_as(self, reply: p.Reply) -> ReportResult:
-        self.result = report_result(p.expect(reply, "Reported"))
-        return self.result
 
     def __repr__(self) -> str:
         return "<%s %s source=%r attempt=%d probe=%s est_tokens=%d%s>" % (
@@ -63,78 +104,171 @@ P = TypeVar("P", bound=PermitBase)
 
 
 class CallBase(Generic[P]):
-    """One logical request in a scope: its id once begun, its unreported permit."""
+    """One logical request in a scope: its spec, its id once the sidecar has it,
+    its unreported permit or its held report."""
 
     _permit_class: Type[P]
 
-    def __init__(self, client: Any, scope: str, est_tokens: Optional[int]) -> None:
-        p.begin_call(scope, est_tokens)  # validate before anything is sent
+    def __init__(self, client: Any, scope: str, est_tokens: Optional[int] = None,
+                 priority: Optional[str] = None, est_input_tokens: Optional[int] = None,
+                 est_output_tokens: Optional[int] = None) -> None:
+        # validated and encoded once, before anything is sent
+        self._spec = p.call_spec(scope, est_tokens, priority, est_input_tokens, est_output_tokens)
         self._client = client
         self._conn = client._conn
         self.scope = scope
         """The scope this call runs in."""
         self.est_tokens = est_tokens
-        """The estimate given to ``call()`` (None: the sidecar's estimate)."""
+        """The per-attempt estimate given (None: the sidecar's)."""
+        self.priority = priority or None
+        """The priority class asked for (None: the scope's default)."""
         self.id: Optional[int] = None
-        """The sidecar's call id once begun."""
+        """The sidecar's call id, once the call began there."""
         self._permit: Optional[P] = None
-        self._ended = False
+        self._held: Optional[Tuple[P, bytes]] = None
+        self._live = False  # the sidecar holds the call: something must end it
+        self._ended: Optional[str] = None  # why no acquire is possible any more
+        self._released = False
 
     @property
     def permit(self) -> Optional[P]:
         """The granted permit not yet reported, if any."""
         return self._permit
 
-    def _begin_request(self) -> Optional[p.Request]:
-        """The ``BeginCall`` to send, or None when the call has begun already."""
-        if self._ended:
-            raise RuntimeError("call in scope %r has ended" % self.scope)
-        return p.begin_call(self.scope, self.est_tokens) if self.id is None else None
+    @property
+    def ended(self) -> bool:
+        """True once the call is over (success, a final error, or released)."""
+        return self._ended is not None
+
+    def _close(self, reason: str) -> None:
+        if self._ended is None:
+            self._ended = reason
+
+    def _check_open(self) -> None:
+        if self._ended is not None:
+            raise RuntimeError("call in scope %r has ended: %s" % (self.scope, self._ended))
+
+    # ------------------------------------------------------------ begin
+
+    def _begin_request(self) -> Optional[bytes]:
+        """The ``Begin`` to send, or None when the sidecar has the call already."""
+        self._check_open()
+        return None if self._live else p.begin(self._spec)
 
     def _began(self, reply: p.Reply) -> None:
         self.id = p.expect(reply, "CallBegun")["call"]
+        self._live = True
 
-    def _acquire_request(self) -> p.Request:
+    # ------------------------------------------------------------ acquire
+
+    def _acquisition(self) -> Acquisition:
+        self._check_open()
+        if self._permit is not None:
+            raise RuntimeError("permit %d of this call is not reported: report it (success, failure, "
+                               "rate_limited or cancel) before acquiring again" % self._permit.id)
+        if self._held is not None:
+            return Acquisition(p.retry(self._held[0].id, self._held[1]), "retry", self._late_retry)
+        if not self._live:
+            return Acquisition(p.start(self._spec), "start", self._late_grant_ends_call)
         assert self.id is not None
-        return p.acquire(self.id)
+        return Acquisition(p.acquire(self.id), "acquire", p.late_cleanup)
 
-    def _granted(self, reply: p.Reply) -> P:
-        permit = self._permit_class(self, p.expect(reply, "Granted"))
-        self._permit = permit
-        return permit
+    def _acquired(self, acq: Acquisition, reply: p.Reply) -> P:
+        name, body = p.variant(reply)
+        if acq.kind == "retry":
+            self._held = None
+        if name in ("Started", "Granted") and (name == "Started") == (acq.kind == "start"):
+            if name == "Started":
+                self.id = body["call"]
+                self._live = True
+            permit = self._permit_class(self, body)
+            self._permit = permit
+            return permit
+        if name == "Error" and (acq.kind == "acquire" or (acq.kind == "retry" and body["kind"] in _VALIDATION)):
+            raise error_from_reply(body)  # the call is still open (the held report is dropped)
+        if acq.kind != "acquire":  # any other answer to Start / Retry: the sidecar has no call
+            self._live = False
+            self._close("%s (the sidecar ended the call)" % (body["message"] if name == "Error" else name))
+        p.expect(reply, "Started" if acq.kind == "start" else "Granted")
+        raise AssertionError("unreachable")  # pragma: no cover
 
-    def _release(self) -> List[p.Request]:
-        """End the call here; the requests that release what it still holds on
-        the sidecar (``Report(Cancelled)`` of an unreported permit, ``EndCall``),
-        none when it never began or the connection is gone (the sidecar released
-        it all then). Idempotent: a second call returns []."""
-        if self._ended:
-            return []
-        self._ended = True
-        permit, self._permit = self._permit, None
-        if self.id is None or self._conn.closed:
-            return []
-        out: List[p.Request] = []
+    def _acquire_abandoned(self, acq: Acquisition) -> None:
+        """The wait was interrupted / cancelled. A cancelled Start or Retry leaves
+        no call (a grant that raced the Cancel is finished by ``on_late``)."""
+        if acq.kind != "acquire":
+            self._held = None
+            self._live = False
+            self._close("its acquire() was interrupted")
+
+    def _late_grant_ends_call(self, reply: p.Reply) -> Optional[bytes]:
+        name, body = p.variant(reply)
+        if name in ("Started", "Granted"):
+            return p.finish(body["permit"], p.OUTCOME_CANCELLED)
+        return None
+
+    def _late_retry(self, reply: p.Reply) -> Optional[bytes]:
+        name, body = p.variant(reply)
+        if name == "Error" and body["kind"] in _VALIDATION and self.id is not None:
+            return p.end_call(self.id)  # Retry changed nothing: the call is still open
+        return self._late_grant_ends_call(reply)
+
+    # ------------------------------------------------------------ reports
+
+    def _report(self, permit: P, outcome: bytes, final: bool) -> Optional[bytes]:
+        """Claim ``permit`` for ``outcome``. A final (counted success) report is
+        returned as the ``Finish`` to send now; any other is held for the next
+        ``acquire()`` (as ``Retry``) or the end of the call (as ``Finish``)."""
+        permit._claim()
+        if not final:
+            self._held = (permit, outcome)
+            return None
+        self._close("it succeeded (a counted success ends the call); start a new call")
+        return p.finish(permit.id, outcome)
+
+    def _finished(self, permit: P, reply: p.Reply) -> ReportResult:
+        name, body = p.variant(reply)
+        if name == "Reported":
+            self._live = False
+            permit.result = report_result(body)
+            return permit.result
+        if not (name == "Error" and body["kind"] in _VALIDATION):
+            self._live = False  # the call is gone either way (e.g. BackendUnavailable)
+        return report_result(p.expect(reply, "Reported"))  # raises
+
+    def _finish_abandoned(self) -> None:
+        """Interrupted while a Finish was (maybe) on its way: the end of the
+        call sends an ``EndCall`` in case it never went out."""
+
+    # ------------------------------------------------------------ release
+
+    def _release(self) -> Optional[Release]:
+        """End the call here (idempotent); the one frame that releases what it
+        still holds, or None (nothing on the sidecar, or the connection is gone)."""
+        if self._released:
+            return None
+        self._released = True
+        self._close("the call has ended")
+        held, permit, live = self._held, self._permit, self._live
+        self._held, self._permit, self._live = None, None, False
+        if self._conn.closed:
+            return None  # the sidecar released it all with the connection
+        if held is not None:
+            return Release(p.finish(held[0].id, held[1]), self._after_finish(held[0]))
         if permit is not None and not permit._reported:
             permit._reported = True
-            out.append(p.report(permit.id, p.OUTCOME_CANCELLED))
-        out.append(p.end_call(self.id))
-        return out
+            return Release(p.finish(permit.id, p.OUTCOME_CANCELLED), self._after_finish(permit))
+        if live and self.id is not None:
+            return Release(p.end_call(self.id), _nothing)
+        return None
 
+    def _after_finish(self, permit: P) -> OnReply:
+        call_id = self.id
 
-def check_release(request: p.Request, reply: Optional[p.Reply], error: Optional[BaseException]) -> None:
-    """Raise what a release request's answer means for the caller: nothing for a
-    refused ``Report(Cancelled)`` (e.g. the lease was reclaimed; EndCall releases
-    anyway), a lost connection or an ``EndCall`` of a call already gone."""
-    if p.variant(request)[0] == "Report":
-        return
-    if error is None and reply is not None:
-        try:
-            p.expect(reply, "Ok")
-        except PolyGateError as e:
-            error = e
-    if error is None:
-        return
-    if isinstance(error, SidecarError) and error.kind in ("connection", "unknown_call"):
-        return
-    raise error
+        def on_reply(reply: p.Reply) -> Optional[bytes]:
+            name, body = p.variant(reply)
+            if name == "Reported":
+                permit.result = report_result(body)
+            elif name == "Error" and body["kind"] in _VALIDATION and call_id is not None:
+                return p.end_call(call_id)  # Finish changed nothing: end the call itself
+            return None
+        return on_reply

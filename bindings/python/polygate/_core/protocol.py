@@ -8,9 +8,10 @@ enums: ``{"BeginCall": {...}}``, ``"Ping"``).
 from __future__ import annotations
 
 import os
+import re
 from typing import Any, Dict, Optional, Tuple
 
-from .. import _wire
+from .. import _frames, _wire
 from .._version import __version__
 from ..errors import SidecarError
 from .errmap import SOCKET_ENV, error_from_reply, protocol_error
@@ -44,12 +45,17 @@ def resolve_path(path: Optional[str]) -> str:
 
 # ---------------------------------------------------------------- validation
 
+MAX_COUNT = 1_000_000_000
+"""The sidecar's limit on every token estimate and count (PROTOCOL.md §7): checked
+here too, so a bad value fails where it is given, not at a later frame."""
 
-def _check_count(name: str, value: Any, optional: bool = True) -> None:
-    if value is None and optional:
-        return
-    if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < 1 << 64:
-        raise ValueError("%s must be a non-negative integer%s, got %r" % (name, " or None" if optional else "", value))
+
+def _check_count(name: str, value: Any) -> Optional[int]:
+    if value is None:
+        return None
+    if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= MAX_COUNT:
+        raise ValueError("%s must be an integer in [0, %d] or None, got %r" % (name, MAX_COUNT, value))
+    return value
 
 
 def _check_seconds(name: str, value: Any, optional: bool = True) -> Optional[float]:
@@ -67,7 +73,16 @@ def _check_name(what: str, value: Any) -> str:
     return value
 
 
+def _check_bool(name: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError("%s must be a bool, got %r" % (name, value))
+    return value
+
+
 # ---------------------------------------------------------------- requests
+#
+# The hot requests are encoded bytes (polygate._frames builds them with struct);
+# the cold ones are values for the generic codec. frame_request takes either.
 
 
 def hello(client_name: Optional[str]) -> Request:
@@ -80,26 +95,26 @@ def hello(client_name: Optional[str]) -> Request:
     }
 
 
-def begin_call(scope: str, est_tokens: Optional[int]) -> Request:
+def call_spec(scope: str, est_tokens: Optional[int] = None, priority: Optional[str] = None,
+              est_input_tokens: Optional[int] = None, est_output_tokens: Optional[int] = None) -> bytes:
+    """The encoded ``CallSpec`` of a call (validated; built once per call). An
+    empty ``priority`` means the scope's default, as ``None`` does."""
     _check_name("scope", scope)
-    _check_count("est_tokens", est_tokens)
-    return {"BeginCall": {"scope": scope, "est_tokens": est_tokens}}
+    if priority is not None and not isinstance(priority, str):
+        raise ValueError("priority must be a priority class name (a string) or None, got %r" % (priority,))
+    return _frames.call_spec(scope, _check_count("est_tokens", est_tokens), priority or None,
+                             _check_count("est_input_tokens", est_input_tokens),
+                             _check_count("est_output_tokens", est_output_tokens))
 
 
-def acquire(call_id: int) -> Request:
-    return {"Acquire": {"call": call_id}}
-
-
-def end_call(call_id: int) -> Request:
-    return {"EndCall": {"call": call_id}}
-
-
-def report(permit_id: int, outcome: Any) -> Request:
-    return {"Report": {"permit": permit_id, "outcome": outcome}}
-
-
-def cancel(target: int) -> Request:
-    return {"Cancel": {"target": target}}
+start = _frames.start
+begin = _frames.begin
+acquire = _frames.acquire
+end_call = _frames.end_call
+cancel = _frames.cancel
+report = _frames.report
+retry = _frames.retry
+finish = _frames.finish
 
 
 def force_open(source: str, seconds: float) -> Request:
@@ -119,45 +134,62 @@ def reset(source: str) -> Request:
 
 
 STATUS: Request = "Status"
+STATUS_JSON: Request = "StatusJson"
 PING: Request = "Ping"
 
 
 def frame_request(rid: int, request: Request, max_frame: int) -> bytes:
-    """The complete frame (length prefix included) of ``request`` with id ``rid``;
-    a request larger than the sidecar's ``max_frame`` is refused here, unsent."""
-    payload = _wire.encode_client_frame({"id": rid, "request": request})
-    if len(payload) > max_frame:
+    """The complete frame (length prefix included) of ``request`` — encoded bytes
+    from :mod:`polygate._frames`, or a value for the generic codec — with id
+    ``rid``; a request larger than the sidecar's ``max_frame`` is refused here."""
+    body = request if type(request) is bytes else _wire.encode(_wire.REQUEST, request)
+    if len(body) + 8 > max_frame:
         raise SidecarError(
-            "request of %d bytes exceeds the sidecar's max_frame %d" % (len(payload), max_frame),
+            "request of %d bytes exceeds the sidecar's max_frame %d" % (len(body) + 8, max_frame),
             kind="frame_too_large",
         )
-    return _wire.frame(payload)
+    return _frames.frame(rid, body)
 
 
-# ---------------------------------------------------------------- outcomes
+# ---------------------------------------------------------------- outcomes (encoded bytes)
 
 
-def outcome_success(tokens: Optional[int], count_attempt: bool) -> Any:
-    _check_count("tokens", tokens)
-    if not isinstance(count_attempt, bool):
-        raise ValueError("count_attempt must be a bool, got %r" % (count_attempt,))
-    return {"Success": {"tokens": tokens, "count_attempt": count_attempt}}
+def outcome_success(tokens: Optional[int] = None, count_attempt: bool = True,
+                    input_tokens: Optional[int] = None, output_tokens: Optional[int] = None) -> bytes:
+    """``Success``, or ``SuccessUsage`` when the input/output split is given."""
+    tokens = _check_count("tokens", tokens)
+    input_tokens = _check_count("input_tokens", input_tokens)
+    output_tokens = _check_count("output_tokens", output_tokens)
+    _check_bool("count_attempt", count_attempt)
+    if input_tokens is None and output_tokens is None:
+        return _frames.success(tokens, count_attempt)
+    if (input_tokens or 0) + (output_tokens or 0) > MAX_COUNT:
+        raise ValueError("input_tokens + output_tokens must be at most %d, got %r + %r"
+                         % (MAX_COUNT, input_tokens, output_tokens))
+    return _frames.success_usage(tokens, input_tokens, output_tokens, count_attempt)
 
 
-def outcome_failure(kind: str) -> Any:
+def outcome_failure(kind: str, tokens: Optional[int] = None) -> bytes:
+    """``Failure``, or ``FailureUsage`` when the tokens the upstream still consumed are given."""
     wire = FAILURE_KINDS.get(kind) if isinstance(kind, str) else None
     if wire is None:
         raise ValueError(
             "unknown failure kind %r; allowed kinds: %s" % (kind, ", ".join(sorted(FAILURE_KINDS)))
         )
-    return {"Failure": {"kind": wire}}
+    tokens = _check_count("tokens", tokens)
+    if tokens is None:
+        return _frames.failure(wire)
+    return _frames.failure_usage(wire, tokens, None, None)
 
 
-def outcome_rate_limited(retry_after_s: Optional[float]) -> Any:
-    return {"RateLimited": {"retry_after_s": _check_seconds("retry_after_s", retry_after_s)}}
+def outcome_rate_limited(retry_after_s: Optional[float] = None) -> bytes:
+    r = _check_seconds("retry_after_s", retry_after_s)
+    if r is not None and r == float("inf"):
+        raise ValueError("retry_after_s must be finite, got %r" % (retry_after_s,))
+    return _frames.rate_limited(r)
 
 
-OUTCOME_CANCELLED = "Cancelled"
+OUTCOME_CANCELLED = _frames.CANCELLED
 
 
 # ---------------------------------------------------------------- replies
@@ -183,21 +215,36 @@ def expect(reply: Reply, *names: str) -> Any:
 
 
 def check_welcome(reply: Reply) -> Dict[str, Any]:
-    """The ``Welcome`` body, or a clear error when the sidecar speaks another version."""
-    body: Dict[str, Any] = expect(reply, "Welcome")
-    if body["protocol_version"] != _wire.PROTOCOL_VERSION:
-        raise SidecarError(
-            "sidecar speaks protocol version %d, this client speaks %d"
-            % (body["protocol_version"], _wire.PROTOCOL_VERSION),
-            kind="protocol_violation",
-        )
-    return body
+    """The ``Welcome`` body, or a clear error when the sidecar speaks another
+    version (a version-1 sidecar refuses our Hello with ``ProtocolViolation``)."""
+    name, body = variant(reply)
+    theirs: Optional[int] = None
+    if name == "Welcome":
+        if body["protocol_version"] == _wire.PROTOCOL_VERSION:
+            welcome: Dict[str, Any] = body
+            return welcome
+        theirs = body["protocol_version"]
+    elif name == "Error" and body["kind"] == "ProtocolViolation" and "version" in body["message"]:
+        m = re.search(r"sidecar speaks versions? (\d+)", body["message"])
+        theirs = int(m.group(1)) if m else None
+    else:
+        expect(reply, "Welcome")  # raises the mapped error / a protocol error
+    raise SidecarError(
+        "the sidecar speaks protocol %s, this client needs %d: upgrade polygate-sidecar%s"
+        % (theirs if theirs is not None else "an older version", _wire.PROTOCOL_VERSION,
+           " (it said: %s)" % body["message"] if name == "Error" else ""),
+        kind="protocol_violation",
+    )
 
 
 def late_cleanup(reply: Reply) -> Optional[Request]:
     """For a reply that arrived after its requester gave up: the request that
-    releases what it created (a call or a permit), or None."""
+    releases what it created, or None. ``Started`` (a call and its permit) is
+    finished as cancelled, a ``Granted`` permit reported cancelled, a begun
+    call ended. (A call's own acquires pass sharper cleanups, see calls.py.)"""
     name, body = variant(reply)
+    if name == "Started":
+        return finish(body["permit"], OUTCOME_CANCELLED)
     if name == "Granted":
         return report(body["permit"], OUTCOME_CANCELLED)
     if name == "CallBegun":

@@ -7,11 +7,12 @@ the transport); the TypedDicts below give it types for mypy and IDEs.
 
 from __future__ import annotations
 
+import json
 from typing import Any, Dict, NamedTuple, Optional, TypedDict
 
 from .errmap import snake
 
-__all__ = ["ReportResult", "SourceStatus", "ScopeStatus", "Status", "report_result", "status_dict"]
+__all__ = ["ReportResult", "SourceStatus", "ScopeStatus", "Status", "report_result", "status_from_json"]
 
 
 class ReportResult(NamedTuple):
@@ -25,7 +26,7 @@ class ReportResult(NamedTuple):
     """Seconds until a retry of this source is certainly worth attempting (0 = now)."""
 
 
-class SourceStatus(TypedDict):
+class SourceStatus(TypedDict):  # the sidecar may add keys: they are passed through
     """One source of a scope, as ``status()["scopes"][scope]["sources"][name]``."""
 
     state: str  # "closed" | "open" | "half_open"
@@ -55,7 +56,8 @@ class ScopeStatus(TypedDict):
 
 
 class Status(TypedDict):
-    """What ``client.status()`` returns; ``scopes`` in configuration order."""
+    """What ``client.status()`` returns; ``scopes`` in configuration order.
+    Keys the sidecar adds later (``protocol_version``, ...) appear as they come."""
 
     sidecar_version: str
     backend: str
@@ -67,20 +69,20 @@ def report_result(body: Dict[str, Any]) -> ReportResult:
     return ReportResult(body["applied"], snake(body["state"]), body["retry_after_s"])
 
 
-def status_dict(body: Dict[str, Any]) -> Status:
-    """A ``Status`` body (``StatusReport``) → the :class:`Status` document."""
-    scopes: Dict[str, ScopeStatus] = {}
-    for sc in body["scopes"]:
-        sources: Dict[str, SourceStatus] = {}
-        for src in sc["sources"]:
-            d: Any = {k: v for k, v in src.items() if k != "name"}
-            d["state"] = snake(src["state"])
-            sources[src["name"]] = d
-        scopes[sc["name"]] = {
-            "circuit_open": sc["circuit_open"],
-            "quota_full": sc["quota_full"],
-            "waiters": sc["waiters"],
-            "calls": sc["calls"],
-            "sources": sources,
-        }
-    return {"sidecar_version": body["sidecar_version"], "backend": body["backend"], "scopes": scopes}
+def status_from_json(text: str) -> Status:
+    """The ``StatusJson`` document → the :class:`Status` document: scopes and
+    sources keyed by name (``name`` dropped), every other key kept as sent, so
+    keys the sidecar adds show up without a client change."""
+    doc = json.loads(text)
+    if not isinstance(doc, dict) or not isinstance(doc.get("scopes"), list):
+        raise ValueError("StatusJson is not a status document: %.200s" % (text,))
+    scopes: Dict[str, Any] = {}
+    for sc in doc["scopes"]:
+        sc = dict(sc)
+        name = sc.pop("name")
+        sc["sources"] = {src["name"]: {k: v for k, v in src.items() if k != "name"}
+                         for src in sc.get("sources") or []}
+        scopes[name] = sc
+    doc["scopes"] = scopes
+    out: Status = doc  # type: ignore[assignment]
+    return out
