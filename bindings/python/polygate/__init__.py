@@ -12,7 +12,7 @@
 ``polygate.aio`` has the same names, awaitable. See README.md.
 """
 
-from ._core import ReportResult, ScopeStatus, SourceStatus, Status
+from ._core import Outcome, ReportResult, ScopeStatus, SourceStatus, Status
 from ._version import __version__
 from ._sync import Call, Client, Permit, connect
 from .errors import (
@@ -29,6 +29,7 @@ __all__ = [
     "Call",
     "Permit",
     "ReportResult",
+    "Outcome",
     "Status",
     "ScopeStatus",
     "SourceStatus",

@@ -20,6 +20,7 @@ releases everything the connection held.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import select
 import signal
@@ -30,7 +31,7 @@ from typing import Any, Callable, Dict, List, Optional, TypeVar
 
 from . import _core, _frames, _wire
 from ._core import ReportResult
-from .errors import PolyGateError, SidecarError
+from .errors import GatewayUnavailableError, PolyGateError, SidecarError
 
 __all__ = ["connect", "Client", "Call", "Permit"]
 
@@ -501,6 +502,63 @@ class Client:
         """A call in ``scope``; use ``with client.call(...) as call:``. Nothing is
         sent until the first ``acquire()`` (or ``begin()``)."""
         return Call(self, scope, est_tokens, priority, est_input_tokens, est_output_tokens)
+
+    def run(self, scope: str, fn: Callable[[Permit], T], est_tokens: Optional[int] = None,
+            priority: Optional[str] = None, classify: Optional[_core.Classifier] = None, *,
+            est_input_tokens: Optional[int] = None, est_output_tokens: Optional[int] = None) -> T:
+        """Run ``fn(permit)`` under the sidecar's admission until it succeeds, and
+        return its result: the whole acquire / call / report / fail-over loop.
+
+        ``fn`` gets each attempt's :class:`Permit` (``permit.source`` says where to
+        send the request). A return is a success, reported with the usage found in
+        the result (``usage.total_tokens`` / ``prompt_tokens`` / ``completion_tokens``,
+        or ``input_tokens`` / ``output_tokens``) or set by ``fn`` as ``permit.tokens``.
+        An exception is classified (timeouts, connection errors, HTTP 429 with its
+        ``Retry-After``, 5xx, ...; ``classify(exc)`` first, when given, may return
+        a :class:`polygate.Outcome`) and either retried — the next attempt, maybe
+        on another source — or reported and re-raised at once (a 400, or an
+        exception nothing recognises). When the call's budget is spent, the
+        sidecar's error (``AllSourcesExhausted``, ``CircuitOpenError``) is raised
+        from the last exception. Every path releases what the call held.
+        """
+        last: Optional[BaseException] = None
+        with self.call(scope, est_tokens, priority, est_input_tokens=est_input_tokens,
+                       est_output_tokens=est_output_tokens) as call:
+            while True:
+                try:
+                    permit = call.acquire()
+                except GatewayUnavailableError as e:
+                    if last is None:
+                        raise
+                    raise e from last
+                try:
+                    result = fn(permit)
+                except BaseException as exc:
+                    if not call._attempt_failed(permit, exc, classify).retry:
+                        raise
+                    last = exc
+                    continue
+                if not permit.reported:
+                    tokens, input_tokens, output_tokens = _core.usage_of(result, permit.tokens)
+                    permit.success(tokens, input_tokens=input_tokens, output_tokens=output_tokens)
+                return result
+
+    def gated(self, scope: str, est_tokens: Optional[int] = None, priority: Optional[str] = None,
+              classify: Optional[_core.Classifier] = None) -> Callable[[Callable[..., T]], Callable[..., T]]:
+        """Decorator form of :meth:`run`::
+
+            @client.gated("chat", est_tokens=1200)
+            def ask(permit, prompt):
+                return openai_client(permit.source).chat.completions.create(...)
+
+            reply = ask("hello")   # fn(permit, *args, **kwargs) under client.run
+        """
+        def wrap(fn: Callable[..., T]) -> Callable[..., T]:
+            @functools.wraps(fn)
+            def gated_call(*args: Any, **kwargs: Any) -> T:
+                return self.run(scope, lambda permit: fn(permit, *args, **kwargs), est_tokens, priority, classify)
+            return gated_call
+        return wrap
 
     def status(self) -> _core.Status:
         """Live state: {"sidecar_version", "backend", "scopes": {scope: {...,

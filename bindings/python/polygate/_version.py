@@ -2,4 +2,4 @@
 ``dynamic = ["version"]``), exported as ``polygate.__version__`` and sent in the
 ``Hello`` frame's client name."""
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"

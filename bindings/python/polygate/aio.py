@@ -21,12 +21,13 @@ the connection dies, every pending await fails with :class:`SidecarError`.
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import time
-from typing import Any, Dict, List, Optional
+from typing import Any, Awaitable, Callable, Dict, List, Optional, TypeVar
 
 from . import _core, _frames, _wire
-from ._core import ReportResult, ScopeStatus, SourceStatus, Status
+from ._core import Outcome, ReportResult, ScopeStatus, SourceStatus, Status
 from .errors import (
     AllSourcesExhausted,
     CircuitOpenError,
@@ -35,8 +36,11 @@ from .errors import (
     SidecarError,
 )
 
+T = TypeVar("T")
+
 __all__ = [
     "connect",
+    "Outcome",
     "Client",
     "Call",
     "Permit",
@@ -313,6 +317,47 @@ class Client:
              est_input_tokens: Optional[int] = None, est_output_tokens: Optional[int] = None) -> Call:
         """A call in ``scope``; ``async with client.call(...) as call:``."""
         return Call(self, scope, est_tokens, priority, est_input_tokens, est_output_tokens)
+
+    async def run(self, scope: str, fn: Callable[[Permit], Awaitable[T]], est_tokens: Optional[int] = None,
+                  priority: Optional[str] = None, classify: Optional[_core.Classifier] = None, *,
+                  est_input_tokens: Optional[int] = None, est_output_tokens: Optional[int] = None) -> T:
+        """``await fn(permit)`` under the sidecar's admission until it succeeds
+        (see :meth:`polygate.Client.run`). Cancelling the awaiting task — while
+        it waits for a permit or inside ``fn`` — releases everything the call held
+        and re-raises ``CancelledError``."""
+        last: Optional[BaseException] = None
+        async with self.call(scope, est_tokens, priority, est_input_tokens=est_input_tokens,
+                             est_output_tokens=est_output_tokens) as call:
+            while True:
+                try:
+                    permit = await call.acquire()
+                except GatewayUnavailableError as e:
+                    if last is None:
+                        raise
+                    raise e from last
+                try:
+                    result = await fn(permit)
+                except BaseException as exc:
+                    if not call._attempt_failed(permit, exc, classify).retry:
+                        raise
+                    last = exc
+                    continue
+                if not permit.reported:
+                    tokens, input_tokens, output_tokens = _core.usage_of(result, permit.tokens)
+                    await permit.success(tokens, input_tokens=input_tokens, output_tokens=output_tokens)
+                return result
+
+    def gated(self, scope: str, est_tokens: Optional[int] = None, priority: Optional[str] = None,
+              classify: Optional[_core.Classifier] = None
+              ) -> Callable[[Callable[..., Awaitable[T]]], Callable[..., Awaitable[T]]]:
+        """Decorator form of :meth:`run` for ``async def fn(permit, *args, **kwargs)``."""
+        def wrap(fn: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T]]:
+            @functools.wraps(fn)
+            async def gated_call(*args: Any, **kwargs: Any) -> T:
+                return await self.run(scope, lambda permit: fn(permit, *args, **kwargs), est_tokens, priority,
+                                      classify)
+            return gated_call
+        return wrap
 
     async def status(self) -> Status:
         body = _core.expect(await self._conn.request(_core.STATUS_JSON), "StatusJson")

@@ -4,7 +4,9 @@
   reading replies;
 * :mod:`.status`   – typed models: :class:`ReportResult`, the status TypedDicts;
 * :mod:`.errmap`   – wire errors and socket trouble → :mod:`polygate.errors`;
-* :mod:`.calls`    – call and permit state (``CallBase``, ``PermitBase``).
+* :mod:`.calls`    – call and permit state (``CallBase``, ``PermitBase``);
+* :mod:`.run`      – what ``client.run`` decides: exception → :class:`Outcome`,
+  a result's usage → token counts.
 
 Nothing here touches a socket; :mod:`polygate._sync` and :mod:`polygate.aio` do
 the I/O. The names below are the core's face for both clients (and the tests).
@@ -59,6 +61,7 @@ from .protocol import (
     resolve_path,
     variant,
 )
+from .run import Classifier, Outcome, classify_exception, retry_after_seconds, usage_of
 from .status import ReportResult, ScopeStatus, SourceStatus, Status, report_result, status_from_json
 
 __all__ = [
@@ -70,5 +73,6 @@ __all__ = [
     "check_welcome", "end_call", "finish", "expect", "force_close", "force_open", "frame_request", "hello", "late_cleanup",
     "outcome_failure", "outcome_rate_limited", "outcome_success", "report", "reset", "retry", "start",
     "resolve_path", "variant",
+    "Classifier", "Outcome", "classify_exception", "retry_after_seconds", "usage_of",
     "ReportResult", "ScopeStatus", "SourceStatus", "Status", "report_result", "status_from_json",
 ]

@@ -25,6 +25,7 @@ from typing import Any, Callable, Dict, Generic, NamedTuple, Optional, Tuple, Ty
 
 from . import protocol as p
 from .errmap import error_from_reply
+from .run import Classifier, Outcome, classify_exception, outcome_report
 from .status import ReportResult, report_result
 
 __all__ = ["PermitBase", "CallBase", "Acquisition", "Release"]
@@ -224,6 +225,14 @@ class CallBase(Generic[P]):
             return None
         self._close("it succeeded (a counted success ends the call); start a new call")
         return p.finish(permit.id, outcome)
+
+    def _attempt_failed(self, permit: P, exc: BaseException, classify: Optional[Classifier]) -> Outcome:
+        """``client.run``: the function raised ``exc`` during ``permit``'s attempt.
+        Classify it and hold the report (it goes out as Retry or Finish)."""
+        outcome = classify_exception(exc, classify)
+        if not permit._reported:
+            self._report(permit, outcome_report(outcome), final=False)
+        return outcome
 
     def _finished(self, permit: P, reply: p.Reply) -> ReportResult:
         name, body = p.variant(reply)
