@@ -13,20 +13,11 @@ import polygate
 def do_request(source):
     """Stand-in for your upstream call (OpenAI, Azure, vLLM, …)."""
     if random.random() < 0.2:
-        raise TimeoutError(source)
-    return {"text": "hello from " + source, "total_tokens": random.randint(200, 900)}
+        raise TimeoutError(source)      # run() reports it as a timeout and fails over
+    return {"text": "hello from " + source, "usage": {"total_tokens": random.randint(200, 900)}}
 
 
-client = polygate.connect()            # path: arg, else $POLYGATE_SOCKET, else /run/polygate/sidecar.sock
-with client.call("chat", est_tokens=1200) as call:
-    while True:
-        permit = call.acquire()        # blocks in wait mode; raises CircuitOpenError / AllSourcesExhausted
-        try:
-            reply = do_request(permit.source)
-        except TimeoutError:
-            permit.failure("timeout")
-            continue                   # the next acquire fails over; failed sources go last
-        permit.success(tokens=reply["total_tokens"])
-        break
-print(reply["text"])
+client = polygate.connect()             # path: arg, else $POLYGATE_SOCKET, else /run/polygate/sidecar.sock
+reply = client.run("chat", lambda permit: do_request(permit.source), est_tokens=1200)
+print(reply["text"])                    # the usage was reported from reply["usage"]
 print(client.status()["scopes"]["chat"]["sources"]["openai-gpt4o"]["state"])

@@ -37,13 +37,15 @@ step "Rust tests"
 cargo build --workspace --quiet
 cargo test --workspace
 
-step "Python venv (.venv) with pytest, pytest-timeout, mypy and the polygate binding"
+step "Python venv (.venv) with pytest, pytest-timeout, mypy, build and the polygate binding"
 if [ ! -x .venv/bin/python ]; then
     python3 -m venv .venv
 fi
 # Test tools only: the binding itself has no runtime dependencies (and `openai` /
 # `httpx` stay uninstalled on purpose: the binding must work without them).
-.venv/bin/python -m pip install --quiet --disable-pip-version-check --upgrade pytest pytest-timeout mypy
+# build + wheel (+ setuptools) let test_packaging.py build the wheel and sdist offline.
+.venv/bin/python -m pip install --quiet --disable-pip-version-check --upgrade pytest pytest-timeout mypy \
+    build wheel "setuptools>=61"
 .venv/bin/python -m pip install --quiet --disable-pip-version-check -e bindings/python
 
 step "mypy --strict on the binding (it ships py.typed)"

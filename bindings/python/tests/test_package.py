@@ -78,3 +78,18 @@ def test_ships_py_typed():
     assert os.path.exists(os.path.join(PKG, "py.typed"))
     hints = polygate.Client.status.__annotations__
     assert "Status" in str(hints.get("return")), hints
+
+
+def test_readme_quick_start_is_the_example_worker():
+    """The root README's Python quick start is examples/worker.py, which an e2e
+    test runs against the real daemon: the quick start runs as written."""
+    repo = os.path.dirname(os.path.dirname(ROOT))
+    with open(os.path.join(repo, "README.md"), encoding="utf-8") as f:
+        readme = f.read()
+    section = readme[readme.index("## Python quick start"):]
+    block = section[section.index("```python\n") + len("```python\n"):]
+    block = block[:block.index("```")]
+    with open(os.path.join(repo, "examples", "worker.py"), encoding="utf-8") as f:
+        worker = f.read()
+    assert block.strip() and block in worker
+    assert "client.run(" in block, "the quick start uses run()"
