@@ -406,12 +406,7 @@ class Permit(_core.PermitBase):
         request = call._report(self, outcome, final=count_attempt)
         if request is None:
             return None
-        try:
-            reply = call._conn.request(request)
-        except BaseException:
-            call._finish_abandoned()
-            raise
-        return call._finished(self, reply)
+        return call._finished(self, call._conn.request(request))
 
     def failure(self, kind: str, tokens: Optional[int] = None) -> None:
         """The upstream failed; ``kind`` is one of timeout, server_error,

@@ -223,12 +223,7 @@ class Permit(_core.PermitBase):
         request = call._report(self, outcome, final=count_attempt)
         if request is None:
             return None
-        try:
-            reply = await call._conn.request(request)
-        except asyncio.CancelledError:
-            call._finish_abandoned()
-            raise
-        return call._finished(self, reply)
+        return call._finished(self, await call._conn.request(request))
 
     async def failure(self, kind: str, tokens: Optional[int] = None) -> None:
         """kind: timeout, server_error, connection, bad_result or error; held

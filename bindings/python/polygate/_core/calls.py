@@ -223,6 +223,8 @@ class CallBase(Generic[P]):
         if not final:
             self._held = (permit, outcome)
             return None
+        # _live stays set until Reported arrives: if the wait for it is interrupted,
+        # the end of the call still sends EndCall, in case the Finish never went out.
         self._close("it succeeded (a counted success ends the call); start a new call")
         return p.finish(permit.id, outcome)
 
@@ -243,10 +245,6 @@ class CallBase(Generic[P]):
         if not (name == "Error" and body["kind"] in _VALIDATION):
             self._live = False  # the call is gone either way (e.g. BackendUnavailable)
         return report_result(p.expect(reply, "Reported"))  # raises
-
-    def _finish_abandoned(self) -> None:
-        """Interrupted while a Finish was (maybe) on its way: the end of the
-        call sends an ``EndCall`` in case it never went out."""
 
     # ------------------------------------------------------------ release
 

@@ -133,7 +133,6 @@ def reset(source: str) -> Request:
     return {"Reset": {"source": _check_name("source", source)}}
 
 
-STATUS: Request = "Status"
 STATUS_JSON: Request = "StatusJson"
 PING: Request = "Ping"
 
