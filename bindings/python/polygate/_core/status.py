@@ -55,9 +55,13 @@ class ScopeStatus(TypedDict):
     sources: Dict[str, SourceStatus]
 
 
-class Status(TypedDict):
+class _StatusAdded(TypedDict, total=False):
+    protocol_version: int  # from protocol 2's StatusJson on
+
+
+class Status(_StatusAdded):
     """What ``client.status()`` returns; ``scopes`` in configuration order.
-    Keys the sidecar adds later (``protocol_version``, ...) appear as they come."""
+    Keys the sidecar adds later appear as they come."""
 
     sidecar_version: str
     backend: str
