@@ -8,7 +8,12 @@ Runs full successful calls — ``with client.call(scope, est_tokens) as call:
 call.acquire().success(tokens=est)``, which is ``Start`` + ``Finish`` on the wire
 (protocol 2) — for S seconds and prints ONE JSON line:
 
-    {"mode", "concurrency", "calls", "seconds", "calls_per_s", "call_p50_us", "call_p99_us"}
+    {"mode", "concurrency", "calls", "seconds", "calls_per_s", "call_p50_us", "call_p99_us",
+     "cpu_us_per_call"}
+
+``cpu_us_per_call`` is this process's CPU time (all threads, user + system) over
+the timed window per call: the binding's own cost, which — unlike calls/s —
+hardly moves when other work shares the machine.
 
 Concurrency, chosen to match what each kind of worker really is (and the
 redis-py baseline, bench/baseline/redis_py_baseline.py, which runs the same
@@ -56,7 +61,7 @@ def _quantile_us(sorted_ns: List[int], q: float) -> float:
     return sorted_ns[min(len(sorted_ns) - 1, round((len(sorted_ns) - 1) * q))] / 1000.0
 
 
-def _result(mode: str, concurrency: int, lat: List[int], seconds: float) -> Dict[str, Any]:
+def _result(mode: str, concurrency: int, lat: List[int], seconds: float, cpu_s: float) -> Dict[str, Any]:
     lat.sort()
     return {
         "mode": mode,
@@ -66,6 +71,7 @@ def _result(mode: str, concurrency: int, lat: List[int], seconds: float) -> Dict
         "calls_per_s": round(len(lat) / seconds, 1) if seconds > 0 else 0.0,
         "call_p50_us": round(_quantile_us(lat, 0.50), 1),
         "call_p99_us": round(_quantile_us(lat, 0.99), 1),
+        "cpu_us_per_call": round(cpu_s * 1e6 / len(lat), 1) if lat else 0.0,
     }
 
 
@@ -103,17 +109,19 @@ def run_sync(a: argparse.Namespace) -> Dict[str, Any]:
     threads = [threading.Thread(target=worker, args=(c,)) for c in clients]
     for t in threads:
         t.start()
+    cpu0 = time.process_time()
     start = time.monotonic()
     deadline[0] = start + a.seconds
     go.set()
     for t in threads:
         t.join()
     elapsed = time.monotonic() - start
+    cpu = time.process_time() - cpu0
     for c in clients:
         c.close()
     if errors:
         raise errors[0]
-    return _result("sync", a.concurrency, lat, elapsed)
+    return _result("sync", a.concurrency, lat, elapsed, cpu)
 
 
 async def run_asyncio(a: argparse.Namespace) -> Dict[str, Any]:
@@ -137,12 +145,14 @@ async def run_asyncio(a: argparse.Namespace) -> Dict[str, Any]:
             await one()
             lat.append(clock() - t)
 
+    cpu0 = time.process_time()
     start = time.monotonic()
     deadline = start + a.seconds  # read by the workers, which start below
     await asyncio.gather(*(worker() for _ in range(a.concurrency)))
     elapsed = time.monotonic() - start
+    cpu = time.process_time() - cpu0
     await client.close()
-    return _result("asyncio", a.concurrency, lat, elapsed)
+    return _result("asyncio", a.concurrency, lat, elapsed, cpu)
 
 
 def main(argv: List[str]) -> int:

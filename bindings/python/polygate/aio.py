@@ -8,9 +8,10 @@ One connection multiplexes every concurrent call of the event loop::
         ...
         await permit.success(tokens=1234)
 
-The connection is an :class:`asyncio.Protocol`: frames queued during one turn of
-the event loop go out in one ``write`` (DESIGN §16), and replies are decoded
-in ``data_received`` and resolve the futures waiting for their ids.
+The connection is an :class:`asyncio.BufferedProtocol`: frames queued during one
+turn of the event loop go out in one ``write`` (DESIGN §16); replies are read
+into one reused buffer, decoded in ``buffer_updated`` and resolve the futures
+waiting for their ids.
 
 Cancelling a task blocked in ``await call.acquire()`` sends ``Cancel`` for that
 request and re-raises ``CancelledError``; leaving the ``async with`` block
@@ -66,7 +67,10 @@ class _Slot:
         self.on_late = on_late
 
 
-class _Connection(asyncio.Protocol):
+_RECV_SIZE = 65536
+
+
+class _Connection(asyncio.BufferedProtocol):
     def __init__(self, path: str) -> None:
         self.path = path
         self.max_frame = _wire.DEFAULT_MAX_FRAME
@@ -78,6 +82,9 @@ class _Connection(asyncio.Protocol):
         self._flush_handle: Optional[asyncio.Handle] = None
         self._paused: "Optional[asyncio.Future[None]]" = None  # set while the transport's buffer is full
         self._decoder = _wire.FrameDecoder(_core.MAX_INCOMING_FRAME)
+        # reads land in one reused buffer (a plain Protocol gets a fresh 256 KiB
+        # bytes per read: an mmap + munmap for every reply)
+        self._rbuf = memoryview(bytearray(_RECV_SIZE))
         self._dead: Optional[SidecarError] = None
         self._fatal: Optional[PolyGateError] = None
         self._lost = self._loop.create_future()  # resolved by connection_lost
@@ -88,9 +95,12 @@ class _Connection(asyncio.Protocol):
         assert isinstance(transport, asyncio.Transport)
         self._transport = transport
 
-    def data_received(self, data: bytes) -> None:
+    def get_buffer(self, sizehint: int) -> memoryview:
+        return self._rbuf
+
+    def buffer_updated(self, nbytes: int) -> None:
         try:
-            for payload in self._decoder.feed(data):
+            for payload in self._decoder.feed(self._rbuf[:nbytes]):
                 self._dispatch(_frames.decode_server_frame(payload))
         except _wire.WireError as e:
             self._die(_core.undecodable_error(e))

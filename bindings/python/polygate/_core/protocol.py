@@ -7,6 +7,7 @@ enums: ``{"BeginCall": {...}}``, ``"Ping"``).
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 from typing import Any, Dict, Optional, Tuple
@@ -95,6 +96,7 @@ def hello(client_name: Optional[str]) -> Request:
     }
 
 
+@functools.lru_cache(maxsize=256, typed=True)  # a worker repeats a few specs: validate, encode once
 def call_spec(scope: str, est_tokens: Optional[int] = None, priority: Optional[str] = None,
               est_input_tokens: Optional[int] = None, est_output_tokens: Optional[int] = None) -> bytes:
     """The encoded ``CallSpec`` of a call (validated; built once per call). An
