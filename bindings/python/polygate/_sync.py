@@ -35,6 +35,11 @@ from .errors import GatewayUnavailableError, PolyGateError, SidecarError
 
 __all__ = ["connect", "Client", "Call", "Permit"]
 
+# CPython's C module behind `signal`: signal.signal/getsignal wrap it in enum
+# conversions that cost microseconds per request.
+_sig: Any = getattr(signal, "_signal", signal)
+_SIGINT = int(signal.SIGINT)
+
 _WAIT_SLICE = 0.25  # the main thread's waits wake this often so signals get through
 _RECV_SIZE = 65536
 _MAIN_IDENT = threading.main_thread().ident
@@ -65,7 +70,7 @@ class _SigintGuard:
         """At a safe point: run a deferred SIGINT (KeyboardInterrupt raises here)."""
         if self.pending:
             self.pending = False
-            self.prev(signal.SIGINT, None)
+            self.prev(_SIGINT, None)
 
     @staticmethod
     def install() -> "Optional[_SigintGuard]":
@@ -73,15 +78,15 @@ class _SigintGuard:
         runs a Python handler (SIG_IGN / SIG_DFL never raise)."""
         if threading.get_ident() != _MAIN_IDENT:
             return None
-        prev = signal.getsignal(signal.SIGINT)
+        prev = _sig.getsignal(_SIGINT)
         if not callable(prev) or isinstance(prev, _SigintGuard):
             return None
         guard = _SigintGuard(prev)
-        signal.signal(signal.SIGINT, guard)
+        _sig.signal(_SIGINT, guard)
         return guard
 
     def restore(self) -> None:
-        signal.signal(signal.SIGINT, self.prev)
+        _sig.signal(_SIGINT, self.prev)
         self.deliver()
 
 
