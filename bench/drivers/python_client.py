@@ -23,7 +23,9 @@ shapes with one Redis connection per thread / a pool per loop):
   sync worker is a thread or process doing one call at a time, and a connection
   per worker is how it is deployed. The threads share one interpreter, so the
   GIL bounds the total; N processes would scale further, but then the driver
-  would measure process count rather than the binding.
+  would measure process count rather than the binding. (Worker threads are not
+  the main thread, so the sync client's main-thread SIGINT guard — two handler
+  swaps per request — is not in these figures.)
 * ``asyncio``: one event loop, **one client** shared by N tasks — the asyncio
   client multiplexes every call of a loop over one connection, which is its
   point.
