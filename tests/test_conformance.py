@@ -24,7 +24,7 @@ from .polygate_e2e import REPO, RedisServer
 SCENARIOS = REPO / "bindings" / "conformance" / "scenarios"
 
 TOP_KEYS = {"name", "description", "backends", "timeout_s", "config", "steps"}
-RUNNER_KEYS = ("socket", "admin_uids", "backend", "redis_url", "key_prefix")
+RUNNER_KEYS = ("socket", "admin_uids", "backend", "redis_url", "key_prefix", "redis_timeout")
 BACKENDS = ("memory", "redis")
 
 # op -> (required fields, optional fields)
@@ -359,6 +359,7 @@ def test_conformance(scenario, backend, sidecar, tmp_path):
         own["backend"] = '"redis"'
         own["redis_url"] = json.dumps("redis://127.0.0.1:%d/0" % redis.port)
         own["key_prefix"] = json.dumps("conf-" + uuid.uuid4().hex[:12])
+        own["redis_timeout"] = '"2s"'  # a loaded machine must not degrade a source mid-scenario
     else:
         own["backend"] = '"memory"'
     try:
