@@ -1,0 +1,24 @@
+/**
+ * polygate — Node.js client for the PolyGate admission sidecar (DESIGN §13, §14).
+ *
+ * ```ts
+ * import { connect } from "polygate";
+ * const client = await connect();   // path arg, else $POLYGATE_SOCKET, else /run/polygate/sidecar.sock
+ * const reply = await client.run("chat", { estTokens: 1200 }, async (permit) => callUpstream(permit.source));
+ * ```
+ */
+
+export {
+  Call, Client, DEFAULT_SOCKET, Permit, SOCKET_ENV, VERSION, connect, resolvePath,
+} from "./client.js";
+export type {
+  AcquireOptions, CallOptions, ClassifyResult, ConnectOptions, FailureOptions, ReportResult, RunOptions,
+  ScopeStatus, SourceStatus, Status, SuccessOptions,
+} from "./client.js";
+export {
+  AllSourcesExhaustedError, CircuitOpenError, GatewayUnavailableError, PolyGateError, SidecarError,
+} from "./errors.js";
+export type { ExhaustionReason, SkipReason } from "./errors.js";
+export { classifyError, retryAfterOf, statusOf, usageOf } from "./classify.js";
+export type { FailureKind, Usage, Verdict } from "./classify.js";
+export { PROTOCOL_VERSION } from "./wire.js";
