@@ -4,7 +4,9 @@
 # tests, protocol vectors, server and binary tests), then the Python binding's tests
 # (golden vectors, fake sidecar) and the end-to-end tests against the real daemon,
 # then the Go binding (gofmt, go vet, go test -race: vectors, fake sidecar,
-# conformance scenarios and end-to-end tests against the real daemon and Redis).
+# conformance scenarios and end-to-end tests against the real daemon and Redis),
+# then the Node.js binding (npm ci from its lockfile, tsc --strict, vectors, fake
+# sidecar, conformance scenarios and end-to-end tests against the daemon and Redis).
 #
 # It installs what it needs: redis-server (Debian package) if missing, and a Python
 # venv in .venv with pytest, pytest-timeout, mypy and the `polygate` binding
@@ -73,4 +75,22 @@ else
     fi
     go vet ./bindings/go/... ./examples/worker-go/... ./bench/drivers/go_client/...
     (cd bindings/go && go test -race -count=1 -timeout 600s ./...)
+fi
+
+step "Node.js binding (npm ci, tsc --strict, vectors, fake sidecar, conformance + e2e on the real daemon)"
+if ! command -v node >/dev/null 2>&1 || ! command -v npm >/dev/null 2>&1 \
+    || ! node -e 'process.exit(Number(process.versions.node.split(".")[0]) >= 18 ? 0 : 1)'; then
+    if [ "${CI:-}" = true ]; then
+        echo "node/npm missing or older than Node.js 18: the Node.js binding's tests (bindings/node) need Node.js >= 18 with npm; CI=true, so this fails the run" >&2
+        exit 1
+    fi
+    echo "node/npm missing or older than Node.js 18: the Node.js binding's tests (bindings/node) need Node.js >= 18 with npm; skipping them" >&2
+else
+    (
+        cd bindings/node
+        npm ci --no-audit --no-fund --loglevel=error
+        npm run --silent build
+        npm run --silent build:test
+        timeout 900 node --test build/test/*.test.js
+    )
 fi
