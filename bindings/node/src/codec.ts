@@ -361,22 +361,24 @@ export function decodeValue(ty: Ty, bytes: Buffer): unknown {
   return v;
 }
 
-/** A whole client frame → `{id, request}` (the fake sidecar's side). */
-export function decodeClientFrame(buf: Buffer): { id: bigint; request: unknown } {
+function decodeFrame(buf: Buffer, ty: Ty): { id: bigint; body: unknown } {
   const r = payload(buf);
   const id = r.u64();
-  const request = dec(r, Request);
+  const body = dec(r, ty);
   r.done();
-  return { id, request };
+  return { id, body };
+}
+
+/** A whole client frame → `{id, request}` (the fake sidecar's side). */
+export function decodeClientFrame(buf: Buffer): { id: bigint; request: unknown } {
+  const { id, body } = decodeFrame(buf, Request);
+  return { id, request: body };
 }
 
 /** A whole server frame → `{id, reply}` by the schema walk alone. */
 export function decodeServerFrameGeneric(buf: Buffer): { id: bigint; reply: unknown } {
-  const r = payload(buf);
-  const id = r.u64();
-  const reply = dec(r, Reply);
-  r.done();
-  return { id, reply };
+  const { id, body } = decodeFrame(buf, Reply);
+  return { id, reply: body };
 }
 
 /** A whole server frame → `{id, reply}` as the client decodes it (hot replies by hand). */

@@ -220,21 +220,22 @@ export class Reader {
     return v;
   }
 
-  bool(): boolean {
+  /** A 0/1 byte: a `bool`, or an `Option`'s presence (`what` names it in the error). */
+  flag(what: string): boolean {
     this.need(1);
     const b = this.buf[this.off++];
     if (b === 0) return false;
     if (b === 1) return true;
-    throw new WireError(`invalid bool byte 0x${b!.toString(16)}`);
+    throw new WireError(`invalid ${what} byte 0x${b!.toString(16)}`);
+  }
+
+  bool(): boolean {
+    return this.flag("bool");
   }
 
   /** An Option's presence byte. */
   some(): boolean {
-    this.need(1);
-    const b = this.buf[this.off++];
-    if (b === 0) return false;
-    if (b === 1) return true;
-    throw new WireError(`invalid Option byte 0x${b!.toString(16)}`);
+    return this.flag("Option");
   }
 
   str(): string {
@@ -405,18 +406,20 @@ export function encodeCallSpec(spec: WireCallSpec): Buffer {
   return buf;
 }
 
-/** `Start(CallSpec)` (tag 11) from a call's pre-encoded spec. */
-export function encodeStart(id: U64, spec: Buffer): Buffer {
-  const buf = frame(id, 11, spec.length);
+function specFrame(id: U64, tag: number, spec: Buffer): Buffer {
+  const buf = frame(id, tag, spec.length);
   spec.copy(buf, 16);
   return buf;
 }
 
+/** `Start(CallSpec)` (tag 11) from a call's pre-encoded spec. */
+export function encodeStart(id: U64, spec: Buffer): Buffer {
+  return specFrame(id, 11, spec);
+}
+
 /** `Begin(CallSpec)` (tag 14). */
 export function encodeBegin(id: U64, spec: Buffer): Buffer {
-  const buf = frame(id, 14, spec.length);
-  spec.copy(buf, 16);
-  return buf;
+  return specFrame(id, 14, spec);
 }
 
 function permitOutcome(id: U64, tag: number, permit: U64, outcome: WireOutcome): Buffer {

@@ -4,15 +4,14 @@
 import * as assert from "node:assert/strict";
 import * as fs from "node:fs";
 import * as path from "node:path";
-import { randomBytes } from "node:crypto";
 import { describe, test } from "node:test";
 
 import {
   AllSourcesExhaustedError, Call, CircuitOpenError, Client, GatewayUnavailableError, Permit, PolyGateError,
-  ReportResult, SidecarError, connect,
+  ReportResult, SidecarError,
 } from "../src/index.js";
 import type { FailureKind } from "../src/index.js";
-import { REPO, RedisServer, Sidecar, redisOrSkip, show, sleep } from "./support.js";
+import { REPO, show, sleep, withDaemon } from "./support.js";
 
 const DIR = path.join(REPO, "bindings", "conformance", "scenarios");
 
@@ -289,22 +288,7 @@ async function play(sc: Scenario, client: Client, label: string): Promise<void> 
 
 async function runScenario(sc: Scenario, backend: string, skip: (why: string) => void): Promise<void> {
   const label = `scenario ${sc.name} [${backend}]`;
-  let redis: RedisServer | null = null;
-  const own: Record<string, string> = {};
-  if (backend === "redis") {
-    redis = await redisOrSkip(skip);
-    if (redis === null) return;
-    own.backend = '"redis"';
-    own.redis_url = JSON.stringify(redis.url);
-    own.key_prefix = JSON.stringify(`conf-${randomBytes(6).toString("hex")}`);
-    own.redis_timeout = '"2s"'; // a loaded machine must not degrade a source mid-scenario
-  }
-  const sidecar = new Sidecar();
-  let client: Client | null = null;
-  try {
-    sidecar.writeConfig(sc.config, own);
-    await sidecar.start();
-    client = await connect(sidecar.socket);
+  await withDaemon(sc.config, backend, skip, async (client) => {
     const limit = (sc.timeout_s ?? 30) * 1000;
     let timer: NodeJS.Timeout | undefined;
     const overtime = new Promise<never>((_, reject) => {
@@ -315,15 +299,7 @@ async function runScenario(sc: Scenario, backend: string, skip: (why: string) =>
     } finally {
       clearTimeout(timer);
     }
-  } catch (e) {
-    if (e instanceof Mismatch) e.message += `\n----- sidecar log -----\n${sidecar.log()}`;
-    throw e;
-  } finally {
-    await client?.close();
-    await sidecar.stop();
-    sidecar.cleanup();
-    await redis?.kill();
-  }
+  });
 }
 
 describe("conformance scenarios", () => {

@@ -6,11 +6,10 @@ import * as assert from "node:assert/strict";
 import { spawn } from "node:child_process";
 import * as fs from "node:fs";
 import * as path from "node:path";
-import { randomBytes } from "node:crypto";
 import { describe, test } from "node:test";
 
 import { Client, SidecarError, connect } from "../src/index.js";
-import { REPO, RedisServer, Sidecar, redisOrSkip, sleep, tempDir } from "./support.js";
+import { REPO, Sidecar, sleep, tempDir, withDaemon } from "./support.js";
 
 const CONFIG = `
 [scopes.chat]
@@ -36,37 +35,11 @@ name = "b"
 timeout = "10s"
 `;
 
-async function withDaemon(backend: string, skip: (why: string) => void, body: (client: Client, sidecar: Sidecar) => Promise<void>): Promise<void> {
-  let redis: RedisServer | null = null;
-  const own: Record<string, string> = {};
-  if (backend === "redis") {
-    redis = await redisOrSkip(skip);
-    if (redis === null) return;
-    Object.assign(own, { backend: '"redis"', redis_url: JSON.stringify(redis.url), key_prefix: JSON.stringify(`e2e-${randomBytes(6).toString("hex")}`),
-      redis_timeout: '"5s"' }); // 1,000 calls on a loaded machine: no degrading to local state
-  }
-  const sidecar = new Sidecar();
-  let client: Client | null = null;
-  try {
-    sidecar.writeConfig(CONFIG, own);
-    await sidecar.start();
-    client = await connect(sidecar.socket);
-    await body(client, sidecar);
-  } catch (e) {
-    (e as Error).message += `\n----- sidecar log -----\n${sidecar.log()}`;
-    throw e;
-  } finally {
-    await client?.close();
-    await sidecar.stop();
-    sidecar.cleanup();
-    await redis?.kill();
-  }
-}
-
 for (const backend of ["memory", "redis"]) {
   describe(`real daemon [${backend}]`, () => {
     test("1,000 concurrent runs on one connection", { timeout: 60_000 }, async (t) => {
-      await withDaemon(backend, (why) => t.skip(why), async (client) => {
+      // 1,000 calls on a loaded machine: a 5 s Redis timeout keeps every source on Redis.
+      await withDaemon(CONFIG, backend, (why) => t.skip(why), async (client) => {
         const N = 1000;
         const inFlight = { now: 0, max: 0 };
         const results = await Promise.all(Array.from({ length: N }, (_, i) => client.run("chat", { estTokens: 10 }, async (permit) => {
@@ -86,11 +59,11 @@ for (const backend of ["memory", "redis"]) {
         const srcs = Object.values(chat.sources);
         assert.equal(srcs.reduce((s, x) => s + Number(x.window_successes), 0), N);
         for (const s of srcs) assert.equal(s.in_flight, 0);
-      });
+      }, "5s");
     });
 
     test("run() fails over past a failing source; status shows it", { timeout: 30_000 }, async (t) => {
-      await withDaemon(backend, (why) => t.skip(why), async (client) => {
+      await withDaemon(CONFIG, backend, (why) => t.skip(why), async (client) => {
         const seen: string[] = [];
         const r = await client.run("chat", async (permit) => {
           seen.push(permit.source);

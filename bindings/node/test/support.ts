@@ -6,7 +6,10 @@ import * as fs from "node:fs";
 import * as net from "node:net";
 import * as os from "node:os";
 import * as path from "node:path";
+import { randomBytes } from "node:crypto";
 import { fileURLToPath } from "node:url";
+
+import { Client, connect } from "../src/index.js";
 
 /** The repository root (this file is bindings/node/build/test/support.js once compiled). */
 export const REPO = path.resolve(path.dirname(fileURLToPath(import.meta.url)), "..", "..", "..", "..");
@@ -217,4 +220,41 @@ export async function redisOrSkip(skip: (why: string) => void): Promise<RedisSer
 /** JSON.stringify that prints bigints. */
 export function show(v: unknown): string {
   return JSON.stringify(v, (_k, x) => (typeof x === "bigint" ? `${x}n` : x));
+}
+
+/**
+ * Run `body` against a fresh daemon on `config` and `backend` (`redis`: a throwaway
+ * redis-server, a unique key prefix, `redis_timeout` as given), cleaning up on every
+ * path; a failure gets the daemon's log appended.
+ */
+export async function withDaemon(
+  config: string, backend: string, skip: (why: string) => void,
+  body: (client: Client, sidecar: Sidecar) => Promise<void>, redisTimeout = "2s",
+): Promise<void> {
+  let redis: RedisServer | null = null;
+  const own: Record<string, string> = {};
+  if (backend === "redis") {
+    redis = await redisOrSkip(skip);
+    if (redis === null) return;
+    own.backend = '"redis"';
+    own.redis_url = JSON.stringify(redis.url);
+    own.key_prefix = JSON.stringify(`pg-node-${randomBytes(6).toString("hex")}`);
+    own.redis_timeout = JSON.stringify(redisTimeout); // a loaded machine must not degrade a source mid-test
+  }
+  const sidecar = new Sidecar();
+  let client: Client | null = null;
+  try {
+    sidecar.writeConfig(config, own);
+    await sidecar.start();
+    client = await connect(sidecar.socket);
+    await body(client, sidecar);
+  } catch (e) {
+    if (e instanceof Error) e.message += `\n----- sidecar log -----\n${sidecar.log()}`;
+    throw e;
+  } finally {
+    await client?.close();
+    await sidecar.stop();
+    sidecar.cleanup();
+    await redis?.kill();
+  }
 }

@@ -9,7 +9,7 @@ import { after, before, describe, test } from "node:test";
 import { fileURLToPath } from "node:url";
 
 import {
-  AllSourcesExhaustedError, CircuitOpenError, Client, GatewayUnavailableError, SidecarError, connect, resolvePath,
+  AllSourcesExhaustedError, Call, CircuitOpenError, Client, GatewayUnavailableError, SidecarError, connect, resolvePath,
 } from "../src/index.js";
 import { FakeConn, FakeSidecar, Req, errorReply, until, variant } from "./fake-sidecar.js";
 
@@ -26,6 +26,18 @@ async function setup(tweak?: (f: FakeSidecar) => void): Promise<{ fake: FakeSide
 async function teardown(fake: FakeSidecar, client: Client): Promise<void> {
   await client.close();
   await fake.stop();
+}
+
+// The fake sidecar, client and server-side connection of the running describe block
+// (blocks run one after another).
+let fake: FakeSidecar;
+let client: Client;
+let conn: FakeConn;
+
+/** One fake sidecar and client for every test of a describe block. */
+function sharedFake(): void {
+  before(async () => ({ fake, client, conn } = await setup()));
+  after(async () => teardown(fake, client));
 }
 
 describe("connecting", () => {
@@ -93,11 +105,7 @@ describe("connecting", () => {
 });
 
 describe("the two-frame call", () => {
-  let fake: FakeSidecar;
-  let client: Client;
-  let conn: FakeConn;
-  before(async () => ({ fake, client, conn } = await setup()));
-  after(async () => teardown(fake, client));
+  sharedFake();
 
   test("Start, then Finish on success: two frames, no EndCall", T, async () => {
     conn.requests.length = 0;
@@ -254,11 +262,7 @@ describe("the two-frame call", () => {
 });
 
 describe("errors of a call", () => {
-  let fake: FakeSidecar;
-  let client: Client;
-  let conn: FakeConn;
-  before(async () => ({ fake, client, conn } = await setup()));
-  after(async () => teardown(fake, client));
+  sharedFake();
 
   test("CircuitOpen on Retry: typed fields, and the call is gone (no EndCall)", T, async () => {
     fake.handle = (req, c) => {
@@ -358,12 +362,17 @@ describe("errors of a call", () => {
 });
 
 describe("cancellation", () => {
-  let fake: FakeSidecar;
-  let client: Client;
-  let conn: FakeConn;
   let held: Req[] = [];
-  before(async () => ({ fake, client, conn } = await setup()));
-  after(async () => teardown(fake, client));
+  sharedFake();
+
+  /** Acquire, wait until the fake holds the request, abort: the acquire rejects with AbortError. */
+  async function abortWhileWaiting(call: Call): Promise<void> {
+    const ac = new AbortController();
+    const p = call.acquire({ signal: ac.signal });
+    await until(() => held.length === 1, 3000, "the held acquire");
+    ac.abort();
+    await assert.rejects(p, (e: unknown) => (e as Error).name === "AbortError");
+  }
 
   function holdAcquires(): void {
     held = [];
@@ -385,11 +394,7 @@ describe("cancellation", () => {
     holdAcquires();
     conn.requests.length = 0;
     const call = await client.call("chat");
-    const ac = new AbortController();
-    const p = call.acquire({ signal: ac.signal });
-    await until(() => held.length === 1, 3000, "the Start");
-    ac.abort();
-    await assert.rejects(p, (e: unknown) => (e as Error).name === "AbortError");
+    await abortWhileWaiting(call);
     await call.end();
     assert.deepEqual(conn.names(), ["Start", "Cancel"]);
     assert.equal(conn.named("Cancel")[0]!.target, conn.named("Start")[0]!.id);
@@ -422,11 +427,7 @@ describe("cancellation", () => {
       } else fake.auto(req, c);
     };
     const call = await client.call("chat");
-    const ac = new AbortController();
-    const p = call.acquire({ signal: ac.signal });
-    await until(() => held.length === 1, 3000, "the Start");
-    ac.abort();
-    await assert.rejects(p, (e: unknown) => (e as Error).name === "AbortError");
+    await abortWhileWaiting(call);
     await call.end(); // waits for the release
     assert.deepEqual(conn.names(), ["Start", "Cancel", "Finish"]);
     assert.deepEqual(conn.named("Finish")[0], { id: conn.named("Finish")[0]!.id, permit: 99n, outcome: "Cancelled" });
@@ -439,11 +440,7 @@ describe("cancellation", () => {
     const p1 = await call.acquire();
     await p1.failure("timeout");
     holdAcquires();
-    const ac = new AbortController();
-    const p = call.acquire({ signal: ac.signal });
-    await until(() => held.length === 1, 3000, "the Retry");
-    ac.abort();
-    await assert.rejects(p, (e: unknown) => (e as Error).name === "AbortError");
+    await abortWhileWaiting(call);
     await call.end();
     assert.deepEqual(conn.names(), ["Start", "Retry", "Cancel"]);
     assert.deepEqual(conn.named("Retry")[0]!.outcome, { Failure: { kind: "Timeout" } });
@@ -601,11 +598,7 @@ function encodeStatusJson(id: bigint, text: string): Buffer {
 }
 
 describe("run()", () => {
-  let fake: FakeSidecar;
-  let client: Client;
-  let conn: FakeConn;
-  before(async () => ({ fake, client, conn } = await setup()));
-  after(async () => teardown(fake, client));
+  sharedFake();
 
   const outcomes = (): unknown[] => conn.requests.filter((r) => ["Retry", "Finish"].includes(variant(r.request)[0]))
     .map((r) => variant(r.request)[1].outcome);
