@@ -213,6 +213,27 @@ interface Pending {
 
 const DISCARD: Pending = { ok: noop, err: noop };
 
+/**
+ * Requests waiting on each AbortSignal: one listener per signal, however many
+ * concurrent acquires share it (a shared shutdown signal must not pile up listeners).
+ */
+const watched = new WeakMap<AbortSignal, Set<Request>>();
+
+function watch(signal: AbortSignal, r: Request): void {
+  let set = watched.get(signal);
+  if (set === undefined) {
+    const s = new Set<Request>();
+    set = s;
+    watched.set(signal, s);
+    signal.addEventListener("abort", () => {
+      watched.delete(signal);
+      const reason = abortReason(signal);
+      for (const req of s) req.cancel(reason);
+    }, { once: true });
+  }
+  set.add(r);
+}
+
 /** One request in flight; cancellable (its late reply then goes to `late`). */
 class Request implements Pending {
   promise: Promise<WireReply>;
@@ -220,7 +241,6 @@ class Request implements Pending {
   private reject!: (e: unknown) => void;
   private settled = false;
   private signal: AbortSignal | undefined;
-  private onAbort: (() => void) | undefined;
 
   constructor(
     private readonly conn: Connection,
@@ -234,15 +254,14 @@ class Request implements Pending {
     });
     if (signal !== undefined) {
       this.signal = signal;
-      this.onAbort = () => this.cancel(abortReason(signal));
-      signal.addEventListener("abort", this.onAbort, { once: true });
+      watch(signal, this);
     }
   }
 
   private settle(): boolean {
     if (this.settled) return false;
     this.settled = true;
-    if (this.signal !== undefined) this.signal.removeEventListener("abort", this.onAbort!);
+    if (this.signal !== undefined) watched.get(this.signal)?.delete(this);
     return true;
   }
 

@@ -446,6 +446,25 @@ describe("cancellation", () => {
     assert.deepEqual(conn.named("Retry")[0]!.outcome, { Failure: { kind: "Timeout" } });
   });
 
+  test("one signal shared by many waiting acquires: all cancelled, one listener, no warning", T, async () => {
+    holdAcquires();
+    conn.requests.length = 0;
+    const warnings: Error[] = [];
+    const onWarning = (w: Error): void => void warnings.push(w);
+    process.on("warning", onWarning);
+    const ac = new AbortController();
+    const calls = await Promise.all(Array.from({ length: 50 }, () => client.call("chat")));
+    const outcomes = calls.map((c) => c.acquire({ signal: ac.signal }).then(() => null, (e: unknown) => e));
+    await until(() => held.length === 50, 3000, "50 Starts");
+    ac.abort();
+    for (const e of await Promise.all(outcomes)) assert.equal((e as Error).name, "AbortError");
+    for (const c of calls) await c.end();
+    await new Promise((r) => setImmediate(r));
+    process.off("warning", onWarning);
+    assert.deepEqual(warnings.map((w) => w.message), []);
+    assert.equal(conn.named("Cancel").length, 50);
+  });
+
   test("end() while an acquire waits cancels it", T, async () => {
     holdAcquires();
     conn.requests.length = 0;
