@@ -1067,11 +1067,13 @@ export class Client {
           last = err;
           failed = true;
           if (signal?.aborted) {
-            await permit.cancel();
+            if (!permit.reported) await permit.cancel();
             throw err;
           }
           const v = verdict(err, permit, opts.classify);
-          if (v.kind === "rate_limited") {
+          if (permit.reported) {
+            // fn reported the attempt itself; its report stands
+          } else if (v.kind === "rate_limited") {
             await permit.rateLimited({ retryAfterS: v.retryAfterS ?? null });
           } else {
             await permit.failure(v.kind, permitUsage(permit) ?? {});
@@ -1079,7 +1081,7 @@ export class Client {
           if (v.rethrow) throw err;
           continue;
         }
-        await permit.success(permitUsage(permit) ?? usageOf(result) ?? {});
+        if (!permit.reported) await permit.success(permitUsage(permit) ?? usageOf(result) ?? {});
         return result;
       }
     } finally {

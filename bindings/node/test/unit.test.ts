@@ -721,6 +721,28 @@ describe("run()", () => {
     assert.deepEqual(outcomes(), ["Cancelled"]);
   });
 
+  test("a report made inside fn stands (run does not report twice)", T, async () => {
+    conn.requests.length = 0;
+    const r = await client.run("chat", async (p) => {
+      await p.success({ tokens: 9 });
+      return "ok";
+    });
+    assert.equal(r, "ok");
+    let n = 0;
+    await client.run("chat", async (p) => {
+      if (n++ === 0) {
+        await p.rateLimited({ retryAfterS: 2 });
+        throw new Error("429 handled by hand");
+      }
+      return 1;
+    });
+    assert.deepEqual(outcomes(), [
+      { Success: { tokens: 9n, count_attempt: true } },
+      { RateLimited: { retry_after_s: 2 } },
+      { Success: { tokens: null, count_attempt: true } },
+    ]);
+  });
+
   test("a throwing success (bad count) abandons the permit via EndCall", T, async () => {
     conn.requests.length = 0;
     await assert.rejects(client.run("chat", async (p) => {
