@@ -3,7 +3,11 @@
 // subprocess: N concurrent workers on ONE client (one connection), each doing full
 // success calls — call → acquire (Start) → success (Finish) → end — for S seconds.
 // Prints ONE JSON line:
-//   {"lang":"node","concurrency":N,"calls":…,"seconds":…,"calls_per_s":…,"call_p50_us":…,"call_p99_us":…}
+//   {"lang":"node","concurrency":N,"calls":…,"seconds":…,"calls_per_s":…,"call_p50_us":…,"call_p99_us":…,
+//    "cpu_us_per_call":…}
+// cpu_us_per_call is this process's CPU (user + system) over the timed window per
+// call: the binding's own cost, which hardly moves when other work shares the machine.
+// Any error ends the run with a non-zero exit and the error on stderr.
 //
 //   node bench/drivers/node_client.mjs --socket PATH --concurrency 64 --seconds 5 --scope chat [--est-tokens 10]
 //
@@ -48,7 +52,7 @@ async function oneCall() {
   const call = await client.call(scope, opts);
   try {
     const permit = await call.acquire();
-    await permit.success();
+    await permit.success(estTokens === undefined ? {} : { tokens: estTokens });
   } finally {
     await call.end();
   }
@@ -70,8 +74,14 @@ async function phase(durationS, record) {
   return { calls, elapsed: (performance.now() - t0) / 1000, lat };
 }
 
+process.on("unhandledRejection", (e) => {
+  process.stderr.write(`node_client: ${e?.name ?? "error"}: ${e?.message ?? e}\n`);
+  process.exit(1);
+});
 if (warmup > 0) await phase(warmup, false);
+const cpu0 = process.cpuUsage();
 const { calls, elapsed, lat } = await phase(seconds, true);
+const cpu = process.cpuUsage(cpu0);
 lat.sort((a, b) => a - b);
 const pct = (p) => (lat.length ? lat[Math.min(lat.length - 1, Math.floor(p * lat.length))] * 1000 : 0);
 const round = (x, d = 1) => Math.round(x * 10 ** d) / 10 ** d;
@@ -83,5 +93,6 @@ process.stdout.write(JSON.stringify({
   calls_per_s: round(calls / elapsed),
   call_p50_us: round(pct(0.5)),
   call_p99_us: round(pct(0.99)),
+  cpu_us_per_call: round(calls ? (cpu.user + cpu.system) / calls : 0, 2),
 }) + "\n");
 await client.close();
