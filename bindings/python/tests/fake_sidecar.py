@@ -297,6 +297,9 @@ class FakeSidecar:
         elif name == "EndCall":
             with self.lock:
                 known = self.calls.pop(body["call"], None) is not None
+                # like the sidecar: an unreported permit of the call is abandoned
+                for pid in [k for k, c in self.permits.items() if c == body["call"]]:
+                    del self.permits[pid]
             reply = "Ok" if known else error("UnknownCall", "no call %d on this connection" % body["call"])
         elif name == "StatusJson":
             reply = {"StatusJson": json.dumps(self.status_report())}

@@ -116,8 +116,10 @@ def test_block_exception_releases(fake):
             return permit
     permit = run(main())
     names = [_variant(f["request"]) for f in fake.requests()]
-    assert names == ["Hello", "Start", "Finish", "Ping"]  # the release is one frame
-    assert fake.requests("Finish")[0]["request"]["Finish"] == {"permit": permit.id, "outcome": "Cancelled"}
+    # The release is one frame: the call ends and the unreported permit is abandoned
+    # (its estimate stays charged, PROTOCOL.md §8), not cancelled.
+    assert names == ["Hello", "Start", "EndCall", "Ping"]
+    assert permit.reported
     assert not fake.calls and not fake.permits
 
 

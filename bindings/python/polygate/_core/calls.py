@@ -10,8 +10,9 @@ Protocol version 2 (PROTOCOL.md §14), in the fewest frames:
   *held* and travels with the next ``acquire()`` as ``Retry`` — or with the end of
   the call as ``Finish``;
 * a counted ``success`` sends ``Finish`` at once: the call is over;
-* leaving the call sends one frame at most: ``Finish`` of a held report (or of an
-  unreported permit, as ``Cancelled``), else ``EndCall`` of a call still open.
+* leaving the call sends one frame at most: ``Finish`` of a held report, else
+  ``EndCall`` of a call still open (an unreported permit is abandoned: its
+  estimate stays charged, PROTOCOL.md §8).
 
 An error answering ``Start`` or ``Retry`` (other than the validation errors
 ``UnknownPermit`` / ``InvalidArgument``) means the sidecar has no call any more:
@@ -262,8 +263,12 @@ class CallBase(Generic[P]):
         if held is not None:
             return Release(p.finish(held[0].id, held[1]), self._after_finish(held[0]))
         if permit is not None and not permit._reported:
+            # Never reported: the request may have been sent, so the call is ended
+            # and the permit *abandoned* (PROTOCOL.md §8): its estimate stays
+            # charged, its probe lease and pacer slot are released, the breaker
+            # learns nothing — as on a closed connection, and as the Node and Go
+            # bindings do. Report ``cancel()`` first if nothing was sent.
             permit._reported = True
-            return Release(p.finish(permit.id, p.OUTCOME_CANCELLED), self._after_finish(permit))
         if live and self.id is not None:
             return Release(p.end_call(self.id), _nothing)
         return None
