@@ -1,87 +1,106 @@
-//! The admin listener: `GET /live`, `/ready` and `/metrics` over plain HTTP/1.1 on a
+//! The admin listener (§12): `GET /live`, `/ready` and `/metrics` over HTTP/1.1 on a
 //! TCP address of its own, kept apart from the worker socket (linkerd2-proxy style)
-//! so scraping never competes with admission. One request per connection; anything
-//! else is answered 404/405. Small on purpose: no HTTP library for three routes.
-//! Bounded: at most [`MAX_CONNECTIONS`] connections at once (more are refused with a
-//! 503 at once), each closed within [`DEADLINE`] of being accepted, whatever the peer
-//! does.
+//! so scraping never competes with admission. HTTP is hyper's (`hyper` +
+//! `hyper-util`); the routes and the limits are ours.
+//!
+//! Probes cannot be locked out by idle or slow connections: nothing is ever refused.
+//! Each connection must send a request head within [`AdminOptions::header_read_timeout`]
+//! (also between keep-alive requests) and is closed after
+//! [`AdminOptions::max_lifetime`]. Past [`AdminOptions::max_connections`] the *oldest*
+//! connection is asked to close (at once if idle, after its response otherwise, and
+//! dropped after [`SHED_GRACE`] either way) to make room for the new one, so however
+//! many idle TCP connections a peer opens, the next probe is served.
+//!
+//! `/metrics` costs the shared backend nothing per scrape ([`crate::metrics`]).
 
+use std::collections::BTreeMap;
+use std::convert::Infallible;
 use std::future::Future;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use bytes::Bytes;
+use http_body_util::Full;
+use hyper::body::Incoming;
+use hyper::header::{HeaderValue, ALLOW, CONTENT_TYPE};
+use hyper::{Method, Request, Response, StatusCode};
+use hyper_util::rt::{TokioIo, TokioTimer};
 use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::Semaphore;
-use tokio::time::Instant;
+use tokio::sync::oneshot;
 use tokio_util::sync::CancellationToken;
 
 use crate::backend::Backend;
-use crate::engine::Engine;
-
-/// Largest request head read; longer ones are refused.
-const MAX_HEAD: usize = 8 * 1024;
+use crate::metrics::{self, Exposition};
 
 /// Default for [`AdminOptions::max_connections`].
-pub const MAX_CONNECTIONS: usize = 32;
+pub const MAX_CONNECTIONS: usize = 64;
 
-/// Default for [`AdminOptions::deadline`].
-pub const DEADLINE: Duration = Duration::from_secs(5);
+/// Default for [`AdminOptions::header_read_timeout`].
+pub const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(5);
 
-/// How often, at most, refused connections are logged at `warn`.
-const REFUSAL_LOG_EVERY: Duration = Duration::from_secs(10);
+/// Default for [`AdminOptions::max_lifetime`].
+pub const MAX_LIFETIME: Duration = Duration::from_secs(60);
 
-/// Answer to a connection over [`AdminOptions::max_connections`].
-const TOO_MANY: &[u8] = b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: text/plain\r\n\
-Content-Length: 27\r\nConnection: close\r\n\r\ntoo many admin connections\n";
+/// How long a connection asked to close (shed, or shutdown) may still take to
+/// finish its response before it is dropped.
+pub const SHED_GRACE: Duration = Duration::from_secs(1);
 
-/// Answer to a connection that did not send its request head within the deadline.
-const TOO_SLOW: &[u8] = b"HTTP/1.1 408 Request Timeout\r\nContent-Type: text/plain\r\n\
-Content-Length: 16\r\nConnection: close\r\n\r\nrequest timeout\n";
+/// Largest request head accepted (hyper's read buffer); longer ones are refused.
+const MAX_HEAD: usize = 16 * 1024;
 
 /// Limits of the admin listener: every connection holds a file descriptor, and the
 /// worker socket shares the process's descriptor limit.
 #[derive(Debug, Clone)]
 pub struct AdminOptions {
-    /// Connections served at once; more are answered 503 (best effort, without
-    /// waiting) and closed at once.
+    /// Connections kept at once; a new one past this makes the oldest close.
     pub max_connections: usize,
-    /// Time a connection may take in all, from accept to the last byte written
-    /// (reading the request, rendering, writing); then it is closed.
-    pub deadline: Duration,
+    /// Time a connection has to send a complete request head, counted from the
+    /// accept or from the end of the previous response (idle keep-alive).
+    pub header_read_timeout: Duration,
+    /// Time a connection may live in all, whatever it does.
+    pub max_lifetime: Duration,
 }
 
 impl Default for AdminOptions {
     fn default() -> Self {
         AdminOptions {
             max_connections: MAX_CONNECTIONS,
-            deadline: DEADLINE,
+            header_read_timeout: HEADER_READ_TIMEOUT,
+            max_lifetime: MAX_LIFETIME,
         }
     }
+}
+
+/// Live connections in accept order: id → how to ask it to close.
+type Live = Arc<Mutex<BTreeMap<u64, oneshot::Sender<()>>>>;
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 /// [`serve_with`] the default [`AdminOptions`].
 pub async fn serve<B: Backend>(
     listener: TcpListener,
-    engine: Arc<Engine<B>>,
+    exp: Exposition<B>,
     shutdown: impl Future<Output = ()>,
 ) {
-    serve_with(listener, engine, AdminOptions::default(), shutdown).await
+    serve_with(listener, exp, AdminOptions::default(), shutdown).await
 }
 
-/// Serve until `shutdown` resolves. `/ready` answers 503 once the engine is shutting
-/// down (the daemon keeps this listener up until the worker server has drained, so
-/// the drain is visible) and for requests still in progress when `shutdown` resolves.
+/// Serve until `shutdown` resolves, then ask every connection to close. `/ready`
+/// answers 503 once the engine is shutting down (the daemon keeps this listener up
+/// until the worker server has drained, so the drain is visible) and for requests
+/// still in progress when `shutdown` resolves.
 pub async fn serve_with<B: Backend>(
     listener: TcpListener,
-    engine: Arc<Engine<B>>,
+    exp: Exposition<B>,
     opts: AdminOptions,
     shutdown: impl Future<Output = ()>,
 ) {
     let stopping = CancellationToken::new();
-    let slots = Arc::new(Semaphore::new(opts.max_connections.max(1)));
-    let mut refused: u64 = 0;
-    let mut last_warned: Option<Instant> = None;
+    let live: Live = Arc::default();
+    let mut next_id: u64 = 0;
+    let mut shed: u64 = 0;
     tokio::pin!(shutdown);
     loop {
         tokio::select! {
@@ -90,34 +109,32 @@ pub async fn serve_with<B: Backend>(
                 return;
             }
             r = listener.accept() => match r {
-                Ok((stream, peer)) => {
-                    let Ok(slot) = slots.clone().try_acquire_owned() else {
-                        // Never wait on a refused peer: one non-blocking write, then
-                        // close.
-                        let _ = stream.try_write(TOO_MANY);
-                        drop(stream);
-                        refused += 1;
-                        if last_warned.is_none_or(|t| t.elapsed() >= REFUSAL_LOG_EVERY) {
-                            tracing::warn!(
-                                %peer,
-                                refused,
-                                limit = opts.max_connections,
-                                "admin listener: too many connections; refusing"
-                            );
-                            last_warned = Some(Instant::now());
-                            refused = 0;
+                Ok((stream, _peer)) => {
+                    let _ = stream.set_nodelay(true);
+                    next_id += 1;
+                    let id = next_id;
+                    let (close_tx, close_rx) = oneshot::channel();
+                    {
+                        let mut live = lock(&live);
+                        while live.len() >= opts.max_connections.max(1) {
+                            let Some((_, oldest)) = live.pop_first() else { break };
+                            let _ = oldest.send(());
+                            shed += 1;
                         }
-                        continue;
-                    };
-                    let engine = engine.clone();
-                    let stopping = stopping.clone();
-                    let deadline = Instant::now() + opts.deadline;
-                    tokio::spawn(async move {
-                        let _slot = slot;
-                        if let Err(e) = handle(stream, &engine, &stopping, deadline).await {
-                            tracing::debug!(error = %e, "admin request failed");
-                        }
-                    });
+                        live.insert(id, close_tx);
+                    }
+                    if shed > 0 && shed.is_power_of_two() {
+                        tracing::debug!(shed, limit = opts.max_connections, "admin listener: closing the oldest connections to make room");
+                    }
+                    tokio::spawn(connection(
+                        stream,
+                        id,
+                        exp.clone(),
+                        opts.clone(),
+                        live.clone(),
+                        close_rx,
+                        stopping.clone(),
+                    ));
                 }
                 Err(e) => {
                     tracing::warn!(error = %e, "admin listener: accept failed");
@@ -128,98 +145,99 @@ pub async fn serve_with<B: Backend>(
     }
 }
 
-/// One request, all of it before `deadline`.
-async fn handle<B: Backend>(
-    mut stream: TcpStream,
-    engine: &Engine<B>,
-    stopping: &CancellationToken,
-    deadline: Instant,
-) -> std::io::Result<()> {
-    let mut buf = Vec::with_capacity(512);
-    let head = tokio::time::timeout_at(deadline, async {
-        let mut chunk = [0u8; 512];
-        loop {
-            let n = stream.read(&mut chunk).await?;
-            if n == 0 {
-                return Ok::<bool, std::io::Error>(false);
-            }
-            buf.extend_from_slice(&chunk[..n]);
-            if buf.windows(4).any(|w| w == b"\r\n\r\n") || buf.windows(2).any(|w| w == b"\n\n") {
-                return Ok(true);
-            }
-            if buf.len() > MAX_HEAD {
-                return Ok(false);
-            }
-        }
-    })
-    .await;
-    let Ok(head) = head else {
-        // Out of time: a best-effort answer that cannot block, then close.
-        let _ = stream.try_write(TOO_SLOW);
-        return Err(std::io::Error::new(
-            std::io::ErrorKind::TimedOut,
-            "no request head within the deadline",
-        ));
+/// Serve one connection until it closes, its lifetime ends, or it is asked to
+/// close (shed, shutdown) and [`SHED_GRACE`] passed.
+async fn connection<B: Backend>(
+    stream: TcpStream,
+    id: u64,
+    exp: Exposition<B>,
+    opts: AdminOptions,
+    live: Live,
+    mut close: oneshot::Receiver<()>,
+    stopping: CancellationToken,
+) {
+    let service = {
+        let stopping = stopping.clone();
+        hyper::service::service_fn(move |req| {
+            let exp = exp.clone();
+            let stopping = stopping.clone();
+            async move { Ok::<_, Infallible>(respond(req, &exp, &stopping).await) }
+        })
     };
-    let respond = respond(&mut stream, head, &buf, engine, stopping);
-    match tokio::time::timeout_at(deadline, respond).await {
-        Ok(r) => r,
-        Err(_) => Err(std::io::Error::new(
-            std::io::ErrorKind::TimedOut,
-            "the response was not written within the deadline",
-        )),
+    let mut builder = hyper::server::conn::http1::Builder::new();
+    builder
+        .timer(TokioTimer::new())
+        .header_read_timeout(opts.header_read_timeout)
+        .max_buf_size(MAX_HEAD)
+        .keep_alive(true);
+    let conn = builder.serve_connection(TokioIo::new(stream), service);
+    tokio::pin!(conn);
+    let lifetime = tokio::time::sleep(opts.max_lifetime);
+    tokio::pin!(lifetime);
+    let mut closing: Option<std::pin::Pin<Box<tokio::time::Sleep>>> = None;
+    loop {
+        tokio::select! {
+            r = conn.as_mut() => {
+                if let Err(e) = r {
+                    tracing::debug!(error = %e, "admin connection ended with an error");
+                }
+                break;
+            }
+            _ = &mut close, if closing.is_none() => {
+                conn.as_mut().graceful_shutdown();
+                closing = Some(Box::pin(tokio::time::sleep(SHED_GRACE)));
+            }
+            () = stopping.cancelled(), if closing.is_none() => {
+                conn.as_mut().graceful_shutdown();
+                closing = Some(Box::pin(tokio::time::sleep(SHED_GRACE)));
+            }
+            () = async { closing.as_mut().expect("guarded").await }, if closing.is_some() => break,
+            () = &mut lifetime => break,
+        }
     }
+    lock(&live).remove(&id);
 }
 
-/// Route the request head in `buf` and write the response.
-async fn respond<B: Backend>(
-    stream: &mut TcpStream,
-    head: std::io::Result<bool>,
-    buf: &[u8],
-    engine: &Engine<B>,
-    stopping: &CancellationToken,
-) -> std::io::Result<()> {
-    let complete = matches!(head, Ok(true));
-    let line = String::from_utf8_lossy(buf);
-    let mut parts = line.lines().next().unwrap_or("").split_whitespace();
-    let (method, path) = (parts.next().unwrap_or(""), parts.next().unwrap_or(""));
-    let (code, ctype, body) = if !complete {
-        (400, "text/plain", "bad request\n".to_string())
-    } else if method != "GET" && method != "HEAD" {
-        (405, "text/plain", "only GET\n".to_string())
-    } else {
-        match path.split('?').next().unwrap_or("") {
-            "/live" => (200, "text/plain", "live\n".to_string()),
-            "/ready" if stopping.is_cancelled() || engine.is_shutting_down() => {
-                (503, "text/plain", "shutting down\n".to_string())
-            }
-            "/ready" => (200, "text/plain", "ready\n".to_string()),
-            "/metrics" => (
-                200,
-                "text/plain; version=0.0.4; charset=utf-8",
-                crate::metrics::render(engine).await,
-            ),
-            _ => (
-                404,
-                "text/plain",
-                "not found: try /live, /ready, /metrics\n".to_string(),
-            ),
-        }
-    };
-    let reason = match code {
-        200 => "OK",
-        400 => "Bad Request",
-        404 => "Not Found",
-        405 => "Method Not Allowed",
-        _ => "Service Unavailable",
-    };
-    let mut resp = format!(
-        "HTTP/1.1 {code} {reason}\r\nContent-Type: {ctype}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
-        body.len()
+/// A plain-text response.
+fn text(code: StatusCode, body: &'static str) -> Response<Full<Bytes>> {
+    let mut r = Response::new(Full::new(Bytes::from_static(body.as_bytes())));
+    *r.status_mut() = code;
+    r.headers_mut().insert(
+        CONTENT_TYPE,
+        HeaderValue::from_static("text/plain; charset=utf-8"),
     );
-    if method != "HEAD" {
-        resp.push_str(&body);
+    r
+}
+
+/// Route one request.
+async fn respond<B: Backend>(
+    req: Request<Incoming>,
+    exp: &Exposition<B>,
+    stopping: &CancellationToken,
+) -> Response<Full<Bytes>> {
+    if req.method() != Method::GET && req.method() != Method::HEAD {
+        let mut r = text(StatusCode::METHOD_NOT_ALLOWED, "only GET and HEAD\n");
+        r.headers_mut()
+            .insert(ALLOW, HeaderValue::from_static("GET, HEAD"));
+        return r;
     }
-    stream.write_all(resp.as_bytes()).await?;
-    stream.shutdown().await
+    match req.uri().path() {
+        "/live" => text(StatusCode::OK, "live\n"),
+        "/ready" if stopping.is_cancelled() || exp.engine.is_shutting_down() => {
+            text(StatusCode::SERVICE_UNAVAILABLE, "shutting down\n")
+        }
+        "/ready" => text(StatusCode::OK, "ready\n"),
+        "/metrics" => {
+            let mut r = Response::new(Full::new(Bytes::from(metrics::render(exp).await)));
+            r.headers_mut().insert(
+                CONTENT_TYPE,
+                HeaderValue::from_static(metrics::CONTENT_TYPE),
+            );
+            r
+        }
+        _ => text(
+            StatusCode::NOT_FOUND,
+            "not found: try /live, /ready, /metrics\n",
+        ),
+    }
 }

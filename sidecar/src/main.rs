@@ -4,13 +4,25 @@
 
 use std::path::PathBuf;
 use std::process::ExitCode;
+use std::sync::LazyLock;
 
 use clap::{Parser, Subcommand};
 use polygate::{cli, daemon};
 
+/// `--version`: the software version and the wire protocol versions it speaks, so
+/// an operator can tell which bindings fit without starting it.
+static VERSION: LazyLock<String> = LazyLock::new(|| {
+    format!(
+        "{} (protocol versions {}-{})",
+        env!("CARGO_PKG_VERSION"),
+        ipc_protocol::MIN_PROTOCOL_VERSION,
+        ipc_protocol::PROTOCOL_VERSION
+    )
+});
+
 /// PolyGate per-host admission sidecar.
 #[derive(Debug, Parser)]
-#[command(name = "polygate-sidecar", version, about, long_about = None)]
+#[command(name = "polygate-sidecar", version = VERSION.as_str(), about, long_about = None)]
 struct Cli {
     /// TOML configuration file; without it the embedded example configuration is
     /// used. `{SCOPE}__{KEY}` environment variables override scope keys.
@@ -32,15 +44,19 @@ enum Command {
         /// file's socket, else /run/polygate/sidecar.sock].
         #[arg(long, value_name = "PATH")]
         socket: Option<PathBuf>,
+        /// Print the state as one JSON document (bindings/PROTOCOL.md §14.4) instead
+        /// of tables, for scripts and dashboards.
+        #[arg(long)]
+        json: bool,
     },
 }
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
     match cli.command {
-        Some(Command::Status { socket }) => {
+        Some(Command::Status { socket, json }) => {
             match cli::status::socket_path(socket, cli.config.as_deref()) {
-                Ok(socket) => cli::status::run(&socket),
+                Ok(socket) => cli::status::run(&socket, json),
                 Err(code) => code,
             }
         }

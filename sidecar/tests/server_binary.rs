@@ -162,6 +162,169 @@ async fn status_command_prints_every_source() {
     task.await.unwrap().unwrap();
 }
 
+#[tokio::test(flavor = "multi_thread")]
+async fn status_json_names_every_scope_and_source() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("s.sock");
+    let text = format!(
+        "{}\n[scopes.emb]\n[[scopes.emb.sources]]\nname = \"embedder\"\n\n\
+         [[scopes.emb.sources]]\nname = \"primary\"\ntpm = 6000\nrpm = 60\n",
+        config(&path)
+    );
+    let config = parse_str(&text, std::iter::empty()).unwrap();
+    let clock: Arc<dyn Clock> = Arc::new(TokioClock::new());
+    let backend = MemoryBackend::new(clock.clone(), ["primary", "fallback", "embedder"]);
+    let engine = Engine::new(&config, backend, clock);
+    let listener = UnixListener::bind(&path).unwrap();
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let task = tokio::spawn(server::run(
+        listener,
+        engine,
+        ServerOptions::from_config(&config.sidecar),
+        async move {
+            let _ = stopped.await;
+        },
+    ));
+
+    let out = tokio::task::spawn_blocking({
+        let path = path.clone();
+        move || {
+            sidecar()
+                .args(["status", "--json", "--socket"])
+                .arg(&path)
+                .output()
+                .unwrap()
+        }
+    })
+    .await
+    .unwrap();
+    assert!(out.status.success(), "{out:?}");
+    let stdout = String::from_utf8(out.stdout).unwrap();
+    assert_eq!(
+        stdout.lines().count(),
+        1,
+        "one document, one line: {stdout}"
+    );
+    let doc: serde_json::Value = serde_json::from_str(&stdout).expect("status --json parses");
+    assert_eq!(doc["backend"], "memory");
+    assert_eq!(doc["protocol_version"], PROTOCOL_VERSION);
+    let scopes: Vec<(&str, Vec<&str>)> = doc["scopes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|sc| {
+            let sources = sc["sources"].as_array().unwrap();
+            let names = sources
+                .iter()
+                .map(|s| s["name"].as_str().unwrap())
+                .collect();
+            (sc["name"].as_str().unwrap(), names)
+        })
+        .collect();
+    assert_eq!(
+        scopes,
+        vec![
+            ("chat", vec!["primary", "fallback"]),
+            ("emb", vec!["embedder", "primary"]),
+        ]
+    );
+    let primary = &doc["scopes"][0]["sources"][0];
+    assert_eq!(primary["state"], "closed");
+    assert_eq!(primary["tokens_available"], 6000.0);
+    assert!(primary["requests_available"].is_number());
+    assert!(doc["scopes"][0]["sources"][1]["tokens_available"].is_null());
+
+    stop.send(()).unwrap();
+    task.await.unwrap().unwrap();
+
+    // The same errors and exit status as the table: an unreachable socket is 1.
+    let out = sidecar()
+        .args(["status", "--json", "--socket", "/nonexistent/polygate.sock"])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1), "{out:?}");
+    assert!(out.stdout.is_empty());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("/nonexistent/polygate.sock"));
+}
+
+#[test]
+fn version_names_the_protocol_versions() {
+    let out = sidecar().arg("--version").output().unwrap();
+    assert!(out.status.success(), "{out:?}");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let expected = format!(
+        "polygate-sidecar {} (protocol versions {}-{})",
+        env!("CARGO_PKG_VERSION"),
+        ipc_protocol::MIN_PROTOCOL_VERSION,
+        PROTOCOL_VERSION
+    );
+    assert_eq!(stdout.trim_end(), expected);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn json_logs_are_one_json_object_per_line() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("s.sock");
+    let file = dir.path().join("polygate.toml");
+    std::fs::write(&file, config(&path)).unwrap();
+    for (how, set) in [("file", true), ("env", false)] {
+        let text = if set {
+            config(&path).replace("[sidecar]\n", "[sidecar]\nlog_format = \"json\"\n")
+        } else {
+            config(&path)
+        };
+        std::fs::write(&file, text).unwrap();
+        let mut cmd = sidecar();
+        cmd.arg("--config").arg(&file);
+        if !set {
+            cmd.env("SIDECAR__LOG_FORMAT", "json");
+        }
+        let mut daemon = Daemon::spawn(&mut cmd);
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while UnixStream::connect(&path).await.is_err() {
+            assert!(Instant::now() < deadline, "{how}: never listened");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        daemon.signal(nix::sys::signal::Signal::SIGTERM);
+        let status = daemon.exit_within(Duration::from_secs(5)).await;
+        assert!(status.is_some_and(|s| s.success()), "{how}: {status:?}");
+        tokio::time::sleep(Duration::from_millis(100)).await; // the reader thread drains
+        let stderr = daemon.stderr();
+        let lines: Vec<&str> = stderr.lines().collect();
+        assert!(lines.len() >= 3, "{how}: {stderr}");
+        let mut messages = Vec::new();
+        for line in &lines {
+            let v: serde_json::Value = serde_json::from_str(line)
+                .unwrap_or_else(|e| panic!("{how}: not JSON ({e}): {line:?}"));
+            assert!(v["level"].is_string(), "{how}: {line}");
+            assert!(v["fields"].is_object(), "{how}: {line}");
+            messages.push(v["fields"]["message"].as_str().unwrap().to_string());
+        }
+        assert!(
+            messages.iter().any(|m| m == "polygate-sidecar ready"),
+            "{messages:?}"
+        );
+        assert!(
+            messages.iter().any(|m| m.contains("SIGTERM")),
+            "{messages:?}"
+        );
+    }
+    // A bad value names the variable and the allowed values.
+    let out = sidecar()
+        .arg("--config")
+        .arg(&file)
+        .arg("--check-config")
+        .env("SIDECAR__LOG_FORMAT", "xml")
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2), "{out:?}");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("SIDECAR__LOG_FORMAT") && stderr.contains("text, json"),
+        "{stderr}"
+    );
+}
+
 #[test]
 fn status_command_reports_an_unreachable_socket() {
     let out = sidecar()
@@ -395,7 +558,7 @@ impl Notifications {
 async fn admin_get(addr: std::net::SocketAddr, path: &str) -> std::io::Result<u16> {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let mut s = tokio::net::TcpStream::connect(addr).await?;
-    s.write_all(format!("GET {path} HTTP/1.1\r\n\r\n").as_bytes())
+    s.write_all(format!("GET {path} HTTP/1.1\r\nConnection: close\r\n\r\n").as_bytes())
         .await?;
     let mut out = String::new();
     s.read_to_string(&mut out).await?;

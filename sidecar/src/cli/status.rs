@@ -1,5 +1,7 @@
 //! `polygate-sidecar status` (§12): ask a running sidecar for its live state over
-//! the worker socket (Hello, then Status) and print it as one text table per scope.
+//! the worker socket (Hello, then Status) and print it as one text table per scope;
+//! `status --json` asks for the JSON document instead (`StatusJson`,
+//! bindings/PROTOCOL.md §14.4) and prints it as received, one line.
 
 use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
@@ -29,8 +31,9 @@ pub fn socket_path(socket: Option<PathBuf>, config: Option<&Path>) -> Result<Pat
     }
 }
 
-/// Fetch the report from `socket` and print it; failures go to stderr.
-pub fn run(socket: &Path) -> ExitCode {
+/// Fetch the report from `socket` and print it (tables, or with `json` the JSON
+/// document); failures go to stderr and exit 1.
+pub fn run(socket: &Path, json: bool) -> ExitCode {
     let rt = match tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
@@ -41,10 +44,19 @@ pub fn run(socket: &Path) -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    let fetch = async { tokio::time::timeout(STATUS_TIMEOUT, fetch(socket)).await };
+    let request = if json {
+        Request::StatusJson
+    } else {
+        Request::Status
+    };
+    let fetch = async { tokio::time::timeout(STATUS_TIMEOUT, fetch(socket, request)).await };
     match rt.block_on(fetch) {
-        Ok(Ok(report)) => {
+        Ok(Ok(Printable::Report(report))) => {
             print!("{}", render(&report));
+            ExitCode::SUCCESS
+        }
+        Ok(Ok(Printable::Json(doc))) => {
+            println!("{doc}");
             ExitCode::SUCCESS
         }
         Ok(Err(e)) => {
@@ -61,8 +73,16 @@ pub fn run(socket: &Path) -> ExitCode {
     }
 }
 
-/// Hello, then Status, on one connection.
-async fn fetch(socket: &Path) -> Result<StatusReport, String> {
+/// What a status request brought back.
+enum Printable {
+    /// The answer to `Status`.
+    Report(StatusReport),
+    /// The answer to `StatusJson`: the document as the sidecar wrote it.
+    Json(String),
+}
+
+/// Hello, then `request` (`Status` or `StatusJson`), on one connection.
+async fn fetch(socket: &Path, request: Request) -> Result<Printable, String> {
     let stream = UnixStream::connect(socket)
         .await
         .map_err(|e| format!("cannot connect: {e}"))?;
@@ -87,15 +107,28 @@ async fn fetch(socket: &Path) -> Result<StatusReport, String> {
         client_name: format!("polygate-sidecar-status/{}", env!("CARGO_PKG_VERSION")),
         pid: std::process::id(),
     };
-    match ask(1, hello).await? {
-        Reply::Welcome { .. } => {}
+    let agreed = match ask(1, hello).await? {
+        Reply::Welcome {
+            protocol_version, ..
+        } => protocol_version,
         Reply::Error(e) => return Err(format!("{:?}: {}", e.kind, e.message)),
         other => return Err(format!("unexpected answer to Hello: {other:?}")),
-    }
-    match ask(2, Request::Status).await? {
-        Reply::Status(report) => Ok(report),
+    };
+    let name = match request {
+        Request::StatusJson if agreed < request.min_version() => {
+            return Err(format!(
+                "this sidecar speaks protocol version {agreed}; status --json needs version {}",
+                request.min_version()
+            ))
+        }
+        Request::StatusJson => "StatusJson",
+        _ => "Status",
+    };
+    match ask(2, request).await? {
+        Reply::Status(report) => Ok(Printable::Report(report)),
+        Reply::StatusJson(doc) => Ok(Printable::Json(doc)),
         Reply::Error(e) => Err(format!("{:?}: {}", e.kind, e.message)),
-        other => Err(format!("unexpected answer to Status: {other:?}")),
+        other => Err(format!("unexpected answer to {name}: {other:?}")),
     }
 }
 

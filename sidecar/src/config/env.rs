@@ -88,6 +88,8 @@ const SIDECAR_KEYS: &[(&str, Slot<RawSidecar>)] = &[
     ("REDIS_TIMEOUT", Slot::Text(|s| &mut s.redis_timeout)),
     ("MAX_FRAME", Slot::Int(|s| &mut s.max_frame)),
     ("SHUTDOWN_GRACE", Slot::Text(|s| &mut s.shutdown_grace)),
+    ("LOG_FORMAT", Slot::Text(|s| &mut s.log_format)),
+    ("METRICS_REFRESH", Slot::Text(|s| &mut s.metrics_refresh)),
 ];
 
 /// Every `{SCOPE}__` key, in the order an unknown-key error lists them.

@@ -97,6 +97,17 @@ spelled! {
     }
 }
 
+spelled! {
+    /// How log lines are written (§12).
+    pub enum LogFormat {
+        /// One human-readable line per event.
+        Text = "text",
+        /// One JSON object per line (`timestamp`, `level`, `fields`, `target`), for
+        /// log shippers.
+        Json = "json",
+    }
+}
+
 /// The whole configuration.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Config {
@@ -138,6 +149,12 @@ pub struct SidecarConfig {
     /// Optional HTTP admin listener (`/live`, `/ready`, `/metrics`), kept apart from
     /// the worker socket; `None` serves none.
     pub admin_listen: Option<std::net::SocketAddr>,
+    /// Human or JSON log lines.
+    pub log_format: LogFormat,
+    /// How often the admin listener's `/metrics` re-reads the shared backend's view
+    /// of every source (breaker, quota) in the background: scrapes never touch the
+    /// backend, so this bounds both the staleness of those gauges and their cost.
+    pub metrics_refresh: Duration,
 }
 
 /// `[scopes.NAME]`.
@@ -262,6 +279,8 @@ impl Default for SidecarConfig {
             max_frame: 65536,
             shutdown_grace: Duration::from_secs(5),
             admin_listen: None,
+            log_format: LogFormat::Text,
+            metrics_refresh: Duration::from_secs(5),
         }
     }
 }

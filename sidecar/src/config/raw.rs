@@ -57,6 +57,10 @@ pub(super) struct RawSidecar {
     pub shutdown_grace: Option<String>,
     /// Admin HTTP address (`""` = none).
     pub admin_listen: Option<String>,
+    /// `text` | `json`.
+    pub log_format: Option<String>,
+    /// Duration string: background refresh of the metrics' shared state.
+    pub metrics_refresh: Option<String>,
 }
 
 /// `[scopes.NAME]` as written; see [`ScopeConfig`](super::ScopeConfig).
@@ -213,6 +217,7 @@ fn type_hint(path: &str) -> &'static str {
         "timeout",
         "redis_timeout",
         "shutdown_grace",
+        "metrics_refresh",
     ];
     let last = path.rsplit('.').next().unwrap_or(path);
     if DURATIONS.contains(&last) {

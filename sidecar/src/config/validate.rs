@@ -241,8 +241,18 @@ fn validate_sidecar(raw: RawSidecar, ctx: &Origins) -> Result<SidecarConfig, Con
             },
         };
 
+    let log_format = choice(ctx, "sidecar.log_format", raw.log_format, d.log_format)?;
+    let metrics_refresh = duration(
+        ctx,
+        "sidecar.metrics_refresh",
+        raw.metrics_refresh,
+        d.metrics_refresh,
+    )?;
+
     Ok(SidecarConfig {
         admin_listen,
+        log_format,
+        metrics_refresh,
         socket,
         socket_mode,
         allowed_uids: raw.allowed_uids.unwrap_or(d.allowed_uids),

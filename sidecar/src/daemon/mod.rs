@@ -23,11 +23,11 @@ use tokio::sync::broadcast;
 use tokio_util::sync::CancellationToken;
 use tracing::{error, info, warn};
 
-use crate::backend::AdminEvent;
-use crate::backend::AnyBackend;
+use crate::backend::{AdminEvent, AnyBackend, Backend};
 use crate::clock::{Clock, TokioClock};
-use crate::config::Config;
+use crate::config::{Config, LogFormat};
 use crate::engine::Engine;
+use crate::metrics::{self, Exposition, SharedView};
 use crate::server::{self, ServerOptions};
 use signals::{Lifecycle, Reload};
 use systemd::sd_notify;
@@ -38,7 +38,7 @@ const EXIT_SLACK: Duration = Duration::from_secs(2);
 /// Run the daemon on `config` (read from `path`, which SIGHUP re-reads; `None`: the
 /// embedded example) until it is stopped; the process's exit status.
 pub fn run(config: Config, path: Option<PathBuf>) -> ExitCode {
-    init_tracing();
+    init_tracing(config.sidecar.log_format);
     let rt = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
@@ -55,18 +55,21 @@ pub fn run(config: Config, path: Option<PathBuf>) -> ExitCode {
     code
 }
 
-fn init_tracing() {
+/// Logging to stderr at `RUST_LOG` (default `info`): human lines, or with
+/// `log_format = "json"` one JSON object per line (`timestamp`, `level`, `fields`
+/// with `message`, `target`) from tracing-subscriber's own JSON formatter.
+fn init_tracing(format: LogFormat) {
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
     let fmt = tracing_subscriber::fmt()
         .with_env_filter(filter)
-        .with_writer(io::stderr)
-        .with_ansi(io::stderr().is_terminal());
+        .with_writer(io::stderr);
     // Under systemd the journal stamps every line itself.
-    if std::env::var_os("JOURNAL_STREAM").is_some() {
-        fmt.without_time().init();
-    } else {
-        fmt.init();
+    let journal = std::env::var_os("JOURNAL_STREAM").is_some();
+    match (format, journal) {
+        (LogFormat::Json, _) => fmt.json().with_span_list(false).init(),
+        (LogFormat::Text, true) => fmt.with_ansi(false).without_time().init(),
+        (LogFormat::Text, false) => fmt.with_ansi(io::stderr().is_terminal()).init(),
     }
 }
 
@@ -145,9 +148,20 @@ async fn run_engine(
     listeners: Listeners,
 ) -> ExitCode {
     let admin_events = backend.admin_events();
+    let remote = backend.is_remote();
     let engine = Engine::new(config, backend, clock);
     let admin_sync = admin_events.map(|rx| tokio::spawn(apply_admin_events(rx, engine.clone())));
     let opts = ServerOptions::from_config(&config.sidecar);
+    // /metrics reads a remote backend in the background, never per scrape.
+    let shared = (remote && listeners.admin.is_some()).then(Arc::<SharedView>::default);
+    let refresh = shared
+        .clone()
+        .map(|view| metrics::spawn_refresh(engine.clone(), view, config.sidecar.metrics_refresh));
+    let exposition = Exposition {
+        engine: engine.clone(),
+        server: opts.metrics.clone(),
+        shared,
+    };
     let grace = opts.shutdown_grace;
     let stop = lifecycle.stop.clone();
     // The admin listener outlives `stop`: it serves until the worker server has
@@ -160,7 +174,7 @@ async fn run_engine(
         }
         tokio::spawn(crate::admin_http::serve(
             l,
-            engine.clone(),
+            exposition,
             admin_stop.clone().cancelled_owned(),
         ))
     });
@@ -213,7 +227,10 @@ async fn run_engine(
     };
     admin_stop.cancel();
     reloader.abort();
-    for task in [watchdog, admin_sync, admin_http].into_iter().flatten() {
+    for task in [watchdog, admin_sync, admin_http, refresh]
+        .into_iter()
+        .flatten()
+    {
         task.abort();
     }
     code

@@ -16,8 +16,10 @@ use super::runtime::bump;
 use super::tables::{Hold, OwnerId, PermitRec};
 use super::{Engine, Grant};
 use crate::backend::Backend;
+use crate::clock::Clock;
 use crate::config::Mode;
 use crate::gate::pacer::Signal;
+use crate::metrics::histogram::Histogram;
 
 impl<B: Backend> Engine<B> {
     /// Start a call in `scope`; the stall clock starts now.
@@ -52,6 +54,11 @@ impl<B: Backend> Engine<B> {
         let si = self.lock().start_acquire(owner, call)?;
         let _acquiring = AcquireGuard { engine: self, call };
         let sc = &self.scopes[si];
+        let _timer = WaitTimer {
+            hist: &sc.counters.wait,
+            clock: &*self.clock,
+            started: self.clock.now(),
+        };
         let scope_name = || sc.name.clone();
         let mut reasons: Vec<Option<SkipReason>> = vec![None; sc.sources.len()];
         let mut waiting: Option<WaiterGuard<'_>> = None;
@@ -276,6 +283,24 @@ struct AcquireGuard<'a, B: Backend> {
 impl<B: Backend> Drop for AcquireGuard<'_, B> {
     fn drop(&mut self) {
         self.engine.lock().end_acquire(self.call);
+    }
+}
+
+/// Observes an Acquire's time in its scope's wait histogram when it ends (answered,
+/// refused or dropped).
+struct WaitTimer<'a> {
+    /// The scope's histogram.
+    hist: &'a Histogram,
+    /// The engine clock.
+    clock: &'a dyn Clock,
+    /// When the Acquire entered the engine.
+    started: Duration,
+}
+
+impl Drop for WaitTimer<'_> {
+    fn drop(&mut self) {
+        self.hist
+            .observe(self.clock.now().saturating_sub(self.started));
     }
 }
 

@@ -18,6 +18,7 @@ use crate::gate::health::Health;
 use crate::gate::memo::{Memo, QuotaHint};
 use crate::gate::pacer::Pacer;
 use crate::gate::quota::QuotaParams;
+use crate::metrics::histogram::{Histogram, WAIT_BUCKETS};
 
 /// A scope's policy: everything SIGHUP may change about it. Swapped whole, so one
 /// admission pass always sees one consistent policy.
@@ -71,8 +72,11 @@ impl SourceParams {
 }
 
 /// Monotonic counters of one scope, for `/metrics`.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub struct ScopeCounters {
+    /// Time each Acquire of the scope took, from entering the engine to its answer,
+    /// waiting included (§12), however it ended.
+    pub wait: Histogram,
     /// Acquires that started waiting (one per Acquire, not per wake-up).
     pub waits: AtomicU64,
     /// Acquires that ended `CircuitOpen`.
@@ -85,6 +89,20 @@ pub struct ScopeCounters {
     pub retry_exhausted: AtomicU64,
     /// Acquires refused because the shared backend is unreachable (`fail_closed`).
     pub backend_unavailable: AtomicU64,
+}
+
+impl Default for ScopeCounters {
+    fn default() -> Self {
+        ScopeCounters {
+            wait: Histogram::new(WAIT_BUCKETS),
+            waits: AtomicU64::default(),
+            circuit_open: AtomicU64::default(),
+            stalled: AtomicU64::default(),
+            quota_exhausted: AtomicU64::default(),
+            retry_exhausted: AtomicU64::default(),
+            backend_unavailable: AtomicU64::default(),
+        }
+    }
 }
 
 /// Monotonic counters of one source, for `/metrics`.

@@ -9,8 +9,34 @@ use super::{Engine, ScopeStatus, SourceStatus};
 use crate::backend::{Backend, SourceSnapshot};
 
 impl<B: Backend> Engine<B> {
-    /// Live state of every scope and source.
+    /// Live state of every scope and source: [`Engine::status_local`] plus the
+    /// backend's view of each source (one snapshot per source of each scope).
     pub async fn status(&self) -> Vec<ScopeStatus> {
+        let mut out = self.status_local();
+        for (sc, st) in self.scopes.iter().zip(&mut out) {
+            let bp = sc.policy().bp;
+            for (&idx, s) in sc.sources.iter().zip(&mut st.sources) {
+                let src = &self.sources[idx];
+                match self
+                    .backend
+                    .snapshot(&src.name, &bp, &src.params().qp)
+                    .await
+                {
+                    Ok(snap) => s.shared = snap,
+                    Err(e) => {
+                        tracing::debug!(source = %src.name, error = %e, "status: backend snapshot failed");
+                        s.degraded = true;
+                    }
+                }
+            }
+        }
+        out
+    }
+
+    /// The host-local part of [`Engine::status`], without touching the backend:
+    /// every `shared` is [`SourceSnapshot::default`] (what `/metrics` overlays with
+    /// its periodically refreshed view).
+    pub fn status_local(&self) -> Vec<ScopeStatus> {
         let calls_per_scope = self.lock().calls_per_scope(self.scopes.len());
         let mut out = Vec::with_capacity(self.scopes.len());
         for (si, sc) in self.scopes.iter().enumerate() {
@@ -20,23 +46,13 @@ impl<B: Backend> Engine<B> {
                 let src = &self.sources[idx];
                 let now = self.clock.now();
                 let (pacer_ceiling, in_flight) = src.pacer.view();
-                let snap = self
-                    .backend
-                    .snapshot(&src.name, &policy.bp, &src.params().qp)
-                    .await;
-                let mut degraded = self.backend.degraded(&src.name);
-                let shared = snap.unwrap_or_else(|e| {
-                    tracing::debug!(source = %src.name, error = %e, "status: backend snapshot failed");
-                    degraded = true;
-                    SourceSnapshot::default()
-                });
                 sources.push(SourceStatus {
                     name: src.name.to_string(),
-                    shared,
+                    shared: SourceSnapshot::default(),
                     memo_remaining: src.memo.remaining(now),
                     pacer_ceiling,
                     in_flight,
-                    degraded,
+                    degraded: self.backend.degraded(&src.name),
                 });
             }
             out.push(ScopeStatus {

@@ -8,7 +8,7 @@ use std::pin::pin;
 use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::task::Poll;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use futures_util::{FutureExt, SinkExt, StreamExt};
 use ipc_protocol::{ClientFrame, ErrorKind, ErrorReply, Reply, Request, ServerFrame};
@@ -524,6 +524,7 @@ async fn request_task<B: Backend>(
     cancelled: CancellationToken,
 ) {
     let mut in_flight = Some(in_flight);
+    let (timed, started) = (crate::metrics::request_type(&request), Instant::now());
     // A Start or Retry the client cancelled must not leave its call behind.
     let ends_call = matches!(request, Request::Start(_) | Request::Retry { .. });
     let reply = AssertUnwindSafe(handle(&conn, request, &mut in_flight, &cancelled))
@@ -575,6 +576,7 @@ async fn request_task<B: Backend>(
     }
     // Past the hard stop the reply is dropped: the connection is going away, and what
     // it held is released by teardown.
+    conn.shared.opts.metrics.observe(timed, started.elapsed());
     queue_reply(&tx, &conn.shared.hard_stop, id, reply).await;
     drop(in_flight);
 }

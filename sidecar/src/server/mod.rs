@@ -65,6 +65,8 @@ pub struct ServerOptions {
     /// Counters the server keeps (tests, debugging); shared by clones of the options.
     #[doc(hidden)]
     pub stats: Arc<ServerStats>,
+    /// Per-request-type latency histograms for `/metrics`; shared by clones.
+    pub metrics: Arc<crate::metrics::ServerMetrics>,
 }
 
 /// Live counters of a running server (tests, debugging).
@@ -98,6 +100,7 @@ impl ServerOptions {
             reclaim_interval: Duration::from_secs(1),
             max_in_flight: MAX_IN_FLIGHT,
             stats: Arc::default(),
+            metrics: Arc::default(),
         }
     }
 

@@ -5,8 +5,9 @@
 //!   (virtual time under a paused clock), so Acquires can be dropped mid-trip;
 //! - `down`: fail admin operations and reports like an unreachable shared store;
 //! - `rejects`: answer one source's admissions with a store error (not an outage);
-//! - counters of admissions and of reservations made by grants and released by
-//!   settlements, kept independently of the engine's own bookkeeping.
+//! - counters of admissions and status snapshots, and of reservations made by
+//!   grants and released by settlements, kept independently of the engine's own
+//!   bookkeeping.
 
 #![allow(dead_code)]
 
@@ -35,6 +36,8 @@ pub struct TestBackend {
     pub requests: AtomicI64,
     /// Admission round trips asked of the backend.
     pub admits: AtomicI64,
+    /// Status snapshots asked of the backend.
+    pub snapshots: AtomicI64,
 }
 
 impl TestBackend {
@@ -49,6 +52,7 @@ impl TestBackend {
             tokens: AtomicI64::new(0),
             requests: AtomicI64::new(0),
             admits: AtomicI64::new(0),
+            snapshots: AtomicI64::new(0),
         }
     }
 
@@ -129,6 +133,7 @@ impl Backend for TestBackend {
         p: &BreakerParams,
         q: &QuotaParams,
     ) -> BResult<SourceSnapshot> {
+        self.snapshots.fetch_add(1, Ordering::SeqCst);
         self.inner.snapshot(s, p, q).await
     }
     async fn admit(&self, s: &str, p: &BreakerParams, q: &QuotaParams, t: u64) -> BResult<Admit> {
