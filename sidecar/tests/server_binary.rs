@@ -739,3 +739,99 @@ fn a_taken_admin_address_fails_before_the_worker_socket_exists() {
     );
     drop(taken);
 }
+
+/// Socket activation as systemd does it, with two sockets passed in the "wrong"
+/// order and named by `LISTEN_FDNAMES`: the daemon serves workers on the one named
+/// `worker` and the admin HTTP on the one named `admin`, binds nothing itself, and
+/// leaves the socket file (systemd's) in place on exit.
+#[tokio::test(flavor = "multi_thread")]
+async fn socket_activation_takes_the_named_sockets() {
+    use std::os::fd::AsRawFd;
+    use std::os::unix::process::CommandExt;
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("activated.sock");
+    let unused = dir.path().join("never-bound.sock");
+    let file = dir.path().join("polygate.toml");
+    std::fs::write(&file, config(&unused)).unwrap();
+    let worker = std::os::unix::net::UnixListener::bind(&path).unwrap();
+    let admin = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let admin_addr = admin.local_addr().unwrap();
+    let (w, a) = (worker.as_raw_fd(), admin.as_raw_fd());
+    let mut cmd = Command::new("/bin/sh");
+    // `exec` keeps the shell's pid, so LISTEN_PID=$$ names the daemon.
+    cmd.arg("-c")
+        .arg(format!(
+            "LISTEN_PID=$$ exec {BIN} --config {}",
+            file.display()
+        ))
+        .env("LISTEN_FDS", "2")
+        .env("LISTEN_FDNAMES", "admin:worker")
+        .env_remove("NOTIFY_SOCKET");
+    // SAFETY: dup2 is async-signal-safe; only the two inherited fds are touched.
+    unsafe {
+        cmd.pre_exec(move || {
+            for (from, to) in [(a, 3), (w, 4)] {
+                if nix::libc::dup2(from, to) < 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+            }
+            Ok(())
+        });
+    }
+    let mut daemon = Daemon::spawn(&mut cmd);
+    drop((worker, admin)); // the daemon holds its copies
+
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let code = loop {
+        if let Ok(code) = admin_get(admin_addr, "/live").await {
+            break code;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "no admin listener: {}",
+            daemon.stderr()
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    assert_eq!(code, 200);
+    let stream = UnixStream::connect(&path).await.unwrap();
+    let mut framed = Framed::new(stream, ClientCodec::new(1 << 20));
+    framed
+        .send(ClientFrame {
+            id: 1,
+            request: Request::Hello {
+                protocol_version: PROTOCOL_VERSION,
+                client_name: "activation-test".into(),
+                pid: std::process::id(),
+            },
+        })
+        .await
+        .unwrap();
+    let welcome = tokio::time::timeout(Duration::from_secs(5), framed.next())
+        .await
+        .unwrap()
+        .unwrap()
+        .unwrap();
+    assert!(
+        matches!(welcome.reply, Reply::Welcome { .. }),
+        "{welcome:?}"
+    );
+    assert!(!unused.exists(), "bound a socket of its own");
+    drop(framed);
+    daemon.signal(nix::sys::signal::Signal::SIGTERM);
+    let status = daemon.exit_within(Duration::from_secs(5)).await;
+    assert!(
+        status.is_some_and(|s| s.success()),
+        "{status:?}: {}",
+        daemon.stderr()
+    );
+    assert!(
+        path.exists(),
+        "the activated socket file is systemd's: left in place"
+    );
+    assert!(
+        daemon.stderr().contains("socket activation"),
+        "{}",
+        daemon.stderr()
+    );
+}

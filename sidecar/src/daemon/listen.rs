@@ -1,6 +1,7 @@
 //! The sockets the daemon serves (§12): the worker socket — passed by systemd
 //! (socket activation) or bound here with exactly `socket_mode`, replacing only a
-//! stale socket file — and the optional admin HTTP listener.
+//! stale socket file — and the optional admin HTTP listener (passed by systemd too,
+//! or bound at `admin_listen`).
 
 use std::io;
 use std::os::unix::fs::{FileTypeExt, PermissionsExt};
@@ -9,7 +10,6 @@ use std::path::{Path, PathBuf};
 use tokio::net::{TcpListener, UnixListener};
 use tracing::{info, warn};
 
-use super::systemd;
 use crate::config::Config;
 
 /// A bound worker listener, and the socket file to remove on exit when we created it.
@@ -32,8 +32,20 @@ pub(super) fn remove_created(created: Option<&Path>) {
     }
 }
 
-/// `sidecar.admin_listen`, bound (`Ok(None)` when unset); the error names the key.
-pub(super) async fn admin(c: &Config) -> Result<Option<TcpListener>, String> {
+/// The admin listener: the one systemd passed (socket activation), else
+/// `sidecar.admin_listen` bound (`Ok(None)` when unset); the error names the key.
+pub(super) async fn admin(
+    c: &Config,
+    passed: Option<std::net::TcpListener>,
+) -> Result<Option<TcpListener>, String> {
+    if let Some(l) = passed {
+        let tokio = l
+            .set_nonblocking(true)
+            .and_then(|()| TcpListener::from_std(l));
+        let l = tokio.map_err(|e| format!("socket-activated admin listener: {e}"))?;
+        info!("using the admin socket passed by systemd (socket activation)");
+        return Ok(Some(l));
+    }
     match c.sidecar.admin_listen {
         None => Ok(None),
         Some(addr) => TcpListener::bind(addr)
@@ -44,9 +56,11 @@ pub(super) async fn admin(c: &Config) -> Result<Option<TcpListener>, String> {
 }
 
 /// The listening socket: the one systemd passed (socket activation), else our own.
-pub(super) fn listen(c: &Config) -> Result<Bound, String> {
-    let activated = systemd::listen_fds().map_err(|e| format!("socket activation: {e}"))?;
-    if let Some(std_listener) = activated {
+pub(super) fn listen(
+    c: &Config,
+    passed: Option<std::os::unix::net::UnixListener>,
+) -> Result<Bound, String> {
+    if let Some(std_listener) = passed {
         std_listener
             .set_nonblocking(true)
             .map_err(|e| format!("socket-activated listener: {e}"))?;

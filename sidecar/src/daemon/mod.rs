@@ -96,9 +96,17 @@ async fn serve(config: Config, path: Option<PathBuf>) -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
+    let (passed_worker, passed_admin) = match systemd::listen_fds() {
+        Ok(a) => a.map_or((None, None), |a| (Some(a.worker), a.admin)),
+        Err(e) => {
+            error!("{e}");
+            signals.abort();
+            return ExitCode::FAILURE;
+        }
+    };
     // The admin listener first: if its address is taken, exit before the worker socket
     // exists, so no worker ever connects to a daemon that is about to go away.
-    let admin = match listen::admin(&config).await {
+    let admin = match listen::admin(&config, passed_admin).await {
         Ok(l) => l,
         Err(e) => {
             error!("{e}");
@@ -106,7 +114,7 @@ async fn serve(config: Config, path: Option<PathBuf>) -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    let bound = match listen::listen(&config) {
+    let bound = match listen::listen(&config, passed_worker) {
         Ok(b) => b,
         Err(e) => {
             error!("{e}");

@@ -7,12 +7,22 @@
 //!   nothing.
 //! * [`watchdog_interval`] reads `$WATCHDOG_USEC` (honouring `$WATCHDOG_PID`); the
 //!   daemon should call [`watchdog`] at half that period.
-//! * [`listen_fds`] takes the listening socket passed by a systemd socket unit.
+//! * [`listen_fds`] takes the listening sockets passed by a systemd socket unit
+//!   (`LISTEN_PID`, `LISTEN_FDS`, `LISTEN_FDNAMES`): the worker socket, and the
+//!   admin listener if the unit passes one.
 //! * [`sd_notify`] logs a failed notification (the daemon never stops over one), and
 //!   [`spawn_watchdog`] pings at half the watchdog period while the daemon runs.
 //!
 //! The environment is read only in the thin wrappers; the `*_to` / `*_from`
 //! functions take everything as parameters, so they can be tested in parallel.
+//!
+//! Kept std-only rather than moved onto `sd-notify` 0.5 + `listenfd` 1.0 (read for
+//! issue 14): `sd-notify` sends to `@name` as a filesystem path (no abstract
+//! namespace), fails on an empty `$NOTIFY_SOCKET` and accepts `WATCHDOG_USEC=0`
+//! (a zero-period interval panics tokio); `listenfd` accepts fds without
+//! `LISTEN_PID`, ignores `LISTEN_FDNAMES`, drops malformed values silently, and
+//! calls `env::remove_var` — unsound once the runtime's threads exist. The two
+//! together are about the size of this file and less correct.
 
 use std::ffi::OsStr;
 use std::io;
@@ -156,14 +166,16 @@ pub fn watchdog_interval_from(
     (usec > 0).then(|| Duration::from_micros(usec))
 }
 
-/// How many sockets systemd passed to this process, from `LISTEN_PID` and
-/// `LISTEN_FDS`: `None` when not socket-activated (unset, or meant for another
-/// pid); an error when the values are malformed.
-pub fn listen_fd_count_from(
+/// The sockets systemd passed (`LISTEN_PID`, `LISTEN_FDS`, `LISTEN_FDNAMES`): one
+/// name per fd (`None` where systemd gave none), or `None` when not socket-activated
+/// (unset, or meant for another pid); an error when the values are malformed or the
+/// names do not match the count.
+pub fn listen_fd_names_from(
     listen_pid: Option<&str>,
     listen_fds: Option<&str>,
+    listen_fdnames: Option<&str>,
     my_pid: u32,
-) -> io::Result<Option<u32>> {
+) -> io::Result<Option<Vec<Option<String>>>> {
     let (Some(pid), Some(fds)) = (listen_pid, listen_fds) else {
         return Ok(None);
     };
@@ -178,52 +190,152 @@ pub fn listen_fd_count_from(
         return Ok(None);
     }
     let n: u32 = fds.trim().parse().map_err(|_| bad("LISTEN_FDS", fds))?;
-    Ok((n >= 1).then_some(n))
-}
-
-/// Whether fd 3 has already been taken by [`listen_fds`]: it has one owner only.
-static LISTEN_FD_TAKEN: AtomicBool = AtomicBool::new(false);
-
-/// The listening Unix stream socket passed by systemd socket activation
-/// (`polygate.socket`), or `None` when not socket-activated. Takes the first passed
-/// fd (3); further fds are left alone. The fd is set close-on-exec and checked to be
-/// a Unix stream socket. It is returned in blocking mode: call
-/// `set_nonblocking(true)` before handing it to tokio. Only the first call can
-/// return a listener; later calls return `None`.
-pub fn listen_fds() -> io::Result<Option<UnixListener>> {
-    let pid = std::env::var("LISTEN_PID").ok();
-    let fds = std::env::var("LISTEN_FDS").ok();
-    if listen_fd_count_from(pid.as_deref(), fds.as_deref(), std::process::id())?.is_none() {
+    if n == 0 {
         return Ok(None);
     }
+    if n > MAX_LISTEN_FDS {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidInput,
+            format!("socket activation: LISTEN_FDS={n} is more than {MAX_LISTEN_FDS} sockets"),
+        ));
+    }
+    let names: Vec<Option<String>> = match listen_fdnames {
+        None | Some("") => vec![None; n as usize],
+        Some(names) => {
+            let names: Vec<Option<String>> = names
+                .split(':')
+                .map(|s| (!s.is_empty()).then(|| s.to_string()))
+                .collect();
+            if names.len() != n as usize {
+                return Err(io::Error::new(
+                    io::ErrorKind::InvalidInput,
+                    format!(
+                        "socket activation: LISTEN_FDNAMES has {} names for LISTEN_FDS={n}",
+                        names.len()
+                    ),
+                ));
+            }
+            names
+        }
+    };
+    Ok(Some(names))
+}
+
+/// At most this many passed sockets are looked at (systemd passes a handful).
+const MAX_LISTEN_FDS: u32 = 64;
+
+/// What kind of socket a passed fd is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SocketKind {
+    /// A listening Unix stream socket: the worker socket.
+    Unix,
+    /// A listening TCP socket (IPv4 or IPv6): the admin listener.
+    Tcp,
+    /// Anything else (datagram, FIFO, …): not ours, closed.
+    Other,
+}
+
+/// Which passed socket (index) is the worker socket and which the admin listener:
+/// a socket named `worker` / `admin` (`FileDescriptorName=`) wins; otherwise the
+/// first Unix stream socket is the worker socket and the first TCP socket the
+/// admin listener.
+pub fn pick_sockets(sockets: &[(Option<String>, SocketKind)]) -> (Option<usize>, Option<usize>) {
+    let named = |want: &str, kind: SocketKind| {
+        sockets
+            .iter()
+            .position(|(n, k)| n.as_deref() == Some(want) && *k == kind)
+    };
+    let first = |kind: SocketKind| sockets.iter().position(|(_, k)| *k == kind);
+    (
+        named("worker", SocketKind::Unix).or_else(|| first(SocketKind::Unix)),
+        named("admin", SocketKind::Tcp).or_else(|| first(SocketKind::Tcp)),
+    )
+}
+
+/// Whether the passed sockets have already been taken by [`listen_fds`]: they have
+/// one owner only.
+static LISTEN_FD_TAKEN: AtomicBool = AtomicBool::new(false);
+
+/// The listening sockets systemd socket activation passed (`polygate.socket`), or
+/// `None` when not socket-activated: the worker socket (a Unix stream socket,
+/// required) and, if passed, the admin listener (a TCP socket), chosen by
+/// [`pick_sockets`]. Every passed fd is set close-on-exec; those not used are closed.
+/// Both are returned in blocking mode: call `set_nonblocking(true)` before handing
+/// them to tokio. Only the first call can return them; later calls return `None`.
+pub fn listen_fds() -> io::Result<Option<Activated>> {
+    let pid = std::env::var("LISTEN_PID").ok();
+    let fds = std::env::var("LISTEN_FDS").ok();
+    let names = std::env::var("LISTEN_FDNAMES").ok();
+    let Some(names) = listen_fd_names_from(
+        pid.as_deref(),
+        fds.as_deref(),
+        names.as_deref(),
+        std::process::id(),
+    )?
+    else {
+        return Ok(None);
+    };
     if LISTEN_FD_TAKEN.swap(true, Ordering::SeqCst) {
         return Ok(None);
     }
     use nix::fcntl::{fcntl, FcntlArg, FdFlag};
-    use nix::sys::socket::{getsockopt, sockopt, SockType};
     use std::os::fd::{FromRawFd, OwnedFd};
 
-    // SAFETY: systemd passed fd 3 to this very process (LISTEN_PID == our pid,
-    // LISTEN_FDS >= 1), so it is open and nothing else in the process owns it; the
-    // LISTEN_FD_TAKEN guard above makes this the only place that ever takes
-    // ownership, so the OwnedFd is its unique owner and closes it exactly once.
-    let fd = unsafe { OwnedFd::from_raw_fd(LISTEN_FDS_START) };
-    fcntl(&fd, FcntlArg::F_SETFD(FdFlag::FD_CLOEXEC)).map_err(io::Error::from)?;
-    if getsockopt(&fd, sockopt::SockType).map_err(io::Error::from)? != SockType::Stream {
+    let mut owned = Vec::with_capacity(names.len());
+    for (i, name) in names.into_iter().enumerate() {
+        let raw = LISTEN_FDS_START + i as i32;
+        // SAFETY: systemd passed fds 3 … 3+LISTEN_FDS-1 to this very process
+        // (LISTEN_PID == our pid), so they are open and nothing else in the process
+        // owns them; the LISTEN_FD_TAKEN guard above makes this the only place that
+        // ever takes ownership, so each OwnedFd is its fd's unique owner and closes
+        // it exactly once.
+        let fd = unsafe { OwnedFd::from_raw_fd(raw) };
+        fcntl(&fd, FcntlArg::F_SETFD(FdFlag::FD_CLOEXEC)).map_err(io::Error::from)?;
+        let kind = socket_kind(&fd);
+        owned.push((name, kind, fd));
+    }
+    let kinds: Vec<(Option<String>, SocketKind)> =
+        owned.iter().map(|(n, k, _)| (n.clone(), *k)).collect();
+    let (worker, admin) = pick_sockets(&kinds);
+    let Some(worker) = worker else {
         return Err(io::Error::new(
             io::ErrorKind::InvalidInput,
-            "socket activation: fd 3 is not a stream socket (use ListenStream=)",
+            format!(
+                "socket activation: none of the {} passed sockets is a Unix stream socket \
+                 (use ListenStream=/path)",
+                owned.len()
+            ),
         ));
+    };
+    let mut fds: Vec<Option<OwnedFd>> = owned.into_iter().map(|(_, _, fd)| Some(fd)).collect();
+    let worker = UnixListener::from(fds[worker].take().expect("picked once"));
+    let admin = admin.map(|i| std::net::TcpListener::from(fds[i].take().expect("picked once")));
+    Ok(Some(Activated { worker, admin }))
+}
+
+/// The sockets socket activation passed.
+#[derive(Debug)]
+pub struct Activated {
+    /// The worker socket.
+    pub worker: UnixListener,
+    /// The admin listener, if the socket unit passed one (it replaces
+    /// `sidecar.admin_listen`).
+    pub admin: Option<std::net::TcpListener>,
+}
+
+/// What kind of listening socket `fd` is.
+fn socket_kind(fd: &std::os::fd::OwnedFd) -> SocketKind {
+    use nix::sys::socket::{getsockname, getsockopt, sockopt, AddressFamily, SockType};
+    use nix::sys::socket::{SockaddrLike, SockaddrStorage};
+    let stream = getsockopt(fd, sockopt::SockType).is_ok_and(|t| t == SockType::Stream);
+    let family = getsockname::<SockaddrStorage>(std::os::fd::AsRawFd::as_raw_fd(fd))
+        .ok()
+        .and_then(|a| a.family());
+    match (stream, family) {
+        (true, Some(AddressFamily::Unix)) => SocketKind::Unix,
+        (true, Some(AddressFamily::Inet | AddressFamily::Inet6)) => SocketKind::Tcp,
+        _ => SocketKind::Other,
     }
-    let listener = UnixListener::from(fd);
-    // std checks the address family here: a TCP socket would fail.
-    listener.local_addr().map_err(|e| {
-        io::Error::new(
-            e.kind(),
-            format!("socket activation: fd 3 is not a Unix socket: {e}"),
-        )
-    })?;
-    Ok(Some(listener))
 }
 
 #[cfg(test)]
@@ -296,23 +408,52 @@ mod tests {
     }
 
     #[test]
-    fn listen_fd_count_parsing() {
+    fn listen_fd_names_parsing() {
         let me = 77;
-        assert_eq!(listen_fd_count_from(None, None, me).unwrap(), None);
-        assert_eq!(listen_fd_count_from(Some("77"), None, me).unwrap(), None);
+        let parse = |pid, fds, names| listen_fd_names_from(pid, fds, names, me);
+        assert_eq!(parse(None, None, None).unwrap(), None);
+        assert_eq!(parse(Some("77"), None, None).unwrap(), None);
+        assert_eq!(parse(Some("76"), Some("1"), None).unwrap(), None);
+        assert_eq!(parse(Some("77"), Some("0"), None).unwrap(), None);
         assert_eq!(
-            listen_fd_count_from(Some("76"), Some("1"), me).unwrap(),
-            None
+            parse(Some("77"), Some("2"), None).unwrap(),
+            Some(vec![None, None])
         );
         assert_eq!(
-            listen_fd_count_from(Some("77"), Some("0"), me).unwrap(),
-            None
+            parse(Some("77"), Some("2"), Some("admin:worker")).unwrap(),
+            Some(vec![Some("admin".into()), Some("worker".into())])
         );
         assert_eq!(
-            listen_fd_count_from(Some("77"), Some("2"), me).unwrap(),
-            Some(2)
+            parse(Some("77"), Some("2"), Some(":worker")).unwrap(),
+            Some(vec![None, Some("worker".into())])
         );
-        assert!(listen_fd_count_from(Some("x"), Some("1"), me).is_err());
-        assert!(listen_fd_count_from(Some("77"), Some("one"), me).is_err());
+        let e = parse(Some("77"), Some("2"), Some("worker")).unwrap_err();
+        assert!(e.to_string().contains("1 names for LISTEN_FDS=2"), "{e}");
+        assert!(parse(Some("x"), Some("1"), None).is_err());
+        assert!(parse(Some("77"), Some("one"), None).is_err());
+        assert!(parse(Some("77"), Some("100000"), None).is_err());
+    }
+
+    #[test]
+    fn sockets_are_picked_by_name_then_by_kind() {
+        use SocketKind::*;
+        let s = |n: Option<&str>, k| (n.map(String::from), k);
+        assert_eq!(pick_sockets(&[s(None, Unix)]), (Some(0), None));
+        assert_eq!(
+            pick_sockets(&[s(None, Tcp), s(None, Unix)]),
+            (Some(1), Some(0))
+        );
+        assert_eq!(
+            pick_sockets(&[
+                s(Some("x"), Unix),
+                s(Some("worker"), Unix),
+                s(None, Tcp),
+                s(Some("admin"), Tcp)
+            ]),
+            (Some(1), Some(3))
+        );
+        // A name on the wrong kind of socket does not count.
+        assert_eq!(pick_sockets(&[s(Some("worker"), Tcp)]), (None, Some(0)));
+        assert_eq!(pick_sockets(&[s(None, Other)]), (None, None));
     }
 }
