@@ -112,7 +112,8 @@ def test_scrapes_cost_redis_nothing_and_histograms_move(sidecar, redis_server):
     in INFO commandstats); the scrape parses as OpenMetrics; the histograms count the
     calls made."""
     port = free_port()
-    sidecar.write_config({"chat": scope("s1", "s2"), "emb": scope("s1")},
+    s1 = {"name": "s1", "timeout": "5s", "tpm": 1000000, "rpm": 10000}
+    sidecar.write_config({"chat": scope(s1, "s2"), "emb": scope(s1)},
                          backend="redis", redis_url=redis_server.url, key_prefix="pg-scrape",
                          redis_timeout="500ms", admin_listen="127.0.0.1:%d" % port,
                          metrics_refresh="1h")
@@ -145,6 +146,23 @@ def test_scrapes_cost_redis_nothing_and_histograms_move(sidecar, redis_server):
     # At least two requests per call (protocol 2: Start + Finish; version 1 uses four).
     assert requests >= 5 * 2, "requests of 5 calls: %r" % requests
     assert samples['polygate_grants_total{source="s1"}'] == 5
+    check_dashboard_names(samples)
+
+
+def check_dashboard_names(samples) -> None:
+    """examples/grafana-polygate.json only queries sample names a real scrape has."""
+    import json
+    from .polygate_e2e import REPO
+
+    dash = json.loads((REPO / "examples" / "grafana-polygate.json").read_text())
+    scraped = {k.split("{")[0] for k in samples}
+    used = set()
+    for panel in dash["panels"]:
+        for t in panel.get("targets", []):
+            assert t["refId"] and t["datasource"]["type"] == "prometheus", panel["title"]
+            used |= set(re.findall(r"polygate_[a-z_]+", t["expr"]))
+    assert len(used) >= 20, used
+    assert used <= scraped, "the dashboard queries names /metrics lacks: %s" % sorted(used - scraped)
 
 
 def test_metrics_follow_the_shared_backend_at_the_refresh_cadence(sidecar, redis_server):
