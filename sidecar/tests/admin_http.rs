@@ -57,6 +57,30 @@ fn exposition(e: &Arc<Engine<MemoryBackend>>) -> Exposition<MemoryBackend> {
     }
 }
 
+/// A running admin listener on 127.0.0.1: its address, and how to stop it.
+struct Admin {
+    addr: std::net::SocketAddr,
+    stop: tokio::sync::oneshot::Sender<()>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Admin {
+    async fn start(exp: Exposition<MemoryBackend>, opts: AdminOptions) -> Admin {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let task = tokio::spawn(serve_with(listener, exp, opts, async {
+            let _ = stopped.await;
+        }));
+        Admin { addr, stop, task }
+    }
+
+    async fn stop(self) {
+        let _ = self.stop.send(());
+        self.task.await.unwrap();
+    }
+}
+
 // ---------------------------------------------------------------------------------
 // A strict OpenMetrics text parser (the subset the spec allows for our types).
 
@@ -360,16 +384,8 @@ async fn live_ready_metrics_and_errors() {
         let call = e.begin_call(1, "emb", None).unwrap();
         assert!(e.acquire(1, call).await.is_err());
 
-        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let addr = listener.local_addr().unwrap();
-        let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
-        let server = tokio::spawn(polygate::admin_http::serve(
-            listener,
-            exposition(&e),
-            async {
-                let _ = stop_rx.await;
-            },
-        ));
+        let admin = Admin::start(exposition(&e), AdminOptions::default()).await;
+        let addr = admin.addr;
 
         assert_eq!(get(addr, "/live").await, (200, "live\n".into()));
         assert_eq!(get(addr, "/ready").await.0, 200);
@@ -448,8 +464,7 @@ async fn live_ready_metrics_and_errors() {
 
         e.shutdown();
         assert_eq!(get(addr, "/ready").await.0, 503);
-        let _ = stop_tx.send(());
-        server.await.unwrap();
+        admin.stop().await;
     })
     .await
     .expect("test timed out");
@@ -555,17 +570,13 @@ async fn request_histograms_move_with_traffic() {
 async fn hundreds_of_idle_connections_cannot_fail_a_probe() {
     timeout(LIMIT, async {
         let e = engine(&config(vec![scope("chat", vec![source("a")])]));
-        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let addr = listener.local_addr().unwrap();
         let opts = AdminOptions {
             header_read_timeout: Duration::from_millis(1500),
             ..AdminOptions::default()
         };
         let cap = opts.max_connections;
-        let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
-        let server = tokio::spawn(serve_with(listener, exposition(&e), opts, async {
-            let _ = stop_rx.await;
-        }));
+        let admin = Admin::start(exposition(&e), opts).await;
+        let addr = admin.addr;
 
         // 200 connections that never send a byte, and 20 that send half a head.
         let mut idle = Vec::new();
@@ -606,8 +617,7 @@ async fn hundreds_of_idle_connections_cannot_fail_a_probe() {
             }
         }
         assert!(closed_early > 0);
-        let _ = stop_tx.send(());
-        server.await.unwrap();
+        admin.stop().await;
     })
     .await
     .expect("test timed out");
@@ -617,16 +627,8 @@ async fn hundreds_of_idle_connections_cannot_fail_a_probe() {
 async fn keep_alive_serves_many_requests_on_one_connection() {
     timeout(LIMIT, async {
         let e = engine(&config(vec![scope("chat", vec![source("a")])]));
-        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let addr = listener.local_addr().unwrap();
-        let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
-        let server = tokio::spawn(polygate::admin_http::serve(
-            listener,
-            exposition(&e),
-            async {
-                let _ = stop_rx.await;
-            },
-        ));
+        let admin = Admin::start(exposition(&e), AdminOptions::default()).await;
+        let addr = admin.addr;
         let mut s = TcpStream::connect(addr).await.unwrap();
         s.write_all(b"GET /live HTTP/1.1\r\nHost: x\r\n\r\nGET /ready HTTP/1.1\r\nHost: x\r\n\r\n")
             .await
@@ -643,8 +645,7 @@ async fn keep_alive_serves_many_requests_on_one_connection() {
         }
         let out = String::from_utf8_lossy(&out);
         assert_eq!(out.matches("HTTP/1.1 200 OK").count(), 2, "{out}");
-        let _ = stop_tx.send(());
-        server.await.unwrap();
+        admin.stop().await;
     })
     .await
     .expect("test timed out");

@@ -118,15 +118,25 @@ fn invalid_config_file_fails_with_status_2() {
     assert!(stderr.contains("max_attempts"), "{stderr}");
 }
 
-#[tokio::test(flavor = "multi_thread")]
-async fn status_command_prints_every_source() {
-    let dir = tempfile::tempdir().unwrap();
-    let path = dir.path().join("s.sock");
-    let config = parse_str(&config(&path), std::iter::empty()).unwrap();
+/// An in-process server on `path` for configuration `text` (memory backend); stop it
+/// by sending on the returned channel.
+fn serve_in_process(
+    path: &Path,
+    text: &str,
+) -> (
+    tokio::sync::oneshot::Sender<()>,
+    tokio::task::JoinHandle<Result<(), server::ServerError>>,
+) {
+    let config = parse_str(text, std::iter::empty()).unwrap();
     let clock: Arc<dyn Clock> = Arc::new(TokioClock::new());
-    let backend = MemoryBackend::new(clock.clone(), ["primary", "fallback"]);
+    let names: Vec<String> = config
+        .scopes
+        .iter()
+        .flat_map(|s| s.sources.iter().map(|x| x.name.clone()))
+        .collect();
+    let backend = MemoryBackend::new(clock.clone(), names);
     let engine = Engine::new(&config, backend, clock);
-    let listener = UnixListener::bind(&path).unwrap();
+    let listener = UnixListener::bind(path).unwrap();
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
     let task = tokio::spawn(server::run(
         listener,
@@ -136,20 +146,24 @@ async fn status_command_prints_every_source() {
             let _ = stopped.await;
         },
     ));
+    (stop, task)
+}
 
-    let out = tokio::task::spawn_blocking({
-        let path = path.clone();
-        move || {
-            sidecar()
-                .arg("status")
-                .arg("--socket")
-                .arg(&path)
-                .output()
-                .unwrap()
-        }
-    })
-    .await
-    .unwrap();
+/// `polygate-sidecar status ARGS --socket PATH`, run off the runtime's threads.
+async fn status_command(args: &[&str], path: &Path) -> std::process::Output {
+    let mut cmd = sidecar();
+    cmd.arg("status").args(args).arg("--socket").arg(path);
+    tokio::task::spawn_blocking(move || cmd.output().unwrap())
+        .await
+        .unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn status_command_prints_every_source() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("s.sock");
+    let (stop, task) = serve_in_process(&path, &config(&path));
+    let out = status_command(&[], &path).await;
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert!(out.status.success(), "{out:?}");
     assert!(stdout.contains("backend: memory"), "{stdout}");
@@ -171,33 +185,8 @@ async fn status_json_names_every_scope_and_source() {
          [[scopes.emb.sources]]\nname = \"primary\"\ntpm = 6000\nrpm = 60\n",
         config(&path)
     );
-    let config = parse_str(&text, std::iter::empty()).unwrap();
-    let clock: Arc<dyn Clock> = Arc::new(TokioClock::new());
-    let backend = MemoryBackend::new(clock.clone(), ["primary", "fallback", "embedder"]);
-    let engine = Engine::new(&config, backend, clock);
-    let listener = UnixListener::bind(&path).unwrap();
-    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let task = tokio::spawn(server::run(
-        listener,
-        engine,
-        ServerOptions::from_config(&config.sidecar),
-        async move {
-            let _ = stopped.await;
-        },
-    ));
-
-    let out = tokio::task::spawn_blocking({
-        let path = path.clone();
-        move || {
-            sidecar()
-                .args(["status", "--json", "--socket"])
-                .arg(&path)
-                .output()
-                .unwrap()
-        }
-    })
-    .await
-    .unwrap();
+    let (stop, task) = serve_in_process(&path, &text);
+    let out = status_command(&["--json"], &path).await;
     assert!(out.status.success(), "{out:?}");
     let stdout = String::from_utf8(out.stdout).unwrap();
     assert_eq!(
@@ -366,23 +355,7 @@ async fn daemon_serves_then_exits_cleanly_on_sigterm() {
     let mode = std::fs::metadata(&path).unwrap().permissions().mode() & 0o777;
     assert_eq!(mode, 0o600, "socket_mode applied");
 
-    let mut framed = Framed::new(stream, ClientCodec::new(1 << 20));
-    framed
-        .send(ClientFrame {
-            id: 1,
-            request: Request::Hello {
-                protocol_version: PROTOCOL_VERSION,
-                client_name: "binary-test".into(),
-                pid: std::process::id(),
-            },
-        })
-        .await
-        .unwrap();
-    let welcome = framed.next().await.unwrap().unwrap();
-    assert!(
-        matches!(welcome.reply, Reply::Welcome { .. }),
-        "{welcome:?}"
-    );
+    let mut framed = hello(stream, "binary-test").await;
     framed
         .send(ClientFrame {
             id: 2,
@@ -454,6 +427,32 @@ async fn daemon_serves_then_exits_cleanly_on_sigterm() {
         .await
         .unwrap();
     assert!(status.success(), "{status:?}");
+}
+
+/// Say Hello on `stream` as `name`; the framed connection, welcomed.
+async fn hello(stream: UnixStream, name: &str) -> Framed<UnixStream, ClientCodec> {
+    let mut framed = Framed::new(stream, ClientCodec::new(1 << 20));
+    framed
+        .send(ClientFrame {
+            id: 1,
+            request: Request::Hello {
+                protocol_version: PROTOCOL_VERSION,
+                client_name: name.into(),
+                pid: std::process::id(),
+            },
+        })
+        .await
+        .unwrap();
+    let welcome = tokio::time::timeout(Duration::from_secs(5), framed.next())
+        .await
+        .expect("a Welcome within 5 s")
+        .unwrap()
+        .unwrap();
+    assert!(
+        matches!(welcome.reply, Reply::Welcome { .. }),
+        "{welcome:?}"
+    );
+    framed
 }
 
 // ---------------------------------------------------------------------------------
@@ -794,28 +793,7 @@ async fn socket_activation_takes_the_named_sockets() {
         tokio::time::sleep(Duration::from_millis(20)).await;
     };
     assert_eq!(code, 200);
-    let stream = UnixStream::connect(&path).await.unwrap();
-    let mut framed = Framed::new(stream, ClientCodec::new(1 << 20));
-    framed
-        .send(ClientFrame {
-            id: 1,
-            request: Request::Hello {
-                protocol_version: PROTOCOL_VERSION,
-                client_name: "activation-test".into(),
-                pid: std::process::id(),
-            },
-        })
-        .await
-        .unwrap();
-    let welcome = tokio::time::timeout(Duration::from_secs(5), framed.next())
-        .await
-        .unwrap()
-        .unwrap()
-        .unwrap();
-    assert!(
-        matches!(welcome.reply, Reply::Welcome { .. }),
-        "{welcome:?}"
-    );
+    let framed = hello(UnixStream::connect(&path).await.unwrap(), "activation-test").await;
     assert!(!unused.exists(), "bound a socket of its own");
     drop(framed);
     daemon.signal(nix::sys::signal::Signal::SIGTERM);
