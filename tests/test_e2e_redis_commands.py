@@ -1,7 +1,8 @@
 """End-to-end: Redis round trips per admission, read from `INFO commandstats`.
 
 DESIGN §10: one script call per admission and per report in the common path; the
-host-local cooldown memo answers refusals without asking Redis."""
+host-local cooldown memo answers refusals without asking Redis (but for one read per
+second, which notices a Redis that lost its state)."""
 
 from __future__ import annotations
 
@@ -36,18 +37,24 @@ def test_script_calls_per_call_and_memo_answers_refusals(sidecar, redis_server):
     with client.call("chat") as call:
         with pytest.raises(polygate.CircuitOpenError):
             call.acquire()  # the breaker's refusal writes the memo
+    import time
+
     M = 50
     before = redis_server.commandstats()
     s0 = redis_server.script_calls()
+    t0 = time.monotonic()
     for _ in range(M):
         with client.call("chat") as call:
             with pytest.raises(polygate.CircuitOpenError) as ei:
                 call.acquire()
         assert ei.value.retry_after_s > 290
+    elapsed = time.monotonic() - t0
     used = redis_server.script_calls() - s0
     after = redis_server.commandstats()
     delta = {k: after.get(k, 0) - before.get(k, 0) for k in after if after.get(k, 0) != before.get(k, 0)}
-    assert used == 0, "%d memo-answered refusals cost %d script calls; commands: %r" % (M, used, delta)
+    # At most one memo re-check per second (engine MEMO_RECHECK), not one per refusal.
+    assert used <= int(elapsed) + 1, "%d memo-answered refusals in %.2fs cost %d script calls; commands: %r" \
+        % (M, elapsed, used, delta)
 
 
 def test_quota_waiters_share_one_redis_check_per_tick(sidecar, redis_server):

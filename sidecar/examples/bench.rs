@@ -188,7 +188,7 @@ async fn main() {
     e.report(
         u64::MAX,
         g0.permit,
-        EOutcome::Failure(polygate::backend::FailureKind::Error),
+        EOutcome::failure(polygate::backend::FailureKind::Error),
     )
     .await
     .unwrap();

@@ -372,7 +372,7 @@ async fn live_ready_metrics_and_errors() {
                 tokens: None,
                 count_attempt: true,
             },
-            Outcome::Failure(FailureKind::Timeout),
+            Outcome::failure(FailureKind::Timeout),
             Outcome::RateLimited { retry_after: None },
         ] {
             let call = e.begin_call(1, "emb", None).unwrap();

@@ -145,24 +145,41 @@ impl Write for Logs {
 
 // ---------------------------------------------------------------- round trips, keys
 
+/// One script call (FCALL on Redis 7) per admission and per report, and the lean
+/// script's command budget (issue 8): admit = TIME + HMGET q + HMGET b + HSET q;
+/// report = TIME + HMGET b + HSET b, + HMGET q + HSET q as the charge (7 tokens)
+/// differs from the reservation (10); no expiry command in steady traffic.
 #[tokio::test]
-async fn one_evalsha_per_admit_and_per_report() {
+async fn one_script_call_per_admit_and_per_report_within_the_command_budget() {
     let Some(srv) = RedisServer::start() else {
         return;
     };
     let b = backend(&srv, &prefix(), ms(500), OnBackendError::FailClosed).await;
-    admit_report(&b, "s1").await; // loads the script (NOSCRIPT once)
+    admit_report(&b, "s1").await; // loads the library (Function not found once)
     srv.cli(&["CONFIG", "RESETSTAT"]);
     for _ in 0..10 {
         admit_report(&b, "s1").await;
     }
+    let calls = |c: &str| srv.command_calls(c);
+    assert_eq!(calls("fcall"), 20, "one FCALL per admit and per report");
+    assert_eq!(calls("evalsha") + calls("eval"), 0);
+    assert_eq!(calls("function|load"), 0, "library already loaded");
     assert_eq!(
-        srv.command_calls("evalsha"),
-        20,
-        "one EVALSHA per admit and per report"
+        [calls("time"), calls("hmget"), calls("hset")],
+        [20, 40, 30],
+        "TIME, HMGET, HSET per 10 admit + report pairs"
     );
-    assert_eq!(srv.command_calls("eval"), 0);
-    assert_eq!(srv.command_calls("script|load"), 0, "script already loaded");
+    for c in [
+        "pexpire",
+        "pexpireat",
+        "persist",
+        "hdel",
+        "del",
+        "hgetall",
+        "pttl",
+    ] {
+        assert_eq!(calls(c), 0, "no {c} in steady traffic");
+    }
     let snap = b.snapshot("s1", &bp(), &qp()).await.unwrap();
     assert_eq!(snap.window_successes, 11);
 }
@@ -191,16 +208,16 @@ async fn keys_are_hash_tagged_and_expire() {
         srv.cli(&["CLUSTER", "KEYSLOT", &qk]).trim(),
         "one slot per source"
     );
-    // Breaker: 4 × max(window 60 s, max_cooldown, 60 s) = 240 s.
+    // Breaker, CLOSED without a streak: it may expire, 2 × the basis ahead
+    // (basis 4 × max(window 60 s, max_cooldown, probe_ttl) = 240 s).
     let pttl: i64 = srv.cli(&["PTTL", &bk]).trim().parse().unwrap();
-    assert!((235_000..=240_000).contains(&pttl), "breaker PTTL {pttl}");
-    // Quota: time to refill (3 tokens of 60000/min ≈ 3 ms; 1 of 600 rpm = 100 ms) + 60 s.
+    assert!((475_000..=480_000).contains(&pttl), "breaker PTTL {pttl}");
+    // Quota: full again in 100 ms (one request of 600 rpm), plus a minute.
     let pttl: i64 = srv.cli(&["PTTL", &qk]).trim().parse().unwrap();
     assert!((59_000..=60_200).contains(&pttl), "quota PTTL {pttl}");
-    // An OPEN period longer than the basis extends the breaker's TTL.
+    // OPEN is remembered without a TTL (the memory backend never forgets it either).
     b.force_open("s1", Duration::from_secs(1000)).await.unwrap();
-    let pttl: i64 = srv.cli(&["PTTL", &bk]).trim().parse().unwrap();
-    assert!(pttl > 1_230_000, "TTL covers the OPEN period: {pttl}");
+    assert_eq!(srv.cli(&["PTTL", &bk]).trim(), "-1", "OPEN: no TTL");
     // A reset keeps the breaker hash (its epoch) and drops the quota hash.
     let before = b.snapshot("s1", &bp(), &qp()).await.unwrap().epoch;
     let a = b.reset("s1").await.unwrap();
@@ -326,96 +343,151 @@ async fn huge_counts_and_durations_keep_sane_ttls() {
         .unwrap();
     assert!(report.applied);
     assert!(pttl(&qk) <= week_ms + 3 * 60_000 + 100, "{}", pttl(&qk));
-    // An absurd force_open is accepted and keeps a finite TTL.
+    // An absurd force_open is accepted (OPEN: persistent, like memory's).
     let a = b.force_open("s2", Duration::MAX).await.unwrap();
     assert_eq!(a.state, State::Open);
-    assert!(pttl(&b.breaker_key("s2")) > 0);
+    assert_eq!(pttl(&b.breaker_key("s2")), -1);
 }
 
-/// The breaker's TTL basis (4 × max(window, max_cooldown, 60 s, …)) is stored in the
-/// hash: operations that carry no breaker params, and reads, keep the key alive for
-/// the full basis, never the 1 h fallback.
+/// The breaker hash's expiry follows its state (`gate.lua`, "Expiry"): none while
+/// it holds what the memory backend would still remember (a streak, OPEN,
+/// HALF_OPEN); once CLOSED again, no sooner than the level's decay plus the basis.
+/// Expiry commands happen on those transitions only.
 #[tokio::test]
-async fn breaker_ttl_basis_survives_ops_without_params() {
+async fn breaker_expiry_follows_its_state() {
     let Some(srv) = RedisServer::start() else {
         return;
     };
     let b = backend(&srv, &prefix(), ms(500), OnBackendError::FailClosed).await;
     let p = BreakerParams {
-        max_cooldown: Duration::from_secs(2 * 3600),
+        failure_threshold: 1,
         ..bp()
     };
-    let basis_ms: i64 = 4 * 2 * 3600 * 1000; // 8 h
+    let basis_ms: i64 = 4 * 60_000; // 4 × max(window 60 s, max_cooldown, probe_ttl)
     let bk = b.breaker_key("s1");
     let pttl = || -> i64 { srv.cli(&["PTTL", &bk]).trim().parse().unwrap() };
-    let shorten = || {
-        srv.cli(&["PEXPIRE", &bk, "5000"]);
+    let e = b.try_enter("s1", &p).await.unwrap();
+    b.record_success("s1", e.epoch, true, &p).await.unwrap();
+    assert!(pttl() > 2 * basis_ms - 5_000, "fresh: {}", pttl());
+    // A failure opens it (streak channel, threshold 1): no TTL.
+    let e = b.try_enter("s1", &p).await.unwrap();
+    let a = b.record_failure("s1", e.epoch, &p).await.unwrap();
+    assert_eq!(a.state, State::Open);
+    assert_eq!(pttl(), -1, "OPEN");
+    tokio::time::sleep(ms(110)).await;
+    let probe = b.try_enter("s1", &p).await.unwrap();
+    assert!(probe.is_probe);
+    assert_eq!(pttl(), -1, "HALF_OPEN");
+    let a = b.record_failure("s1", probe.epoch, &p).await.unwrap(); // k = 1
+    tokio::time::sleep(a.retry_after + ms(10)).await;
+    let probe = b.try_enter("s1", &p).await.unwrap();
+    srv.cli(&["CONFIG", "RESETSTAT"]);
+    let a = b.record_success("s1", probe.epoch, true, &p).await.unwrap();
+    assert_eq!(a.state, State::Closed);
+    // CLOSED with k = 1: not before the level decayed (400 ms) plus the basis.
+    let t = pttl();
+    assert!(t > 2 * basis_ms + 400 - 5_000, "after the close: {t}");
+    assert_eq!(srv.command_calls("pexpireat"), 1);
+    // Ten successes later nothing moved it again.
+    srv.cli(&["CONFIG", "RESETSTAT"]);
+    for _ in 0..10 {
+        let e = b.try_enter("s1", &p).await.unwrap();
+        b.record_success("s1", e.epoch, true, &p).await.unwrap();
+    }
+    assert_eq!(
+        srv.command_calls("pexpireat") + srv.command_calls("persist"),
+        0
+    );
+    // A streak (here below the threshold of 3) is remembered without a TTL too.
+    let p3 = bp();
+    let e = b.try_enter("s1", &p3).await.unwrap();
+    b.record_failure("s1", e.epoch, &p3).await.unwrap();
+    assert_eq!(pttl(), -1, "streak 1");
+    let e = b.try_enter("s1", &p3).await.unwrap();
+    b.record_success("s1", e.epoch, true, &p3).await.unwrap();
+    assert!(pttl() > basis_ms, "streak over: {}", pttl());
+}
+
+/// DESIGN §6 "on every backend alike": an idle breaker hash expires only once it
+/// reads as the memory backend's would — CLOSED, level decayed to 0 — and only after
+/// every permit it granted outlived its lease; it comes back fresh with epoch 0.
+#[tokio::test]
+async fn an_idle_breaker_expires_only_once_its_level_has_decayed() {
+    let Some(srv) = RedisServer::start() else {
+        return;
+    };
+    let b = backend(&srv, &prefix(), ms(500), OnBackendError::FailClosed).await;
+    // cooldown 10 ms, cap 80 ms (k_max 3); basis 4 × max(20, 80, 20) ms = 320 ms.
+    let p = BreakerParams {
+        failure_threshold: 1,
+        failure_rate: 0.5,
+        min_calls: 100,
+        window: ms(20),
+        cooldown: ms(10),
+        max_cooldown: ms(80),
+        probe_ttl: ms(20),
     };
     let e = b.try_enter("s1", &p).await.unwrap();
-    let a = b.record_success("s1", e.epoch, true, &p).await.unwrap();
-    assert!(a.applied);
-    assert!(pttl() > basis_ms - 60_000, "after a write: {}", pttl());
-
-    let e = b.try_enter("s1", &p).await.unwrap();
-    shorten();
-    b.neutral("s1", e.epoch, false).await.unwrap();
-    assert!(pttl() > basis_ms - 60_000, "after neutral: {}", pttl());
-    shorten();
-    b.release_probe("s1", e.epoch).await.unwrap();
+    let mut a = b.record_failure("s1", e.epoch, &p).await.unwrap();
+    for _ in 0..3 {
+        tokio::time::sleep(a.retry_after + ms(5)).await;
+        let probe = b.try_enter("s1", &p).await.unwrap();
+        assert!(probe.is_probe);
+        a = b.record_failure("s1", probe.epoch, &p).await.unwrap();
+    }
+    tokio::time::sleep(a.retry_after + ms(5)).await;
+    let probe = b.try_enter("s1", &p).await.unwrap();
+    let closed = b.record_success("s1", probe.epoch, true, &p).await.unwrap();
+    let closed_at = Instant::now();
+    assert_eq!(b.snapshot("s1", &p, &qp()).await.unwrap().cooldown_level, 3);
+    // Its expiry is no sooner than the whole decay (3 × 80 ms) plus the basis.
+    let bk = b.breaker_key("s1");
+    let t: i64 = srv.cli(&["PTTL", &bk]).trim().parse().unwrap();
     assert!(
-        pttl() > basis_ms - 60_000,
-        "after release_probe: {}",
-        pttl()
+        t >= 3 * 80 + 2 * 320 - 50,
+        "lives past the decay plus the basis: {t}"
     );
-    // Reads refresh too.
-    shorten();
-    b.retry_after(&["s1"]).await.unwrap();
-    assert!(pttl() > basis_ms - 60_000, "after peek: {}", pttl());
-    shorten();
-    b.snapshot("s1", &p, &qp()).await.unwrap();
-    assert!(pttl() > basis_ms - 60_000, "after snapshot: {}", pttl());
-    shorten();
-    b.block_quota("s1", Duration::from_secs(5)).await.unwrap();
-    let r = b.admit("s1", &p, &qp(), 1).await.unwrap();
-    assert!(matches!(r, Admit::RateLimited { .. }), "{r:?}");
-    assert!(
-        pttl() > basis_ms - 60_000,
-        "after a quota-refused admit: {}",
-        pttl()
+    // Two decay periods in: k = 1, as the memory backend has it.
+    tokio::time::sleep(ms(170).saturating_sub(closed_at.elapsed())).await;
+    let snap = b.snapshot("s1", &p, &qp()).await.unwrap();
+    assert_eq!(
+        (snap.state, snap.cooldown_level, snap.epoch),
+        (State::Closed, 1, closed.epoch)
     );
-    // Admin ops carry no params either.
-    shorten();
-    b.force_close("s1").await.unwrap();
-    assert!(pttl() > basis_ms - 60_000, "after force_close: {}", pttl());
-    shorten();
-    b.reset("s1").await.unwrap();
-    assert!(pttl() > basis_ms - 60_000, "after reset: {}", pttl());
-    shorten();
-    let a = b.force_open("s1", ms(100)).await.unwrap();
-    assert!(pttl() > basis_ms - 60_000, "after force_open: {}", pttl());
-    // A probe granted after that cooldown is reported under the full basis as well.
-    tokio::time::sleep(ms(110)).await;
-    let e = b.try_enter("s1", &bp()).await.unwrap(); // short params: basis 240 s
-    assert!(e.is_probe && e.epoch == a.epoch + 1);
-    b.neutral("s1", e.epoch, true).await.unwrap();
-    let t = pttl();
+    // Idle until it expires: it comes back as memory's would, epoch 0.
+    let deadline = Instant::now() + Duration::from_secs(3);
+    while srv.cli(&["EXISTS", &bk]).trim() == "1" {
+        assert!(Instant::now() < deadline, "never expired");
+        tokio::time::sleep(ms(50)).await;
+    }
     assert!(
-        (235_000..=240_200).contains(&t),
-        "the basis follows the latest params: {t}"
+        closed_at.elapsed() >= ms(3 * 80 + 320),
+        "not before decay + basis"
+    );
+    let snap = b.snapshot("s1", &p, &qp()).await.unwrap();
+    assert_eq!(
+        (snap.state, snap.cooldown_level, snap.epoch, snap.streak),
+        (State::Closed, 0, 0, 0)
     );
 }
 
 // ---------------------------------------------------------------- script cache
 
 #[tokio::test]
-async fn noscript_after_script_flush_reloads() {
+async fn a_flushed_function_library_is_loaded_again() {
     let Some(srv) = RedisServer::start() else {
         return;
     };
     let b = backend(&srv, &prefix(), ms(500), OnBackendError::FailClosed).await;
     admit_report(&b, "s1").await;
+    assert!(srv.cli(&["FUNCTION", "FLUSH"]).contains("OK"));
     assert!(srv.cli(&["SCRIPT", "FLUSH"]).contains("OK"));
     admit_report(&b, "s1").await;
+    assert_eq!(
+        srv.command_calls("function|load"),
+        2,
+        "first use, then after the flush"
+    );
     assert!(!b.degraded("s1"));
     assert_eq!(
         b.snapshot("s1", &bp(), &qp())
@@ -897,9 +969,9 @@ async fn cluster_ops_admin_and_routing() {
     });
     admit_report(&h1, "s2").await;
     assert_eq!(
-        cl.command_calls("evalsha"),
+        cl.command_calls("fcall"),
         2,
-        "one EVALSHA per admit and per report"
+        "one FCALL per admit and per report"
     );
     // Admin broadcast crosses nodes (h2 subscribes on the first seed).
     for s in SOURCES {
@@ -917,9 +989,9 @@ async fn cluster_ops_admin_and_routing() {
     let r = h2.retry_after(&["s3"]).await.unwrap();
     assert!(r <= ms(300) && r > ms(200));
     assert_eq!(h2.retry_after(&["s1", "s3"]).await.unwrap(), Duration::ZERO);
-    // NOSCRIPT recovery on every node.
+    // Library reload on every node.
     for n in &cl.nodes {
-        n.cli(&["SCRIPT", "FLUSH"]);
+        n.cli(&["FUNCTION", "FLUSH"]);
     }
     for s in ["s1", "s2"] {
         admit_report(&h2, s).await;

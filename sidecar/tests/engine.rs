@@ -3,6 +3,7 @@
 
 mod support;
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use polygate::backend::{FailureKind, Outcome, State};
@@ -21,7 +22,7 @@ fn success() -> Outcome {
 }
 
 fn failure() -> Outcome {
-    Outcome::Failure(FailureKind::ServerError)
+    Outcome::failure(FailureKind::ServerError)
 }
 
 fn reasons(v: &[(&str, SkipReason)]) -> Vec<(String, SkipReason)> {
@@ -170,10 +171,13 @@ async fn a_source_that_keeps_failing_ends_retry_exhausted() {
         "attempts 2 and 3 were probes after cooldowns, and burned attempts"
     );
     match e.acquire(OWNER, call).await {
+        // DESIGN §6 (call-ending errors): retry_exhausted reports 0, though the
+        // source is OPEN: no time gives the call more attempts.
         Err(EngineError::Exhausted {
             reason: Exhaustion::RetryExhausted,
+            retry_after,
             ..
-        }) => {}
+        }) => assert_eq!(retry_after, Duration::ZERO),
         other => panic!("expected retry_exhausted, got {other:?}"),
     }
 }
@@ -185,7 +189,7 @@ async fn mixed_reasons_take_the_quota_branch_with_reasons_as_they_are() {
         vec![
             source("a"),
             polygate::config::SourceConfig {
-                rpm: Some(1),
+                rpm: Some(2),
                 ..source("b")
             },
         ],
@@ -193,12 +197,14 @@ async fn mixed_reasons_take_the_quota_branch_with_reasons_as_they_are() {
     sc.quota_full = Mode::FailFast;
     sc.circuit_open = Mode::Wait;
     let e = engine(&config(vec![sc]));
-    // Use b's only request, then open a.
-    let c0 = e.begin_call(OWNER, "chat", None).unwrap();
+    // Use b's two requests, then open a.
     e.force_open("a", secs(60)).await.unwrap();
-    let g = e.acquire(OWNER, c0).await.unwrap();
-    assert_eq!(&*g.source, "b");
-    e.report(OWNER, g.permit, success()).await.unwrap();
+    for _ in 0..2 {
+        let c0 = e.begin_call(OWNER, "chat", None).unwrap();
+        let g = e.acquire(OWNER, c0).await.unwrap();
+        assert_eq!(&*g.source, "b");
+        e.report(OWNER, g.permit, success()).await.unwrap();
+    }
     let call = e.begin_call(OWNER, "chat", None).unwrap();
     match e.acquire(OWNER, call).await {
         Err(EngineError::Exhausted {
@@ -214,7 +220,10 @@ async fn mixed_reasons_take_the_quota_branch_with_reasons_as_they_are() {
                     ("b", SkipReason::RateLimited)
                 ])
             );
-            assert_eq!(retry_after, Duration::ZERO);
+            // DESIGN §6 (call-ending errors), quota_exhausted: min over the sources
+            // of when each certainly passes — a's OPEN ends in 60 s, b refills one
+            // request (rpm 2) in 30 s.
+            assert_eq!(retry_after, secs(30));
         }
         other => panic!("expected quota_exhausted, got {other:?}"),
     }
@@ -677,4 +686,220 @@ async fn reload_keeps_first_scope_settings_for_a_shared_source() {
         100,
         "first scope's estimate"
     );
+}
+
+// ---------------------------------------------------------------- issue 9
+
+/// The §6 retry-after of a call that ends `Exhausted(reason)`, or a panic.
+async fn exhausted_after(
+    e: &polygate::engine::Engine<polygate::backend::memory::MemoryBackend>,
+    reason: Exhaustion,
+) -> Duration {
+    let call = e.begin_call(OWNER, "chat", None).unwrap();
+    let r = e.acquire(OWNER, call).await;
+    e.end_call(OWNER, call).await.unwrap();
+    match r {
+        Err(EngineError::Exhausted {
+            reason: got,
+            retry_after,
+            ..
+        }) if got == reason => retry_after,
+        other => panic!("expected {reason:?}, got {other:?}"),
+    }
+}
+
+#[track_caller]
+fn assert_near(actual: Duration, expected: Duration, what: &str) {
+    let diff = actual.abs_diff(expected);
+    assert!(diff <= ms(1), "{what}: {actual:?}, expected {expected:?}");
+}
+
+/// DESIGN §6 (call-ending errors), quota_exhausted: a 429's block is the time until
+/// the quota certainly passes, for this call and for the next within one poll (the
+/// host-local quota hint answers then, with the same number).
+#[tokio::test(start_paused = true)]
+async fn quota_exhausted_after_a_429_reports_the_block() {
+    let mut sc = scope("chat", vec![source("a")]);
+    sc.quota_full = Mode::FailFast;
+    let e = engine(&config(vec![sc]));
+    let call = e.begin_call(OWNER, "chat", None).unwrap();
+    let g = e.acquire(OWNER, call).await.unwrap();
+    let rl = Outcome::RateLimited {
+        retry_after: Some(secs(3)),
+    };
+    e.report(OWNER, g.permit, rl).await.unwrap();
+    e.end_call(OWNER, call).await.unwrap();
+    let first = exhausted_after(&e, Exhaustion::QuotaExhausted).await;
+    assert_near(first, secs(3), "from the backend");
+    tokio::time::advance(ms(10)).await;
+    let second = exhausted_after(&e, Exhaustion::QuotaExhausted).await;
+    assert_near(second, secs(3) - ms(10), "from the quota hint");
+    tokio::time::advance(secs(3)).await;
+    let call = e.begin_call(OWNER, "chat", None).unwrap();
+    assert_eq!(&*e.acquire(OWNER, call).await.unwrap().source, "a");
+}
+
+/// DESIGN §6 (call-ending errors), quota_exhausted: a token bucket in debt reports
+/// the refill time of the debt plus this call's estimate.
+#[tokio::test(start_paused = true)]
+async fn quota_exhausted_in_debt_reports_the_refill_of_debt_and_estimate() {
+    let mut sc = scope(
+        "chat",
+        vec![polygate::config::SourceConfig {
+            tpm: Some(60), // one token per second
+            est_tokens: Some(10),
+            ..source("a")
+        }],
+    );
+    sc.quota_full = Mode::FailFast;
+    let e = engine(&config(vec![sc]));
+    let call = e.begin_call(OWNER, "chat", None).unwrap();
+    let g = e.acquire(OWNER, call).await.unwrap();
+    let used = Outcome::Success {
+        tokens: Some(100),
+        count_attempt: true,
+    };
+    e.report(OWNER, g.permit, used).await.unwrap(); // level 60 − 100 = −40
+    e.end_call(OWNER, call).await.unwrap();
+    let wait = exhausted_after(&e, Exhaustion::QuotaExhausted).await;
+    assert_near(wait, secs(50), "40 tokens of debt + the estimate of 10");
+    assert_eq!(
+        e.status().await[0].sources[0].quota_retry_after,
+        secs(50),
+        "status shows the same wait"
+    );
+}
+
+/// DESIGN §6 (call-ending errors), stalled: the min over the sources of when each
+/// certainly passes — here a 429 block shorter than the other source's cooldown.
+#[tokio::test(start_paused = true)]
+async fn stalled_reports_the_earliest_source_that_certainly_passes() {
+    let mut sc = scope("chat", vec![source("a"), source("b")]);
+    sc.circuit_open = Mode::Wait;
+    sc.stall_window = secs(2);
+    sc.poll_interval = ms(100);
+    let e = engine(&config(vec![sc]));
+    let call = e.begin_call(OWNER, "chat", None).unwrap();
+    let g = e.acquire(OWNER, call).await.unwrap();
+    assert_eq!(&*g.source, "a");
+    let rl = Outcome::RateLimited {
+        retry_after: Some(secs(100)),
+    };
+    e.report(OWNER, g.permit, rl).await.unwrap();
+    e.end_call(OWNER, call).await.unwrap();
+    e.force_open("b", secs(600)).await.unwrap();
+    let t0 = Instant::now();
+    let wait = exhausted_after(&e, Exhaustion::Stalled).await;
+    let waited = t0.elapsed();
+    assert!(
+        waited > secs(2) && waited <= secs(2) + ms(200),
+        "{waited:?}"
+    );
+    assert_near(wait, secs(100) - waited, "a's block, not b's cooldown");
+}
+
+/// DESIGN §7: a 429's retry_after blocks the quota for at most
+/// `max_rate_limit_block` (default 10 min), not a day.
+#[tokio::test(start_paused = true)]
+async fn a_429_blocks_at_most_max_rate_limit_block() {
+    for (cap, expected) in [(None, secs(600)), (Some(secs(30)), secs(30))] {
+        let mut cfg = config(vec![scope("chat", vec![source("a")])]);
+        if let Some(c) = cap {
+            cfg.sidecar.max_rate_limit_block = c;
+        }
+        let e = engine(&cfg);
+        let call = e.begin_call(OWNER, "chat", None).unwrap();
+        let g = e.acquire(OWNER, call).await.unwrap();
+        let day = Outcome::RateLimited {
+            retry_after: Some(secs(86_400)),
+        };
+        e.report(OWNER, g.permit, day).await.unwrap();
+        let st = e.status().await;
+        assert_eq!(
+            st[0].sources[0].shared.quota_blocked, expected,
+            "cap {cap:?}"
+        );
+    }
+}
+
+/// DESIGN §4/§8: a `count_attempt = false` success (its result was unusable) counts
+/// as a failure for health, does not grow the pacer, stays out of the breaker window,
+/// and moves the source to the back for the rest of the call.
+#[tokio::test(start_paused = true)]
+async fn an_unusable_success_is_a_failure_for_health_and_holds_the_pacer() {
+    let mut sc = scope("chat", vec![source("a"), source("b")]);
+    sc.selector = Selector::Health;
+    let e = engine(&config(vec![sc]));
+    let ceiling = |st: &[polygate::engine::ScopeStatus]| st[0].sources[0].pacer_ceiling;
+    let before = ceiling(&e.status().await);
+    let call = e.begin_call(OWNER, "chat", None).unwrap();
+    let g = e.acquire(OWNER, call).await.unwrap();
+    assert_eq!(&*g.source, "a", "equal health: config order");
+    let unusable = Outcome::Success {
+        tokens: None,
+        count_attempt: false,
+    };
+    e.report(OWNER, g.permit, unusable).await.unwrap();
+    let g = e.acquire(OWNER, call).await.unwrap();
+    assert_eq!(&*g.source, "b", "the retry goes elsewhere");
+    e.report(OWNER, g.permit, success()).await.unwrap();
+    e.end_call(OWNER, call).await.unwrap();
+    let st = e.status().await;
+    assert_eq!(ceiling(&st), before, "no pacer growth for a");
+    let a = &st[0].sources[0].shared;
+    assert_eq!(
+        (a.window_successes, a.window_failures, a.streak),
+        (0, 0, 0),
+        "out of the breaker window"
+    );
+    let call = e.begin_call(OWNER, "chat", None).unwrap();
+    assert_eq!(
+        &*e.acquire(OWNER, call).await.unwrap().source,
+        "b",
+        "a new call ranks b (healthy) before a (unusable answer)"
+    );
+}
+
+/// DESIGN §4: health decays with a half-life of the breaker window, so a source that
+/// failed once (or was slow once) is first again once that has aged, although the
+/// selector sent it no traffic meanwhile.
+#[tokio::test(start_paused = true)]
+async fn health_forgets_with_a_half_life_of_the_window() {
+    let mut sc = scope("chat", vec![source("a"), source("b")]);
+    sc.selector = Selector::Health;
+    sc.breaker.window = secs(10);
+    let e = engine(&config(vec![sc]));
+    let next = |e: Arc<polygate::engine::Engine<_>>| async move {
+        let call = e.begin_call(OWNER, "chat", None).unwrap();
+        let g = e.acquire(OWNER, call).await.unwrap();
+        (call, g)
+    };
+    let (call, g) = next(e.clone()).await;
+    assert_eq!(&*g.source, "a");
+    e.report(OWNER, g.permit, failure()).await.unwrap();
+    e.end_call(OWNER, call).await.unwrap();
+    for _ in 0..3 {
+        let (call, g) = next(e.clone()).await;
+        assert_eq!(&*g.source, "b", "a failed a moment ago");
+        e.report(OWNER, g.permit, success()).await.unwrap();
+        e.end_call(OWNER, call).await.unwrap();
+    }
+    tokio::time::advance(secs(20)).await; // two half-lives: a's failure weighs 1/4
+    let (call, g) = next(e.clone()).await;
+    assert_eq!(&*g.source, "b", "not aged enough yet");
+    e.end_call(OWNER, call).await.unwrap();
+    tokio::time::advance(secs(80)).await; // ten half-lives in all
+    let (call, g) = next(e.clone()).await;
+    assert_eq!(&*g.source, "a", "the failure has aged out");
+    // Now slow: a success after 5 s, while b answers at once.
+    tokio::time::advance(secs(5)).await;
+    e.report(OWNER, g.permit, success()).await.unwrap();
+    e.end_call(OWNER, call).await.unwrap();
+    let (call, g) = next(e.clone()).await;
+    assert_eq!(&*g.source, "b", "equal success rates: b has no slow sample");
+    e.report(OWNER, g.permit, success()).await.unwrap();
+    e.end_call(OWNER, call).await.unwrap();
+    tokio::time::advance(secs(150)).await;
+    let (_, g) = next(e.clone()).await;
+    assert_eq!(&*g.source, "a", "the slow sample has aged out too");
 }

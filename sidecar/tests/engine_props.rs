@@ -62,8 +62,8 @@ fn outcome(n: u8) -> Outcome {
             tokens: None,
             count_attempt: false,
         },
-        2 => Outcome::Failure(FailureKind::ServerError),
-        3 => Outcome::Failure(FailureKind::Timeout),
+        2 => Outcome::failure(FailureKind::ServerError),
+        3 => Outcome::failure(FailureKind::Timeout),
         4 => Outcome::RateLimited {
             retry_after: Some(Duration::from_millis(500)),
         },

@@ -12,7 +12,7 @@ use super::redis::{RedisBackend, RedisOptions};
 use super::{BResult, Backend, SourceSnapshot};
 use crate::clock::Clock;
 use crate::config::BackendKind;
-use crate::gate::breaker::{Applied, BreakerParams, Entry};
+use crate::gate::breaker::{Applied, BreakerParams, Entry, Peek};
 use crate::gate::quota::{QuotaParams, Reserve, Settlement};
 use crate::gate::{Admit, Outcome};
 
@@ -120,6 +120,10 @@ impl Backend for AnyBackend {
 
     async fn release_probe(&self, source: &str, epoch: u64) -> BResult<Applied> {
         delegate!(self, b => b.release_probe(source, epoch).await)
+    }
+
+    async fn peek(&self, source: &str) -> BResult<Peek> {
+        delegate!(self, b => b.peek(source).await)
     }
 
     async fn retry_after(&self, sources: &[&str]) -> BResult<Duration> {

@@ -12,7 +12,7 @@ use std::time::Duration;
 
 use super::{BResult, Backend, BackendError, SourceSnapshot};
 use crate::clock::Clock;
-use crate::gate::breaker::{Applied, BreakerParams, Entry};
+use crate::gate::breaker::{Applied, BreakerParams, Entry, Peek};
 use crate::gate::quota::{QuotaParams, Reserve, Settlement};
 use crate::gate::{Admit, Gates, Outcome};
 
@@ -94,6 +94,10 @@ impl Backend for MemoryBackend {
 
     async fn release_probe(&self, source: &str, epoch: u64) -> BResult<Applied> {
         self.with(source, |c, now| c.breaker.release_probe(now, epoch))
+    }
+
+    async fn peek(&self, source: &str) -> BResult<Peek> {
+        self.with(source, |c, now| c.breaker.peek(now))
     }
 
     async fn retry_after(&self, sources: &[&str]) -> BResult<Duration> {

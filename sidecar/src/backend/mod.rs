@@ -47,9 +47,19 @@
 //! - **open_duration** = min(cooldown × 2^k, max_cooldown) computed *after* k grows,
 //!   so a probe-failure reopen always lasts longer than the open before it (until the
 //!   cap); the first streak open lasts `cooldown`, the first rate open 2 × cooldown.
+//! - **k_max**: k never exceeds the smallest level with cooldown × 2^k ≥ max_cooldown
+//!   ([`BreakerParams::k_max`]): growing stops there, and every operation carrying
+//!   params first clamps a stored k to it (a reload may have lowered it).
 //! - **k decay**: whenever the breaker is read in CLOSED with k > 0, each whole
 //!   `max_cooldown` elapsed since `closed_since` takes one off k (and moves
 //!   closed_since forward by that many periods).
+//! - **Idle state**: a backend may let a source's breaker state expire only once it
+//!   reads as a fresh one would — CLOSED, k decayed to 0, no streak, empty window —
+//!   and only after every permit it granted has outlived its lease; it then comes
+//!   back as a fresh breaker (epoch 0, which no live permit carries). The memory
+//!   backend never forgets; Redis keeps OPEN, HALF_OPEN and streak state without a
+//!   TTL (`gate.lua`, "Expiry").
+//! - `peek`: state, epoch and retry_after as they are; changes nothing.
 //! - `release_probe` (and `neutral` for a probe): HALF_OPEN with matching epoch →
 //!   lease cleared (state stays HALF_OPEN, epoch unchanged; the next `try_enter`
 //!   grants a new probe). Anything else → `applied=false`.
@@ -67,17 +77,23 @@
 //! Quota, per source: a token bucket (capacity `tpm`, refill tpm/60 per second) and a
 //! request bucket (capacity `rpm`, refill rpm/60 per second), continuous refill,
 //! starting full, absent when `None`; plus `blocked_until` from 429s.
-//! - `reserve(tokens)`: refused while now < blocked_until (retry_after = the rest of
-//!   the block). Otherwise it needs level ≥ min(tokens, capacity) in the token bucket
-//!   (an estimate larger than the bucket goes through when the bucket is full, and
-//!   leaves debt) and ≥ 1 in the request bucket; on success both are debited,
-//!   otherwise nothing is taken and retry_after = the longest refill time needed.
+//! - `reserve(tokens)`: needs now ≥ blocked_until, level ≥ min(tokens, capacity) in
+//!   the token bucket (an estimate larger than the bucket goes through when the bucket
+//!   is full, and leaves debt) and ≥ 1 in the request bucket; then both are debited.
+//!   Otherwise nothing is taken and retry_after = the time until *all* of that holds
+//!   (§6: the rest of the block or the longest refill, debt included, whichever is
+//!   later), never zero.
 //! - `settle(reserved, how)`: `Charge{tokens}` → token level += reserved − tokens
 //!   (may go negative: debt). `RefundTokens` → token level += reserved. `RefundAll` →
 //!   token level += reserved, request level += 1. Levels never exceed capacity, and
 //!   never fall below −capacity: debt delays later admissions by at most one more
 //!   minute of refill, so one absurd token count cannot lock a source for ages.
-//! - `block_quota(d)`: blocked_until = max(blocked_until, now + d).
+//! - `block_quota(d)`: blocked_until = max(blocked_until, now + d). The engine caps
+//!   `d` at `max_rate_limit_block` (§7) before it gets here.
+//! - `report` settles by [`Outcome::settlement`]: success or non-transient failure
+//!   (`bad_result`, `error`) → `Charge` of the reported tokens, the reservation when
+//!   none were reported; transient failure or 429 → `RefundTokens`; cancelled →
+//!   `RefundAll`.
 
 pub mod any;
 pub mod event;
@@ -86,7 +102,7 @@ pub mod redis;
 pub use any::AnyBackend;
 pub use event::{AdminEvent, AdminOp};
 
-pub use crate::gate::breaker::{Applied, BreakerParams, Entry, State};
+pub use crate::gate::breaker::{Applied, BreakerParams, Entry, Peek, State};
 pub use crate::gate::quota::{QuotaParams, Reserve, Settlement};
 pub use crate::gate::{Admit, FailureKind, Outcome};
 
@@ -206,6 +222,11 @@ pub trait Backend: Send + Sync + 'static {
         source: &str,
         epoch: u64,
     ) -> impl Future<Output = BResult<Applied>> + Send;
+
+    /// The breaker as it is, changing nothing: state, epoch and §6 retry-after. The
+    /// engine re-checks a memo entry with it (§9, §10: a shared backend that lost its
+    /// state answers an epoch lower than the one the entry was set under).
+    fn peek(&self, source: &str) -> impl Future<Output = BResult<Peek>> + Send;
 
     /// Min over `sources` of their §6 retry-after (OPEN: until − now; else 0).
     fn retry_after(&self, sources: &[&str]) -> impl Future<Output = BResult<Duration>> + Send;

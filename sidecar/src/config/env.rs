@@ -90,6 +90,10 @@ const SIDECAR_KEYS: &[(&str, Slot<RawSidecar>)] = &[
     ("SHUTDOWN_GRACE", Slot::Text(|s| &mut s.shutdown_grace)),
     ("LOG_FORMAT", Slot::Text(|s| &mut s.log_format)),
     ("METRICS_REFRESH", Slot::Text(|s| &mut s.metrics_refresh)),
+    (
+        "MAX_RATE_LIMIT_BLOCK",
+        Slot::Text(|s| &mut s.max_rate_limit_block),
+    ),
 ];
 
 /// Every `{SCOPE}__` key, in the order an unknown-key error lists them.

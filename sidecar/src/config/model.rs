@@ -155,6 +155,10 @@ pub struct SidecarConfig {
     /// of every source (breaker, quota) in the background: scrapes never touch the
     /// backend, so this bounds both the staleness of those gauges and their cost.
     pub metrics_refresh: Duration,
+    /// §7: a 429's `retry_after` blocks a source's quota for every host for at most
+    /// this long (longer values are cut to it), so one buggy worker or a provider's
+    /// daily `Retry-After` cannot block a source for a day.
+    pub max_rate_limit_block: Duration,
 }
 
 /// `[scopes.NAME]`.
@@ -281,6 +285,7 @@ impl Default for SidecarConfig {
             admin_listen: None,
             log_format: LogFormat::Text,
             metrics_refresh: Duration::from_secs(5),
+            max_rate_limit_block: DEFAULT_MAX_RATE_LIMIT_BLOCK,
         }
     }
 }
@@ -328,6 +333,8 @@ pub const DEFAULT_QUOTA_FULL: Mode = Mode::Wait;
 pub const DEFAULT_CIRCUIT_OPEN: Mode = Mode::FailFast;
 /// Default `selector` of a scope.
 pub const DEFAULT_SELECTOR: Selector = Selector::Priority;
+/// Default `sidecar.max_rate_limit_block` (§7).
+pub const DEFAULT_MAX_RATE_LIMIT_BLOCK: Duration = Duration::from_secs(600);
 /// Default source `timeout`.
 pub const DEFAULT_SOURCE_TIMEOUT: Duration = Duration::from_secs(60);
 

@@ -61,6 +61,8 @@ pub(super) struct RawSidecar {
     pub log_format: Option<String>,
     /// Duration string: background refresh of the metrics' shared state.
     pub metrics_refresh: Option<String>,
+    /// Cap of a 429's quota block, a duration string.
+    pub max_rate_limit_block: Option<String>,
 }
 
 /// `[scopes.NAME]` as written; see [`ScopeConfig`](super::ScopeConfig).
@@ -218,6 +220,7 @@ fn type_hint(path: &str) -> &'static str {
         "redis_timeout",
         "shutdown_grace",
         "metrics_refresh",
+        "max_rate_limit_block",
     ];
     let last = path.rsplit('.').next().unwrap_or(path);
     if DURATIONS.contains(&last) {

@@ -212,6 +212,12 @@ fn validate_sidecar(raw: RawSidecar, ctx: &Origins) -> Result<SidecarConfig, Con
         raw.shutdown_grace,
         d.shutdown_grace,
     )?;
+    let max_rate_limit_block = duration(
+        ctx,
+        "sidecar.max_rate_limit_block",
+        raw.max_rate_limit_block,
+        d.max_rate_limit_block,
+    )?;
 
     let max_frame = match raw.max_frame {
         None => d.max_frame,
@@ -266,6 +272,7 @@ fn validate_sidecar(raw: RawSidecar, ctx: &Origins) -> Result<SidecarConfig, Con
         redis_timeout,
         max_frame,
         shutdown_grace,
+        max_rate_limit_block,
     })
 }
 

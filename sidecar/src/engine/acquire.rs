@@ -87,10 +87,11 @@ impl<B: Backend> Engine<B> {
                 });
             }
             if check_budgets && budget.stall > cfg.stall_window {
+                // No pass ran in this Acquire: what this host knows without asking.
                 return Err(EngineError::Exhausted {
                     scope: scope_name(),
                     reason: Exhaustion::Stalled,
-                    retry_after: Duration::ZERO,
+                    retry_after: self.known_retry_after(si, &policy, budget.est_tokens),
                     reasons: self.reasons_of(si, &reasons),
                 });
             }
@@ -122,34 +123,36 @@ impl<B: Backend> Engine<B> {
                     reasons: self.reasons_of(si, &reasons),
                 });
             }
-            // §5 dispatch.
+            // §5 dispatch. `retry_after` is §6's for whichever error ends the call
+            // here: the min over the sources of when each would certainly pass.
+            let retry_after = refused.retry_after();
             let hint = if refused.gate_rejections == sc.sources.len() {
-                let hint = refused.circuit_retry_after.unwrap_or(Duration::ZERO);
+                // Every source refused for circuit reasons: the min is the breakers'.
                 if cfg.circuit_open == Mode::FailFast {
                     return Err(EngineError::CircuitOpen {
                         scope: scope_name(),
-                        retry_after: hint,
+                        retry_after,
                         reasons: self.reasons_of(si, &reasons),
                     });
                 }
-                hint
+                retry_after
             } else {
                 if cfg.quota_full == Mode::FailFast {
                     return Err(EngineError::Exhausted {
                         scope: scope_name(),
                         reason: Exhaustion::QuotaExhausted,
-                        retry_after: Duration::ZERO,
+                        retry_after,
                         reasons: self.reasons_of(si, &reasons),
                     });
                 }
-                Duration::ZERO
+                Duration::ZERO // §5: the quota wait polls with plain jitter
             };
             let stall = self.lock().stall(call, self.clock.now())?;
             if stall > cfg.stall_window {
                 return Err(EngineError::Exhausted {
                     scope: scope_name(),
                     reason: Exhaustion::Stalled,
-                    retry_after: hint,
+                    retry_after,
                     reasons: self.reasons_of(si, &reasons),
                 });
             }
@@ -177,6 +180,34 @@ impl<B: Backend> Engine<B> {
                 _ = self.shutdown.cancelled() => return Err(EngineError::ShuttingDown),
             }
         }
+    }
+
+    /// §6 retry-after from host-local knowledge alone, for a call that ends before
+    /// any pass: min over the scope's sources of the memo's remainder, else the
+    /// quota hint's wait for this call's estimate, else 0 (nothing known: now).
+    fn known_retry_after(
+        &self,
+        scope: usize,
+        policy: &super::runtime::Policy,
+        est_tokens: Option<u64>,
+    ) -> Duration {
+        let now = self.clock.now();
+        self.scopes[scope]
+            .sources
+            .iter()
+            .map(|&idx| {
+                let src = &self.sources[idx];
+                let memo = src.memo.remaining(now);
+                if !memo.is_zero() {
+                    return memo;
+                }
+                let tokens = est_tokens.unwrap_or(src.params().est_tokens);
+                src.quota_hint
+                    .wait(now, tokens, policy.cfg.poll_interval)
+                    .unwrap_or(Duration::ZERO)
+            })
+            .min()
+            .unwrap_or(Duration::ZERO)
     }
 
     /// The skip reasons of a scope's sources by name, config order.

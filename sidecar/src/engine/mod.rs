@@ -69,6 +69,9 @@ pub struct SourceStatus {
     pub shared: SourceSnapshot,
     /// Remaining memo skip on this host.
     pub memo_remaining: Duration,
+    /// §6: how long until the source's quota holds its default estimate and any 429
+    /// block is over (0 = now; always 0 from `status_local`, which reads no backend).
+    pub quota_retry_after: Duration,
     /// Pacer ceiling on this host.
     pub pacer_ceiling: f64,
     /// Permits in flight on this host.
@@ -112,6 +115,9 @@ pub struct Engine<B: Backend> {
     source_index: HashMap<String, usize>,
     /// Calls and permits.
     tables: Mutex<Tables>,
+    /// §7: the longest quota block a 429's `retry_after` may set
+    /// (`sidecar.max_rate_limit_block`; longer ones are cut to it).
+    max_rate_limit_block: Duration,
     /// Cancelled on shutdown: ends every wait.
     shutdown: CancellationToken,
 }
@@ -134,6 +140,7 @@ impl<B: Backend> Engine<B> {
             sources,
             source_index,
             tables: Mutex::new(Tables::default()),
+            max_rate_limit_block: config.sidecar.max_rate_limit_block,
             shutdown: CancellationToken::new(),
         })
     }
@@ -229,7 +236,8 @@ impl<B: Backend> Engine<B> {
         let memo = &self.sources[source].memo;
         match a.state {
             State::Open if !a.retry_after.is_zero() => {
-                memo.set_until(self.clock.now() + a.retry_after)
+                let now = self.clock.now();
+                memo.set_until(now + a.retry_after, a.epoch, now)
             }
             State::Closed => memo.clear(),
             _ => {}

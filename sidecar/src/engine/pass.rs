@@ -3,8 +3,16 @@
 //! The pass visits candidates in selector order with the call's failed sources moved
 //! to the back, and asks each gate in turn: memo → pacer → quota → breaker (the last
 //! two in one backend operation). It allocates one small vector per pass for the
-//! order, nothing per candidate; an OPEN source remembered in the memo costs no
-//! backend traffic at all.
+//! order, nothing per candidate. An OPEN source remembered in the memo costs no
+//! backend traffic, except that on a shared backend this host re-checks it at most
+//! once per [`MEMO_RECHECK`] (a read): a backend whose epoch went backwards lost its
+//! state (§10), and the memo entry is dropped rather than skipping a CLOSED source.
+//!
+//! Every refusal also says when that source would certainly pass (§6, the table of
+//! call-ending errors): memo / OPEN → until − now, HALF_OPEN → 0, quota → the
+//! backend's wait for this call's estimate (refill after debt, or the 429 block,
+//! whichever is later), paced → 0. The minimum is the `retry_after` of an error the
+//! call ends with after this pass.
 
 use std::future::Future;
 use std::time::Duration;
@@ -16,20 +24,44 @@ use super::tables::Hold;
 use super::{Engine, SkipReason};
 use crate::backend::{BResult, Backend, BackendError};
 use crate::config::Selector;
-use crate::gate::breaker::{BreakerParams, State};
+use crate::gate::breaker::{BreakerParams, Peek, State};
 use crate::gate::health::rank;
 use crate::gate::quota::QuotaParams;
 use crate::gate::Admit;
+
+/// A shared backend's memo entry is re-checked at most this often per source (§10).
+pub const MEMO_RECHECK: Duration = Duration::from_secs(1);
 
 /// What a pass that granted nothing saw.
 #[derive(Debug, Default)]
 pub(crate) struct Refused {
     /// Sources refused for circuit reasons (memo or breaker): §5 `gate_rejections`.
     pub gate_rejections: usize,
-    /// Min retry-after over the circuit refusals (memo remainder or breaker's).
-    pub circuit_retry_after: Option<Duration>,
+    /// §6: min over the scope's sources of the time until the gate that refused each
+    /// would certainly pass (`None` before any source was looked at).
+    pub retry_after: Option<Duration>,
     /// A backend error under `fail_closed`, if any source hit one.
     pub unavailable: Option<String>,
+}
+
+impl Refused {
+    /// One more source refused, passing certainly after `d`.
+    fn source(&mut self, d: Duration) {
+        self.retry_after = Some(self.retry_after.map_or(d, |m| m.min(d)));
+    }
+
+    /// The §6 retry-after of an error the call ends with now.
+    pub(crate) fn retry_after(&self) -> Duration {
+        self.retry_after.unwrap_or(Duration::ZERO)
+    }
+}
+
+/// What the memo re-check decided about a source it holds.
+enum Memo {
+    /// Still OPEN: skip it, certainly passing after this long.
+    Skip(Duration),
+    /// The entry was wrong (state lost, or closed meanwhile): ask the gates.
+    Dropped,
 }
 
 impl<B: Backend> Engine<B> {
@@ -45,9 +77,6 @@ impl<B: Backend> Engine<B> {
         reasons: &mut [Option<SkipReason>],
     ) -> Result<Hold, Refused> {
         let mut refused = Refused::default();
-        let note_retry = |r: &mut Refused, d: Duration| {
-            r.circuit_retry_after = Some(r.circuit_retry_after.map_or(d, |m| m.min(d)));
-        };
         for (pos, idx) in self.candidates(scope, policy, failed) {
             let src = &self.sources[idx];
             let params = src.params();
@@ -55,24 +84,33 @@ impl<B: Backend> Engine<B> {
             // Gate 1: cooldown memo.
             let rem = src.memo.remaining(now);
             if !rem.is_zero() {
-                reasons[pos] = Some(SkipReason::CircuitOpen);
-                refused.gate_rejections += 1;
-                note_retry(&mut refused, rem);
-                continue;
+                let skip = match self.recheck_memo(idx, now).await {
+                    None => Some(rem),
+                    Some(Memo::Skip(d)) => Some(d),
+                    Some(Memo::Dropped) => None,
+                };
+                if let Some(d) = skip {
+                    reasons[pos] = Some(SkipReason::CircuitOpen);
+                    refused.gate_rejections += 1;
+                    refused.source(d);
+                    continue;
+                }
             }
             // Gate 2: pacer (check and take in one step). The slot is a guard: any
             // way out of this iteration but a grant gives it back, including a
             // cancelled Acquire dropping this future mid-round-trip.
             let Some(slot) = src.pacer.try_slot() else {
                 reasons[pos].get_or_insert(SkipReason::Paced);
+                refused.source(Duration::ZERO);
                 continue;
             };
             // Gates 3 + 4: quota then breaker, one backend operation — unless this
             // host's quota hint already knows the answer for this tick.
             let tokens = est_tokens.unwrap_or(params.est_tokens);
             let poll = policy.cfg.poll_interval;
-            if src.quota_hint.blocks(now, tokens, poll) {
+            if let Some(wait) = src.quota_hint.wait(now, tokens, poll) {
                 reasons[pos] = Some(SkipReason::RateLimited);
+                refused.source(wait);
                 continue;
             }
             let hint_generation = src.quota_hint.generation();
@@ -100,22 +138,31 @@ impl<B: Backend> Engine<B> {
                 }
                 Ok(Admit::RateLimited { retry_after }) => {
                     reasons[pos] = Some(SkipReason::RateLimited);
+                    refused.source(retry_after);
                     src.quota_hint
                         .set(hint_generation, self.clock.now(), retry_after, tokens);
                 }
-                Ok(Admit::CircuitOpen { state, retry_after }) => {
+                Ok(Admit::CircuitOpen {
+                    state,
+                    epoch,
+                    retry_after,
+                }) => {
                     reasons[pos] = Some(SkipReason::CircuitOpen);
                     refused.gate_rejections += 1;
-                    note_retry(&mut refused, retry_after);
+                    refused.source(retry_after);
                     // Only an OPEN refusal has a deadline worth remembering (§9).
                     if state == State::Open && !retry_after.is_zero() {
-                        src.memo.set_until(self.clock.now() + retry_after);
+                        {
+                            let now = self.clock.now();
+                            src.memo.set_until(now + retry_after, epoch, now);
+                        }
                     }
                 }
                 // Unreachable under `fail_closed` (under `local` the backend serves
                 // from memory and never says so): the call fails with that error.
                 Err(e @ BackendError::Unavailable(_)) => {
                     reasons[pos] = Some(SkipReason::BackendUnavailable);
+                    refused.source(Duration::ZERO);
                     refused.unavailable = Some(e.to_string());
                 }
                 // The store answered but rejected the operation (a bug, or a key
@@ -123,11 +170,53 @@ impl<B: Backend> Engine<B> {
                 // going, and say so in the log (at most every 10 s per source).
                 Err(e) => {
                     reasons[pos] = Some(SkipReason::BackendUnavailable);
+                    refused.source(Duration::ZERO);
                     self.log_backend_error(idx, &e);
                 }
             }
         }
         Err(refused)
+    }
+
+    /// §10: on a shared backend, a memo entry is re-checked at most once per
+    /// [`MEMO_RECHECK`] (`None`: not due, or not a shared backend, or the backend
+    /// could not be read — trust the entry). The entry is dropped when the backend's
+    /// epoch is lower than the one it was set under (the shared state was lost:
+    /// FLUSHALL, a restart without persistence, failover to an empty replica) or when
+    /// the source is no longer OPEN there (closed by an operator whose broadcast this
+    /// host missed); a source OPEN again after a loss gets its new deadline.
+    async fn recheck_memo(&self, idx: usize, now: Duration) -> Option<Memo> {
+        let src = &self.sources[idx];
+        if !self.backend.is_remote() || !src.memo.recheck_due(now, MEMO_RECHECK) {
+            return None;
+        }
+        let Peek {
+            state,
+            epoch,
+            retry_after,
+        } = self.backend.peek(&src.name).await.ok()?;
+        let remembered = src.memo.epoch();
+        let open = state == State::Open && !retry_after.is_zero();
+        if epoch < remembered {
+            tracing::warn!(
+                source = %src.name,
+                remembered,
+                epoch,
+                "the shared breaker's epoch went backwards (its state was lost, or a \
+                 degraded period ended): dropping this host's memo entry"
+            );
+        }
+        if epoch < remembered || !open {
+            src.memo.clear();
+            self.wake_all(idx);
+        }
+        if open {
+            let now = self.clock.now();
+            src.memo.set_until(now + retry_after, epoch, now);
+            Some(Memo::Skip(retry_after))
+        } else {
+            Some(Memo::Dropped)
+        }
     }
 
     /// Candidate order for a pass: selector order, then this call's failed sources
@@ -136,7 +225,10 @@ impl<B: Backend> Engine<B> {
         let sc = &self.scopes[scope];
         let mut order: Vec<(usize, usize)> = sc.sources.iter().copied().enumerate().collect();
         if policy.cfg.selector == Selector::Health {
-            order.sort_by_cached_key(|&(pos, idx)| (rank(self.sources[idx].health.score()), pos));
+            let (now, half_life) = (self.clock.now(), policy.bp.window);
+            order.sort_by_cached_key(|&(pos, idx)| {
+                (rank(self.sources[idx].health.score(now, half_life)), pos)
+            });
         }
         if !failed.is_empty() {
             // Stable: keeps the relative order within both groups.

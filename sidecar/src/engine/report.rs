@@ -4,7 +4,6 @@
 //! lease released, its pacer slot freed, and no verdict reaches the breaker.
 
 use std::future::Future;
-use std::time::Duration;
 
 use futures_util::future::join_all;
 
@@ -27,37 +26,49 @@ impl<B: Backend> Engine<B> {
         permit: u64,
         outcome: Outcome,
     ) -> Result<Applied, EngineError> {
-        if let Outcome::RateLimited {
-            retry_after: Some(d),
-        } = outcome
-        {
-            if d > Duration::from_secs(86_400) {
-                return Err(EngineError::InvalidArgument(format!(
-                    "retry_after_s {} is more than a day",
-                    d.as_secs_f64()
-                )));
-            }
-        }
+        // §7: one buggy worker (or an upstream's daily Retry-After) must not block a
+        // source for every host for a day: the block is capped, silently.
+        let outcome = match outcome {
+            Outcome::RateLimited {
+                retry_after: Some(d),
+            } => Outcome::RateLimited {
+                retry_after: Some(d.min(self.max_rate_limit_block)),
+            },
+            o => o,
+        };
         let now = self.clock.now();
         let p = self.lock().take_reported(owner, permit, &outcome, now)?;
         let src = &self.sources[p.source];
         bump(match outcome {
             Outcome::Success { .. } => &src.counters.successes,
-            Outcome::Failure(_) => &src.counters.failures,
+            Outcome::Failure { .. } => &src.counters.failures,
             Outcome::RateLimited { .. } => &src.counters.rate_limited,
             Outcome::Cancelled => &src.counters.cancelled,
         });
+        // §8: only a usable success grows the ceiling; a `count_attempt = false`
+        // success (its result was unusable) holds it, like the other failures.
         let signal = match outcome {
-            Outcome::Success { .. } => Signal::Increase,
-            Outcome::RateLimited { .. } | Outcome::Failure(FailureKind::Timeout) => {
-                Signal::Decrease
-            }
+            Outcome::Success {
+                count_attempt: true,
+                ..
+            } => Signal::Increase,
+            Outcome::RateLimited { .. }
+            | Outcome::Failure {
+                kind: FailureKind::Timeout,
+                ..
+            } => Signal::Decrease,
             _ => Signal::Hold,
         };
         src.pacer.release(signal);
+        // §4: health counts a `count_attempt = false` success as a failure, and
+        // forgets with the half-life of the scope's breaker window.
+        let half_life = self.scopes[p.scope].policy().bp.window;
+        let latency = now.saturating_sub(p.granted_at);
         match outcome {
-            Outcome::Success { .. } => src.health.record(true, now.saturating_sub(p.granted_at)),
-            Outcome::Failure(_) => src.health.record(false, now.saturating_sub(p.granted_at)),
+            Outcome::Success { count_attempt, .. } => {
+                src.health.record(count_attempt, latency, now, half_life)
+            }
+            Outcome::Failure { .. } => src.health.record(false, latency, now, half_life),
             _ => {}
         }
         let r = self

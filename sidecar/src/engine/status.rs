@@ -7,6 +7,7 @@ use std::time::Duration;
 use super::tables::LiveCounts;
 use super::{Engine, ScopeStatus, SourceStatus};
 use crate::backend::{Backend, SourceSnapshot};
+use crate::gate::quota::QuotaView;
 
 impl<B: Backend> Engine<B> {
     /// Live state of every scope and source: [`Engine::status_local`] plus the
@@ -17,12 +18,17 @@ impl<B: Backend> Engine<B> {
             let bp = sc.policy().bp;
             for (&idx, s) in sc.sources.iter().zip(&mut st.sources) {
                 let src = &self.sources[idx];
-                match self
-                    .backend
-                    .snapshot(&src.name, &bp, &src.params().qp)
-                    .await
-                {
-                    Ok(snap) => s.shared = snap,
+                let params = src.params();
+                match self.backend.snapshot(&src.name, &bp, &params.qp).await {
+                    Ok(snap) => {
+                        let quota = QuotaView {
+                            tokens: snap.tokens_available,
+                            requests: snap.requests_available,
+                            blocked: snap.quota_blocked,
+                        };
+                        s.quota_retry_after = quota.wait(&params.qp, params.est_tokens);
+                        s.shared = snap;
+                    }
                     Err(e) => {
                         tracing::debug!(source = %src.name, error = %e, "status: backend snapshot failed");
                         s.degraded = true;
@@ -50,6 +56,7 @@ impl<B: Backend> Engine<B> {
                     name: src.name.to_string(),
                     shared: SourceSnapshot::default(),
                     memo_remaining: src.memo.remaining(now),
+                    quota_retry_after: Duration::ZERO, // filled from the snapshot
                     pacer_ceiling,
                     in_flight,
                     degraded: self.backend.degraded(&src.name),

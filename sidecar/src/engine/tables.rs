@@ -272,7 +272,7 @@ impl Tables {
     }
 
     /// Take `owner`'s `permit` out for its report: the call's stall clock runs again,
-    /// a failed or rate-limited source is demoted for the rest of the call, and a
+    /// a failed, rate-limited or unusable source is demoted for the rest of the call, and a
     /// cancelled attempt (nothing was sent) is given back.
     pub(crate) fn take_reported(
         &mut self,
@@ -291,7 +291,15 @@ impl Tables {
             c.permit = None;
             c.stalled_since = Some(now);
             match outcome {
-                Outcome::Failure(_) | Outcome::RateLimited { .. } => {
+                // A failure, a 429 or an unusable answer (§4: a `count_attempt =
+                // false` success counts as a failure for selection): the source goes
+                // to the back for the rest of the call.
+                Outcome::Failure { .. }
+                | Outcome::RateLimited { .. }
+                | Outcome::Success {
+                    count_attempt: false,
+                    ..
+                } => {
                     if !c.failed.contains(&p.source) {
                         c.failed.push(p.source);
                     }

@@ -29,6 +29,24 @@ pub struct BreakerParams {
     pub probe_ttl: Duration,
 }
 
+impl BreakerParams {
+    /// §6 `k_max`: the smallest cooldown level at which `cooldown × 2^k` reaches
+    /// `max_cooldown` (0 when the base cooldown already does). A longer outage adds
+    /// nothing to the open duration, so it must add nothing to the level either: a
+    /// level above this would keep later opens at the cap for extra decay periods.
+    pub fn k_max(&self) -> u32 {
+        let (cd, max) = (self.cooldown.as_nanos(), self.max_cooldown.as_nanos());
+        if cd == 0 {
+            return 0;
+        }
+        let mut k = 0;
+        while k < 64 && cd.saturating_mul(1u128 << k) < max {
+            k += 1;
+        }
+        k
+    }
+}
+
 /// Breaker state.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum State {
@@ -119,6 +137,17 @@ impl Default for Breaker {
     }
 }
 
+/// The breaker as a read sees it, changing nothing (the memo's re-check, §9/§10).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Peek {
+    /// State.
+    pub state: State,
+    /// Epoch.
+    pub epoch: u64,
+    /// §6 retry-after: OPEN → until − now (0 once passed), else 0.
+    pub retry_after: Duration,
+}
+
 /// Read-only view for status.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct BreakerView {
@@ -184,8 +213,20 @@ impl Breaker {
         }
     }
 
-    /// Level decay: each whole `max_cooldown` spent CLOSED takes one off k.
+    /// What a read sees (no decay, no roll: neither changes state or epoch).
+    pub fn peek(&self, now: Duration) -> Peek {
+        Peek {
+            state: self.state,
+            epoch: self.epoch,
+            retry_after: self.retry_after(now),
+        }
+    }
+
+    /// Level bound and decay, before every operation that carries parameters: k is
+    /// clamped to `k_max` (a reload may have lowered it), then each whole
+    /// `max_cooldown` spent CLOSED takes one off k.
     fn decay(&mut self, now: Duration, p: &BreakerParams) {
+        self.level = self.level.min(p.k_max());
         if self.state != State::Closed || self.level == 0 || p.max_cooldown.is_zero() {
             return;
         }
@@ -227,7 +268,7 @@ impl Breaker {
 
     fn open(&mut self, now: Duration, p: &BreakerParams, grow: bool) {
         if grow {
-            self.level = self.level.saturating_add(1);
+            self.level = (self.level + 1).min(p.k_max());
         }
         let factor = 2u128.saturating_pow(self.level.min(64));
         let dur = p
@@ -439,6 +480,45 @@ mod tests {
         assert_eq!(b.view(Duration::from_secs(61), &p).successes, 1);
         // A gap of more than one bucket clears both.
         assert_eq!(b.view(Duration::from_secs(200), &p).successes, 0);
+    }
+
+    #[test]
+    fn k_max_is_the_first_level_reaching_the_cap() {
+        let with = |cd: u64, max: u64| BreakerParams {
+            cooldown: Duration::from_secs(cd),
+            max_cooldown: Duration::from_secs(max),
+            ..p()
+        };
+        assert_eq!(with(10, 80).k_max(), 3, "10 × 2^3 = 80");
+        assert_eq!(with(60, 600).k_max(), 4, "60 × 8 < 600 ≤ 60 × 16");
+        assert_eq!(with(60, 60).k_max(), 0);
+        assert_eq!(with(60, 30).k_max(), 0, "cooldown above the cap");
+        assert_eq!(with(1, u64::MAX / 2).k_max(), 63);
+    }
+
+    #[test]
+    fn reopens_stop_growing_the_level_at_k_max() {
+        let p = p(); // k_max 3
+        let mut b = Breaker::new(Duration::ZERO);
+        let mut now = Duration::ZERO;
+        let e = b.epoch();
+        for _ in 0..3 {
+            b.record_failure(now, b.epoch(), &p);
+        }
+        assert!(b.epoch() > e);
+        for _ in 0..6 {
+            now += Duration::from_secs(100);
+            let probe = b.try_enter(now, &p);
+            assert!(probe.is_probe);
+            b.record_failure(now, probe.epoch, &p);
+        }
+        assert_eq!(b.view(now, &p).level, 3, "capped at k_max");
+        // A reload that lowers the cap lowers the level with it.
+        let lower = BreakerParams {
+            max_cooldown: Duration::from_secs(20),
+            ..p
+        };
+        assert_eq!(b.view(now, &lower).level, 1);
     }
 
     #[test]

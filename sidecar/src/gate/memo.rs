@@ -15,24 +15,58 @@ use std::time::Duration;
 pub struct Memo {
     /// Deadline (nanos since the clock's origin).
     until: AtomicU64,
+    /// The breaker epoch of the OPEN state the deadline came from (the largest seen
+    /// since the last clear). A shared backend that later answers a *lower* epoch has
+    /// lost its state (§10): the entry is then wrong and is dropped.
+    epoch: AtomicU64,
+    /// When the entry was last re-checked against a shared backend (nanos + 1; 0 =
+    /// never), so a host re-checks at most once per interval however many calls
+    /// meet the entry.
+    checked: AtomicU64,
+}
+
+fn nanos(d: Duration) -> u64 {
+    // Saturate: a deadline past u64 nanoseconds (~584 years) must not wrap.
+    d.as_nanos().min(u64::MAX as u128) as u64
 }
 
 impl Memo {
-    /// Skip the source until `deadline` unless a later deadline is already set.
-    pub fn set_until(&self, deadline: Duration) {
-        // Saturate: a deadline past u64 nanoseconds (~584 years) must not wrap.
-        let nanos = deadline.as_nanos().min(u64::MAX as u128) as u64;
-        self.until.fetch_max(nanos, Ordering::AcqRel);
+    /// Skip the source until `deadline` unless a later deadline is already set;
+    /// `epoch` is the epoch of the OPEN state that set it, learnt from the backend at
+    /// `now` (which counts as a check: the next re-check is due an interval later).
+    pub fn set_until(&self, deadline: Duration, epoch: u64, now: Duration) {
+        self.epoch.fetch_max(epoch, Ordering::AcqRel);
+        self.until.fetch_max(nanos(deadline), Ordering::AcqRel);
+        self.checked
+            .store(nanos(now).saturating_add(1), Ordering::Release);
     }
 
-    /// Forget the deadline.
+    /// Forget the deadline (and its epoch).
     pub fn clear(&self) {
         self.until.store(0, Ordering::Release);
+        self.epoch.store(0, Ordering::Release);
     }
 
     /// Time the source is still skipped at `now` (zero = not skipped).
     pub fn remaining(&self, now: Duration) -> Duration {
         Duration::from_nanos(self.until.load(Ordering::Acquire)).saturating_sub(now)
+    }
+
+    /// The epoch the current deadline was set under.
+    pub fn epoch(&self) -> u64 {
+        self.epoch.load(Ordering::Acquire)
+    }
+
+    /// `true` for exactly one caller per `every` (at `now`): that caller re-checks
+    /// the entry against the shared backend, the others trust it meanwhile.
+    pub fn recheck_due(&self, now: Duration, every: Duration) -> bool {
+        let last = self.checked.load(Ordering::Acquire);
+        let now_n = nanos(now).saturating_add(1);
+        (last == 0 || now_n.saturating_sub(last) >= nanos(every))
+            && self
+                .checked
+                .compare_exchange(last, now_n, Ordering::AcqRel, Ordering::Acquire)
+                .is_ok()
     }
 }
 
@@ -45,22 +79,37 @@ mod tests {
         let m = Memo::default();
         let s = Duration::from_secs;
         assert_eq!(m.remaining(s(0)), s(0));
-        m.set_until(s(10));
-        m.set_until(s(5));
+        m.set_until(s(10), 3, s(0));
+        m.set_until(s(5), 2, s(0));
         assert_eq!(
             m.remaining(s(1)),
             s(9),
             "a shorter deadline never replaces a longer one"
         );
-        m.set_until(s(20));
+        assert_eq!(m.epoch(), 3, "the largest epoch seen");
+        m.set_until(s(20), 4, s(0));
         assert_eq!(m.remaining(s(1)), s(19));
         m.clear();
-        assert_eq!(m.remaining(s(1)), s(0));
-        m.set_until(Duration::MAX);
+        assert_eq!((m.remaining(s(1)), m.epoch()), (s(0), 0));
+        m.set_until(Duration::MAX, 1, s(0));
         assert!(
             m.remaining(s(1)) > s(500 * 365 * 86_400),
             "saturates, never wraps"
         );
+    }
+
+    #[test]
+    fn one_recheck_per_interval() {
+        let m = Memo::default();
+        let s = Duration::from_millis;
+        assert!(m.recheck_due(s(0), s(1000)), "never checked: due");
+        assert!(!m.recheck_due(s(10), s(1000)));
+        assert!(!m.recheck_due(s(999), s(1000)));
+        assert!(m.recheck_due(s(1000), s(1000)));
+        assert!(!m.recheck_due(s(1001), s(1000)));
+        m.set_until(s(9000), 1, s(1500));
+        assert!(!m.recheck_due(s(2400), s(1000)), "setting it was a check");
+        assert!(m.recheck_due(s(2500), s(1000)));
     }
 }
 
@@ -118,6 +167,16 @@ impl QuotaHint {
         let mut h = self.lock();
         h.set_at = None;
         h.generation = h.generation.wrapping_add(1);
+    }
+
+    /// While the hint applies to an admission of `tokens` at `now` (polling every
+    /// `poll`): the backend's estimate of how long until it fits, counted from `now`
+    /// (§6: a call ending on this refusal reports it).
+    pub fn wait(&self, now: Duration, tokens: u64, poll: Duration) -> Option<Duration> {
+        let h = *self.lock();
+        let at = h.set_at?;
+        (now < at + h.retry_after.min(poll) && tokens >= h.need)
+            .then(|| (at + h.retry_after).saturating_sub(now))
     }
 
     /// Would an admission of `tokens` at `now`, polling every `poll`, surely be refused?

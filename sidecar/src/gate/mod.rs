@@ -41,6 +41,8 @@ pub enum Admit {
     CircuitOpen {
         /// Breaker state.
         state: State,
+        /// Epoch of the refusing state (the memo remembers it, §9/§10).
+        epoch: u64,
         /// §6 retry-after.
         retry_after: Duration,
     },
@@ -61,6 +63,18 @@ pub enum FailureKind {
     Error,
 }
 
+impl FailureKind {
+    /// §7: a transient failure (`timeout`, `connection`, `server_error`) consumed no
+    /// tokens upstream, so its token reservation is refunded; the others (`bad_result`,
+    /// `error`: the upstream answered) are charged.
+    pub fn is_transient(self) -> bool {
+        matches!(
+            self,
+            FailureKind::Timeout | FailureKind::Connection | FailureKind::ServerError
+        )
+    }
+}
+
 /// What happened on one attempt (§2).
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub enum Outcome {
@@ -72,7 +86,13 @@ pub enum Outcome {
         count_attempt: bool,
     },
     /// The upstream failed.
-    Failure(FailureKind),
+    Failure {
+        /// What went wrong.
+        kind: FailureKind,
+        /// Tokens the upstream reported for a non-transient failure; `None` charges
+        /// the estimate. Ignored for transient kinds (refunded, §7).
+        tokens: Option<u64>,
+    },
     /// 429: backpressure, not failure.
     RateLimited {
         /// Upstream retry-after: blocks the quota until then, for every host.
@@ -83,13 +103,24 @@ pub enum Outcome {
 }
 
 impl Outcome {
-    /// §7 settlement of the reservation for this outcome.
+    /// A failure of `kind` without a token count.
+    pub fn failure(kind: FailureKind) -> Self {
+        Outcome::Failure { kind, tokens: None }
+    }
+
+    /// §7 settlement of the reservation for this outcome: a success or a
+    /// non-transient failure is charged its reported tokens (the estimate when none
+    /// were reported), a transient failure or a 429 refunds the tokens, a
+    /// cancellation refunds everything.
     pub fn settlement(&self, reserved_tokens: u64) -> Settlement {
         match *self {
             Outcome::Success { tokens, .. } => Settlement::Charge {
                 tokens: tokens.unwrap_or(reserved_tokens),
             },
-            Outcome::Failure(_) | Outcome::RateLimited { .. } => Settlement::RefundTokens,
+            Outcome::Failure { kind, tokens } if !kind.is_transient() => Settlement::Charge {
+                tokens: tokens.unwrap_or(reserved_tokens),
+            },
+            Outcome::Failure { .. } | Outcome::RateLimited { .. } => Settlement::RefundTokens,
             Outcome::Cancelled => Settlement::RefundAll,
         }
     }
@@ -135,6 +166,7 @@ impl Gates {
             self.quota.settle(q, tokens, Settlement::RefundAll, now);
             Admit::CircuitOpen {
                 state: e.state,
+                epoch: e.epoch,
                 retry_after: e.retry_after,
             }
         }
@@ -161,7 +193,7 @@ impl Gates {
             Outcome::Success { count_attempt, .. } => {
                 self.breaker.record_success(now, epoch, count_attempt, p)
             }
-            Outcome::Failure(_) => self.breaker.record_failure(now, epoch, p),
+            Outcome::Failure { .. } => self.breaker.record_failure(now, epoch, p),
             Outcome::RateLimited { retry_after } => {
                 if let Some(d) = retry_after {
                     self.quota.block(d, now);

@@ -133,7 +133,9 @@ pub fn seconds(name: &'static str, value: f64, positive: bool) -> Result<Duratio
     Duration::try_from_secs_f64(value).map_err(|_| err)
 }
 
-/// Wire outcome → engine outcome, validating `tokens` and `retry_after_s`.
+/// Wire outcome → engine outcome, validating `tokens` and `retry_after_s`. A finite
+/// `retry_after_s` of any size is accepted (the engine cuts it to
+/// `max_rate_limit_block`, §7); NaN, infinite or negative ones are refused.
 pub fn outcome(o: wire::Outcome) -> Result<backend::Outcome, ArgumentError> {
     Ok(match o {
         wire::Outcome::Success {
@@ -143,10 +145,10 @@ pub fn outcome(o: wire::Outcome) -> Result<backend::Outcome, ArgumentError> {
             tokens: t.map(|t| tokens("tokens", t)).transpose()?,
             count_attempt,
         },
-        wire::Outcome::Failure { kind } => backend::Outcome::Failure(failure_kind(kind)),
+        wire::Outcome::Failure { kind } => backend::Outcome::failure(failure_kind(kind)),
         wire::Outcome::RateLimited { retry_after_s } => backend::Outcome::RateLimited {
             retry_after: retry_after_s
-                .map(|s| seconds("retry_after_s", s, false))
+                .map(|s| any_seconds("retry_after_s", s))
                 .transpose()?,
         },
         wire::Outcome::Cancelled => backend::Outcome::Cancelled,
@@ -157,13 +159,25 @@ pub fn outcome(o: wire::Outcome) -> Result<backend::Outcome, ArgumentError> {
             tokens: usage_tokens(usage)?,
             count_attempt,
         },
-        // The counts are validated now; charging a failure's tokens is §7's
-        // non-transient rule (the failure settles as a plain failure until then).
-        wire::Outcome::FailureUsage { kind, usage } => {
-            usage_tokens(usage)?;
-            backend::Outcome::Failure(failure_kind(kind))
-        }
+        // §7: a non-transient failure is charged these tokens (the estimate when
+        // none are given); a transient one is refunded whatever it says.
+        wire::Outcome::FailureUsage { kind, usage } => backend::Outcome::Failure {
+            kind: failure_kind(kind),
+            tokens: usage_tokens(usage)?,
+        },
     })
+}
+
+/// A wire `f64` seconds value ≥ 0 of any finite size → `Duration` (saturating).
+fn any_seconds(name: &'static str, value: f64) -> Result<Duration, ArgumentError> {
+    if !value.is_finite() || value < 0.0 {
+        return Err(ArgumentError::Seconds {
+            name,
+            bound: ">= 0",
+            value,
+        });
+    }
+    Ok(Duration::try_from_secs_f64(value).unwrap_or(Duration::MAX))
 }
 
 fn failure_kind(k: wire::FailureKind) -> backend::FailureKind {
@@ -339,6 +353,7 @@ pub fn status_json(backend: &str, scopes: &[engine::ScopeStatus]) -> String {
                         "tokens_available": b.tokens_available,
                         "requests_available": b.requests_available,
                         "quota_blocked_s": b.quota_blocked.as_secs_f64(),
+                        "quota_retry_after_s": s.quota_retry_after.as_secs_f64(),
                         "degraded": s.degraded,
                     })
                 })
@@ -430,11 +445,55 @@ mod tests {
                 retry_after: Some(Duration::from_secs(2))
             }
         );
-        let e = outcome(wire::Outcome::RateLimited {
-            retry_after_s: Some(f64::NAN),
+        for bad in [f64::NAN, f64::INFINITY, -1.0] {
+            let e = outcome(wire::Outcome::RateLimited {
+                retry_after_s: Some(bad),
+            })
+            .unwrap_err();
+            assert!(e.to_string().contains("retry_after_s"), "{e}");
+        }
+        // Any finite size is taken (the engine caps it at max_rate_limit_block).
+        let o = outcome(wire::Outcome::RateLimited {
+            retry_after_s: Some(1e300),
         })
-        .unwrap_err();
-        assert!(e.to_string().contains("retry_after_s"));
+        .unwrap();
+        assert_eq!(
+            o,
+            backend::Outcome::RateLimited {
+                retry_after: Some(Duration::MAX)
+            }
+        );
+    }
+
+    #[test]
+    fn failure_usage_carries_its_tokens() {
+        let usage = |tokens, input_tokens, output_tokens| wire::Usage {
+            tokens,
+            input_tokens,
+            output_tokens,
+        };
+        let o = outcome(wire::Outcome::FailureUsage {
+            kind: wire::FailureKind::BadResult,
+            usage: usage(None, Some(30), Some(12)),
+        })
+        .unwrap();
+        assert_eq!(
+            o,
+            backend::Outcome::Failure {
+                kind: backend::FailureKind::BadResult,
+                tokens: Some(42)
+            }
+        );
+        let o = outcome(wire::Outcome::Failure {
+            kind: wire::FailureKind::Error,
+        })
+        .unwrap();
+        assert_eq!(o, backend::Outcome::failure(backend::FailureKind::Error));
+        assert!(outcome(wire::Outcome::FailureUsage {
+            kind: wire::FailureKind::Error,
+            usage: usage(Some(MAX_TOKENS + 1), None, None),
+        })
+        .is_err());
     }
 
     #[test]

@@ -101,6 +101,9 @@ impl Backend for TestBackend {
     async fn release_probe(&self, s: &str, e: u64) -> BResult<Applied> {
         self.inner.release_probe(s, e).await
     }
+    async fn peek(&self, s: &str) -> BResult<Peek> {
+        self.inner.peek(s).await
+    }
     async fn retry_after(&self, s: &[&str]) -> BResult<Duration> {
         self.inner.retry_after(s).await
     }

@@ -9,16 +9,19 @@
 //! timeouts, and by an outer `tokio::time::timeout` over the whole call, `NOSCRIPT`
 //! reload included.
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
+use ::redis::aio::ConnectionLike;
 use ::redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use ::redis::cluster::{ClusterClient, ClusterClientBuilder};
 use ::redis::cluster_async::ClusterConnection;
-use ::redis::{Client, RedisError, ScriptInvocation, Value};
+use ::redis::{Client, RedisError, Value};
 
 use super::fault::{classify, Fault};
 use super::reach::RETRY_INTERVAL;
+use super::script::{Call, GATE};
 use crate::backend::{BResult, BackendError};
 
 /// A live connection (both kinds are cheap to clone and multiplex).
@@ -50,6 +53,8 @@ pub(super) struct Connection {
     last_invalidate: Mutex<Option<Instant>>,
     /// Human-readable target for messages (`redis://…` or the cluster seeds).
     describe: String,
+    /// The server does not know `FCALL` (Redis < 7): calls go as `EVALSHA`.
+    scripts_only: AtomicBool,
     /// Upper bound of one call, connecting and `NOSCRIPT` reload included.
     timeout: Duration,
 }
@@ -99,6 +104,7 @@ impl Connection {
             current: Mutex::new(None),
             connect_lock: tokio::sync::Mutex::new(()),
             last_invalidate: Mutex::new(None),
+            scripts_only: AtomicBool::new(false),
             describe,
             timeout,
         };
@@ -115,10 +121,11 @@ impl Connection {
         self.timeout
     }
 
-    /// Run one script invocation, within the timeout. A failure is already sorted:
-    /// [`Fault::Unreachable`] (no answer in time included) or [`Fault::Rejected`].
-    pub(super) async fn run(&self, inv: &ScriptInvocation<'_>) -> Result<Vec<Value>, Fault> {
-        match tokio::time::timeout(self.timeout, self.invoke(inv)).await {
+    /// Run one call of `gate.lua`, within the timeout (loading it on first use). A
+    /// failure is already sorted: [`Fault::Unreachable`] (no answer in time
+    /// included) or [`Fault::Rejected`].
+    pub(super) async fn run(&self, call: &Call) -> Result<Vec<Value>, Fault> {
+        match tokio::time::timeout(self.timeout, self.invoke(call)).await {
             Ok(Ok(v)) => Ok(v),
             Ok(Err(e)) => Err(classify(&e)),
             Err(_) => Err(Fault::Unreachable(format!(
@@ -128,11 +135,42 @@ impl Connection {
         }
     }
 
-    async fn invoke(&self, inv: &ScriptInvocation<'_>) -> Result<Vec<Value>, RedisError> {
+    async fn invoke(&self, call: &Call) -> Result<Vec<Value>, RedisError> {
         match &mut self.get().await? {
-            Conn::Single(m) => inv.invoke_async(m).await,
-            Conn::Cluster(cl) => inv.invoke_async(cl).await,
+            Conn::Single(m) => self.invoke_on(m, call).await,
+            Conn::Cluster(cl) => self.invoke_on(cl, call).await,
         }
+    }
+
+    /// `FCALL`, loading the library once if the server lacks it; `EVALSHA` on a
+    /// server without functions (see `script.rs`, "How it runs").
+    async fn invoke_on<C: ConnectionLike>(
+        &self,
+        con: &mut C,
+        call: &Call,
+    ) -> Result<Vec<Value>, RedisError> {
+        if !self.scripts_only.load(Ordering::Relaxed) {
+            match call.fcall().query_async(con).await {
+                Err(e) if function_missing(&e) => {
+                    ::redis::cmd("FUNCTION")
+                        .arg("LOAD")
+                        .arg("REPLACE")
+                        .arg(&GATE.library)
+                        .query_async::<()>(con)
+                        .await?;
+                    return call.fcall().query_async(con).await;
+                }
+                Err(e) if fcall_unknown(&e) => {
+                    tracing::info!(
+                        redis = %self.describe,
+                        "redis has no FCALL (before 7.0): running gate.lua as a script"
+                    );
+                    self.scripts_only.store(true, Ordering::Relaxed);
+                }
+                r => return r,
+            }
+        }
+        call.script().invoke_async(con).await
     }
 
     /// The current connection, made if needed.
@@ -179,4 +217,17 @@ impl Connection {
         *last = Some(now);
         *self.current.lock().unwrap_or_else(|e| e.into_inner()) = None;
     }
+}
+
+/// `ERR Function not found`: the server has not (or no longer) loaded our library.
+fn function_missing(e: &RedisError) -> bool {
+    e.detail()
+        .is_some_and(|d| d.starts_with("Function not found"))
+}
+
+/// `ERR unknown command 'FCALL'`: a server before Redis 7.
+fn fcall_unknown(e: &RedisError) -> bool {
+    e.detail().is_some_and(|d| {
+        d.to_ascii_lowercase().starts_with("unknown command") && d.contains("FCALL")
+    })
 }

@@ -1,146 +1,174 @@
--- PolyGate breaker (§6) + quota (§7) for one source, atomically, in one script.
+-- PolyGate breaker (§6) + quota (§7) for one source, atomically, in one script call.
 --
 -- KEYS[1] = {prefix:source}:b  breaker hash     KEYS[2] = {prefix:source}:q  quota hash
 --
 -- ARGV: one meaning per slot whatever the op (script.rs `Argv` and `SLOTS` build it
--- under the same names); a slot the op does not use holds the neutral value shown.
+-- under the same names); a slot the op does not use holds the neutral value shown, and
+-- trailing neutral slots are not sent at all (a missing slot reads as its neutral).
 -- ARGV[1] op : try_enter | record_success | record_failure | release_probe | neutral
 --              | peek | force_open | force_close | reset | reserve | settle | block
 --              | admit | report | snapshot
--- ARGV[2] failure_threshold : streak channel threshold. Slots 2..8 are the scope's
---              breaker params, all 0 when the op carries none (the TTL basis
---              stored in the hash is then kept)
+-- ARGV[2] failure_threshold : streak channel threshold. Slots 2..10 are the scope's
+--              breaker params, all 0 when the op carries none
 -- ARGV[3] failure_rate : rate channel threshold, the one fractional argument
 -- ARGV[4] min_calls : window samples before the rate channel applies
 -- ARGV[5] window_us : the whole breaker window (two buckets of half each)
 -- ARGV[6] cooldown_us : base open duration
 -- ARGV[7] max_cooldown_us : open-duration cap; decay period of the cooldown level
 -- ARGV[8] probe_ttl_us : half-open probe lease
--- ARGV[9] tpm : token bucket capacity (-1 = bucket disabled)
--- ARGV[10] rpm : request bucket capacity (-1 = bucket disabled)
--- ARGV[11] epoch : the epoch the reporting permit was granted under (0)
--- ARGV[12] count_attempt : 0|1, a success counts in the window (0)
--- ARGV[13] is_probe : 0|1, the reporting permit is the probe (0)
--- ARGV[14] tokens : the reservation: to take (reserve, admit) or taken (settle, report)
--- ARGV[15] settlement : settle: charge | refund_tokens | refund_all ('')
--- ARGV[16] outcome : report: S success | F failure | R 429 | C cancelled ('')
--- ARGV[17] charged : tokens actually used (-1 = the reservation)
--- ARGV[18] block_us : block the quota this long (-1 = no block)
--- ARGV[19] open_us : force_open: how long the breaker stays open (-1)
--- ARGV[20] channel : admin ops: the pub/sub channel they announce on ('')
--- ARGV[21] source : admin ops: the source named in the announcement ('')
+-- ARGV[9] k_max : the cooldown level never exceeds this
+-- ARGV[10] ttl_basis_us : an idle breaker hash lives at least this long (0)
+-- ARGV[11] tpm : token bucket capacity (-1 = bucket disabled)
+-- ARGV[12] rpm : request bucket capacity (-1 = bucket disabled)
+-- ARGV[13] tokens : the reservation to take (reserve, admit) (0)
+-- ARGV[14] epoch : the epoch the reporting permit was granted under (0)
+-- ARGV[15] count_attempt : 0|1, a success counts in the window (0)
+-- ARGV[16] is_probe : 0|1, the reporting permit is the probe (0)
+-- ARGV[17] verdict : report: S success | F failure | N none (429, cancel) ('')
+-- ARGV[18] token_credit : settle, report: tokens given back; negative = extra debit (0)
+-- ARGV[19] request_credit : settle, report: requests given back, 0 or 1 (0)
+-- ARGV[20] block_us : block the quota this long (-1 = no block)
+-- ARGV[21] open_us : force_open: how long the breaker stays open (-1)
+-- ARGV[22] channel : admin ops: the pub/sub channel they announce on ('')
+-- ARGV[23] source : admin ops: the source named in the announcement ('')
 --
--- Every clock reading is this server's TIME, in microseconds (exact in a double until
--- 2^53 µs ≈ year 2255). Durations cross as integer microseconds (the caller caps them
--- at 2^52 µs, token counts at 2^53, so all arithmetic here stays exact). Floats are
--- returned as strings (a Lua number reply would be truncated to an integer).
+-- Cost (§10, §16): one TIME per call; every stored number is an integer (µs or a
+-- count) written with '%d' (never '%.17g' float text, never strtod of one); each hash
+-- is read with one HMGET of the fields the op needs and written with one HSET of the
+-- fields that changed; expiry is only touched when it must move. The common admission
+-- is TIME + HMGET q + HMGET b + HSET q; the common report TIME + HMGET b + HSET b,
+-- plus HMGET q + HSET q when the charge differs from the reservation.
 --
--- Numbers handed to redis.call are always formatted here first (`int`, `fmt`,
--- `pexpire`): Lua's own number→string conversion writes large values as `1e+15`,
--- which PEXPIRE rejects ("value is not an integer").
+-- Times are this server's TIME in µs (exact in a double until 2^53 µs ≈ year 2255);
+-- durations cross as integer µs capped at 2^52, counts at 2^53, so the arithmetic here
+-- stays exact.
+--
+-- Expiry (what must persist, and for how long):
+-- * The breaker hash holds the epoch and the cooldown level. While its state is one
+--   the memory backend would still remember (OPEN, HALF_OPEN, a failure streak) it
+--   has no TTL. Once CLOSED without a streak it may expire, but only after its level
+--   has decayed to 0 (closed_since + k × max_cooldown) plus ttl_basis (4 × max(window,
+--   max_cooldown, probe_ttl): longer than any permit's lease, so the epoch never goes
+--   away under a live permit, and longer than the window, whose counts have aged out
+--   by then). So an expired breaker reads exactly as the memory backend's would —
+--   CLOSED, k = 0, empty window, no streak — with epoch 0, which no live permit
+--   carries. The deadline set on the key is kept in field `x` (-1 = persistent), and
+--   the key's expiry is moved only when the needed deadline passes it (then to
+--   twice the basis ahead): one PEXPIREAT per basis period in steady traffic.
+-- * The quota hash reads as full and unblocked once every bucket has refilled and the
+--   429 block is over; it expires then (plus a minute, moved a minute at a time).
 
-local BK, QK = KEYS[1], KEYS[2]
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
-local op = ARGV[1]
-
-local FTH, FRATE, MINC = tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4])
-local WIN, CD, MCD, PTTL = tonumber(ARGV[5]), tonumber(ARGV[6]), tonumber(ARGV[7]), tonumber(ARGV[8])
-local HAVE_P = WIN > 0
-local TPM, RPM = tonumber(ARGV[9]), tonumber(ARGV[10])
-local EPOCH = tonumber(ARGV[11])
-local COUNT_ATTEMPT, IS_PROBE = ARGV[12] == '1', ARGV[13] == '1'
-local TOKENS, SETTLEMENT, OUTCOME = tonumber(ARGV[14]), ARGV[15], ARGV[16]
-local CHARGED, BLOCK, OPEN_FOR = tonumber(ARGV[17]), tonumber(ARGV[18]), tonumber(ARGV[19])
-local CHANNEL, SOURCE = ARGV[20], ARGV[21]
-
-local MIN = 60000000 -- one minute in µs
--- A 429 block lasts at most this long (the engine refuses retry_after > 1 day).
-local QMAX_BLOCK = 7 * 24 * 3600 * 1000000
--- No TTL exceeds this (µs, ≈ 285 years): PEXPIRE stays in range whatever the inputs.
-local TTL_CAP = 2 ^ 53
 local CLOSED, OPEN, HALF = 0, 1, 2
+local MIN = 60000000 -- one minute in µs: the refill period of a per-minute bucket
+-- A 429 block lasts at most this long here (the engine caps it at
+-- max_rate_limit_block, default 10 min; this only bounds a misbehaving caller).
+local QMAX_BLOCK = 7 * 24 * 3600 * 1000000
+local QSLACK = MIN -- a quota hash's expiry moves this far past its need at a time
+
+-- The call's keys and arguments and its clock reading, set by `gate` on entry (module
+-- locals, so the same text also loads as a Redis Function library).
+local K, A, now
+
+local function fmt(x)
+  return string.format('%d', x)
+end
+
+-- Slot `i` as a number, `d` when it was not sent.
+local function arg(i, d)
+  local v = A[i]
+  if v == nil or v == '' then return d end
+  return tonumber(v)
+end
 
 local function num(v, d)
   if v then return tonumber(v) end
   return d
 end
 
-local function fmt(x)
-  return string.format('%.17g', x)
-end
-
--- An integer-valued number as a plain integer string (never exponent notation).
-local function int(x)
-  return string.format('%.0f', x)
-end
-
--- Expire `key` in `us` microseconds (at least 1 ms, at most TTL_CAP), as an integer
--- number of milliseconds. No-op when the key does not exist.
-local function pexpire(key, us)
-  local ms = math.ceil(math.min(math.max(us, 1000), TTL_CAP) / 1000)
-  return redis.call('PEXPIRE', key, int(ms))
-end
-
 -- ------------------------------------------------------------------ breaker
 
-local BF = { 'st', 'e', 'u', 'l', 's', 'k', 'cs', 'bi', 'co', 'cf', 'po', 'pf', 'tb' }
+local BF = { 'st', 'e', 'u', 'l', 's', 'k', 'cs', 'x', 'bi', 'co', 'cf', 'po', 'pf' }
 
-local function bload()
-  local v = redis.call('HMGET', BK, unpack(BF))
-  return {
+-- Load the breaker; `window` also loads the window buckets (the ops that count).
+local function bload(window)
+  local v
+  if window then
+    v = redis.call('HMGET', K[1], 'st', 'e', 'u', 'l', 's', 'k', 'cs', 'x',
+      'bi', 'co', 'cf', 'po', 'pf')
+  else
+    v = redis.call('HMGET', K[1], 'st', 'e', 'u', 'l', 's', 'k', 'cs', 'x')
+  end
+  local b = {
+    exists = v[2] ~= false or v[8] ~= false, -- an epoch, or an expiry this script set
     st = num(v[1], CLOSED), e = num(v[2], 0), u = num(v[3], 0),
     l = num(v[4], -1),            -- lease_until; -1 = no lease
     s = num(v[5], 0), k = num(v[6], 0),
-    cs = num(v[7], now),          -- closed_since
-    bi = num(v[8], 0),            -- current window bucket index
-    co = num(v[9], 0), cf = num(v[10], 0), -- current bucket ok / fail
-    po = num(v[11], 0), pf = num(v[12], 0), -- previous bucket ok / fail
-    tb = num(v[13], 0),           -- TTL basis (µs) from the last params seen
-    dirty = false,
+    cs = num(v[7], now),          -- closed_since (absent: now, but written when set)
+    fresh_cs = v[7] == false,
+    x = num(v[8], nil),           -- expiry deadline set on the key; -1 = none; nil = unknown
+    w = {},                       -- changed fields, in order
   }
-end
-
--- Idle breakers expire, but only long after anything that matters: the TTL basis is
--- max(4 × max(window, max_cooldown, 60 s), 4 × probe_ttl), refreshed on EVERY script
--- that touches the source (reads included: peek, snapshot, a quota-refused admit),
--- plus whatever is left of an OPEN period or a lease. The basis is stored in the hash
--- (`tb`) so that operations without breaker params (neutral, release_probe, admin
--- ops) keep the same TTL; 1 h only for a hash that never saw params (so the first
--- script with params writes the hash, even when nothing else changed). Every permit
--- was granted by such a script and lives at most its lease (probe_ttl, after which
--- the engine reclaims it), so the hash — and the epoch in it — cannot expire while a
--- permit carrying that epoch may still report: the epoch never rewinds under a live
--- permit. An expired breaker is a fresh CLOSED one (streak and
--- window would have aged out of relevance; the cooldown level would have decayed).
-local function bttl(b)
-  local basis = b.tb
-  if HAVE_P then
-    basis = math.max(4 * math.max(WIN, MCD, MIN), 4 * PTTL)
-    if basis ~= b.tb then b.tb = basis; b.dirty = true end
+  if window then
+    b.bi = num(v[9], 0)           -- current window bucket index
+    b.co, b.cf = num(v[10], 0), num(v[11], 0) -- current bucket ok / fail
+    b.po, b.pf = num(v[12], 0), num(v[13], 0) -- previous bucket ok / fail
   end
-  if basis <= 0 then basis = 3600000000 end
-  local ttl = basis
-  if b.st == OPEN and b.u > now then ttl = ttl + (b.u - now) end
-  if b.st == HALF and b.l > now then ttl = ttl + (b.l - now) end
-  return ttl -- µs
+  return b
 end
 
-local function bsave(b)
-  -- The TTL first: a new basis marks the hash dirty, so the HSET below persists it.
-  local ttl = bttl(b)
-  if b.dirty then
-    redis.call('HSET', BK, 'st', int(b.st), 'e', int(b.e), 'u', fmt(b.u), 'l', fmt(b.l),
-      's', int(b.s), 'k', int(b.k), 'cs', fmt(b.cs), 'bi', fmt(b.bi), 'co', int(b.co),
-      'cf', int(b.cf), 'po', int(b.po), 'pf', int(b.pf), 'tb', fmt(b.tb))
+-- Set field `f` of `b` to `v`, remembering it for the save when it changed.
+local function set(b, f, v)
+  if b[f] ~= v or (f == 'cs' and b.fresh_cs) then
+    if f == 'cs' then b.fresh_cs = false end
+    b[f] = v
+    b.w[#b.w + 1] = f
   end
-  -- Refresh on every touch (no-op when the hash does not exist: nothing to keep).
-  pexpire(BK, ttl)
 end
 
--- Reads: refresh the TTL, persist nothing.
-local function btouch(b)
-  pexpire(BK, bttl(b))
+-- Where the key's expiry must be: -1 = none (state the memory backend would still
+-- remember), else the earliest deadline that is safe. `basis` 0 = unknown (an op
+-- without params, which grants nothing): a level that has yet to decay then means no
+-- TTL (until an op with params sets one), anything else keeps the expiry as it is
+-- (nil).
+local function bneed(b, basis, mcd)
+  if b.st ~= CLOSED or b.s > 0 then return -1 end
+  if basis <= 0 then
+    if b.k > 0 then return -1 end
+    return nil
+  end
+  local decayed = now
+  if b.k > 0 then decayed = math.max(now, b.cs + b.k * mcd) end
+  return decayed + basis
+end
+
+-- Persist the changed fields and move the expiry if it must move. A hash that does
+-- not exist and has nothing to write stays absent (absent = fresh, epoch 0).
+local function bsave(b, basis, mcd)
+  if not b.exists and #b.w == 0 then return end
+  local need = bneed(b, basis, mcd)
+  local expire
+  if need == nil then
+    expire = nil
+  elseif need < 0 then
+    if b.x ~= -1 then set(b, 'x', -1); expire = 'persist' end
+  elseif b.x == nil or b.x == -1 or b.x < need then
+    set(b, 'x', need + basis); expire = 'at'
+  end
+  local n = #b.w
+  if n > 0 then
+    local args = {}
+    for i = 1, n do
+      local f = b.w[i]
+      args[2 * i - 1] = f
+      args[2 * i] = fmt(b[f])
+    end
+    redis.call('HSET', K[1], unpack(args))
+  end
+  if expire == 'persist' then
+    redis.call('PERSIST', K[1])
+  elseif expire == 'at' then
+    redis.call('PEXPIREAT', K[1], fmt(math.ceil(b.x / 1000)))
+  end
 end
 
 local function bra(b)
@@ -148,48 +176,58 @@ local function bra(b)
   return 0
 end
 
--- k decay: each whole max_cooldown spent CLOSED takes one off k.
-local function decay(b)
-  if not HAVE_P or b.st ~= CLOSED or b.k == 0 or MCD <= 0 then return end
-  local n = math.floor((now - b.cs) / MCD)
-  if n > 0 then
-    b.k = math.max(0, b.k - n)
-    b.cs = b.cs + n * MCD
-    b.dirty = true
+-- The scope's breaker params (slots 2..10), read by the ops that carry them.
+local P = nil
+local function params()
+  if not P then
+    P = {
+      fth = arg(2, 0), frate = arg(3, 0), minc = arg(4, 0), win = arg(5, 0),
+      cd = arg(6, 0), mcd = arg(7, 0), pttl = arg(8, 0), kmax = arg(9, 0),
+      basis = arg(10, 0),
+    }
   end
+  return P
 end
 
-local function half()
-  return math.max(WIN / 2, 1)
+-- Level bound and decay: k ≤ k_max, then each whole max_cooldown CLOSED takes one off.
+local function decay(b)
+  local p = params()
+  if b.k > p.kmax then set(b, 'k', p.kmax) end
+  if b.st ~= CLOSED or b.k == 0 or p.mcd <= 0 then return end
+  local n = math.floor((now - b.cs) / p.mcd)
+  if n > 0 then
+    set(b, 'k', math.max(0, b.k - n))
+    set(b, 'cs', b.cs + n * p.mcd)
+  end
 end
 
 -- Move the window so the current bucket contains now.
 local function roll(b)
-  local idx = math.floor(now / half())
+  local idx = math.floor(now / math.max(params().win / 2, 1))
   if idx == b.bi then return end
   if idx == b.bi + 1 then
-    b.po, b.pf = b.co, b.cf
+    set(b, 'po', b.co); set(b, 'pf', b.cf)
   else
-    b.po, b.pf = 0, 0
+    set(b, 'po', 0); set(b, 'pf', 0)
   end
-  b.co, b.cf, b.bi = 0, 0, idx
-  b.dirty = true
+  set(b, 'co', 0); set(b, 'cf', 0); set(b, 'bi', idx)
 end
 
 local function clear_counts(b)
-  b.s, b.co, b.cf, b.po, b.pf = 0, 0, 0, 0, 0
-  b.dirty = true
+  set(b, 's', 0)
+  if b.bi then set(b, 'co', 0); set(b, 'cf', 0); set(b, 'po', 0); set(b, 'pf', 0) end
 end
 
 local function bopen(b, grow)
-  if grow then b.k = b.k + 1 end
-  local d = math.min(CD * (2 ^ math.min(b.k, 64)), MCD)
-  b.st, b.e, b.u, b.l = OPEN, b.e + 1, now + d, -1
+  local p = params()
+  if grow then set(b, 'k', math.min(b.k + 1, p.kmax)) end
+  local d = math.min(p.cd * (2 ^ math.min(b.k, 64)), p.mcd)
+  set(b, 'st', OPEN); set(b, 'e', b.e + 1); set(b, 'u', now + d); set(b, 'l', -1)
   clear_counts(b)
 end
 
 local function bclose(b)
-  b.st, b.e, b.l, b.cs = CLOSED, b.e + 1, -1, now
+  set(b, 'st', CLOSED); set(b, 'e', b.e + 1); set(b, 'l', -1); set(b, 'cs', now)
   clear_counts(b)
 end
 
@@ -199,21 +237,18 @@ local function try_enter(b)
   if b.st == CLOSED then return true, false end
   if b.st == OPEN and now < b.u then return false, false end
   if b.st == HALF and b.l >= 0 and now < b.l then return false, false end
-  b.st, b.e, b.l = HALF, b.e + 1, now + PTTL
-  b.dirty = true
+  set(b, 'st', HALF); set(b, 'e', b.e + 1); set(b, 'l', now + params().pttl)
   return true, true
 end
 
--- Returns applied.
 local function record_success(b, count)
   decay(b)
-  if EPOCH ~= b.e then return false end
+  if arg(14, 0) ~= b.e then return false end
   if b.st == CLOSED then
-    b.s = 0
-    b.dirty = true
+    set(b, 's', 0)
     if count then
       roll(b)
-      b.co = b.co + 1
+      set(b, 'co', b.co + 1)
     end
     return true
   elseif b.st == HALF then
@@ -225,20 +260,20 @@ end
 
 local function record_failure(b)
   decay(b)
-  if EPOCH ~= b.e then return false end
+  if arg(14, 0) ~= b.e then return false end
   if b.st == CLOSED then
-    b.s = b.s + 1
+    local p = params()
+    set(b, 's', b.s + 1)
     roll(b)
-    b.cf = b.cf + 1
-    b.dirty = true
+    set(b, 'cf', b.cf + 1)
     local ok, fail = b.co + b.po, b.cf + b.pf
     local samples = ok + fail
-    local enough = samples >= MINC
+    local enough = samples >= p.minc
     local rate = 0
     if samples > 0 then rate = fail / samples end
-    if enough and rate >= FRATE then
+    if enough and rate >= p.frate then
       bopen(b, true)
-    elseif b.s >= FTH and not (enough and rate < FRATE) then
+    elseif b.s >= p.fth and not (enough and rate < p.frate) then
       bopen(b, false)
     end
     return true
@@ -250,15 +285,14 @@ local function record_failure(b)
 end
 
 local function release_probe(b)
-  if EPOCH ~= b.e or b.st ~= HALF then return false end
-  b.l = -1
-  b.dirty = true
+  if arg(14, 0) ~= b.e or b.st ~= HALF then return false end
+  set(b, 'l', -1)
   return true
 end
 
-local function neutral(b, is_probe)
-  if is_probe then return release_probe(b) end
-  return EPOCH == b.e
+local function neutral(b)
+  if arg(16, 0) == 1 then return release_probe(b) end
+  return arg(14, 0) == b.e
 end
 
 local function applied_reply(b, ok)
@@ -268,235 +302,265 @@ local function applied_reply(b, ok)
 end
 
 local function publish(what)
-  redis.call('PUBLISH', CHANNEL, what .. ' ' .. SOURCE)
+  redis.call('PUBLISH', A[22], what .. ' ' .. A[23])
+end
+
+-- Save after an op with params.
+local function bsave_p(b)
+  local p = params()
+  bsave(b, p.basis, p.mcd)
 end
 
 -- ------------------------------------------------------------------ quota
 
--- Levels stay within [−capacity, capacity] (§7 / backend/mod.rs: debt is floored at
--- one minute's worth), exactly like quota.rs `credit`.
-local function clamp(x, cap)
-  return math.max(math.min(x, cap), -cap)
-end
+-- The buckets, in QuotaParams::buckets order: field, capacity slot, counts tokens?
+-- A new kind of bucket (§7a) is one more row here and in quota.rs.
+local QB = { { f = 'tt', cap = 11, tokens = true }, { f = 'rt', cap = 12, tokens = false } }
 
+-- A bucket is stored as the µs at which it is full again (`full_at`); absent or past
+-- = full. Its deficit at now is full_at − now: the refill time of what was taken.
 local function qload()
-  local v = redis.call('HMGET', QK, 't', 'r', 'ts', 'bu')
-  local q = { t = num(v[1], nil), r = num(v[2], nil), ts = num(v[3], now), bu = num(v[4], 0) }
-  local dt = math.max(now - q.ts, 0)
-  if TPM >= 0 then
-    q.t = clamp((q.t or TPM) + dt * TPM / MIN, TPM)
-  else
-    q.t = nil
+  local v = redis.call('HMGET', K[2], 'tt', 'rt', 'bu', 'x')
+  local q = { bu = num(v[3], 0), x = num(v[4], nil), w = {}, caps = {} }
+  for i = 1, #QB do
+    local c = arg(QB[i].cap, -1)
+    q.caps[i] = c
+    q[QB[i].f] = math.max(num(v[i], now), now)
   end
-  if RPM >= 0 then
-    q.r = clamp((q.r or RPM) + dt * RPM / MIN, RPM)
-  else
-    q.r = nil
-  end
-  q.ts = math.max(q.ts, now)
   return q
 end
 
--- Time (µs) until a bucket of capacity `cap` at `level` is full again.
-local function to_full(level, cap)
-  if level == nil or cap <= 0 or level >= cap then return 0 end
-  return (cap - level) * MIN / cap
+-- Refill time of `n` in a bucket of `cap` per minute (µs, rounded up).
+local function refill(n, cap)
+  return math.ceil(n * MIN / cap)
 end
 
--- A quota hash expires once it would read as absent anyway: both buckets full again and
--- the 429 block over (plus a minute of slack). Absent = full buckets, no block.
-local function qsave(q)
-  redis.call('HSET', QK, 'ts', fmt(q.ts), 'bu', fmt(q.bu))
-  if q.t then redis.call('HSET', QK, 't', fmt(q.t)) else redis.call('HDEL', QK, 't') end
-  if q.r then redis.call('HSET', QK, 'r', fmt(q.r)) else redis.call('HDEL', QK, 'r') end
-  -- Debt is floored at −capacity and blocks at QMAX_BLOCK, so this stays below
-  -- QMAX_BLOCK + 3 min; the cap only guards hashes written before those floors.
-  local ttl = math.max(to_full(q.t, TPM), to_full(q.r, RPM), q.bu - now, 0) + MIN
-  pexpire(QK, math.min(ttl, QMAX_BLOCK + 3 * MIN))
+-- A bucket's share of a reservation of `tokens`.
+local function amount(i, tokens)
+  if QB[i].tokens then return tokens end
+  return 1
 end
 
-local function wait_for(level, cap, need)
-  if level == nil or level >= need or cap <= 0 then return 0 end
-  return (need - level) * MIN / cap
+-- µs until a reservation of `tokens` fits (every bucket holds its share, a share
+-- larger than the bucket needing a full one) and the 429 block is over; 0 = now.
+local function qwait(q, tokens)
+  local w = math.max(q.bu - now, 0)
+  for i = 1, #QB do
+    local cap = q.caps[i]
+    if cap > 0 then
+      local need = math.min(amount(i, tokens), cap)
+      local room = refill(cap - need, cap)
+      w = math.max(w, q[QB[i].f] - now - room)
+    end
+  end
+  return w
 end
 
--- Returns ok, retry_after_us. Takes nothing.
-local function qcheck(q, tokens)
-  if now < q.bu then return false, q.bu - now end
-  local w = 0
-  if TPM >= 0 then w = math.max(w, wait_for(q.t, TPM, math.min(tokens, TPM))) end
-  if RPM >= 0 then w = math.max(w, wait_for(q.r, RPM, 1)) end
-  if w > 0 then return false, math.max(math.ceil(w), 1) end
-  return true, 0
+-- Add `n` to bucket `i` (negative: take), keeping −capacity ≤ level ≤ capacity.
+local function qadd(q, i, n)
+  local cap = q.caps[i]
+  if cap <= 0 or n == 0 then return end
+  local f = QB[i].f
+  local full_at
+  if n < 0 then
+    full_at = math.min(q[f] + refill(-n, cap), now + 2 * MIN)
+  else
+    full_at = math.max(q[f] - math.floor(n * MIN / cap), now)
+  end
+  if full_at ~= q[f] then
+    q[f] = full_at
+    q.w[#q.w + 1] = f
+  end
 end
 
 local function qdebit(q, tokens)
-  if q.t then q.t = clamp(q.t - tokens, TPM) end
-  if q.r then q.r = clamp(q.r - 1, RPM) end
+  for i = 1, #QB do qadd(q, i, -amount(i, tokens)) end
 end
 
-local function qsettle(q, reserved, kind, charged)
-  local tc, rc = 0, 0
-  if kind == 'charge' then
-    tc = reserved - charged
-  elseif kind == 'refund_tokens' then
-    tc = reserved
-  else
-    tc, rc = reserved, 1
+-- Give back `tc` tokens and `rc` requests (a settlement, computed by the caller).
+local function qcredit(q, tc, rc)
+  for i = 1, #QB do
+    if QB[i].tokens then qadd(q, i, tc) else qadd(q, i, rc) end
   end
-  if q.t then q.t = clamp(q.t + tc, TPM) end
-  if q.r then q.r = clamp(q.r + rc, RPM) end
 end
 
-local function qblock(d)
-  local bu = num(redis.call('HGET', QK, 'bu'), 0)
-  local nb = math.max(bu, now + math.min(d, QMAX_BLOCK))
-  redis.call('HSET', QK, 'bu', fmt(nb))
-  local ttl = redis.call('PTTL', QK)
-  local want = math.min(nb - now, QMAX_BLOCK) + MIN
-  if ttl < math.ceil(want / 1000) then pexpire(QK, want) end
+local function qblock(q, d)
+  local nb = math.max(q.bu, now + math.min(d, QMAX_BLOCK))
+  if nb ~= q.bu then
+    q.bu = nb
+    q.w[#q.w + 1] = 'bu'
+  end
+end
+
+-- Write the changed fields; move the expiry past the moment the hash reads as full
+-- and unblocked, when it must move.
+local function qsave(q)
+  local n = #q.w
+  if n == 0 then return end
+  local need = math.max(q.bu, now)
+  for i = 1, #QB do
+    if q.caps[i] > 0 then need = math.max(need, q[QB[i].f]) end
+  end
+  local expire = false
+  if q.x == nil or q.x < need then
+    q.x = need + QSLACK
+    q.w[n + 1] = 'x'
+    n = n + 1
+    expire = true
+  end
+  local args = {}
+  for i = 1, n do
+    local f = q.w[i]
+    args[2 * i - 1] = f
+    args[2 * i] = fmt(q[f])
+  end
+  redis.call('HSET', K[2], unpack(args))
+  if expire then redis.call('PEXPIREAT', K[2], fmt(math.ceil(q.x / 1000))) end
+end
+
+-- A bucket's level at now (a fraction), as text for status; '' when disabled.
+local function qlevel(q, i)
+  local cap = q.caps[i]
+  if cap < 0 then return '' end
+  if cap == 0 then return '0' end
+  return string.format('%.17g', cap - (q[QB[i].f] - now) * cap / MIN)
 end
 
 -- ------------------------------------------------------------------ dispatch
 
-if op == 'try_enter' then
-  local b = bload()
-  local g, p = try_enter(b)
-  bsave(b)
-  return { g and 1 or 0, p and 1 or 0, b.e, b.st, bra(b) }
+local function gate(keys, args)
+  K, A, P = keys, args, nil
+  local t = redis.call('TIME')
+  now = tonumber(t[1]) * 1000000 + tonumber(t[2])
+  local op = A[1]
 
-elseif op == 'record_success' then
-  local b = bload()
-  local a = record_success(b, COUNT_ATTEMPT)
-  bsave(b)
-  return applied_reply(b, a)
+  if op == 'admit' then
+    -- Gate 3 then gate 4; a breaker refusal takes nothing.
+    local q = qload()
+    local tokens = arg(13, 0)
+    local wait = qwait(q, tokens)
+    if wait > 0 then return { 1, 0, 0, 0, wait } end
+    local b = bload(false)
+    local g, p = try_enter(b)
+    bsave_p(b)
+    if not g then return { 2, b.e, 0, b.st, bra(b) } end
+    qdebit(q, tokens)
+    qsave(q)
+    if p then return { 0, b.e, 1, b.st, 0 } end
+    return { 0, b.e, 0, b.st, 0 }
 
-elseif op == 'record_failure' then
-  local b = bload()
-  local a = record_failure(b)
-  bsave(b)
-  return applied_reply(b, a)
+  elseif op == 'report' then
+    -- Settle (the caller computed the credits), then the verdict.
+    local tc, rc, block = arg(18, 0), arg(19, 0), arg(20, -1)
+    if tc ~= 0 or rc ~= 0 or block >= 0 then
+      local q = qload()
+      qcredit(q, tc, rc)
+      if block >= 0 then qblock(q, block) end
+      qsave(q)
+    end
+    local verdict = A[17]
+    local b = bload(verdict ~= 'N')
+    local a
+    if verdict == 'S' then
+      a = record_success(b, arg(15, 0) == 1)
+    elseif verdict == 'F' then
+      a = record_failure(b)
+    else
+      a = neutral(b)
+    end
+    bsave_p(b)
+    return applied_reply(b, a)
 
-elseif op == 'release_probe' then
-  local b = bload()
-  local a = release_probe(b)
-  bsave(b)
-  return applied_reply(b, a)
+  elseif op == 'try_enter' then
+    local b = bload(false)
+    local g, p = try_enter(b)
+    bsave_p(b)
+    return { g and 1 or 0, p and 1 or 0, b.e, b.st, bra(b) }
 
-elseif op == 'neutral' then
-  local b = bload()
-  local a = neutral(b, IS_PROBE)
-  bsave(b)
-  return applied_reply(b, a)
+  elseif op == 'record_success' then
+    local b = bload(true)
+    local a = record_success(b, arg(15, 0) == 1)
+    bsave_p(b)
+    return applied_reply(b, a)
 
-elseif op == 'peek' then
-  local b = bload()
-  btouch(b)
-  return { bra(b) }
+  elseif op == 'record_failure' then
+    local b = bload(true)
+    local a = record_failure(b)
+    bsave_p(b)
+    return applied_reply(b, a)
 
-elseif op == 'force_open' then
-  local b = bload()
-  b.st, b.e, b.u, b.l, b.dirty = OPEN, b.e + 1, now + OPEN_FOR, -1, true
-  bsave(b)
-  publish('force_open')
-  return applied_reply(b, true)
+  elseif op == 'release_probe' then
+    local b = bload(false)
+    local a = release_probe(b)
+    bsave(b, 0, 0)
+    return applied_reply(b, a)
 
-elseif op == 'force_close' then
-  local b = bload()
-  bclose(b)
-  bsave(b)
-  publish('force_close')
-  return applied_reply(b, true)
+  elseif op == 'neutral' then
+    local b = bload(false)
+    local a = neutral(b)
+    bsave(b, 0, 0)
+    return applied_reply(b, a)
 
-elseif op == 'reset' then
-  local b = bload()
-  -- Everything but the epoch is forgotten; the epoch is bumped, never rewound.
-  local e = b.e + 1
-  b = { st = CLOSED, e = e, u = 0, l = -1, s = 0, k = 0, cs = now, bi = 0, co = 0, cf = 0,
-        po = 0, pf = 0, tb = b.tb, dirty = true }
-  bsave(b)
-  redis.call('DEL', QK)
-  publish('reset')
-  return applied_reply(b, true)
+  elseif op == 'peek' then
+    local b = bload(false)
+    return { b.st, b.e, bra(b) }
 
-elseif op == 'reserve' then
-  local q = qload()
-  local ok, ra = qcheck(q, TOKENS)
-  if ok then
-    qdebit(q, TOKENS)
+  elseif op == 'force_open' then
+    local b = bload(false)
+    set(b, 'st', OPEN); set(b, 'e', b.e + 1); set(b, 'u', now + arg(21, 0)); set(b, 'l', -1)
+    bsave(b, 0, 0)
+    publish('force_open')
+    return applied_reply(b, true)
+
+  elseif op == 'force_close' then
+    local b = bload(true)
+    bclose(b)
+    bsave(b, 0, 0)
+    publish('force_close')
+    return applied_reply(b, true)
+
+  elseif op == 'reset' then
+    -- Everything but the epoch is forgotten; the epoch is bumped, never rewound.
+    local b = bload(true)
+    bclose(b)
+    set(b, 'k', 0); set(b, 'u', 0); set(b, 'bi', 0)
+    bsave(b, 0, 0)
+    redis.call('DEL', K[2])
+    publish('reset')
+    return applied_reply(b, true)
+
+  elseif op == 'reserve' then
+    local q = qload()
+    local tokens = arg(13, 0)
+    local wait = qwait(q, tokens)
+    if wait > 0 then return { 0, wait } end
+    qdebit(q, tokens)
     qsave(q)
     return { 1, 0 }
+
+  elseif op == 'settle' then
+    local q = qload()
+    qcredit(q, arg(18, 0), arg(19, 0))
+    qsave(q)
+    return { 1 }
+
+  elseif op == 'block' then
+    local q = qload()
+    qblock(q, arg(20, 0))
+    qsave(q)
+    return { 1 }
+
+  elseif op == 'snapshot' then
+    -- Status reads persist nothing (decay and roll are recomputed on the next write).
+    local b = bload(true)
+    decay(b)
+    roll(b)
+    local q = qload()
+    return { b.st, b.e, bra(b), b.k, b.co + b.po, b.cf + b.pf, b.s, qlevel(q, 1), qlevel(q, 2),
+      math.max(q.bu - now, 0) }
   end
-  return { 0, ra }
 
-elseif op == 'settle' then
-  local q = qload()
-  qsettle(q, TOKENS, SETTLEMENT, CHARGED)
-  qsave(q)
-  return { 1 }
-
-elseif op == 'block' then
-  qblock(BLOCK)
-  return { 1 }
-
-elseif op == 'admit' then
-  -- Gate 3 then gate 4; a breaker refusal takes nothing (same as reserve + refund).
-  local q = qload()
-  local ok, ra = qcheck(q, TOKENS)
-  if not ok then
-    btouch(bload())
-    return { 1, 0, 0, 0, ra }
-  end
-  local b = bload()
-  local g, p = try_enter(b)
-  bsave(b)
-  if g then
-    qdebit(q, TOKENS)
-    qsave(q)
-    return { 0, b.e, p and 1 or 0, b.st, 0 }
-  end
-  return { 2, b.e, 0, b.st, bra(b) }
-
-elseif op == 'report' then
-  -- Settle, then the verdict (S success, F failure, R 429, C cancelled).
-  local q = qload()
-  local b = bload()
-  local a
-  if OUTCOME == 'S' then
-    local charged = CHARGED
-    if charged < 0 then charged = TOKENS end
-    qsettle(q, TOKENS, 'charge', charged)
-    qsave(q)
-    a = record_success(b, COUNT_ATTEMPT)
-  elseif OUTCOME == 'F' then
-    qsettle(q, TOKENS, 'refund_tokens', 0)
-    qsave(q)
-    a = record_failure(b)
-  elseif OUTCOME == 'R' then
-    qsettle(q, TOKENS, 'refund_tokens', 0)
-    qsave(q)
-    if BLOCK >= 0 then qblock(BLOCK) end
-    a = neutral(b, IS_PROBE)
-  else
-    qsettle(q, TOKENS, 'refund_all', 0)
-    qsave(q)
-    a = neutral(b, IS_PROBE)
-  end
-  bsave(b)
-  return applied_reply(b, a)
-
-elseif op == 'snapshot' then
-  local b = bload()
-  decay(b)
-  roll(b)
-  -- Status reads persist nothing (decay and roll are recomputed on the next write);
-  -- they only refresh the TTL.
-  btouch(b)
-  local q = qload()
-  local ts, rs = '', ''
-  if q.t then ts = fmt(q.t) end
-  if q.r then rs = fmt(q.r) end
-  return { b.st, b.e, bra(b), b.k, b.co + b.po, b.cf + b.pf, b.s, ts, rs, math.max(q.bu - now, 0) }
+  return redis.error_reply('polygate: unknown op ' .. tostring(op))
 end
 
-return redis.error_reply('polygate: unknown op ' .. tostring(op))
+return gate(KEYS, ARGV)

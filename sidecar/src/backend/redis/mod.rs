@@ -33,8 +33,8 @@ use tokio::sync::broadcast;
 use super::event::AdminEvent;
 use super::memory::MemoryBackend;
 use super::{
-    Admit, Applied, BResult, Backend, BackendError, BreakerParams, Entry, Outcome, QuotaParams,
-    Reserve, Settlement, SourceSnapshot,
+    Admit, Applied, BResult, Backend, BackendError, BreakerParams, Entry, Outcome, Peek,
+    QuotaParams, Reserve, Settlement, SourceSnapshot,
 };
 use crate::clock::Clock;
 use crate::config::{BackendKind, OnBackendError};
@@ -285,13 +285,19 @@ impl Backend for RedisBackend {
         }
     }
 
+    async fn peek(&self, source: &str) -> BResult<Peek> {
+        match self.exec(source, PeekArgs).await? {
+            Some(p) => Ok(p),
+            None => self.local.peek(source).await,
+        }
+    }
+
     async fn retry_after(&self, sources: &[&str]) -> BResult<Duration> {
-        let each = futures_util::future::join_all(sources.iter().map(|s| async move {
-            match self.exec(s, PeekArgs).await? {
-                Some(d) => Ok(d),
-                None => self.local.retry_after(&[s]).await,
-            }
-        }))
+        let each = futures_util::future::join_all(
+            sources
+                .iter()
+                .map(|s| async move { self.peek(s).await.map(|p| p.retry_after) }),
+        )
         .await;
         let mut min: Option<Duration> = None;
         for r in each {

@@ -7,11 +7,12 @@ use std::time::Duration;
 use ::redis::Value;
 
 use super::script::{
-    applied, bool_at, dur_at, int_at, level_at, proto, state_at, u64_at, Announce, Argv, Op,
+    applied, bool_at, credits, dur_at, int_at, level_at, proto, state_at, u64_at, Announce, Argv,
+    Op,
 };
 use crate::backend::event::AdminOp;
 use crate::backend::{
-    Admit, Applied, BResult, BreakerParams, Entry, Outcome, QuotaParams, Reserve, Settlement,
+    Admit, Applied, BResult, BreakerParams, Entry, Outcome, Peek, QuotaParams, Reserve, Settlement,
     SourceSnapshot,
 };
 
@@ -133,17 +134,21 @@ impl Op for NeutralArgs {
     }
 }
 
-/// The source's §6 retry-after, read only.
+/// The source's breaker state, epoch and §6 retry-after, read only.
 pub(super) struct PeekArgs;
 
 impl Op for PeekArgs {
     const NAME: &'static str = "peek";
-    type Reply = Duration;
+    type Reply = Peek;
     fn argv(&self) -> Argv<'_> {
         Argv::default()
     }
-    fn read(v: &[Value]) -> BResult<Duration> {
-        dur_at(v, 0)
+    fn read(v: &[Value]) -> BResult<Peek> {
+        Ok(Peek {
+            state: state_at(v, 0)?,
+            epoch: u64_at(v, 1)?,
+            retry_after: dur_at(v, 2)?,
+        })
     }
 }
 
@@ -253,16 +258,9 @@ impl Op for SettleArgs<'_> {
     const NAME: &'static str = "settle";
     type Reply = ();
     fn argv(&self) -> Argv<'_> {
-        let (settlement, charged) = match self.how {
-            Settlement::Charge { tokens } => ("charge", Some(tokens)),
-            Settlement::RefundTokens => ("refund_tokens", None),
-            Settlement::RefundAll => ("refund_all", None),
-        };
         Argv {
             quota: Some(self.q),
-            tokens: self.reserved,
-            settlement,
-            charged,
+            credit: credits(self.reserved, self.how),
             ..Argv::default()
         }
     }
@@ -323,6 +321,7 @@ impl Op for AdmitArgs<'_> {
             }),
             2 => Ok(Admit::CircuitOpen {
                 state: state_at(v, 3)?,
+                epoch: u64_at(v, 1)?,
                 retry_after: dur_at(v, 4)?,
             }),
             _ => Err(proto("admit", v)),
@@ -351,14 +350,11 @@ impl Op for ReportArgs<'_> {
     const NAME: &'static str = "report";
     type Reply = Applied;
     fn argv(&self) -> Argv<'_> {
-        let (outcome, count_attempt, charged, block) = match self.outcome {
-            Outcome::Success {
-                tokens,
-                count_attempt,
-            } => ("S", count_attempt, tokens, None),
-            Outcome::Failure(_) => ("F", false, None, None),
-            Outcome::RateLimited { retry_after } => ("R", false, None, retry_after),
-            Outcome::Cancelled => ("C", false, None, None),
+        let (verdict, count_attempt, block) = match self.outcome {
+            Outcome::Success { count_attempt, .. } => ("S", count_attempt, None),
+            Outcome::Failure { .. } => ("F", false, None),
+            Outcome::RateLimited { retry_after } => ("N", false, retry_after),
+            Outcome::Cancelled => ("N", false, None),
         };
         Argv {
             breaker: Some(self.p),
@@ -366,9 +362,8 @@ impl Op for ReportArgs<'_> {
             epoch: self.epoch,
             count_attempt,
             is_probe: self.is_probe,
-            tokens: self.reserved,
-            outcome,
-            charged,
+            verdict,
+            credit: credits(self.reserved, self.outcome.settlement(self.reserved)),
             block,
             ..Argv::default()
         }
@@ -416,11 +411,28 @@ impl Op for SnapshotArgs<'_> {
 mod tests {
     use super::*;
     use crate::backend::redis::script::SLOTS;
+    use crate::backend::FailureKind;
 
-    /// The slot named `name` of `op`'s ARGV.
+    /// The slot named `name` of `op`'s ARGV ("" when not sent: trailing neutral).
     fn slot<O: Op>(op: &O, name: &str) -> String {
         let i = SLOTS.iter().position(|s| *s == name).expect("a slot name");
-        op.argv().strings(O::NAME)[i].clone()
+        op.argv()
+            .strings(O::NAME)
+            .get(i)
+            .cloned()
+            .unwrap_or_default()
+    }
+
+    fn p() -> BreakerParams {
+        BreakerParams {
+            failure_threshold: 5,
+            failure_rate: 0.5,
+            min_calls: 20,
+            window: Duration::from_secs(60),
+            cooldown: Duration::from_secs(60),
+            max_cooldown: Duration::from_secs(600),
+            probe_ttl: Duration::from_secs(120),
+        }
     }
 
     #[test]
@@ -445,7 +457,7 @@ mod tests {
             is_probe: true,
             reserved: u64::MAX,
             outcome: Outcome::Success {
-                tokens: Some(u64::MAX),
+                tokens: Some(3),
                 count_attempt: true,
             },
         };
@@ -464,16 +476,7 @@ mod tests {
         for (a, with_params) in &strings {
             assert_eq!(a[2], if *with_params { "0.25" } else { "0" });
             for (v, name) in a.iter().zip(SLOTS) {
-                if [
-                    "op",
-                    "failure_rate",
-                    "settlement",
-                    "outcome",
-                    "channel",
-                    "source",
-                ]
-                .contains(&name)
-                {
+                if ["op", "failure_rate", "verdict", "channel", "source"].contains(&name) {
                     continue;
                 }
                 let n: i128 = v
@@ -495,13 +498,17 @@ mod tests {
         assert_eq!(slot(&report, "cooldown_us"), "1", "sub-µs part dropped");
         assert_eq!(slot(&report, "tpm"), (1u64 << 53).to_string(), "tpm capped");
         assert_eq!(slot(&report, "rpm"), "-1", "rpm disabled");
-        assert_eq!(slot(&report, "tokens"), (1u64 << 53).to_string(), "capped");
-        assert_eq!(slot(&report, "charged"), (1u64 << 53).to_string(), "capped");
+        assert_eq!(
+            slot(&report, "token_credit"),
+            ((1u64 << 53) - 3).to_string(),
+            "reserved (capped) minus charged"
+        );
+        assert_eq!(slot(&report, "request_credit"), "", "0: trailing, not sent");
         assert_eq!(slot(&report, "count_attempt"), "1");
         assert_eq!(slot(&report, "is_probe"), "1");
-        assert_eq!(slot(&report, "outcome"), "S");
-        assert_eq!(slot(&report, "block_us"), "-1", "no block");
-        assert_eq!(slot(&report, "channel"), "", "only admin ops announce");
+        assert_eq!(slot(&report, "verdict"), "S");
+        assert_eq!(slot(&report, "block_us"), "", "no block: not sent");
+        assert_eq!(report.argv().strings(ReportArgs::NAME).len(), 18);
         assert_eq!(slot(&open, "op"), "force_open");
         assert_eq!(slot(&open, "open_us"), (1u64 << 52).to_string(), "capped");
         assert_eq!(slot(&open, "tokens"), "0");
@@ -513,15 +520,7 @@ mod tests {
     fn each_slot_keeps_its_meaning_across_operations() {
         // A probe's 429 report: the probe flag and the block travel in their own
         // slots, not in ones another operation reads differently.
-        let p = BreakerParams {
-            failure_threshold: 5,
-            failure_rate: 0.5,
-            min_calls: 20,
-            window: Duration::from_secs(60),
-            cooldown: Duration::from_secs(60),
-            max_cooldown: Duration::from_secs(600),
-            probe_ttl: Duration::from_secs(120),
-        };
+        let p = p();
         let q = QuotaParams::default();
         let report = ReportArgs {
             p: &p,
@@ -536,33 +535,72 @@ mod tests {
         assert_eq!(slot(&report, "is_probe"), "1");
         assert_eq!(slot(&report, "count_attempt"), "0");
         assert_eq!(slot(&report, "block_us"), "2000000");
-        assert_eq!(slot(&report, "charged"), "-1");
-        assert_eq!(slot(&report, "outcome"), "R");
+        assert_eq!(
+            slot(&report, "token_credit"),
+            "10",
+            "a 429 refunds the tokens"
+        );
+        assert_eq!(slot(&report, "verdict"), "N");
+        assert_eq!(slot(&report, "k_max"), "4", "60 s × 2^4 ≥ 10 min");
+        assert_eq!(slot(&report, "ttl_basis_us"), "2400000000", "4 × 10 min");
         let neutral = NeutralArgs {
             epoch: 7,
             is_probe: true,
         };
         assert_eq!(slot(&neutral, "is_probe"), "1");
         assert_eq!(slot(&neutral, "count_attempt"), "0");
-        let success = RecordSuccessArgs {
-            p: &p,
-            epoch: 7,
-            count_attempt: true,
-        };
-        assert_eq!(slot(&success, "count_attempt"), "1");
-        assert_eq!(slot(&success, "is_probe"), "0");
+        assert_eq!(
+            neutral.argv().strings(NeutralArgs::NAME).len(),
+            16,
+            "nothing after is_probe is sent"
+        );
         let settle = SettleArgs {
             q: &q,
             reserved: 10,
-            how: Settlement::Charge { tokens: 3 },
+            how: Settlement::Charge { tokens: 13 },
         };
-        assert_eq!(slot(&settle, "settlement"), "charge");
-        assert_eq!(slot(&settle, "charged"), "3");
-        assert_eq!(slot(&settle, "outcome"), "");
+        assert_eq!(slot(&settle, "token_credit"), "-3", "an extra debit");
+        assert_eq!(slot(&settle, "verdict"), "");
         let block = BlockArgs {
             block: Duration::from_millis(1),
         };
         assert_eq!(slot(&block, "block_us"), "1000");
-        assert_eq!(slot(&block, "open_us"), "-1");
+        assert_eq!(slot(&block, "open_us"), "");
+        let admit = AdmitArgs {
+            p: &p,
+            q: &q,
+            tokens: 12,
+        };
+        assert_eq!(slot(&admit, "tokens"), "12");
+        assert_eq!(
+            admit.argv().strings(AdmitArgs::NAME).len(),
+            13,
+            "admit sends 13 slots"
+        );
+    }
+
+    #[test]
+    fn failures_are_charged_or_refunded_by_kind() {
+        let p = p();
+        let q = QuotaParams::default();
+        let report = |kind, tokens| ReportArgs {
+            p: &p,
+            q: &q,
+            epoch: 1,
+            is_probe: false,
+            reserved: 100,
+            outcome: Outcome::Failure { kind, tokens },
+        };
+        let credit = |r: &ReportArgs| slot(r, "token_credit");
+        assert_eq!(credit(&report(FailureKind::Timeout, Some(40))), "100");
+        assert_eq!(credit(&report(FailureKind::ServerError, None)), "100");
+        assert_eq!(credit(&report(FailureKind::Connection, None)), "100");
+        assert_eq!(credit(&report(FailureKind::BadResult, Some(40))), "60");
+        assert_eq!(
+            credit(&report(FailureKind::Error, None)),
+            "",
+            "estimate kept: 0, not sent"
+        );
+        assert_eq!(slot(&report(FailureKind::Error, None), "verdict"), "F");
     }
 }
