@@ -29,6 +29,11 @@ impl Harness for Memory {
     fn tolerance(&self) -> Duration {
         Duration::ZERO
     }
+
+    async fn lose_state(&self, _b: MemoryBackend) -> MemoryBackend {
+        // A restarted process: every breaker fresh at epoch 0.
+        self.fresh().await
+    }
 }
 
 contract_tests!(Memory {

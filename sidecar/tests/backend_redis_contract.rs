@@ -72,6 +72,32 @@ impl Harness for RedisHarness {
         // on a loaded 2-core machine.
         Duration::from_millis(60)
     }
+
+    async fn lose_state(&self, b: RedisBackend) -> RedisBackend {
+        // What FLUSHALL does to this case's keys (the server is shared by the
+        // file's cases, so only this backend's keys go).
+        let keys: Vec<String> = SOURCES
+            .iter()
+            .flat_map(|s| [b.breaker_key(s), b.quota_key(s)])
+            .collect();
+        for key in keys {
+            let del = redis::cmd("DEL").arg(&key).clone();
+            if self.cluster_nodes.is_empty() {
+                let client = redis::Client::open(self.url.as_str()).expect("url");
+                let mut c = client
+                    .get_multiplexed_async_connection()
+                    .await
+                    .expect("connect");
+                let _: i64 = del.query_async(&mut c).await.expect("DEL");
+            } else {
+                let client =
+                    redis::cluster::ClusterClient::new(self.cluster_nodes.clone()).expect("nodes");
+                let mut c = client.get_async_connection().await.expect("connect");
+                let _: i64 = del.query_async(&mut c).await.expect("DEL");
+            }
+        }
+        b
+    }
 }
 
 mod single {

@@ -30,6 +30,9 @@ pub trait Harness: Sync {
     fn advance(&self, d: Duration) -> impl Future<Output = ()> + Send;
     /// How far below an exact expected duration a reading may be.
     fn tolerance(&self) -> Duration;
+    /// The backend after its shared state was lost (§10: FLUSHALL, a restart without
+    /// persistence, failover to an empty replica); for memory, a restarted process.
+    fn lose_state(&self, b: Self::B) -> impl Future<Output = Self::B> + Send;
 }
 
 pub const S1: &str = "s1";
@@ -308,6 +311,16 @@ pub async fn cooldown_doubles_up_to_cap<H: Harness>(h: &H) {
         (State::HalfOpen, 2, probe.epoch),
         "level stops at k_max"
     );
+    // A reload that lowers the cap (k_max 1) lowers the stored level with it.
+    let lower = BreakerParams {
+        max_cooldown: ms(200),
+        ..bp()
+    };
+    let a = b.record_failure(S1, probe.epoch, &lower).await.unwrap();
+    assert_eq!((a.applied, a.state), (true, State::Open));
+    assert_dur(h, a.retry_after, ms(200), "capped by the new max_cooldown");
+    let snap = b.snapshot(S1, &lower, &qp()).await.unwrap();
+    assert_eq!((snap.state, snap.cooldown_level), (State::Open, 1));
 }
 
 pub async fn cooldown_level_decays_while_closed<H: Harness>(h: &H) {
@@ -828,6 +841,262 @@ pub async fn admit_grants_probe_and_report_settles<H: Harness>(h: &H) {
     assert_eq!((snap.window_failures, snap.streak), (1, 1));
 }
 
+// ---------------------------------------------------------------- issue 9
+
+/// Breaker params where the level takes longer to decay than an idle hash's basis:
+/// cooldown 10 ms, cap 80 ms (k_max 3), window and probe lease 20 ms.
+fn bp_fast() -> BreakerParams {
+    BreakerParams {
+        failure_threshold: 1,
+        failure_rate: 0.5,
+        min_calls: 100,
+        window: ms(20),
+        cooldown: ms(10),
+        max_cooldown: ms(80),
+        probe_ttl: ms(20),
+    }
+}
+
+/// DESIGN §6 (call-ending errors), quota row: a quota refusal's retry_after is the
+/// time until the bucket holds this call's estimate (refill after debt) or the 429
+/// block ends, whichever is later; the breaker is not consulted.
+pub async fn quota_refusal_reports_the_later_of_refill_and_block<H: Harness>(h: &H) {
+    let b = h.fresh().await;
+    let q = qp_tokens_only(); // one token per second
+    let before = b.snapshot(S1, &bp(), &q).await.unwrap().epoch;
+    assert_eq!(b.reserve(S1, &q, 50).await.unwrap(), Reserve::Reserved);
+    b.settle(S1, &q, 50, Settlement::Charge { tokens: 90 })
+        .await
+        .unwrap(); // level −30
+    let refused = |a: Admit| match a {
+        Admit::RateLimited { retry_after } => retry_after,
+        a => panic!("expected a quota refusal: {a:?}"),
+    };
+    let wait = refused(b.admit(S1, &bp(), &q, 10).await.unwrap());
+    assert_dur(h, wait, Duration::from_secs(40), "debt 30 + estimate 10");
+    let wait = refused(b.admit(S1, &bp(), &q, 1_000).await.unwrap());
+    assert_dur(
+        h,
+        wait,
+        Duration::from_secs(90),
+        "an oversized estimate needs a full bucket",
+    );
+    b.block_quota(S1, ms(300)).await.unwrap();
+    let wait = refused(b.admit(S1, &bp(), &q, 10).await.unwrap());
+    assert_dur(
+        h,
+        wait,
+        Duration::from_secs(40),
+        "refill is later than the block",
+    );
+    b.block_quota(S1, Duration::from_secs(120)).await.unwrap();
+    let wait = refused(b.admit(S1, &bp(), &q, 10).await.unwrap());
+    assert_dur(
+        h,
+        wait,
+        Duration::from_secs(120),
+        "the block is later than the refill",
+    );
+    match b.reserve(S1, &q, 10).await.unwrap() {
+        Reserve::Denied { retry_after } => {
+            assert_dur(h, retry_after, Duration::from_secs(120), "reserve agrees")
+        }
+        r => panic!("blocked: {r:?}"),
+    }
+    let snap = b.snapshot(S1, &bp(), &q).await.unwrap();
+    assert_eq!(
+        (
+            snap.state,
+            snap.epoch,
+            snap.cooldown_level,
+            snap.retry_after
+        ),
+        (State::Closed, before, 0, Duration::ZERO),
+        "the breaker was not consulted"
+    );
+    assert_level(snap.tokens_available, -30.0, "refusals take nothing");
+}
+
+/// DESIGN §7: a non-transient failure (`bad_result`, `error`: the upstream answered)
+/// is charged its reported tokens, else the estimate; a transient one (`timeout`,
+/// `connection`, `server_error`) refunds the reservation.
+pub async fn failures_are_charged_or_refunded_by_kind<H: Harness>(h: &H) {
+    let b = h.fresh().await;
+    let q = qp_tokens_only();
+    let p = BreakerParams {
+        failure_threshold: 100,
+        ..bp()
+    };
+    let mut level = 60.0;
+    let cases = [
+        (FailureKind::BadResult, Some(5), 5.0),
+        (FailureKind::Error, None, 20.0),
+        (FailureKind::Error, Some(0), 0.0),
+        (FailureKind::Timeout, Some(15), 0.0),
+        (FailureKind::Connection, None, 0.0),
+        (FailureKind::ServerError, Some(15), 0.0),
+    ];
+    for (i, (kind, tokens, charged)) in cases.into_iter().enumerate() {
+        let Admit::Admitted { epoch, .. } = b.admit(S1, &p, &q, 20).await.unwrap() else {
+            panic!("admit {i}")
+        };
+        let a = b
+            .report(
+                S1,
+                &p,
+                &q,
+                epoch,
+                false,
+                20,
+                Outcome::Failure { kind, tokens },
+            )
+            .await
+            .unwrap();
+        assert_eq!(
+            (a.applied, a.state, a.retry_after),
+            (true, State::Closed, Duration::ZERO)
+        );
+        level -= charged;
+        let snap = b.snapshot(S1, &p, &q).await.unwrap();
+        assert_level(
+            snap.tokens_available,
+            level,
+            &format!("{kind:?} {tokens:?}"),
+        );
+        assert_eq!(snap.window_failures, i as u64 + 1, "each is a failure");
+    }
+}
+
+/// DESIGN §6 k decay "on every backend alike": idle state comes back with the level
+/// the memory backend decays to — never dropped early — and, once it reads as fresh,
+/// a shared backend may forget it (epoch 0; no live permit carries an epoch then).
+pub async fn idle_breaker_keeps_the_decayed_level<H: Harness>(h: &H) {
+    let b = h.fresh().await;
+    let p = bp_fast();
+    let e = b.try_enter(S1, &p).await.unwrap();
+    let mut a = b.record_failure(S1, e.epoch, &p).await.unwrap();
+    for _ in 0..3 {
+        h.advance(a.retry_after + ms(5)).await;
+        let probe = b.try_enter(S1, &p).await.unwrap();
+        assert!(probe.is_probe, "{probe:?}");
+        a = b.record_failure(S1, probe.epoch, &p).await.unwrap();
+    }
+    assert_dur(h, a.retry_after, ms(80), "k = 3 reaches the cap");
+    h.advance(a.retry_after + ms(5)).await;
+    let probe = b.try_enter(S1, &p).await.unwrap();
+    let closed = b.record_success(S1, probe.epoch, true, &p).await.unwrap();
+    assert_eq!((closed.applied, closed.state), (true, State::Closed));
+    let snap = b.snapshot(S1, &p, &qp()).await.unwrap();
+    assert_eq!(
+        (snap.state, snap.cooldown_level, snap.epoch),
+        (State::Closed, 3, closed.epoch)
+    );
+    // Two whole max_cooldowns CLOSED: one level left.
+    h.advance(ms(170)).await;
+    let snap = b.snapshot(S1, &p, &qp()).await.unwrap();
+    assert_eq!(
+        (
+            snap.state,
+            snap.cooldown_level,
+            snap.epoch,
+            snap.retry_after
+        ),
+        (State::Closed, 1, closed.epoch, Duration::ZERO)
+    );
+    // Long idle: decayed to 0 everywhere; Redis has let the hash expire by now.
+    h.advance(ms(1_100)).await;
+    let snap = b.snapshot(S1, &p, &qp()).await.unwrap();
+    assert_eq!(
+        (
+            snap.state,
+            snap.cooldown_level,
+            snap.streak,
+            snap.window_failures
+        ),
+        (State::Closed, 0, 0, 0)
+    );
+    assert!(
+        snap.epoch == closed.epoch || snap.epoch == 0,
+        "kept, or forgotten whole: {} (closed at {})",
+        snap.epoch,
+        closed.epoch
+    );
+    let e = b.try_enter(S1, &p).await.unwrap();
+    assert_eq!((e.granted, e.is_probe), (true, false));
+    let a = b.record_failure(S1, e.epoch, &p).await.unwrap();
+    assert_eq!((a.applied, a.state), (true, State::Open));
+    assert_dur(
+        h,
+        a.retry_after,
+        ms(10),
+        "a streak open at k = 0 lasts the base cooldown",
+    );
+}
+
+/// DESIGN §10: when the shared state is lost, the epoch goes backwards — the tell a
+/// host uses to drop its memo entry. `peek` shows it without changing anything, and
+/// permits from before the loss are fenced.
+pub async fn lost_state_shows_as_an_epoch_going_backwards<H: Harness>(h: &H) {
+    let b = h.fresh().await;
+    let stale = b.try_enter(S1, &bp()).await.unwrap();
+    let opened = fail_n(&b, S1, 3).await;
+    let peek = b.peek(S1).await.unwrap();
+    assert_eq!((peek.state, peek.epoch), (State::Open, opened.epoch));
+    assert_dur(h, peek.retry_after, ms(100), "peek: OPEN's until − now");
+    assert!(opened.epoch > 0);
+    let b = h.lose_state(b).await;
+    let peek = b.peek(S1).await.unwrap();
+    assert_eq!(
+        (peek.state, peek.epoch, peek.retry_after),
+        (State::Closed, 0, Duration::ZERO),
+        "fresh, and the epoch went backwards"
+    );
+    let late = b.record_failure(S1, opened.epoch, &bp()).await.unwrap();
+    assert_eq!(
+        (late.applied, late.state, late.epoch, late.retry_after),
+        (false, State::Closed, 0, Duration::ZERO),
+        "a permit from before the loss is fenced"
+    );
+    assert!(
+        !b.record_success(S1, stale.epoch + 5, true, &bp())
+            .await
+            .unwrap()
+            .applied
+    );
+    let e = b.try_enter(S1, &bp()).await.unwrap();
+    assert_eq!(
+        (e.granted, e.is_probe, e.state),
+        (true, false, State::Closed)
+    );
+}
+
+/// DESIGN §7: a 429's block is bounded on every backend alike (the engine cuts it to
+/// `max_rate_limit_block` first; a backend bounds it at 7 days whoever drives it).
+pub async fn a_429_block_is_bounded_alike<H: Harness>(h: &H) {
+    let b = h.fresh().await;
+    let q = qp();
+    let e = b.try_enter(S1, &bp()).await.unwrap();
+    let month = Outcome::RateLimited {
+        retry_after: Some(Duration::from_secs(30 * 86_400)),
+    };
+    let a = b
+        .report(S1, &bp(), &q, e.epoch, false, 5, month)
+        .await
+        .unwrap();
+    assert_eq!(
+        (a.applied, a.state, a.epoch, a.retry_after),
+        (true, State::Closed, e.epoch, Duration::ZERO),
+        "a 429 is no breaker verdict"
+    );
+    let week = polygate::gate::quota::MAX_QUOTA_BLOCK;
+    let snap = b.snapshot(S1, &bp(), &q).await.unwrap();
+    assert_dur(h, snap.quota_blocked, week, "capped block");
+    match b.admit(S1, &bp(), &q, 1).await.unwrap() {
+        Admit::RateLimited { retry_after } => assert_dur(h, retry_after, week, "admit"),
+        a => panic!("blocked: {a:?}"),
+    }
+}
+
 /// Expands to one `#[tokio::test]` per contract case. `$harness` is an expression
 /// (it may `.await`) producing the harness.
 #[macro_export]
@@ -862,6 +1131,11 @@ macro_rules! contract_tests {
             admit_releases_reservation_when_breaker_refuses,
             admit_quota_refusal_does_not_touch_breaker,
             admit_grants_probe_and_report_settles,
+            quota_refusal_reports_the_later_of_refill_and_block,
+            failures_are_charged_or_refunded_by_kind,
+            idle_breaker_keeps_the_decayed_level,
+            lost_state_shows_as_an_epoch_going_backwards,
+            a_429_block_is_bounded_alike,
         );
     };
     (@cases $harness:expr; $($case:ident),* $(,)?) => {
