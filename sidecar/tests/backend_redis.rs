@@ -498,6 +498,30 @@ async fn a_flushed_function_library_is_loaded_again() {
     );
 }
 
+/// A server without Redis Functions (before 7.0; played here by renaming FCALL
+/// away) gets the same script as EVALSHA, one per operation, with the same answers.
+#[tokio::test]
+async fn a_server_without_functions_runs_the_script_form() {
+    let Some(srv) = RedisServer::start_with_args(&["--rename-command", "FCALL", ""]) else {
+        return;
+    };
+    let b = backend(&srv, &prefix(), ms(500), OnBackendError::FailClosed).await;
+    admit_report(&b, "s1").await; // FCALL refused once, then the script form
+    srv.cli(&["CONFIG", "RESETSTAT"]);
+    for _ in 0..5 {
+        admit_report(&b, "s1").await;
+    }
+    assert_eq!(
+        srv.command_calls("evalsha"),
+        10,
+        "one EVALSHA per admit and per report"
+    );
+    assert_eq!(srv.command_calls("function|load"), 0);
+    assert!(!b.degraded("s1"));
+    let snap = b.snapshot("s1", &bp(), &qp()).await.unwrap();
+    assert_eq!((snap.state, snap.window_successes), (State::Closed, 6));
+}
+
 #[tokio::test]
 async fn redis_restart_reconnects_and_reloads_script() {
     let Some(mut srv) = RedisServer::start() else {

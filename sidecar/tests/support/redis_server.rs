@@ -85,22 +85,31 @@ pub struct RedisServer {
     child: Option<Child>,
     dir: tempfile::TempDir,
     cluster: bool,
+    /// Extra `redis-server` arguments (kept for restarts).
+    extra: Vec<String>,
 }
 
 impl RedisServer {
     /// A standalone server on a free port, or `None` (after a loud warning) when
     /// redis-server cannot start outside CI.
     pub fn start() -> Option<Self> {
-        Self::start_with(false)
+        Self::start_with(false, &[])
     }
 
-    fn start_with(cluster: bool) -> Option<Self> {
+    /// A standalone server started with extra arguments (for example
+    /// `--rename-command FCALL ""` to play a server without Redis Functions).
+    pub fn start_with_args(extra: &[&str]) -> Option<Self> {
+        Self::start_with(false, extra)
+    }
+
+    fn start_with(cluster: bool, extra: &[&str]) -> Option<Self> {
         let dir = tempfile::tempdir().expect("temp dir");
         let mut srv = RedisServer {
             port: free_port(),
             child: None,
             dir,
             cluster,
+            extra: extra.iter().map(|s| s.to_string()).collect(),
         };
         match srv.spawn() {
             Ok(()) => Some(srv),
@@ -127,7 +136,8 @@ impl RedisServer {
         ])
         .args(["--dir", &dir.to_string_lossy()])
         .args(["--logfile", &dir.join("redis.log").to_string_lossy()])
-        .args(["--protected-mode", "no", "--daemonize", "no"]);
+        .args(["--protected-mode", "no", "--daemonize", "no"])
+        .args(&self.extra);
         if self.cluster {
             cmd.args(["--cluster-enabled", "yes"])
                 .args([
@@ -283,7 +293,7 @@ impl RedisCluster {
     pub fn start() -> Option<Self> {
         let mut nodes = Vec::new();
         for _ in 0..3 {
-            nodes.push(RedisServer::start_with(true)?);
+            nodes.push(RedisServer::start_with(true, &[])?);
         }
         // Slots by hand (no interactive redis-cli --cluster), then MEET.
         let ranges = [(0, 5460), (5461, 10922), (10923, 16383)];

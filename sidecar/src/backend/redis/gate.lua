@@ -80,14 +80,7 @@ local function arg(i, d)
   return tonumber(v)
 end
 
-local function num(v, d)
-  if v then return tonumber(v) end
-  return d
-end
-
 -- ------------------------------------------------------------------ breaker
-
-local BF = { 'st', 'e', 'u', 'l', 's', 'k', 'cs', 'x', 'bi', 'co', 'cf', 'po', 'pf' }
 
 -- Load the breaker; `window` also loads the window buckets (the ops that count).
 local function bload(window)
@@ -98,20 +91,21 @@ local function bload(window)
   else
     v = redis.call('HMGET', K[1], 'st', 'e', 'u', 'l', 's', 'k', 'cs', 'x')
   end
+  -- (tonumber(false) is nil: an absent field takes the default after `or`.)
   local b = {
     exists = v[2] ~= false or v[8] ~= false, -- an epoch, or an expiry this script set
-    st = num(v[1], CLOSED), e = num(v[2], 0), u = num(v[3], 0),
-    l = num(v[4], -1),            -- lease_until; -1 = no lease
-    s = num(v[5], 0), k = num(v[6], 0),
-    cs = num(v[7], now),          -- closed_since (absent: now, but written when set)
+    st = tonumber(v[1]) or CLOSED, e = tonumber(v[2]) or 0, u = tonumber(v[3]) or 0,
+    l = tonumber(v[4]) or -1,     -- lease_until; -1 = no lease
+    s = tonumber(v[5]) or 0, k = tonumber(v[6]) or 0,
+    cs = tonumber(v[7]) or now,   -- closed_since (absent: now, but written when set)
     fresh_cs = v[7] == false,
-    x = num(v[8], nil),           -- expiry deadline set on the key; -1 = none; nil = unknown
+    x = tonumber(v[8]),           -- expiry deadline set on the key; -1 = none; nil = unknown
     w = {},                       -- changed fields, in order
   }
   if window then
-    b.bi = num(v[9], 0)           -- current window bucket index
-    b.co, b.cf = num(v[10], 0), num(v[11], 0) -- current bucket ok / fail
-    b.po, b.pf = num(v[12], 0), num(v[13], 0) -- previous bucket ok / fail
+    b.bi = tonumber(v[9]) or 0    -- current window bucket index
+    b.co, b.cf = tonumber(v[10]) or 0, tonumber(v[11]) or 0 -- current bucket ok / fail
+    b.po, b.pf = tonumber(v[12]) or 0, tonumber(v[13]) or 0 -- previous bucket ok / fail
   end
   return b
 end
@@ -176,21 +170,23 @@ local function bra(b)
   return 0
 end
 
--- The scope's breaker params (slots 2..10), read by the ops that carry them.
-local P = nil
+-- The scope's breaker params (slots 2..10), each parsed on first use in a call (an
+-- admission of a CLOSED source reads two of the nine).
+local PSLOT = { fth = 2, frate = 3, minc = 4, win = 5, cd = 6, mcd = 7, pttl = 8, kmax = 9,
+  basis = 10 }
+local PMETA = { __index = function(t, name)
+  local v = arg(PSLOT[name], 0)
+  rawset(t, name, v)
+  return v
+end }
+local P
 local function params()
-  if not P then
-    P = {
-      fth = arg(2, 0), frate = arg(3, 0), minc = arg(4, 0), win = arg(5, 0),
-      cd = arg(6, 0), mcd = arg(7, 0), pttl = arg(8, 0), kmax = arg(9, 0),
-      basis = arg(10, 0),
-    }
-  end
   return P
 end
 
 -- Level bound and decay: k ≤ k_max, then each whole max_cooldown CLOSED takes one off.
 local function decay(b)
+  if b.k == 0 then return end
   local p = params()
   if b.k > p.kmax then set(b, 'k', p.kmax) end
   if b.st ~= CLOSED or b.k == 0 or p.mcd <= 0 then return end
@@ -321,11 +317,10 @@ local QB = { { f = 'tt', cap = 11, tokens = true }, { f = 'rt', cap = 12, tokens
 -- = full. Its deficit at now is full_at − now: the refill time of what was taken.
 local function qload()
   local v = redis.call('HMGET', K[2], 'tt', 'rt', 'bu', 'x')
-  local q = { bu = num(v[3], 0), x = num(v[4], nil), w = {}, caps = {} }
+  local q = { bu = tonumber(v[3]) or 0, x = tonumber(v[4]), w = {}, caps = {} }
   for i = 1, #QB do
-    local c = arg(QB[i].cap, -1)
-    q.caps[i] = c
-    q[QB[i].f] = math.max(num(v[i], now), now)
+    q.caps[i] = arg(QB[i].cap, -1)
+    q[QB[i].f] = math.max(tonumber(v[i]) or now, now)
   end
   return q
 end
@@ -429,7 +424,7 @@ end
 -- ------------------------------------------------------------------ dispatch
 
 local function gate(keys, args)
-  K, A, P = keys, args, nil
+  K, A, P = keys, args, setmetatable({}, PMETA)
   local t = redis.call('TIME')
   now = tonumber(t[1]) * 1000000 + tonumber(t[2])
   local op = A[1]
