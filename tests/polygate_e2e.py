@@ -368,6 +368,96 @@ class RedisServer:
         return p.read_text(errors="replace") if p.exists() else ""
 
 
+# ------------------------------------------------------------------ raw frames
+
+
+class RawClient:
+    """A minimal protocol-2 client written from bindings/PROTOCOL.md (bincode legacy
+    layout, §4), for requests the Python binding does not send yet (a `Report` with
+    a `FailureUsage` outcome). Blocking, one request at a time."""
+
+    FAILURE_KINDS = {"timeout": 0, "server_error": 1, "connection": 2, "bad_result": 3, "error": 4}
+    STATES = {0: "closed", 1: "open", 2: "half_open"}
+
+    def __init__(self, path: str, timeout: float = 10.0) -> None:
+        import struct
+
+        self._struct = struct
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.settimeout(timeout)
+        self.sock.connect(path)
+        self.next_id = 1
+        name = b"e2e-raw"
+        tag, _ = self._request(self._u32(0) + self._u32(2) + self._str(name) + self._u32(os.getpid() & 0xFFFFFFFF))
+        assert tag == 0, "expected Welcome, got reply tag %d" % tag
+
+    def _u32(self, v: int) -> bytes:
+        return self._struct.pack("<I", v)
+
+    def _u64(self, v: int) -> bytes:
+        return self._struct.pack("<Q", v)
+
+    def _str(self, b: bytes) -> bytes:
+        return self._u64(len(b)) + b
+
+    def _opt_u64(self, v: Optional[int]) -> bytes:
+        return b"\x00" if v is None else b"\x01" + self._u64(v)
+
+    def _recv_exact(self, n: int) -> bytes:
+        buf = b""
+        while len(buf) < n:
+            chunk = self.sock.recv(n - len(buf))
+            if not chunk:
+                raise ConnectionError("sidecar closed the connection")
+            buf += chunk
+        return buf
+
+    def _request(self, request: bytes):
+        rid = self.next_id
+        self.next_id += 1
+        payload = self._u64(rid) + request
+        self.sock.sendall(self._struct.pack(">I", len(payload)) + payload)
+        (n,) = self._struct.unpack(">I", self._recv_exact(4))
+        body = self._recv_exact(n)
+        (got,) = self._struct.unpack("<Q", body[:8])
+        assert got == rid, "reply id %d for request %d" % (got, rid)
+        (tag,) = self._struct.unpack("<I", body[8:12])
+        rest = body[12:]
+        if tag == 7:  # Error: kind u32, message String, ...
+            (kind,) = self._struct.unpack("<I", rest[:4])
+            (ln,) = self._struct.unpack("<Q", rest[4:12])
+            raise RuntimeError("sidecar error kind %d: %s" % (kind, rest[12:12 + ln].decode()))
+        return tag, rest
+
+    def begin_call(self, scope: str, est_tokens: Optional[int] = None) -> int:
+        tag, rest = self._request(self._u32(1) + self._str(scope.encode()) + self._opt_u64(est_tokens))
+        assert tag == 1, tag
+        return self._struct.unpack("<Q", rest[:8])[0]
+
+    def acquire(self, call: int):
+        """(permit, source)."""
+        tag, rest = self._request(self._u32(2) + self._u64(call))
+        assert tag == 2, tag
+        permit, ln = self._struct.unpack("<QQ", rest[:16])
+        return permit, rest[16:16 + ln].decode()
+
+    def report_failure_usage(self, permit: int, kind: str, tokens: Optional[int]):
+        """`Report{permit, FailureUsage{kind, Usage{tokens, None, None}}}` → (applied, state)."""
+        outcome = self._u32(5) + self._u32(self.FAILURE_KINDS[kind]) + self._opt_u64(tokens) + b"\x00\x00"
+        tag, rest = self._request(self._u32(3) + self._u64(permit) + outcome)
+        assert tag == 3, tag
+        applied = rest[0] == 1
+        (state,) = self._struct.unpack("<I", rest[1:5])
+        return applied, self.STATES[state]
+
+    def end_call(self, call: int) -> None:
+        tag, _ = self._request(self._u32(4) + self._u64(call))
+        assert tag == 4, tag
+
+    def close(self) -> None:
+        self.sock.close()
+
+
 # ------------------------------------------------------------------ misc
 
 
