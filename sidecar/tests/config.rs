@@ -776,3 +776,32 @@ fn admin_listen_parses_and_bad_values_name_the_key() {
     .to_string();
     assert!(env.contains("SIDECAR__ADMIN_LISTEN"), "{env}");
 }
+
+/// DESIGN §7 / §12a: `sidecar.max_rate_limit_block` defaults to 10 min, is read from
+/// the file and from `SIDECAR__MAX_RATE_LIMIT_BLOCK`, and a bad value names the key.
+#[test]
+fn max_rate_limit_block_defaults_parses_and_overrides() {
+    let d = parse(MINIMAL).unwrap();
+    assert_eq!(d.sidecar.max_rate_limit_block, Duration::from_secs(600));
+    let c = parse(&sidecar_with("max_rate_limit_block = \"90s\"")).unwrap();
+    assert_eq!(c.sidecar.max_rate_limit_block, Duration::from_secs(90));
+    let c = parse_str(
+        &sidecar_with("max_rate_limit_block = \"90s\""),
+        env(&[("SIDECAR__MAX_RATE_LIMIT_BLOCK", "2m")]),
+    )
+    .unwrap();
+    assert_eq!(c.sidecar.max_rate_limit_block, Duration::from_secs(120));
+    err(
+        &sidecar_with("max_rate_limit_block = \"0s\""),
+        &["sidecar.max_rate_limit_block", "greater than zero"],
+    );
+    err(
+        &sidecar_with("max_rate_limit_block = 600"),
+        &["max_rate_limit_block", "durations are strings"],
+    );
+    err_env(
+        MINIMAL,
+        &[("SIDECAR__MAX_RATE_LIMIT_BLOCK", "soon")],
+        &["SIDECAR__MAX_RATE_LIMIT_BLOCK=soon", "expected a duration"],
+    );
+}
