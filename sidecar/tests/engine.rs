@@ -903,3 +903,86 @@ async fn health_forgets_with_a_half_life_of_the_window() {
     let (_, g) = next(e.clone()).await;
     assert_eq!(&*g.source, "a", "the slow sample has aged out too");
 }
+
+/// DESIGN §10: on a shared backend a memo entry is re-checked at most once a second;
+/// when the backend's epoch went backwards (its state was lost) the entry is dropped
+/// and the source used again, long before the memo deadline. A local backend, which
+/// cannot lose its state under the engine, is never re-checked.
+#[tokio::test(start_paused = true)]
+async fn a_lost_shared_state_drops_the_memo_within_a_recheck() {
+    use polygate::backend::memory::MemoryBackend;
+    use polygate::clock::{Clock, TokioClock};
+    use support::test_backend::TestBackend;
+
+    for remote in [true, false] {
+        let mut sc = scope("chat", vec![source("a"), source("b")]);
+        sc.breaker.failure_threshold = 1;
+        sc.breaker.cooldown = secs(60);
+        let cfg = config(vec![sc]);
+        let clock: Arc<dyn Clock> = Arc::new(TokioClock::new());
+        let inner = MemoryBackend::new(clock.clone(), ["a", "b"]);
+        let e = polygate::engine::Engine::new(&cfg, TestBackend::new(inner, remote, ms(0)), clock);
+        let first = |e: Arc<polygate::engine::Engine<TestBackend>>| async move {
+            let call = e.begin_call(OWNER, "chat", None).unwrap();
+            let g = e.acquire(OWNER, call).await.unwrap();
+            e.report(OWNER, g.permit, success()).await.unwrap();
+            e.end_call(OWNER, call).await.unwrap();
+            g.source.to_string()
+        };
+        let call = e.begin_call(OWNER, "chat", None).unwrap();
+        let g = e.acquire(OWNER, call).await.unwrap();
+        let opened = e.report(OWNER, g.permit, failure()).await.unwrap();
+        assert_eq!(opened.state, State::Open);
+        e.end_call(OWNER, call).await.unwrap();
+        assert_eq!(first(e.clone()).await, "b", "a is memo-skipped");
+        e.backend().inner.lose_state(); // FLUSHALL
+        assert_eq!(
+            first(e.clone()).await,
+            "b",
+            "within a second the memo is trusted"
+        );
+        tokio::time::advance(secs(1)).await;
+        if remote {
+            assert_eq!(
+                first(e.clone()).await,
+                "a",
+                "re-checked: epoch went backwards"
+            );
+            let a = e.status().await[0].sources[0].clone();
+            assert_eq!(
+                (a.shared.state, a.shared.epoch, a.memo_remaining),
+                (State::Closed, 0, Duration::ZERO)
+            );
+        } else {
+            assert_eq!(
+                first(e.clone()).await,
+                "b",
+                "a local backend is not re-checked"
+            );
+            assert!(e.status().await[0].sources[0].memo_remaining > secs(58));
+        }
+    }
+}
+
+/// DESIGN §6 (call-ending errors), stalled before any pass of the Acquire: what
+/// this host knows — here the memo's remaining cooldown.
+#[tokio::test(start_paused = true)]
+async fn stalled_before_a_pass_reports_what_the_host_knows() {
+    let mut sc = scope("chat", vec![source("a")]);
+    sc.breaker.failure_threshold = 1;
+    sc.breaker.cooldown = secs(60);
+    sc.stall_window = secs(2);
+    let e = engine(&config(vec![sc]));
+    let call = e.begin_call(OWNER, "chat", None).unwrap();
+    let g = e.acquire(OWNER, call).await.unwrap();
+    e.report(OWNER, g.permit, failure()).await.unwrap(); // opens a: memo 60 s
+    tokio::time::advance(secs(3)).await; // the worker dawdles: stalled
+    match e.acquire(OWNER, call).await {
+        Err(EngineError::Exhausted {
+            reason: Exhaustion::Stalled,
+            retry_after,
+            ..
+        }) => assert_eq!(retry_after, secs(57)),
+        other => panic!("expected stalled, got {other:?}"),
+    }
+}

@@ -51,6 +51,17 @@ impl MemoryBackend {
         MemoryBackend { clock, cells }
     }
 
+    /// Forget every source's state, as a restarted process (or a shared store that
+    /// lost its data) would: each breaker fresh at epoch 0, buckets full. For tests
+    /// of §10's state-loss handling; nothing in the daemon calls it.
+    #[doc(hidden)]
+    pub fn lose_state(&self) {
+        let now = self.clock.now();
+        for cell in self.cells.values() {
+            *cell.lock().unwrap_or_else(|e| e.into_inner()) = Gates::new(now, 0);
+        }
+    }
+
     fn with<T>(&self, source: &str, f: impl FnOnce(&mut Gates, Duration) -> T) -> BResult<T> {
         let cell = self
             .cells
