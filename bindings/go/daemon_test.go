@@ -198,6 +198,10 @@ func sidecarKeys(t testing.TB, dir, backend string) map[string]string {
 		keys["backend"] = `"redis"`
 		keys["redis_url"] = strconv.Quote(fmt.Sprintf("redis://127.0.0.1:%d/0", r.port))
 		keys["key_prefix"] = strconv.Quote(fmt.Sprintf("go-%d-%d", os.Getpid(), time.Now().UnixNano()))
+		// The default 250 ms is a production setting; on a loaded test machine a slow
+		// round trip would degrade the backend (a report not counted, a refusal), which
+		// is what the fault tests pin, not these. The other runners do the same.
+		keys["redis_timeout"] = `"2s"`
 	}
 	return keys
 }
@@ -206,7 +210,7 @@ func sidecarKeys(t testing.TB, dir, backend string) map[string]string {
 // when absent). Keys the config already sets win (shutdown_grace, say).
 func withSidecarKeys(config string, keys map[string]string) string {
 	var b strings.Builder
-	for _, k := range []string{"socket", "admin_uids", "shutdown_grace", "backend", "redis_url", "key_prefix"} {
+	for _, k := range []string{"socket", "admin_uids", "shutdown_grace", "backend", "redis_url", "key_prefix", "redis_timeout"} {
 		v, ok := keys[k]
 		if !ok || configSets(config, k) {
 			continue
