@@ -9,7 +9,7 @@
 //! code); [`server`] (wire types ↔ engine), [`admin_http`] and [`metrics`] (the
 //! operator's listener), [`peer`] (who may connect); and the process around it:
 //! [`daemon`] (sockets, signals, systemd) and [`cli`] (`--check-config`, the `status`
-//! client).
+//! client). [`limits`] holds the bounds every outside input is held to (§12).
 
 pub mod admin_http;
 pub mod backend;
@@ -19,6 +19,7 @@ pub mod config;
 pub mod daemon;
 pub mod engine;
 pub mod gate;
+pub mod limits;
 pub mod metrics;
 pub mod peer;
 pub mod server;

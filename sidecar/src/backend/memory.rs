@@ -66,7 +66,7 @@ impl MemoryBackend {
         let cell = self
             .cells
             .get(source)
-            .ok_or_else(|| BackendError::UnknownSource(source.to_string()))?;
+            .ok_or_else(|| BackendError::UnknownSource(crate::limits::echo(source).into_owned()))?;
         let mut guard = cell.lock().unwrap_or_else(|e| e.into_inner());
         let now = self.clock.now();
         Ok(f(&mut guard, now))

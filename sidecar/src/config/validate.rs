@@ -13,6 +13,7 @@ use super::{
     Spelling, DEFAULT_CIRCUIT_OPEN, DEFAULT_MAX_ATTEMPTS, DEFAULT_POLL_INTERVAL,
     DEFAULT_QUOTA_FULL, DEFAULT_SELECTOR, DEFAULT_SOURCE_TIMEOUT, DEFAULT_STALL_WINDOW,
 };
+use crate::limits::{MAX_CONFIG_DURATION, MAX_PACER, MAX_RATE, MAX_TOKENS};
 
 /// Smallest accepted `sidecar.max_frame`.
 const MIN_MAX_FRAME: u64 = 1024;
@@ -78,6 +79,16 @@ fn duration(
     if d.is_zero() {
         return Err(ctx.err(key, format_args!("{raw:?}"), "must be greater than zero"));
     }
+    if d > MAX_CONFIG_DURATION {
+        return Err(ctx.err(
+            key,
+            format_args!("{raw:?}"),
+            format!(
+                "must be at most {} (a year)",
+                humantime::format_duration(MAX_CONFIG_DURATION)
+            ),
+        ));
+    }
     Ok(d)
 }
 
@@ -96,11 +107,17 @@ fn count(
     u32::try_from(v).map_err(|_| ctx.err(key, v, format!("must be at most {}", u32::MAX)))
 }
 
-/// An optional integer that must be > 0 when set.
-fn positive(ctx: &Origins, key: &str, raw: Option<i64>) -> Result<Option<u64>, ConfigError> {
+/// An optional integer that must be in `1..=max` when set.
+fn positive(
+    ctx: &Origins,
+    key: &str,
+    raw: Option<i64>,
+    max: u64,
+) -> Result<Option<u64>, ConfigError> {
     match raw {
         None => Ok(None),
-        Some(v) if v > 0 => Ok(Some(v.unsigned_abs())),
+        Some(v) if v > 0 && v.unsigned_abs() <= max => Ok(Some(v.unsigned_abs())),
+        Some(v) if v > 0 => Err(ctx.err(key, v, format!("must be at most {max}"))),
         Some(v) => Err(ctx.err(key, v, "must be greater than zero when set")),
     }
 }
@@ -425,8 +442,15 @@ fn validate_pacer(prefix: &str, raw: RawPacer, ctx: &Origins) -> Result<PacerCon
             ),
         });
     }
-    if increase <= 0.0 {
-        return Err(ctx.err(&k("increase"), increase, "must be greater than 0"));
+    if max > MAX_PACER {
+        return Err(ctx.err(&k("max"), max, format!("must be at most {MAX_PACER}")));
+    }
+    if increase <= 0.0 || increase > MAX_PACER {
+        return Err(ctx.err(
+            &k("increase"),
+            increase,
+            format!("must be greater than 0 and at most {MAX_PACER}"),
+        ));
     }
     if !(decrease > 0.0 && decrease < 1.0) {
         return Err(ctx.err(
@@ -461,9 +485,9 @@ fn validate_source(
         }
     };
     Ok(SourceConfig {
-        tpm: positive(ctx, &k("tpm"), raw.tpm)?,
-        rpm: positive(ctx, &k("rpm"), raw.rpm)?,
-        est_tokens: positive(ctx, &k("est_tokens"), raw.est_tokens)?,
+        tpm: positive(ctx, &k("tpm"), raw.tpm, MAX_RATE)?,
+        rpm: positive(ctx, &k("rpm"), raw.rpm, MAX_RATE)?,
+        est_tokens: positive(ctx, &k("est_tokens"), raw.est_tokens, MAX_TOKENS)?,
         timeout: duration(ctx, &k("timeout"), raw.timeout, DEFAULT_SOURCE_TIMEOUT)?,
         name,
     })

@@ -32,7 +32,7 @@ impl<B: Backend> Engine<B> {
         let si = *self
             .scope_index
             .get(scope)
-            .ok_or_else(|| EngineError::UnknownScope(scope.to_string()))?;
+            .ok_or_else(|| EngineError::UnknownScope(crate::limits::echo(scope).into_owned()))?;
         let now = self.clock.now();
         self.lock().begin(owner, si, est_tokens, now)
     }

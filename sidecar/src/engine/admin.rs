@@ -8,6 +8,7 @@ use super::error::EngineError;
 use super::Engine;
 use crate::backend::{AdminEvent, AdminOp, BResult, Backend};
 use crate::gate::breaker::Applied;
+use crate::limits::MAX_FORCE_OPEN;
 
 impl<B: Backend> Engine<B> {
     /// Admin: open `source` for `duration`.
@@ -17,8 +18,13 @@ impl<B: Backend> Engine<B> {
         duration: Duration,
     ) -> Result<Applied, EngineError> {
         let idx = self.source_idx(source)?;
-        if duration.is_zero() {
-            return Err(EngineError::InvalidArgument("seconds must be > 0".into()));
+        // Checked before any arithmetic: a deadline near 2^64 s overflows (§12).
+        if duration.is_zero() || duration > MAX_FORCE_OPEN {
+            return Err(EngineError::InvalidArgument(format!(
+                "seconds must be > 0 and at most {} (365 days), got {}",
+                MAX_FORCE_OPEN.as_secs(),
+                duration.as_secs_f64()
+            )));
         }
         let r = self.backend.force_open(source, duration).await;
         let a = self.admin_result(idx, r)?;

@@ -66,7 +66,8 @@ pub enum EngineError {
         /// Per-source skip reasons of the last pass.
         reasons: Vec<(String, SkipReason)>,
     },
-    /// No such scope in the configuration.
+    /// No such scope in the configuration; the name as given, cut to
+    /// [`MAX_ECHO`](crate::limits::MAX_ECHO) bytes (it is the client's string).
     #[error("unknown scope {0:?}")]
     UnknownScope(String),
     /// No such live call for this owner.
@@ -76,7 +77,8 @@ pub enum EngineError {
     /// granted).
     #[error("unknown permit {0}")]
     UnknownPermit(u64),
-    /// No such source in the configuration.
+    /// No such source in the configuration; the name as given, cut to
+    /// [`MAX_ECHO`](crate::limits::MAX_ECHO) bytes.
     #[error("unknown source {0:?}")]
     UnknownSource(String),
     /// The call already waits in an Acquire or holds an unreported permit.

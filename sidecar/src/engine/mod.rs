@@ -190,7 +190,7 @@ impl<B: Backend> Engine<B> {
         self.source_index
             .get(source)
             .copied()
-            .ok_or_else(|| EngineError::UnknownSource(source.to_string()))
+            .ok_or_else(|| EngineError::UnknownSource(crate::limits::echo(source).into_owned()))
     }
 
     /// Log a backend error that is not an outage (the store rejected the operation),

@@ -417,7 +417,7 @@ impl Breaker {
     pub fn force_open(&mut self, now: Duration, d: Duration) -> Applied {
         self.state = State::Open;
         self.epoch += 1;
-        self.until = now + d;
+        self.until = now.saturating_add(d);
         self.lease_until = None;
         self.applied(true, now)
     }

@@ -7,10 +7,7 @@ use ipc_protocol as wire;
 use crate::backend::{self, Applied, State};
 use crate::engine::{self, EngineError, Exhaustion, Grant};
 
-/// Largest token count accepted on the wire (`BeginCall.est_tokens`,
-/// `Report Success.tokens`): far above any real request, low enough that a client bug
-/// cannot poison a quota every host shares.
-pub const MAX_TOKENS: u64 = 1_000_000_000;
+pub use crate::limits::MAX_TOKENS;
 
 /// A wire argument the engine cannot take.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]

