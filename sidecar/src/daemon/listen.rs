@@ -1,7 +1,7 @@
 //! The sockets the daemon serves (§12): the worker socket — passed by systemd
-//! (socket activation) or bound here with exactly `socket_mode`, replacing only a
-//! stale socket file — and the optional admin HTTP listener (passed by systemd too,
-//! or bound at `admin_listen`).
+//! (socket activation) or bound here with exactly `socket_mode`, in a directory no
+//! other user can write (`sockfile`), replacing only a stale socket file — and the
+//! optional admin HTTP listener (passed by systemd too, or bound at `admin_listen`).
 
 use std::io;
 use std::os::unix::fs::{FileTypeExt, PermissionsExt};
@@ -10,6 +10,7 @@ use std::path::{Path, PathBuf};
 use tokio::net::{TcpListener, UnixListener};
 use tracing::{info, warn};
 
+use super::sockfile::{self, SocketFile};
 use crate::config::Config;
 
 /// A bound worker listener, and the socket file to remove on exit when we created it.
@@ -17,18 +18,14 @@ pub(super) struct Bound {
     /// Accepts worker connections.
     pub listener: UnixListener,
     /// The socket file this process created (`None` when socket-activated).
-    pub created: Option<PathBuf>,
+    pub created: Option<SocketFile>,
 }
 
-/// Remove the socket file this process created (`created` of [`Bound`]; never a file
-/// it did not create).
-pub(super) fn remove_created(created: Option<&Path>) {
-    if let Some(p) = created {
-        match std::fs::remove_file(p) {
-            Ok(()) => {}
-            Err(e) if e.kind() == io::ErrorKind::NotFound => {}
-            Err(e) => warn!(socket = %p.display(), error = %e, "cannot remove the socket file"),
-        }
+/// Remove the socket file this process created (`created` of [`Bound`]) if it is
+/// still there; never a file it did not create, even at the same path.
+pub(super) fn remove_created(created: Option<&SocketFile>) {
+    if let Some(f) = created {
+        f.remove_if_ours();
     }
 }
 
@@ -74,10 +71,11 @@ pub(super) fn listen(
     }
     let path = PathBuf::from(&c.sidecar.socket);
     let fail = |what: &str, e: io::Error| format!("{what} {}: {e}", path.display());
-    if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
-        std::fs::create_dir_all(dir)
-            .map_err(|e| format!("cannot create socket directory {}: {e}", dir.display()))?;
-    }
+    let dir = match path.parent() {
+        Some(d) if !d.as_os_str().is_empty() => d,
+        _ => Path::new("."),
+    };
+    sockfile::check_dir(dir)?;
     remove_stale_socket(&path)?;
     // Bind with a tight umask so the socket never exists with looser permissions
     // than `socket_mode`, then widen it to exactly that.
@@ -90,10 +88,11 @@ pub(super) fn listen(
         std::fs::Permissions::from_mode(c.sidecar.socket_mode),
     )
     .map_err(|e| fail("cannot set the mode of", e))?;
+    let created = SocketFile::bound_at(path.clone()).map_err(|e| fail("cannot inspect", e))?;
     info!(socket = %path.display(), mode = format_args!("{:o}", c.sidecar.socket_mode), "listening");
     Ok(Bound {
         listener,
-        created: Some(path),
+        created: Some(created),
     })
 }
 

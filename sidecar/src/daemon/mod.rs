@@ -10,6 +10,7 @@
 
 mod listen;
 mod signals;
+mod sockfile;
 pub mod systemd;
 
 use std::io::{self, IsTerminal};
@@ -132,7 +133,7 @@ async fn serve(config: Config, path: Option<PathBuf>) -> ExitCode {
     };
     let code = run_engine(&config, lifecycle, reload, backend, clock, listeners).await;
     signals.abort();
-    listen::remove_created(bound.created.as_deref());
+    listen::remove_created(bound.created.as_ref());
     info!("stopped");
     code
 }

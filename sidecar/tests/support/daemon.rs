@@ -138,8 +138,9 @@ impl Daemon {
         self.child.try_wait().expect("try_wait").is_none()
     }
 
-    /// SIGTERM, then wait (bounded) for the exit.
-    pub fn stop(mut self) -> ExitStatus {
+    /// SIGTERM, then wait (bounded) for the exit. The temp dir (log, socket path)
+    /// stays until the `Daemon` is dropped.
+    pub fn stop(&mut self) -> ExitStatus {
         let pid = nix::unistd::Pid::from_raw(self.pid() as i32);
         let _ = nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGTERM);
         let deadline = Instant::now() + Duration::from_secs(20);
