@@ -9,7 +9,8 @@
 //! code); [`server`] (wire types ↔ engine), [`admin_http`] and [`metrics`] (the
 //! operator's listener), [`peer`] (who may connect); and the process around it:
 //! [`daemon`] (sockets, signals, systemd) and [`cli`] (`--check-config`, the `status`
-//! client). [`limits`] holds the bounds every outside input is held to (§12).
+//! client). [`limits`] holds the bounds every outside input is held to, [`logs`]
+//! summarises the log lines a client can trigger (§12).
 
 pub mod admin_http;
 pub mod backend;
@@ -20,6 +21,7 @@ pub mod daemon;
 pub mod engine;
 pub mod gate;
 pub mod limits;
+pub mod logs;
 pub mod metrics;
 pub mod peer;
 pub mod server;

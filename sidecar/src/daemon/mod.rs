@@ -194,6 +194,7 @@ async fn run_engine(
         lifecycle.clone(),
     );
     let watchdog = systemd::spawn_watchdog();
+    let log_flusher = Some(crate::logs::spawn_flusher());
 
     info!(
         version = env!("CARGO_PKG_VERSION"),
@@ -236,7 +237,7 @@ async fn run_engine(
     };
     admin_stop.cancel();
     reloader.abort();
-    for task in [watchdog, admin_sync, admin_http, refresh]
+    for task in [watchdog, admin_sync, admin_http, refresh, log_flusher]
         .into_iter()
         .flatten()
     {

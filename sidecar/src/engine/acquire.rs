@@ -167,12 +167,14 @@ impl<B: Backend> Engine<B> {
                 sc.waiters.fetch_add(1, Ordering::Relaxed);
                 waiting = Some(WaiterGuard(&sc.waiters));
                 bump(&sc.counters.waits);
-                tracing::info!(
-                    scope = %cfg.name,
-                    reasons = ?self.reasons_of(si, &reasons),
-                    sleep_s = sleep.as_secs_f64(),
-                    "wait started"
-                );
+                if crate::logs::allow(crate::logs::Kind::WaitStarted) {
+                    tracing::info!(
+                        scope = %cfg.name,
+                        reasons = ?self.reasons_of(si, &reasons),
+                        sleep_s = sleep.as_secs_f64(),
+                        "wait started"
+                    );
+                }
             }
             tokio::select! {
                 _ = tokio::time::sleep(sleep) => {}

@@ -17,6 +17,7 @@ use crate::gate::breaker::{Applied, BreakerParams, State};
 use crate::gate::pacer::Signal;
 use crate::gate::quota::{QuotaParams, Settlement};
 use crate::gate::{FailureKind, Outcome};
+use crate::logs::{self, Kind};
 
 impl<B: Backend> Engine<B> {
     /// Report the outcome of the attempt made under `permit`.
@@ -124,7 +125,9 @@ impl<B: Backend> Engine<B> {
         };
         let n = expired.len();
         for p in &expired {
-            tracing::warn!(source = %self.sources[p.source].name, "reclaimed a permit never reported within its lease");
+            if logs::allow(Kind::Reclaimed) {
+                tracing::warn!(source = %self.sources[p.source].name, "reclaimed a permit never reported within its lease");
+            }
         }
         self.abandon_all(expired).await;
         n
@@ -222,7 +225,9 @@ impl<B: Backend> Work<B> for GiveBack {
     async fn run(&self, engine: &Engine<B>) {
         if let Err(e) = self.0.run(engine).await {
             let name = &engine.sources[self.0.source].name;
-            tracing::warn!(source = %name, error = %e, "could not release a grant");
+            if logs::allow(Kind::ReleaseFailed) {
+                tracing::warn!(source = %name, error = %e, "could not release a grant");
+            }
         }
         engine.wake_one(self.0.source);
     }
@@ -246,10 +251,14 @@ impl<B: Backend> Work<B> for Abandon {
             .settle(&src.name, &src.params().qp, p.tokens, how)
             .await
         {
-            tracing::warn!(source = %src.name, error = %e, "could not settle an abandoned permit");
+            if logs::allow(Kind::ReleaseFailed) {
+                tracing::warn!(source = %src.name, error = %e, "could not settle an abandoned permit");
+            }
         }
         if let Err(e) = engine.backend.neutral(&src.name, p.epoch, p.is_probe).await {
-            tracing::warn!(source = %src.name, error = %e, "could not release an abandoned probe");
+            if logs::allow(Kind::ReleaseFailed) {
+                tracing::warn!(source = %src.name, error = %e, "could not release an abandoned probe");
+            }
         }
         engine.wake_one(p.source);
     }
