@@ -333,3 +333,67 @@ fn shutdown_removes_only_the_socket_this_process_created() {
     );
     drop(theirs);
 }
+
+// ---- item 8: the connection cap -----------------------------------------------------
+
+/// Start the binary on `sidecar` lines under `ulimit -n {nofile}` (soft and hard);
+/// returns its stderr once it exits, or kills it after `run_for` and returns that.
+fn run_with_fd_limit(nofile: u32, sidecar: &str, run_for: Duration) -> (bool, String) {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = dir.path().join("polygate.toml");
+    let socket = dir.path().join("s.sock");
+    std::fs::write(
+        &cfg,
+        format!(
+            "[sidecar]\nsocket = \"{}\"\n{sidecar}\n{SCOPES}",
+            socket.display()
+        ),
+    )
+    .unwrap();
+    let mut sh = std::process::Command::new("sh");
+    for (k, _) in std::env::vars().filter(|(k, _)| k.contains("__")) {
+        sh.env_remove(k);
+    }
+    let mut child = sh
+        .arg("-c")
+        .arg(format!(
+            "ulimit -n {nofile} && exec \"$POLYGATE_TEST_BIN\" --config \"$POLYGATE_TEST_CFG\""
+        ))
+        .env("POLYGATE_TEST_BIN", support::daemon::BIN)
+        .env("POLYGATE_TEST_CFG", &cfg)
+        .env_remove("RUST_LOG")
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let deadline = std::time::Instant::now() + run_for;
+    let exited = loop {
+        if child.try_wait().unwrap().is_some() {
+            break true;
+        }
+        if std::time::Instant::now() > deadline {
+            let _ = child.kill();
+            break false;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let out = child.wait_with_output().unwrap();
+    (exited, String::from_utf8_lossy(&out.stderr).into_owned())
+}
+
+#[test]
+fn max_connections_must_fit_the_fd_limit() {
+    let (exited, err) = run_with_fd_limit(512, "max_connections = 1000", Duration::from_secs(20));
+    assert!(exited, "refused at start-up: {err}");
+    assert!(
+        err.contains("max_connections = 1000") && err.contains("RLIMIT_NOFILE) is 512"),
+        "names both numbers: {err}"
+    );
+    // Unset: derived from the limit, and the daemon serves.
+    let (exited, err) = run_with_fd_limit(512, "", Duration::from_secs(3));
+    assert!(!exited, "started: {err}");
+    assert!(
+        err.contains("max_connections=344"),
+        "derived below 512: {err}"
+    );
+}

@@ -94,6 +94,9 @@ const SIDECAR_KEYS: &[(&str, Slot<RawSidecar>)] = &[
         "MAX_RATE_LIMIT_BLOCK",
         Slot::Text(|s| &mut s.max_rate_limit_block),
     ),
+    ("MAX_CONNECTIONS", Slot::Int(|s| &mut s.max_connections)),
+    ("IDLE_TIMEOUT", Slot::Text(|s| &mut s.idle_timeout)),
+    ("MAX_BUFFERED", Slot::Int(|s| &mut s.max_buffered)),
 ];
 
 /// Every `{SCOPE}__` key, in the order an unknown-key error lists them.

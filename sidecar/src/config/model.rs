@@ -159,6 +159,15 @@ pub struct SidecarConfig {
     /// this long (longer values are cut to it), so one buggy worker or a provider's
     /// daily `Retry-After` cannot block a source for a day.
     pub max_rate_limit_block: Duration,
+    /// Most worker connections served at once (§12 "Bounded under abuse"); `None`
+    /// derives it at start-up from the fd limit (`RLIMIT_NOFILE`), which an explicit
+    /// value must also stay below.
+    pub max_connections: Option<u32>,
+    /// How long a connection holding no call and no request may stay open.
+    pub idle_timeout: Duration,
+    /// Sidecar-wide bytes of unsent replies plus requests in progress, over every
+    /// connection: past it no connection's frames are read until replies drain.
+    pub max_buffered: u64,
 }
 
 /// `[scopes.NAME]`.
@@ -286,6 +295,9 @@ impl Default for SidecarConfig {
             log_format: LogFormat::Text,
             metrics_refresh: Duration::from_secs(5),
             max_rate_limit_block: DEFAULT_MAX_RATE_LIMIT_BLOCK,
+            max_connections: None,
+            idle_timeout: DEFAULT_IDLE_TIMEOUT,
+            max_buffered: DEFAULT_MAX_BUFFERED,
         }
     }
 }
@@ -321,6 +333,10 @@ impl Default for PacerConfig {
 
 /// Default `sidecar.socket` (also where `status` looks when told nothing else).
 pub const DEFAULT_SOCKET: &str = "/run/polygate/sidecar.sock";
+/// Default `sidecar.idle_timeout`.
+pub const DEFAULT_IDLE_TIMEOUT: Duration = Duration::from_secs(600);
+/// Default `sidecar.max_buffered` (64 MiB).
+pub const DEFAULT_MAX_BUFFERED: u64 = 64 * 1024 * 1024;
 /// Default `max_attempts` of a scope.
 pub const DEFAULT_MAX_ATTEMPTS: u32 = 3;
 /// Default `poll_interval` of a scope.

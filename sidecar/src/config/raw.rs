@@ -63,6 +63,12 @@ pub(super) struct RawSidecar {
     pub metrics_refresh: Option<String>,
     /// Cap of a 429's quota block, a duration string.
     pub max_rate_limit_block: Option<String>,
+    /// Connection cap; signed so a negative value is reported by key.
+    pub max_connections: Option<i64>,
+    /// Idle connection timeout, a duration string.
+    pub idle_timeout: Option<String>,
+    /// Global buffer budget in bytes; signed so a negative value is reported by key.
+    pub max_buffered: Option<i64>,
 }
 
 /// `[scopes.NAME]` as written; see [`ScopeConfig`](super::ScopeConfig).

@@ -20,6 +20,12 @@ const MIN_MAX_FRAME: u64 = 1024;
 /// Largest accepted `sidecar.max_frame` (16 MiB).
 const MAX_MAX_FRAME: u64 = 16 * 1024 * 1024;
 
+/// Largest accepted `sidecar.max_connections` (fds are the real bound, checked at
+/// start-up against `RLIMIT_NOFILE`).
+const MAX_MAX_CONNECTIONS: i64 = 1_000_000;
+/// Accepted `sidecar.max_buffered`: 1 MiB ..= 64 GiB.
+const MAX_BUFFERED_RANGE: std::ops::RangeInclusive<i64> = (1 << 20)..=(64 << 30);
+
 /// Longest socket path the kernel accepts (`sun_path` is 108 bytes with its NUL).
 const MAX_SOCKET_PATH: usize = 107;
 
@@ -271,8 +277,43 @@ fn validate_sidecar(raw: RawSidecar, ctx: &Origins) -> Result<SidecarConfig, Con
         raw.metrics_refresh,
         d.metrics_refresh,
     )?;
+    let max_connections = match raw.max_connections {
+        None => d.max_connections,
+        Some(v) if (1..=MAX_MAX_CONNECTIONS).contains(&v) => Some(v as u32),
+        Some(v) => {
+            return Err(ctx.err(
+                "sidecar.max_connections",
+                v,
+                format!("must be between 1 and {MAX_MAX_CONNECTIONS}"),
+            ))
+        }
+    };
+    let idle_timeout = duration(
+        ctx,
+        "sidecar.idle_timeout",
+        raw.idle_timeout,
+        d.idle_timeout,
+    )?;
+    let max_buffered = match raw.max_buffered {
+        None => d.max_buffered,
+        Some(v) if MAX_BUFFERED_RANGE.contains(&v) => v as u64,
+        Some(v) => {
+            return Err(ctx.err(
+                "sidecar.max_buffered",
+                v,
+                format!(
+                    "must be between {} (1 MiB) and {} bytes (64 GiB)",
+                    MAX_BUFFERED_RANGE.start(),
+                    MAX_BUFFERED_RANGE.end()
+                ),
+            ))
+        }
+    };
 
     Ok(SidecarConfig {
+        max_connections,
+        idle_timeout,
+        max_buffered,
         admin_listen,
         log_format,
         metrics_refresh,

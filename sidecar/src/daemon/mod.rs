@@ -8,6 +8,7 @@
 //! `READY=1`. The pieces: `listen` (sockets), `signals` (SIGTERM,
 //! SIGINT, SIGHUP and reload), [`systemd`] (sd_notify, socket activation, watchdog).
 
+mod fdlimit;
 mod listen;
 mod signals;
 mod sockfile;
@@ -76,6 +77,17 @@ fn init_tracing(format: LogFormat) {
 
 /// Set everything up in order, serve, and clean up the socket file.
 async fn serve(config: Config, path: Option<PathBuf>) -> ExitCode {
+    // The connection cap must fit the fd limit, or workers past it would hang in the
+    // backlog: refuse a config that cannot hold, before anything is bound.
+    let max_connections = match fdlimit::raise_nofile()
+        .and_then(|nofile| fdlimit::connection_cap(config.sidecar.max_connections, nofile))
+    {
+        Ok(n) => n,
+        Err(e) => {
+            error!("{e}");
+            return ExitCode::FAILURE;
+        }
+    };
     let clock: Arc<dyn Clock> = Arc::new(TokioClock::new());
     // Redis is connected lazily: this succeeds while it is down.
     let backend = match AnyBackend::from_config(&config, clock.clone()).await {
@@ -131,11 +143,22 @@ async fn serve(config: Config, path: Option<PathBuf>) -> ExitCode {
         worker: bound.listener,
         admin,
     };
-    let code = run_engine(&config, lifecycle, reload, backend, clock, listeners).await;
+    let limits = Limits { max_connections };
+    let code = run_engine(
+        &config, lifecycle, reload, backend, clock, listeners, limits,
+    )
+    .await;
     signals.abort();
     listen::remove_created(bound.created.as_ref());
     info!("stopped");
     code
+}
+
+/// The limits derived at start-up (from the config and the process's fd limit).
+struct Limits {
+    /// Worker connections served at once (`sidecar.max_connections`, checked against
+    /// `RLIMIT_NOFILE`).
+    max_connections: u32,
 }
 
 /// The bound sockets the daemon serves.
@@ -155,6 +178,7 @@ async fn run_engine(
     backend: AnyBackend,
     clock: Arc<dyn Clock>,
     listeners: Listeners,
+    limits: Limits,
 ) -> ExitCode {
     let admin_events = backend.admin_events();
     let remote = backend.is_remote();
@@ -200,6 +224,7 @@ async fn run_engine(
         version = env!("CARGO_PKG_VERSION"),
         backend = engine.backend_name(),
         scopes = config.scopes.len(),
+        max_connections = limits.max_connections,
         "polygate-sidecar ready"
     );
     {
