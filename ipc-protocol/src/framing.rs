@@ -109,11 +109,21 @@ impl Frames {
         payload: Result<Vec<u8>, CodecError>,
         dst: &mut BytesMut,
     ) -> Result<(), FrameError> {
+        self.encode_within(payload, self.max_frame, dst)
+    }
+
+    /// [`Frames::encode`] with an explicit limit (status replies have their own).
+    fn encode_within(
+        &self,
+        payload: Result<Vec<u8>, CodecError>,
+        max: usize,
+        dst: &mut BytesMut,
+    ) -> Result<(), FrameError> {
         let payload = payload.map_err(|e| io::Error::new(io::ErrorKind::InvalidData, e))?;
-        if payload.len() > self.max_frame {
+        if payload.len() > max {
             return Err(FrameError::FrameTooLarge {
                 len: payload.len(),
-                max: self.max_frame,
+                max,
             });
         }
         dst.reserve(HEADER_LEN + payload.len());
@@ -133,6 +143,68 @@ fn malformed(payload: &[u8], e: CodecError) -> FrameError {
 /// Clamps a configured maximum to what both the 4-byte prefix and the decoder allow.
 fn clamp_max(max_frame: usize) -> usize {
     max_frame.min(codec::DECODE_LIMIT).min(u32::MAX as usize)
+}
+
+/// Bytes of an error reply's `message` kept when the reply must shrink to fit.
+const SHRUNK_MESSAGE: usize = 1024;
+
+/// `s` cut to at most `max` bytes on a character boundary, marked with `…`.
+fn cut(s: &mut String, max: usize) {
+    if s.len() > max {
+        let mut end = max;
+        while !s.is_char_boundary(end) {
+            end -= 1;
+        }
+        s.truncate(end);
+        s.push('…');
+    }
+}
+
+/// The sidecar's encoder: `Status` / `StatusJson` replies may be up to
+/// [`crate::MAX_STATUS_FRAME`]; every other reply fits `max_frame`. An `Error`
+/// reply too large (a scope of many long-named sources lists them all in
+/// `per_source_reasons`) is shrunk until it fits — its message and scope cut, its
+/// reasons list shortened, the message saying how many were left out — so the
+/// client always gets its error and never a frame over its limit.
+fn encode_server_frame(
+    frames: &Frames,
+    frame: ServerFrame,
+    dst: &mut BytesMut,
+) -> Result<(), FrameError> {
+    use crate::messages::Reply;
+    if matches!(frame.reply, Reply::Status(_) | Reply::StatusJson(_)) {
+        let max = frames.max_frame.max(crate::MAX_STATUS_FRAME);
+        return frames.encode_within(codec::encode_server(&frame), max, dst);
+    }
+    let payload = codec::encode_server(&frame);
+    let fits = matches!(&payload, Ok(p) if p.len() <= frames.max_frame);
+    let ServerFrame { id, reply } = frame;
+    let (false, Reply::Error(mut e)) = (fits, reply) else {
+        return frames.encode(payload, dst);
+    };
+    let keep_bytes = SHRUNK_MESSAGE.min(frames.max_frame / 4);
+    cut(&mut e.message, keep_bytes);
+    if let Some(scope) = e.scope.as_mut() {
+        cut(scope, keep_bytes);
+    }
+    let all = e.per_source_reasons.len();
+    loop {
+        let attempt = ServerFrame {
+            id,
+            reply: Reply::Error(e.clone()),
+        };
+        let payload = codec::encode_server(&attempt);
+        match &payload {
+            Ok(p) if p.len() > frames.max_frame && !e.per_source_reasons.is_empty() => {
+                let keep = e.per_source_reasons.len() / 2;
+                e.per_source_reasons.truncate(keep);
+                cut(&mut e.message, keep_bytes);
+                let note = format!(" ({} of {all} per-source reasons sent)", keep);
+                e.message.push_str(&note);
+            }
+            _ => return frames.encode(payload, dst),
+        }
+    }
 }
 
 macro_rules! typed_codec {
@@ -195,7 +267,7 @@ macro_rules! typed_codec {
             type Error = FrameError;
 
             fn encode(&mut self, item: $out, dst: &mut BytesMut) -> Result<(), FrameError> {
-                self.frames.encode($enc(&item), dst)
+                $enc(&self.frames, item, dst)
             }
         }
     };
@@ -203,12 +275,21 @@ macro_rules! typed_codec {
 
 typed_codec!(
     /// The sidecar's side: decodes [`ClientFrame`]s, encodes [`ServerFrame`]s.
-    ServerCodec, decodes ClientFrame, via codec::decode_client, encodes ServerFrame, via codec::encode_server
+    ServerCodec, decodes ClientFrame, via codec::decode_client, encodes ServerFrame, via encode_server_frame
 );
+
+/// The client's encoder: every request fits `max_frame`.
+fn encode_client_frame(
+    frames: &Frames,
+    frame: ClientFrame,
+    dst: &mut BytesMut,
+) -> Result<(), FrameError> {
+    frames.encode(codec::encode_client(&frame), dst)
+}
 
 typed_codec!(
     /// A client's side: encodes [`ClientFrame`]s, decodes [`ServerFrame`]s.
-    ClientCodec, decodes ServerFrame, via codec::decode_server, encodes ClientFrame, via codec::encode_client
+    ClientCodec, decodes ServerFrame, via codec::decode_server, encodes ClientFrame, via encode_client_frame
 );
 
 #[cfg(test)]
@@ -389,20 +470,34 @@ mod tests {
 
     #[test]
     fn encoding_an_oversize_frame_is_an_error() {
+        // (An `Error` reply is shrunk to fit instead: see below.)
         let mut codec = ServerCodec::new(64);
         let mut out = BytesMut::new();
         let err = codec
             .encode(
                 ServerFrame {
                     id: 1,
-                    reply: Reply::Error(ErrorReply {
-                        kind: ErrorKind::Internal,
-                        message: "x".repeat(100),
-                        retry_after_s: 0.0,
-                        per_source_reasons: vec![],
-                        exhausted: None,
-                        scope: None,
-                    }),
+                    reply: Reply::Started {
+                        call: 1,
+                        permit: 2,
+                        source: "x".repeat(100),
+                        is_probe: false,
+                        attempt: 1,
+                        est_tokens: 0,
+                    },
+                },
+                &mut out,
+            )
+            .unwrap_err();
+        assert!(matches!(err, FrameError::FrameTooLarge { max: 64, .. }));
+        assert!(out.is_empty());
+        let err = ClientCodec::new(64)
+            .encode(
+                ClientFrame {
+                    id: 1,
+                    request: Request::Reset {
+                        source: "x".repeat(100),
+                    },
                 },
                 &mut out,
             )
@@ -454,6 +549,126 @@ mod tests {
             codec.decode(&mut buf),
             Err(FrameError::Malformed { id: None, .. })
         ));
+    }
+
+    fn error_reply(message: String, reasons: usize, scope: String) -> ServerFrame {
+        ServerFrame {
+            id: 9,
+            reply: Reply::Error(ErrorReply {
+                kind: ErrorKind::CircuitOpen,
+                message,
+                retry_after_s: 1.0,
+                per_source_reasons: (0..reasons)
+                    .map(|i| (format!("{i}-{}", "s".repeat(200)), SkipReason::CircuitOpen))
+                    .collect(),
+                exhausted: None,
+                scope: Some(scope),
+            }),
+        }
+    }
+
+    #[test]
+    fn status_replies_may_exceed_max_frame_up_to_16_mib() {
+        let source = SourceStatus {
+            name: "x".repeat(100),
+            state: BreakerState::Closed,
+            epoch: 0,
+            retry_after_s: 0.0,
+            cooldown_level: 0,
+            window_successes: 0,
+            window_failures: 0,
+            streak: 0,
+            memo_remaining_s: 0.0,
+            pacer_ceiling: 8.0,
+            in_flight: 0,
+            tokens_available: None,
+            requests_available: None,
+            quota_blocked_s: 0.0,
+            degraded: false,
+        };
+        let report = StatusReport {
+            sidecar_version: "t".into(),
+            backend: "memory".into(),
+            scopes: vec![ScopeStatus {
+                name: "chat".into(),
+                circuit_open: "wait".into(),
+                quota_full: "wait".into(),
+                waiters: 0,
+                calls: 0,
+                sources: vec![source; 2_000],
+            }],
+        };
+        let mut server = ServerCodec::new(65536);
+        let mut out = BytesMut::new();
+        let status = ServerFrame {
+            id: 1,
+            reply: Reply::Status(report),
+        };
+        server.encode(status.clone(), &mut out).unwrap();
+        assert!(out.len() > 65536, "{}", out.len());
+        let mut client = ClientCodec::new(crate::MAX_STATUS_FRAME);
+        assert_eq!(client.decode(&mut out).unwrap(), Some(status));
+        let json = ServerFrame {
+            id: 2,
+            reply: Reply::StatusJson("x".repeat(200_000)),
+        };
+        server.encode(json, &mut out).unwrap();
+        let too_big = ServerFrame {
+            id: 3,
+            reply: Reply::StatusJson("x".repeat(crate::MAX_STATUS_FRAME)),
+        };
+        assert!(matches!(
+            server.encode(too_big, &mut BytesMut::new()),
+            Err(FrameError::FrameTooLarge { .. })
+        ));
+        // Any other reply still fits max_frame.
+        let granted = ServerFrame {
+            id: 4,
+            reply: Reply::Granted {
+                permit: 1,
+                source: "x".repeat(70_000),
+                is_probe: false,
+                attempt: 1,
+                est_tokens: 0,
+            },
+        };
+        assert!(matches!(
+            server.encode(granted, &mut BytesMut::new()),
+            Err(FrameError::FrameTooLarge { .. })
+        ));
+    }
+
+    #[test]
+    fn an_error_too_large_for_max_frame_is_shrunk_to_fit() {
+        for max in [1024, 4096, 65536] {
+            let mut server = ServerCodec::new(max);
+            let mut out = BytesMut::new();
+            let big = error_reply("m".repeat(100_000), 2_000, "é".repeat(50_000));
+            server.encode(big, &mut out).unwrap();
+            assert!(out.len() <= max + HEADER_LEN, "{max}: {}", out.len());
+            let got = ClientCodec::new(max).decode(&mut out).unwrap().unwrap();
+            assert_eq!(got.id, 9);
+            let Reply::Error(e) = got.reply else {
+                panic!("{got:?}")
+            };
+            assert_eq!(e.kind, ErrorKind::CircuitOpen);
+            assert!(
+                e.message.contains("of 2000 per-source reasons sent"),
+                "{}",
+                e.message
+            );
+            assert!(e.per_source_reasons.len() < 2_000);
+        }
+        // One that fits is sent untouched.
+        let small = error_reply("fine".into(), 3, "chat".into());
+        let mut out = BytesMut::new();
+        ServerCodec::new(65536)
+            .encode(small.clone(), &mut out)
+            .unwrap();
+        assert_eq!(
+            ClientCodec::new(65536).decode(&mut out).unwrap(),
+            Some(small)
+        );
     }
 
     #[test]

@@ -20,3 +20,9 @@ pub const MIN_PROTOCOL_VERSION: u32 = 1;
 
 /// Default and recommended maximum frame payload, in bytes.
 pub const DEFAULT_MAX_FRAME: u32 = 65536;
+
+/// Largest payload of a `Status` or `StatusJson` reply, whatever `max_frame` is: the
+/// one exception to the frame limit (bindings/PROTOCOL.md §2), so a sidecar with
+/// thousands of sources still answers status. Clients accept incoming frames up to
+/// this size.
+pub const MAX_STATUS_FRAME: usize = codec::DECODE_LIMIT;

@@ -28,6 +28,10 @@ pub const MAX_RATE: u64 = 1_000_000_000_000;
 /// count it is compared with is a `u32`, and a host never runs more concurrent calls.
 pub const MAX_PACER: f64 = 1_000_000.0;
 
+/// Longest scope or source name in the configuration: names travel in every grant,
+/// status and error reply, and in Redis keys.
+pub const MAX_NAME: usize = 200;
+
 /// Bytes of a client-supplied string (scope, source, client name) that an error reply
 /// or a log line repeats; the rest is replaced by `…`. Keeps every reply to a request
 /// of any size small, and one bad request from being kilobytes of log.

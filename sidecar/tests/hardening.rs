@@ -397,3 +397,111 @@ fn max_connections_must_fit_the_fd_limit() {
         "derived below 512: {err}"
     );
 }
+
+// ---- item 3: replies within the client's limit --------------------------------------
+
+/// A scope `big` of `n` sources with ~100-byte names, fail-fast.
+fn many_sources(n: usize) -> String {
+    let mut s = String::from("[scopes.big]\ncircuit_open = \"fail_fast\"\n");
+    for i in 0..n {
+        s.push_str(&format!(
+            "[[scopes.big.sources]]\nname = \"source-{i:04}-{}\"\n",
+            "n".repeat(90)
+        ));
+    }
+    s
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn replies_fit_the_client_and_status_may_reach_16_mib() {
+    let d = Daemon::start(
+        &format!("admin_uids = [{}]", my_uid()),
+        &format!("{SCOPES}\n{}", many_sources(600)),
+        &[],
+    );
+    bounded(async {
+        // The CLI prints all 600 sources (the status reply is over 64 KiB).
+        let socket = d.socket.clone();
+        let out = tokio::task::spawn_blocking(move || {
+            sidecar_command()
+                .arg("status")
+                .arg("--socket")
+                .arg(&socket)
+                .output()
+                .unwrap()
+        })
+        .await
+        .unwrap();
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        assert!(out.status.success(), "{out:?}");
+        assert_eq!(stdout.matches("source-").count(), 600, "{stdout}");
+
+        // Both status replies over the wire, from a client accepting 16 MiB.
+        let mut c = Client::connect(&d.socket, 2).await;
+        let Reply::Status(s) = c.call(Request::Status).await else {
+            panic!("Status")
+        };
+        assert_eq!(s.scopes[1].sources.len(), 600);
+        let Reply::StatusJson(j) = c.call(Request::StatusJson).await else {
+            panic!("StatusJson")
+        };
+        assert!(j.len() > 65536, "{}", j.len());
+
+        // A 60 KB scope name: UnknownScope (not Internal), its echo cut short.
+        let long = "s".repeat(60_000);
+        for request in [
+            Request::BeginCall {
+                scope: long.clone(),
+                est_tokens: None,
+            },
+            Request::Reset {
+                source: long.clone(),
+            },
+        ] {
+            c.next_id += 1;
+            let id = c.next_id;
+            c.send(id, request).await;
+            let f = c.recv().await;
+            assert_eq!(f.id, id);
+            let encoded = ipc_protocol::encode_server(&f).unwrap().len();
+            let Reply::Error(e) = f.reply else {
+                panic!("{f:?}")
+            };
+            assert!(
+                matches!(e.kind, ErrorKind::UnknownScope | ErrorKind::InvalidArgument),
+                "{e:?}"
+            );
+            assert!(encoded < 1024, "an echo of {encoded} bytes");
+        }
+
+        // CircuitOpen over 600 long-named sources: more reasons than a frame holds.
+        for i in 0..600 {
+            let r = c
+                .call(Request::ForceOpen {
+                    source: format!("source-{i:04}-{}", "n".repeat(90)),
+                    seconds: 600.0,
+                })
+                .await;
+            assert_eq!(r, Reply::Ok);
+        }
+        c.next_id += 1;
+        let id = c.next_id;
+        let spec = CallSpec {
+            scope: "big".into(),
+            est_tokens: None,
+            priority: None,
+            est_input_tokens: None,
+            est_output_tokens: None,
+        };
+        c.send(id, Request::Start(spec)).await;
+        let f = c.recv().await;
+        let encoded = ipc_protocol::encode_server(&f).unwrap().len();
+        assert!(encoded <= 65536, "{encoded} bytes");
+        let Reply::Error(e) = f.reply else {
+            panic!("{f:?}")
+        };
+        assert_eq!(e.kind, ErrorKind::CircuitOpen, "{}", e.message);
+        assert!(!e.per_source_reasons.is_empty());
+    })
+    .await;
+}

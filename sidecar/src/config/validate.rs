@@ -13,7 +13,7 @@ use super::{
     Spelling, DEFAULT_CIRCUIT_OPEN, DEFAULT_MAX_ATTEMPTS, DEFAULT_POLL_INTERVAL,
     DEFAULT_QUOTA_FULL, DEFAULT_SELECTOR, DEFAULT_SOURCE_TIMEOUT, DEFAULT_STALL_WINDOW,
 };
-use crate::limits::{MAX_CONFIG_DURATION, MAX_PACER, MAX_RATE, MAX_TOKENS};
+use crate::limits::{MAX_CONFIG_DURATION, MAX_NAME, MAX_PACER, MAX_RATE, MAX_TOKENS};
 
 /// Smallest accepted `sidecar.max_frame`.
 const MIN_MAX_FRAME: u64 = 1024;
@@ -335,6 +335,12 @@ fn validate_sidecar(raw: RawSidecar, ctx: &Origins) -> Result<SidecarConfig, Con
 }
 
 fn validate_scope(name: String, raw: RawScope, ctx: &Origins) -> Result<ScopeConfig, ConfigError> {
+    if name.len() > MAX_NAME {
+        return Err(ConfigError::Invalid {
+            key: format!("scopes.{}", crate::limits::echo(&name)),
+            reason: format!("a scope name must be at most {MAX_NAME} bytes"),
+        });
+    }
     let k = |key: &str| format!("scopes.{name}.{key}");
     let quota_full = choice(ctx, &k("quota_full"), raw.quota_full, DEFAULT_QUOTA_FULL)?;
     let circuit_open = choice(
@@ -516,6 +522,13 @@ fn validate_source(
 ) -> Result<SourceConfig, ConfigError> {
     let k = |key: &str| format!("{prefix}.{key}");
     let name = match raw.name {
+        Some(n) if n.len() > MAX_NAME => {
+            return Err(ctx.err(
+                &k("name"),
+                format_args!("{:?}", crate::limits::echo(&n)),
+                format!("must be at most {MAX_NAME} bytes"),
+            ))
+        }
         Some(n) if !n.trim().is_empty() => n,
         Some(_) => return Err(ctx.err(&k("name"), "\"\"", "must not be empty")),
         None => {
