@@ -164,9 +164,6 @@ async fn wire_numbers_are_checked_before_any_arithmetic() {
         };
         for outcome in [
             Outcome::RateLimited {
-                retry_after_s: Some(HUGE_SECONDS),
-            },
-            Outcome::RateLimited {
                 retry_after_s: Some(f64::NAN),
             },
             Outcome::RateLimited {
@@ -204,6 +201,33 @@ async fn wire_numbers_are_checked_before_any_arithmetic() {
             })
             .await;
         assert!(matches!(r, Reply::Reported { .. }), "still ours: {r:?}");
+
+        // A finite 429 block of any size is accepted and cut to max_rate_limit_block
+        // (DESIGN §7), with no overflow in the deadline arithmetic.
+        let Reply::Started { permit, .. } = c
+            .call(Request::Start(CallSpec {
+                scope: "chat".into(),
+                est_tokens: Some(10),
+                priority: None,
+                est_input_tokens: None,
+                est_output_tokens: None,
+            }))
+            .await
+        else {
+            panic!("start")
+        };
+        let r = c
+            .call(Request::Finish {
+                permit,
+                outcome: Outcome::RateLimited {
+                    retry_after_s: Some(HUGE_SECONDS),
+                },
+            })
+            .await;
+        assert!(
+            matches!(r, Reply::Reported { .. }),
+            "accepted, capped: {r:?}"
+        );
     })
     .await;
     let mut d = d;

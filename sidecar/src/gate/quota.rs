@@ -258,7 +258,9 @@ impl Quota {
     /// 429: block until `now + d` (only moves forward; `d` at most
     /// [`MAX_QUOTA_BLOCK`]).
     pub fn block(&mut self, d: Duration, now: Duration) {
-        self.blocked_until = self.blocked_until.max(now.saturating_add(d.min(MAX_QUOTA_BLOCK)));
+        self.blocked_until = self
+            .blocked_until
+            .max(now.saturating_add(d.min(MAX_QUOTA_BLOCK)));
     }
 
     /// Levels for status.
