@@ -42,6 +42,15 @@ def _nothing(reply: p.Reply) -> Optional[bytes]:
     return None
 
 
+class _Unbound:
+    """The connection of a call that has sent nothing yet: holds nothing on any sidecar."""
+
+    closed = True
+
+
+UNBOUND: Any = _Unbound()
+
+
 class Acquisition(NamedTuple):
     """What one ``acquire()`` sends, and how a reply nobody awaits is cleaned up."""
 
@@ -49,6 +58,9 @@ class Acquisition(NamedTuple):
     kind: str
     """``"start"``, ``"retry"`` or ``"acquire"``."""
     on_late: OnReply
+    fresh: bool
+    """The call's first frame (``Start``): it needs nothing of a connection, so
+    if it cannot leave the one it is bound to (found lost) it goes out on a new one."""
 
 
 class Release(NamedTuple):
@@ -117,7 +129,10 @@ class CallBase(Generic[P]):
         # validated and encoded once, before anything is sent
         self._spec = p.call_spec(scope, est_tokens, priority, est_input_tokens, est_output_tokens)
         self._client = client
-        self._conn = client._conn
+        # The connection this call's frames go to: bound by its first frame (Start
+        # or Begin), so a call made before a lost connection was replaced uses the
+        # new one; a call begun on a connection that is lost dies with it.
+        self._conn: Any = UNBOUND
         self.scope = scope
         """The scope this call runs in."""
         self.est_tokens = est_tokens
@@ -155,7 +170,10 @@ class CallBase(Generic[P]):
     def _begin_request(self) -> Optional[bytes]:
         """The ``Begin`` to send, or None when the sidecar has the call already."""
         self._check_open()
-        return None if self._live else p.begin(self._spec)
+        if self._live:
+            return None
+        self._conn = self._client._conn  # the first frame binds the call to the client's connection
+        return p.begin(self._spec)
 
     def _began(self, reply: p.Reply) -> None:
         self.id = p.expect(reply, "CallBegun")["call"]
@@ -169,11 +187,12 @@ class CallBase(Generic[P]):
             raise RuntimeError("permit %d of this call is not reported: report it (success, failure, "
                                "rate_limited or cancel) before acquiring again" % self._permit.id)
         if self._held is not None:
-            return Acquisition(p.retry(self._held[0].id, self._held[1]), "retry", self._late_retry)
+            return Acquisition(p.retry(self._held[0].id, self._held[1]), "retry", self._late_retry, False)
         if not self._live:
-            return Acquisition(p.start(self._spec), "start", self._late_grant_ends_call)
+            self._conn = self._client._conn  # the first frame binds the call to the client's connection
+            return Acquisition(p.start(self._spec), "start", self._late_grant_ends_call, True)
         assert self.id is not None
-        return Acquisition(p.acquire(self.id), "acquire", p.late_cleanup)
+        return Acquisition(p.acquire(self.id), "acquire", p.late_cleanup, False)
 
     def _acquired(self, acq: Acquisition, reply: p.Reply) -> P:
         name, body = p.variant(reply)
@@ -259,7 +278,7 @@ class CallBase(Generic[P]):
         held, permit, live = self._held, self._permit, self._live
         self._held, self._permit, self._live = None, None, False
         if self._conn.closed:
-            return None  # the sidecar released it all with the connection
+            return None  # nothing sent yet (UNBOUND), or the sidecar released it all with the connection
         if held is not None:
             return Release(p.finish(held[0].id, held[1]), self._after_finish(held[0]))
         if permit is not None and not permit._reported:

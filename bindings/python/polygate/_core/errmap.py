@@ -82,5 +82,20 @@ def closed_error(path: str, fatal: Optional[PolyGateError]) -> SidecarError:
 
 
 def client_closed_error(path: str) -> SidecarError:
-    """Why pending requests fail after the client closed its own connection."""
-    return SidecarError("the client closed its connection to %s" % path, kind="connection")
+    """Why pending requests fail after ``client.close()``, and why every later use
+    does: a client closed by its user stays closed (only a *lost* connection is
+    replaced on the next use)."""
+    return SidecarError("this client's connection to the sidecar at %s was closed by client.close(); a closed "
+                        "client does not reconnect (connect again for a new one)" % path, kind="connection")
+
+
+class NotSent(Exception):
+    """Internal to the clients: a request's frame never left because its
+    connection was already lost (found dead, or the write failed), so the
+    sidecar cannot have applied it. A request that depends on nothing of that
+    connection (``Start``, ``Begin``, status, admin, ping) is sent again on a
+    new connection; any other gets ``error``. Never reaches the user."""
+
+    def __init__(self, error: SidecarError) -> None:
+        super().__init__(error.message)
+        self.error = error
