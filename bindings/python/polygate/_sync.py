@@ -16,6 +16,16 @@ sends ``Cancel`` for its request and re-raises. Any other exception raised in
 the middle of a read or write (another signal's handler) closes the connection
 instead: every pending request fails with ``SidecarError``, and the sidecar
 releases everything the connection held.
+
+Reconnection: a lost connection (closed by the sidecar — idle timeout, restart —
+or failed under us) fails every request in flight on it, and the calls begun on
+it. The next request that needs no state of the old connection (a call's first
+frame, status, admin, ping) opens a new one first: :meth:`Client._reconnect`,
+one dial for all the threads that noticed the loss. Nobody reads an idle
+socket, so a connection the sidecar closed while idle is usually found dead by
+the next write: that frame never left, so it is sent again on the new
+connection — never a frame that may have been applied. Connected, a request
+pays one attribute check for all this: no lock, no syscall.
 """
 
 from __future__ import annotations
@@ -42,6 +52,9 @@ _SIGINT = int(signal.SIGINT)
 
 _WAIT_SLICE = 0.25  # the main thread's waits wake this often so signals get through
 _RECV_SIZE = 65536
+# A write to a connection the sidecar closed must fail with EPIPE, not kill a
+# program that restored SIGPIPE's default action (CLI tools often do).
+_SEND_FLAGS = getattr(socket, "MSG_NOSIGNAL", 0)
 _MAIN_IDENT = threading.main_thread().ident
 
 T = TypeVar("T")
@@ -111,6 +124,7 @@ class _Connection:
         self.sock = sock
         self.path = path
         self.max_frame = _wire.DEFAULT_MAX_FRAME
+        self.welcome: Dict[str, Any] = {}  # the sidecar's Welcome, once the handshake is done
         self._ids = itertools.count(1)
         self._lock = threading.Lock()  # pending, the reading role, dead
         self._wlock = threading.Lock()  # one writer at a time: frames never interleave
@@ -132,17 +146,18 @@ class _Connection:
         data = _core.frame_request(rid, request, self.max_frame)  # bad input: raises, nothing registered
         with self._lock:
             if self._dead is not None:
-                raise self._dead
+                raise _core.NotSent(self._dead)
             self._pending[rid] = slot
         return rid, data
 
     def _send(self, data: bytes) -> None:
         with self._wlock:
             try:
-                self.sock.sendall(data)
+                self.sock.sendall(data, _SEND_FLAGS)
             except OSError as e:
+                # The sidecar never got the whole frame, so it cannot have applied it.
                 self._die(_core.lost_error(self.path, e))
-                raise self._dead_error() from None
+                raise _core.NotSent(self._dead_error()) from None
             except BaseException:  # an interrupt inside sendall: part of the frame may be out
                 self._die(SidecarError("interrupted while writing to the sidecar at %s; the connection "
                                        "was closed (its frames could be cut)" % self.path, kind="connection"))
@@ -153,15 +168,24 @@ class _Connection:
         return self._dead
 
     def request(self, request: Any, *, cancel_on_interrupt: bool = False,
-                on_late: Optional[_core.OnReply] = None, timeout: Optional[float] = None) -> Any:
+                on_late: Optional[_core.OnReply] = None, timeout: Optional[float] = None,
+                fresh: bool = False) -> Any:
         """Send ``request``, block until its reply, return the reply value.
 
         If the wait ends by any exception (KeyboardInterrupt, ...), the request
         is abandoned: with ``cancel_on_interrupt`` a ``Cancel`` is sent, and a
         late reply goes to ``on_late`` (default: release what it created).
+        A request whose frame could not leave because the connection is lost
+        raises :class:`_core.NotSent` when ``fresh`` (the caller sends it again
+        on a new connection), else that connection's ``SidecarError``.
         """
         slot = _Slot(on_late)
-        rid, data = self._register(request, slot)
+        try:
+            rid, data = self._register(request, slot)
+        except _core.NotSent as e:
+            if fresh:
+                raise
+            raise e.error from None
         deadline = None if timeout is None else time.monotonic() + timeout
         # From here on the request may be on the wire, so every exit by exception
         # abandons it; a Cancel for an id the sidecar never saw is answered Ok.
@@ -173,6 +197,10 @@ class _Connection:
             finally:
                 if guard is not None:
                     guard.restore()
+        except _core.NotSent as e:  # the connection died and failed the slot: nothing to abandon
+            if fresh:
+                raise
+            raise e.error from None
         except BaseException:
             self._abandon(rid, slot, cancel_on_interrupt)
             raise
@@ -192,7 +220,7 @@ class _Connection:
             finally:
                 if guard is not None:
                     guard.restore()
-        except (SidecarError, _wire.WireError):
+        except (SidecarError, _core.NotSent, _wire.WireError):
             return
         self._ensure_drain()
 
@@ -435,14 +463,26 @@ class Call(_core.CallBase[Permit]):
     block releases what the call still holds, in one frame at most."""
 
     _permit_class = Permit
-    _conn: _Connection
+    _conn: _Connection  # calls.UNBOUND until the call's first frame binds it (see CallBase)
+    _client: "Client"
+
+    def _resend(self, request: bytes, cancel: bool, on_late: _core.OnReply) -> Any:
+        """The call's first frame (``Start`` or ``Begin``) could not leave the
+        connection it was bound to, found lost: reconnect, bind the call to the
+        new connection and send it there (once)."""
+        conn = self._conn = self._client._reconnect(self._conn)
+        return conn.request(request, cancel_on_interrupt=cancel, on_late=on_late)
 
     def begin(self) -> "Call":
         """Optional: send ``Begin`` now, so the stall clock starts before the
         first ``acquire()`` (which otherwise begins the call itself)."""
         request = self._begin_request()
         if request is not None:
-            self._began(self._conn.request(request, on_late=_core.late_cleanup))
+            try:
+                reply = self._conn.request(request, on_late=_core.late_cleanup, fresh=True)
+            except _core.NotSent:
+                reply = self._resend(request, False, _core.late_cleanup)
+            self._began(reply)
         return self
 
     def acquire(self) -> Permit:
@@ -452,7 +492,12 @@ class Call(_core.CallBase[Permit]):
         (KeyboardInterrupt, ...) sends ``Cancel`` and ends the call."""
         acq = self._acquisition()
         try:
-            reply = self._conn.request(acq.request, cancel_on_interrupt=True, on_late=acq.on_late)
+            # A call lives on the connection its first frame went to: lost, the call is.
+            try:
+                reply = self._conn.request(acq.request, cancel_on_interrupt=True, on_late=acq.on_late,
+                                           fresh=acq.fresh)
+            except _core.NotSent:  # the first frame found its connection lost: a new one
+                reply = self._resend(acq.request, True, acq.on_late)
         except BaseException:
             self._acquire_abandoned(acq)
             raise
@@ -488,14 +533,83 @@ class Call(_core.CallBase[Permit]):
 
 class Client:
     """A connection to the sidecar. Thread-safe: any number of threads may run
-    calls over it concurrently. Use :func:`connect` to create one."""
+    calls over it concurrently. Use :func:`connect` to create one.
 
-    def __init__(self, conn: _Connection, welcome: Dict[str, Any]) -> None:
-        self._conn = conn
+    A lost connection (the sidecar closed it — idle timeout, restart — or it
+    failed) fails what was in flight on it; the next use reconnects (same path,
+    client name and timeout). :meth:`close` is final."""
+
+    def __init__(self, conn: _Connection, client_name: Optional[str], timeout: Optional[float]) -> None:
+        self._conn = conn  # the live connection; replaced (never mutated) by a reconnect
         self.path = conn.path
-        self.protocol_version: int = welcome["protocol_version"]
-        self.sidecar_version: str = welcome["sidecar_version"]
-        self.max_frame: int = welcome["max_frame"]
+        self._client_name = client_name
+        self._timeout = timeout
+        self._closed = False  # close() was called: no reconnect, ever
+        self._lock = threading.Lock()  # _closed and the swap of _conn (held briefly)
+        self._dial_lock = threading.Lock()  # one reconnect at a time; the others wait for its result
+        self._dials = 0  # reconnect attempts finished: a thread that waited for one takes its result
+        self._dial_error: Optional[SidecarError] = None  # why the last attempt failed
+
+    @property
+    def protocol_version(self) -> int:
+        """The protocol version of the current connection (from ``Welcome``)."""
+        v: int = self._conn.welcome["protocol_version"]
+        return v
+
+    @property
+    def sidecar_version(self) -> str:
+        """The sidecar's version (from the current connection's ``Welcome``)."""
+        v: str = self._conn.welcome["sidecar_version"]
+        return v
+
+    @property
+    def max_frame(self) -> int:
+        """The sidecar's frame size limit (from the current connection's ``Welcome``)."""
+        return self._conn.max_frame
+
+    def _reconnect(self, lost: _Connection) -> _Connection:
+        """The live connection, after ``lost`` was found dead: a new one (socket
+        + Hello/Welcome), unless another thread made it meanwhile. Threads that
+        find the loss together dial once; those that waited for a dial that
+        failed get its error instead of dialing again each in turn."""
+        seen = self._dials
+        with self._dial_lock:
+            if self._closed:
+                raise _core.client_closed_error(self.path)
+            conn = self._conn
+            if conn._dead is None:
+                return conn  # another thread reconnected
+            failed = self._dial_error
+            if self._dials != seen and failed is not None:
+                raise SidecarError(failed.message, kind=failed.kind) from None
+            try:
+                new = _open(self.path, self._client_name, self._timeout)
+            except SidecarError as e:
+                self._dial_error = e
+                raise
+            finally:
+                self._dials += 1
+            self._dial_error = None
+            with self._lock:
+                closed = self._closed
+                if not closed:
+                    self._conn = new
+            if closed:  # close() came while we dialed
+                new.close()
+                raise _core.client_closed_error(self.path)
+        conn.close()  # the lost one: its fd (the sidecar released what it held)
+        if lost is not conn:
+            lost.close()
+        return new
+
+    def _request(self, request: Any) -> Any:
+        """A request that stands alone (status, admin, ping) on the live
+        connection; its frame, if it could not leave a lost one, on a new one."""
+        conn = self._conn
+        try:
+            return conn.request(request, fresh=True)  # found lost: NotSent, before any write
+        except _core.NotSent:
+            return self._reconnect(conn).request(request)
 
     def call(self, scope: str, est_tokens: Optional[int] = None, priority: Optional[str] = None, *,
              est_input_tokens: Optional[int] = None, est_output_tokens: Optional[int] = None) -> Call:
@@ -563,34 +677,40 @@ class Client:
     def status(self) -> _core.Status:
         """Live state: {"sidecar_version", "backend", "scopes": {scope: {...,
         "sources": {source: {...}}}}, ...} (``StatusJson``; new keys pass through)."""
-        body = _core.expect(self._conn.request(_core.STATUS_JSON), "StatusJson")
+        body = _core.expect(self._request(_core.STATUS_JSON), "StatusJson")
         return _core.status_from_json(body)
 
     def force_open(self, source: str, seconds: float = 30) -> None:
         """Admin: open ``source``'s breaker for ``seconds``."""
-        _core.expect(self._conn.request(_core.force_open(source, seconds)), "Ok")
+        _core.expect(self._request(_core.force_open(source, seconds)), "Ok")
 
     def force_close(self, source: str) -> None:
         """Admin: close ``source``'s breaker now (and clear its cooldown memo)."""
-        _core.expect(self._conn.request(_core.force_close(source)), "Ok")
+        _core.expect(self._request(_core.force_close(source)), "Ok")
 
     def reset(self, source: str) -> None:
         """Admin: forget all breaker and quota state of ``source``."""
-        _core.expect(self._conn.request(_core.reset(source)), "Ok")
+        _core.expect(self._request(_core.reset(source)), "Ok")
 
     def ping(self) -> float:
         """Round trip to the sidecar; returns the seconds it took."""
         t0 = time.monotonic()
-        _core.expect(self._conn.request(_core.PING), "Pong")
+        _core.expect(self._request(_core.PING), "Pong")
         return time.monotonic() - t0
 
     @property
     def closed(self) -> bool:
-        return self._conn.closed
+        """True once :meth:`close` was called (a lost connection is not closed:
+        the next use reconnects)."""
+        return self._closed
 
     def close(self) -> None:
-        """Close the connection; the sidecar releases everything it held."""
-        self._conn.close()
+        """Close the connection for good (requests waiting on it fail; later use
+        is a ``SidecarError``); the sidecar releases everything it held."""
+        with self._lock:
+            self._closed = True
+            conn = self._conn
+        conn.close()
 
     def __enter__(self) -> "Client":
         return self
@@ -607,11 +727,17 @@ def connect(path: Optional[str] = None, *, client_name: Optional[str] = None,
     """Connect to the sidecar and do the Hello/Welcome handshake.
 
     ``path``: the socket; default ``$POLYGATE_SOCKET``, else
-    ``/run/polygate/sidecar.sock``. ``timeout`` bounds connect + handshake only.
-    Raises :class:`SidecarError` (naming the path) if it cannot connect, or if
-    the sidecar does not speak protocol version 2.
+    ``/run/polygate/sidecar.sock``. ``timeout`` bounds connect + handshake only
+    (here and at every reconnect). Raises :class:`SidecarError` (naming the
+    path) if it cannot connect, or if the sidecar does not speak protocol
+    version 2. The client reconnects by itself after a lost connection.
     """
     path = _core.resolve_path(path)
+    return Client(_open(path, client_name, timeout), client_name, timeout)
+
+
+def _open(path: str, client_name: Optional[str], timeout: Optional[float]) -> _Connection:
+    """A new connection with its handshake done (``connect`` and every reconnect)."""
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         sock.settimeout(timeout)
@@ -627,4 +753,5 @@ def connect(path: Optional[str] = None, *, client_name: Optional[str] = None,
         conn.close()
         raise
     conn.max_frame = welcome["max_frame"]
-    return Client(conn, welcome)
+    conn.welcome = welcome
+    return conn

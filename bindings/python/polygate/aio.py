@@ -17,6 +17,14 @@ Cancelling a task blocked in ``await call.acquire()`` sends ``Cancel`` for that
 request and re-raises ``CancelledError``; leaving the ``async with`` block
 (normally, by exception or by cancellation) releases what the call holds. When
 the connection dies, every pending await fails with :class:`SidecarError`.
+
+Reconnection: the event loop sees a connection the sidecar closes (idle
+timeout, restart) at once. What was in flight on it fails, with the calls begun
+on it; the next request that needs no state of the old connection (a call's
+first frame, status, admin, ping) opens a new one first — one dial, however many
+tasks await it (:meth:`Client._reconnect`). A frame still queued when the
+connection died never left, so it is sent again on the new connection; nothing
+that may have been applied is. Connected, a request pays one attribute check.
 """
 
 from __future__ import annotations
@@ -74,6 +82,7 @@ class _Connection(asyncio.BufferedProtocol):
     def __init__(self, path: str) -> None:
         self.path = path
         self.max_frame = _wire.DEFAULT_MAX_FRAME
+        self.welcome: Dict[str, Any] = {}  # the sidecar's Welcome, once the handshake is done
         self._loop = asyncio.get_running_loop()
         self._transport: Optional[asyncio.Transport] = None
         self._ids = itertools.count(1)
@@ -128,7 +137,7 @@ class _Connection(asyncio.BufferedProtocol):
 
     def _queue(self, request: Any, slot: _Slot) -> int:
         if self._dead is not None:
-            raise self._dead
+            raise _core.NotSent(self._dead)
         rid = next(self._ids)
         self._out.append(_core.frame_request(rid, request, self.max_frame))  # bad input raises here
         self._pending[rid] = slot
@@ -143,27 +152,34 @@ class _Connection(asyncio.BufferedProtocol):
             self._transport.write(out[0] if len(out) == 1 else b"".join(out))
 
     async def request(self, request: Any, *, cancel_on_cancel: bool = False,
-                      on_late: Optional[_core.OnReply] = None) -> Any:
+                      on_late: Optional[_core.OnReply] = None, fresh: bool = False) -> Any:
         """Send ``request`` and await its reply value. If the awaiting task is
         cancelled, the request is abandoned (``Cancel`` sent when
         ``cancel_on_cancel``; a late reply goes to ``on_late``, by default
-        releasing what it created)."""
+        releasing what it created). A request whose frame never left because
+        the connection is lost raises :class:`_core.NotSent` when ``fresh``
+        (the caller sends it again on a new connection), else that
+        connection's ``SidecarError``."""
         fut: "asyncio.Future[Any]" = self._loop.create_future()
         slot = _Slot(fut, on_late)
-        rid = self._queue(request, slot)
         try:
+            rid = self._queue(request, slot)
             if self._paused is not None:
                 await asyncio.shield(self._paused)
             return await fut
         except asyncio.CancelledError:
             self._abandon(rid, slot, cancel_on_cancel)
             raise
+        except _core.NotSent as e:
+            if fresh:
+                raise
+            raise e.error from None
 
     def post(self, request: Any, on_late: Optional[_core.OnReply] = None) -> None:
         """Fire and forget (queued now, written this tick; the reply goes to ``on_late``)."""
         try:
             self._queue(request, _Slot(None, on_late))
-        except (SidecarError, _wire.WireError):
+        except (_core.NotSent, _wire.WireError):
             pass
 
     def _abandon(self, rid: int, slot: _Slot, cancel: bool) -> None:
@@ -200,10 +216,12 @@ class _Connection(asyncio.BufferedProtocol):
         if self._dead is None:
             self._dead = err
         pending, self._pending = self._pending, {}
+        # frames queued but not yet written never left: their requests were not applied
+        unsent = {int.from_bytes(f[4:12], "little") for f in self._out}
         self._out = []
-        for slot in pending.values():
+        for rid, slot in pending.items():
             if slot.fut is not None and not slot.fut.done():
-                slot.fut.set_exception(self._dead)
+                slot.fut.set_exception(_core.NotSent(self._dead) if rid in unsent else self._dead)
         self.resume_writing()
         if self._transport is not None:
             self._transport.close()
@@ -253,13 +271,25 @@ class Call(_core.CallBase[Permit]):
     """One logical request in a scope; ``async with client.call(...) as call``."""
 
     _permit_class = Permit
-    _conn: _Connection
+    _conn: _Connection  # calls.UNBOUND until the call's first frame binds it (see CallBase)
+    _client: "Client"
+
+    async def _resend(self, request: bytes, cancel: bool, on_late: _core.OnReply) -> Any:
+        """The call's first frame (``Start`` or ``Begin``) never left the
+        connection it was bound to, lost: reconnect, bind the call to the new
+        connection and send it there (once)."""
+        conn = self._conn = await self._client._reconnect()
+        return await conn.request(request, cancel_on_cancel=cancel, on_late=on_late)
 
     async def begin(self) -> "Call":
         """Optional: send ``Begin`` now (the stall clock starts before the first acquire)."""
         request = self._begin_request()
         if request is not None:
-            self._began(await self._conn.request(request, on_late=_core.late_cleanup))
+            try:
+                reply = await self._conn.request(request, on_late=_core.late_cleanup, fresh=True)
+            except _core.NotSent:
+                reply = await self._resend(request, False, _core.late_cleanup)
+            self._began(reply)
         return self
 
     async def acquire(self) -> Permit:
@@ -269,7 +299,12 @@ class Call(_core.CallBase[Permit]):
         ``Cancel`` and re-raises CancelledError."""
         acq = self._acquisition()
         try:
-            reply = await self._conn.request(acq.request, cancel_on_cancel=True, on_late=acq.on_late)
+            # A call lives on the connection its first frame went to: lost, the call is.
+            try:
+                reply = await self._conn.request(acq.request, cancel_on_cancel=True, on_late=acq.on_late,
+                                                 fresh=acq.fresh)
+            except _core.NotSent:  # the first frame found its connection lost: a new one
+                reply = await self._resend(acq.request, True, acq.on_late)
         except BaseException:
             self._acquire_abandoned(acq)
             raise
@@ -309,14 +344,81 @@ class Call(_core.CallBase[Permit]):
 
 
 class Client:
-    """An asyncio connection to the sidecar, shared by every task of the loop."""
+    """An asyncio connection to the sidecar, shared by every task of the loop.
 
-    def __init__(self, conn: _Connection, welcome: Dict[str, Any]) -> None:
-        self._conn = conn
+    A lost connection (the sidecar closed it — idle timeout, restart — or it
+    failed) fails what was in flight on it; the next use reconnects (same path,
+    client name and timeout). :meth:`close` is final."""
+
+    def __init__(self, conn: _Connection, client_name: Optional[str], timeout: Optional[float]) -> None:
+        self._conn = conn  # the live connection; replaced (never mutated) by a reconnect
         self.path = conn.path
-        self.protocol_version: int = welcome["protocol_version"]
-        self.sidecar_version: str = welcome["sidecar_version"]
-        self.max_frame: int = welcome["max_frame"]
+        self._client_name = client_name
+        self._timeout = timeout
+        self._closed = False  # close() was called: no reconnect, ever
+        self._dialing: "Optional[asyncio.Task[_Connection]]" = None  # the reconnect every task awaits
+        self._opening: Optional[_Connection] = None  # its connection, before the handshake is done
+
+    @property
+    def protocol_version(self) -> int:
+        """The protocol version of the current connection (from ``Welcome``)."""
+        v: int = self._conn.welcome["protocol_version"]
+        return v
+
+    @property
+    def sidecar_version(self) -> str:
+        """The sidecar's version (from the current connection's ``Welcome``)."""
+        v: str = self._conn.welcome["sidecar_version"]
+        return v
+
+    @property
+    def max_frame(self) -> int:
+        """The sidecar's frame size limit (from the current connection's ``Welcome``)."""
+        return self._conn.max_frame
+
+    async def _reconnect(self) -> _Connection:
+        """The live connection, the current one being lost: a new one (socket +
+        Hello/Welcome). Tasks that find the loss together await one dial (a
+        task cancelled meanwhile leaves it running for the others)."""
+        if self._closed:
+            raise _core.client_closed_error(self.path)
+        conn = self._conn
+        if conn._dead is None:
+            return conn
+        task = self._dialing
+        if task is None:
+            task = self._dialing = conn._loop.create_task(self._dial())
+            task.add_done_callback(_retrieve)
+        try:
+            return await asyncio.shield(task)
+        except asyncio.CancelledError:
+            if task.cancelled() and self._closed:  # close() stopped the dial, not our cancellation
+                raise _core.client_closed_error(self.path) from None
+            raise
+
+    async def _dial(self) -> _Connection:
+        try:
+            new = await _open(self.path, self._client_name, self._timeout, self._opened)
+        finally:
+            self._dialing = None  # the next use after a failed dial tries again
+            self._opening = None
+        if self._closed:  # close() came while we dialed
+            await new.close()
+            raise _core.client_closed_error(self.path)
+        self._conn = new
+        return new
+
+    def _opened(self, conn: _Connection) -> None:
+        self._opening = conn
+
+    async def _request(self, request: Any) -> Any:
+        """A request that stands alone (status, admin, ping) on the live
+        connection; its frame, if it never left a lost one, on a new one."""
+        conn = self._conn
+        try:
+            return await conn.request(request, fresh=True)  # found lost: NotSent, before any write
+        except _core.NotSent:
+            return await (await self._reconnect()).request(request)
 
     def call(self, scope: str, est_tokens: Optional[int] = None, priority: Optional[str] = None, *,
              est_input_tokens: Optional[int] = None, est_output_tokens: Optional[int] = None) -> Call:
@@ -365,28 +467,40 @@ class Client:
         return wrap
 
     async def status(self) -> Status:
-        body = _core.expect(await self._conn.request(_core.STATUS_JSON), "StatusJson")
+        body = _core.expect(await self._request(_core.STATUS_JSON), "StatusJson")
         return _core.status_from_json(body)
 
     async def force_open(self, source: str, seconds: float = 30) -> None:
-        _core.expect(await self._conn.request(_core.force_open(source, seconds)), "Ok")
+        _core.expect(await self._request(_core.force_open(source, seconds)), "Ok")
 
     async def force_close(self, source: str) -> None:
-        _core.expect(await self._conn.request(_core.force_close(source)), "Ok")
+        _core.expect(await self._request(_core.force_close(source)), "Ok")
 
     async def reset(self, source: str) -> None:
-        _core.expect(await self._conn.request(_core.reset(source)), "Ok")
+        _core.expect(await self._request(_core.reset(source)), "Ok")
 
     async def ping(self) -> float:
         t0 = time.monotonic()
-        _core.expect(await self._conn.request(_core.PING), "Pong")
+        _core.expect(await self._request(_core.PING), "Pong")
         return time.monotonic() - t0
 
     @property
     def closed(self) -> bool:
-        return self._conn.closed
+        """True once :meth:`close` was called (a lost connection is not closed:
+        the next use reconnects)."""
+        return self._closed
 
     async def close(self) -> None:
+        """Close the connection for good (awaits waiting on it fail; later use is
+        a ``SidecarError``); the sidecar releases everything it held."""
+        self._closed = True
+        task = self._dialing
+        if task is not None:  # a reconnect under way: stop it, and let it close what it opened
+            task.cancel()
+            opening = self._opening
+            if opening is not None:  # a cancel that races a finished connect can be lost in wait_for
+                opening._die(_core.client_closed_error(self.path))
+            await asyncio.wait([task])
         await self._conn.close()
 
     async def __aenter__(self) -> "Client":
@@ -400,13 +514,34 @@ class Client:
             self.path, self.sidecar_version, " closed" if self.closed else "")
 
 
+def _retrieve(task: "asyncio.Task[Any]") -> None:
+    """A dial's failure is raised to the tasks awaiting it; when all of them
+    were cancelled, nobody retrieves it: do, so asyncio does not log it."""
+    if not task.cancelled():
+        task.exception()
+
+
 async def connect(path: Optional[str] = None, *, client_name: Optional[str] = None,
                   timeout: Optional[float] = 10.0) -> Client:
-    """Connect and handshake; see :func:`polygate.connect`."""
+    """Connect and handshake; see :func:`polygate.connect` (the client
+    reconnects by itself after a lost connection)."""
     path = _core.resolve_path(path)
+    return Client(await _open(path, client_name, timeout), client_name, timeout)
+
+
+async def _open(path: str, client_name: Optional[str], timeout: Optional[float],
+                opened: Optional[Callable[[_Connection], None]] = None) -> _Connection:
+    """A new connection with its handshake done (``connect`` and every reconnect);
+    ``opened`` learns of the connection as soon as it exists."""
     loop = asyncio.get_running_loop()
+
+    def make() -> _Connection:
+        conn = _Connection(path)
+        if opened is not None:
+            opened(conn)
+        return conn
     try:
-        _, conn = await asyncio.wait_for(loop.create_unix_connection(lambda: _Connection(path), path), timeout)
+        _, conn = await asyncio.wait_for(loop.create_unix_connection(make, path), timeout)
     except asyncio.TimeoutError:
         raise SidecarError("cannot connect to the PolyGate sidecar at %s: timed out" % path,
                            kind="connection") from None
@@ -423,4 +558,5 @@ async def connect(path: Optional[str] = None, *, client_name: Optional[str] = No
         await conn.close()
         raise
     conn.max_frame = welcome["max_frame"]
-    return Client(conn, welcome)
+    conn.welcome = welcome
+    return conn

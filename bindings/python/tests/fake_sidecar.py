@@ -101,6 +101,8 @@ class FakeSidecar:
         self.on_acquire: Callable[[FakeConn, int, int], Any] = self.grant
         self.on_admin: Optional[Callable[[FakeConn, int, Any], Any]] = None
         self.on_cancel: Optional[Callable[[FakeConn, int, int], None]] = None
+        # When set, a Hello is answered only once this event is set (a slow handshake).
+        self.hello_gate: Optional[threading.Event] = None
         self._listener: Optional[socket.socket] = None
 
     # ------------------------------------------------------------ lifecycle
@@ -265,6 +267,8 @@ class FakeSidecar:
         name = _name(req)
         body = req[name] if isinstance(req, dict) else None
         if name == "Hello":
+            if self.hello_gate is not None:
+                self.hello_gate.wait(30)
             theirs = body["protocol_version"]
             if not 1 <= theirs <= self.protocol_version:
                 # what a version-1 sidecar says (and then it closes the connection)

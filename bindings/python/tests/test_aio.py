@@ -205,9 +205,7 @@ def test_connection_loss_fails_pending(fake):
         for r in results:
             assert isinstance(r, polygate.SidecarError) and r.kind == "connection", r
             assert fake.path in str(r)
-        assert client.closed
-        with pytest.raises(polygate.SidecarError):
-            await client.ping()
+        assert not client.closed  # lost, not closed: the next use reconnects (test_reconnect.py)
         await client.close()
     run(main())
 
