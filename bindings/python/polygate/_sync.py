@@ -582,6 +582,9 @@ class Client:
             failed = self._dial_error
             if self._dials != seen and failed is not None:
                 raise SidecarError(failed.message, kind=failed.kind) from None
+            # cleared first: a dial that ends otherwise (KeyboardInterrupt) must not
+            # hand its waiters the error of an older one
+            self._dial_error = None
             try:
                 new = _open(self.path, self._client_name, self._timeout)
             except SidecarError as e:
@@ -589,7 +592,6 @@ class Client:
                 raise
             finally:
                 self._dials += 1
-            self._dial_error = None
             with self._lock:
                 closed = self._closed
                 if not closed:

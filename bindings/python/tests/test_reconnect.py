@@ -290,6 +290,50 @@ def test_sync_threads_waiting_for_a_failed_dial_share_its_error(fake):
         assert len(fake.requests("Hello")) == 3
 
 
+def test_sync_waiters_of_an_interrupted_dial_dial_again(fake, monkeypatch):
+    """A dial that ends by KeyboardInterrupt has no error to share: a thread that
+    waited for it dials itself, rather than getting an older dial's error."""
+    from polygate import _sync
+    with polygate.connect(fake.path) as client:
+        fake.stop()
+        with pytest.raises(polygate.SidecarError, match="cannot connect"):
+            client.ping()  # a failed dial: its error is remembered
+        again = FakeSidecar(fake.path).start()
+        gate = threading.Event()
+        real_open = _sync._open
+        opens = []
+
+        def interrupted_open(*args):
+            opens.append(args)
+            if len(opens) == 1:
+                gate.wait(10)
+                raise KeyboardInterrupt
+            return real_open(*args)
+        monkeypatch.setattr(_sync, "_open", interrupted_open)
+        got = {}
+
+        def use(name):
+            try:
+                got[name] = client.ping()
+            except BaseException as e:  # noqa: BLE001
+                got[name] = e
+        first = threading.Thread(target=use, args=("first",))
+        first.start()
+        wait_threads_in([first], "interrupted_open")
+        second = threading.Thread(target=use, args=("second",))
+        second.start()
+        wait_threads_in([second], "_reconnect")  # waiting for the first one's dial
+        gate.set()
+        first.join(10)
+        second.join(10)
+        try:
+            assert isinstance(got["first"], KeyboardInterrupt)
+            assert isinstance(got["second"], float), got["second"]
+            assert len(opens) == 2 and len(again.conns) == 1
+        finally:
+            again.stop()
+
+
 def test_sync_reconnect_is_bounded_by_the_connect_timeout(fake, sockdir):
     with polygate.connect(fake.path, timeout=0.3) as client:
         fake.stop()
