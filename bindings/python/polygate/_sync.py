@@ -549,6 +549,7 @@ class Client:
         self._dial_lock = threading.Lock()  # one reconnect at a time; the others wait for its result
         self._dials = 0  # reconnect attempts finished: a thread that waited for one takes its result
         self._dial_error: Optional[SidecarError] = None  # why the last attempt failed
+        self._opening: Optional[_Connection] = None  # a reconnect's connection, until its handshake is done
 
     @property
     def protocol_version(self) -> int:
@@ -586,12 +587,14 @@ class Client:
             # hand its waiters the error of an older one
             self._dial_error = None
             try:
-                new = _open(self.path, self._client_name, self._timeout)
+                new = _open(self.path, self._client_name, self._timeout, self._opened)
             except SidecarError as e:
                 self._dial_error = e
                 raise
             finally:
                 self._dials += 1
+                with self._lock:
+                    self._opening = None
             with self._lock:
                 closed = self._closed
                 if not closed:
@@ -603,6 +606,16 @@ class Client:
         if lost is not conn:
             lost.close()
         return new
+
+    def _opened(self, conn: _Connection) -> None:
+        """A reconnect's socket is connected: close() must reach it, so that a
+        close() during the handshake ends it at once, as in the asyncio client."""
+        with self._lock:
+            closed = self._closed
+            if not closed:
+                self._opening = conn
+        if closed:
+            conn.close()  # the handshake fails now with the closed-client error
 
     def _request(self, request: Any) -> Any:
         """A request that stands alone (status, admin, ping) on the live
@@ -711,7 +724,9 @@ class Client:
         is a ``SidecarError``); the sidecar releases everything it held."""
         with self._lock:
             self._closed = True
-            conn = self._conn
+            conn, opening = self._conn, self._opening
+        if opening is not None:  # a reconnect waiting for Welcome: it fails now
+            opening.close()
         conn.close()
 
     def __enter__(self) -> "Client":
@@ -738,8 +753,10 @@ def connect(path: Optional[str] = None, *, client_name: Optional[str] = None,
     return Client(_open(path, client_name, timeout), client_name, timeout)
 
 
-def _open(path: str, client_name: Optional[str], timeout: Optional[float]) -> _Connection:
-    """A new connection with its handshake done (``connect`` and every reconnect)."""
+def _open(path: str, client_name: Optional[str], timeout: Optional[float],
+          opened: Optional[Callable[[_Connection], None]] = None) -> _Connection:
+    """A new connection with its handshake done (``connect`` and every reconnect);
+    ``opened`` learns of the connection before its handshake."""
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         sock.settimeout(timeout)
@@ -750,6 +767,8 @@ def _open(path: str, client_name: Optional[str], timeout: Optional[float]) -> _C
         raise _core.connect_error(path, e) from None
     conn = _Connection(sock, path)
     try:
+        if opened is not None:
+            opened(conn)
         welcome = _core.check_welcome(conn.request(_core.hello(client_name), timeout=timeout))
     except BaseException:
         conn.close()

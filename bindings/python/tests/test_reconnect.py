@@ -212,9 +212,12 @@ def test_sync_close_during_a_reconnect_wins(fake):
         t = threading.Thread(target=use)
         t.start()
         fake.wait_for(lambda: len(fake.conns) == 2)  # dialing, waiting for Welcome
-        client.close()
+        client.close()  # ends the handshake at once: it does not wait for Welcome (or the timeout)
+        t.join(5)
+        alive = t.is_alive()
         fake.hello_gate.set()
         t.join(10)
+        assert not alive, "close() did not stop the reconnect's handshake"
         assert len(errors) == 1 and "close()" in str(errors[0])
         fake.wait_for(lambda: fake.conns[1].closed)  # the new connection was not kept
         assert client.closed
