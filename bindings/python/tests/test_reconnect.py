@@ -434,13 +434,19 @@ def test_aio_in_flight_requests_fail_and_calls_of_the_lost_connection_too(fake):
             fake.on_acquire = fake.grant
             call = client.call("chat")
             await call.begin()  # begun on the connection about to be lost
+            granted = client.call("chat")
+            permit = await granted.acquire()
+            failed = client.call("chat")
+            await (await failed.acquire()).failure("timeout")  # held: would go out as Retry
             await _lose(fake, client)
             for r in await asyncio.gather(*tasks, return_exceptions=True):
                 assert type(r) is polygate.SidecarError and r.kind == "connection" and fake.path in str(r)
-            with pytest.raises(polygate.SidecarError) as ei:
-                await call.acquire()
-            assert type(ei.value) is polygate.SidecarError and ei.value.kind == "connection"
-            await call.end()
+            for use in (call.acquire, lambda: permit.success(tokens=3), failed.acquire):
+                with pytest.raises(polygate.SidecarError) as ei:
+                    await use()
+                assert type(ei.value) is polygate.SidecarError and ei.value.kind == "connection"
+            for c in (call, granted, failed):
+                await c.end()  # nothing to release: the sidecar dropped it with the connection
             assert len(fake.conns) == 1
             await _one_call(client)
             assert [_variant(f["request"]) for f in frames_on(fake, 1)] == ["Hello", "Start", "Finish"]
