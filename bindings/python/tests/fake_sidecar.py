@@ -258,6 +258,7 @@ class FakeSidecar:
             pass
         finally:
             conn.close()
+            conn.sock.close()  # the fd too: tests count the process's fds
             with self.lock:
                 conn.held.clear()
                 self.lock.notify_all()

@@ -550,3 +550,37 @@ def test_aio_close_during_a_reconnect(fake):
         assert client._dialing is None
         await asyncio.get_running_loop().run_in_executor(None, fake.wait_for, lambda: fake.conns[1].closed)
     run(main())
+
+
+def _open_fds():
+    return len(os.listdir("/proc/self/fd"))
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="needs /proc/self/fd")
+def test_reconnects_leak_no_thread_task_or_fd(fake):
+    with polygate.connect(fake.path) as client:
+        one_call(client)
+        threads, fds = threading.active_count(), _open_fds()
+        olds = []  # kept alive, so only an explicit close frees their fds (not refcounting)
+        for _ in range(20):
+            olds.append(client._conn)
+            lose(fake)
+            one_call(client)
+        fake.wait_for(lambda: sum(c.sock.fileno() != -1 for c in fake.conns) == 1)  # the fake's side
+        assert len(fake.conns) == 21
+        assert threading.active_count() <= threads and _open_fds() <= fds
+
+    async def main():
+        async with await polygate.aio.connect(fake.path) as client:
+            await _one_call(client)
+            tasks, fds = len(asyncio.all_tasks()), _open_fds()
+            olds = []  # kept alive, as above
+            for _ in range(20):
+                olds.append(client._conn)
+                await _lose(fake, client)
+                await _one_call(client)
+            await asyncio.sleep(0)  # the dial task's done callbacks
+            await asyncio.get_running_loop().run_in_executor(
+                None, fake.wait_for, lambda: sum(c.sock.fileno() != -1 for c in fake.conns) == 1)
+            assert len(asyncio.all_tasks()) <= tasks and _open_fds() <= fds
+    run(main())
