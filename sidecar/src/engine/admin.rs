@@ -36,18 +36,22 @@ impl<B: Backend> Engine<B> {
     pub async fn force_close(&self, source: &str) -> Result<Applied, EngineError> {
         let idx = self.source_idx(source)?;
         let r = self.backend.force_close(source).await;
-        let a = self.admin_result(idx, r)?;
-        self.sources[idx].memo.clear(); // only once the close really happened
-        Ok(a)
+        // Only once the close really happened, and before the waiters are woken: one
+        // woken first would still see the memo, and nap until the old open ended.
+        if r.is_ok() {
+            self.sources[idx].memo.clear();
+        }
+        self.admin_result(idx, r)
     }
 
     /// Admin: forget `source`'s breaker and quota state and clear its memo entry.
     pub async fn reset(&self, source: &str) -> Result<Applied, EngineError> {
         let idx = self.source_idx(source)?;
         let r = self.backend.reset(source).await;
-        let a = self.admin_result(idx, r)?;
-        self.sources[idx].memo.clear(); // only once the reset really happened
-        Ok(a)
+        if r.is_ok() {
+            self.sources[idx].memo.clear(); // as in force_close: before the wake-up
+        }
+        self.admin_result(idx, r)
     }
 
     /// An operator's action on any host, as the shared backend broadcast it (§9): a
