@@ -1,0 +1,362 @@
+//! `polygate-bench`: what the sidecar costs, next to its floor, in one run (DESIGN §16).
+//!
+//! Each scenario prints one JSON line (one per client count / mode where a scenario
+//! takes a list). Speed goals live here, never in timed tests; the tool asserts
+//! nothing, it measures and prints ratios. README ("Benchmarks") and
+//! docs/benchmarks.md say how to run it and what the figures were.
+
+mod drivers;
+mod echo;
+mod engine;
+mod frames;
+mod load;
+mod procs;
+mod scenarios;
+mod target;
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand, ValueEnum};
+use serde_json::{Map, Value};
+
+#[derive(Debug, Parser)]
+#[command(
+    name = "polygate-bench",
+    about = "PolyGate bench: sidecar figures next to a plain Unix-socket echo floor, one JSON line per scenario"
+)]
+struct Cli {
+    /// Scenario to run (repeatable).
+    #[arg(long, value_enum)]
+    scenario: Vec<Scenario>,
+    /// Run every scenario.
+    #[arg(long)]
+    all: bool,
+    /// Connection counts of `throughput` and `redis`.
+    #[arg(long, value_delimiter = ',', default_value = "1,8,64,256")]
+    clients: Vec<usize>,
+    /// Seconds each measurement runs (after a warm-up of a fifth of it, at most 1 s).
+    #[arg(long, default_value_t = 3.0)]
+    seconds: f64,
+    /// Repeat every measurement this many times and print the median of each figure.
+    #[arg(long, default_value_t = 1)]
+    repeat: usize,
+    /// `latency`: pin the client, the sidecar and the echo servers to CPU 0 (on a VM a
+    /// cross-core wake-up can cost more than the whole round trip; NOTES.md).
+    #[arg(long)]
+    pin: bool,
+    /// The sidecar binary to start (temp config and socket).
+    #[arg(long, default_value = "target/release/polygate-sidecar")]
+    sidecar_bin: PathBuf,
+    /// Measure a sidecar already listening here instead (it needs the bench scopes:
+    /// `polygate-bench --print-config`).
+    #[arg(long)]
+    socket: Option<PathBuf>,
+    /// Redis for `redis` and the driver scenarios instead of a throwaway
+    /// `redis-server`.
+    #[arg(long)]
+    redis_url: Option<String>,
+    /// Waiting calls of `waiters`.
+    #[arg(long, default_value_t = 10_000)]
+    waiters: usize,
+    /// Concurrency of the driver scenarios (threads for sync, tasks for asyncio).
+    #[arg(long, default_value_t = 64)]
+    concurrency: usize,
+    /// Python for the driver and the redis-py baseline.
+    #[arg(long, default_value = ".venv/bin/python")]
+    python: PathBuf,
+    /// The Python driver (CLI contract in bench/stand-in/python_client.py).
+    #[arg(long, default_value = "bench/drivers/python_client.py")]
+    python_driver: PathBuf,
+    /// The Node driver.
+    #[arg(long, default_value = "bench/drivers/node_client.mjs")]
+    node_driver: PathBuf,
+    /// The Go driver's package directory.
+    #[arg(long, default_value = "bench/drivers/go_client")]
+    go_driver: PathBuf,
+    /// Tiny durations and counts: checks that every scenario runs and prints its keys.
+    #[arg(long)]
+    smoke: bool,
+    /// Print the sidecar configuration the bench uses and exit.
+    #[arg(long)]
+    print_config: bool,
+    #[command(subcommand)]
+    command: Option<Command>,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// (internal) Run an echo floor server until killed.
+    #[command(hide = true)]
+    EchoServer {
+        #[arg(long)]
+        kind: String,
+        #[arg(long)]
+        socket: PathBuf,
+    },
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum Scenario {
+    Latency,
+    Throughput,
+    Redis,
+    Waiters,
+    Python,
+    Node,
+    Go,
+    /// The engine alone, in process (not part of --all's socket figures, but run by it).
+    Engine,
+}
+
+impl Scenario {
+    const ALL: [Scenario; 8] = [
+        Scenario::Latency,
+        Scenario::Throughput,
+        Scenario::Redis,
+        Scenario::Waiters,
+        Scenario::Python,
+        Scenario::Node,
+        Scenario::Go,
+        Scenario::Engine,
+    ];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Scenario::Latency => "latency",
+            Scenario::Throughput => "throughput",
+            Scenario::Redis => "redis",
+            Scenario::Waiters => "waiters",
+            Scenario::Python => "python",
+            Scenario::Node => "node",
+            Scenario::Go => "go",
+            Scenario::Engine => "engine",
+        }
+    }
+
+    /// The keys every line of the scenario carries (null when not measured).
+    pub fn keys(self) -> &'static [&'static str] {
+        match self {
+            Scenario::Latency => &["rtt_p50_us", "rtt_p99_us", "floor_p50_us", "ratio"],
+            Scenario::Throughput => &[
+                "clients",
+                "calls_per_s",
+                "call_p50_us",
+                "call_p99_us",
+                "floor_calls_per_s",
+                "ratio",
+                "calls_per_s_v1",
+                "sidecar_cpu_per_frame_us",
+                "floor_cpu_per_frame_us",
+            ],
+            Scenario::Redis => &[
+                "clients",
+                "calls_per_s",
+                "call_p50_us",
+                "call_p99_us",
+                "calls_per_s_v1",
+                "redis_cmds_per_call",
+                "script_calls_per_call",
+                "script_us_p50",
+                "redis_cpu_pct",
+                "sidecar_cpu_per_frame_us",
+            ],
+            Scenario::Waiters => &[
+                "waiters",
+                "rss_mib",
+                "cpu_pct_while_waiting",
+                "release_ms",
+                "quota_cpu_pct_while_waiting",
+            ],
+            Scenario::Python => &["mode", "calls_per_s", "baseline_calls_per_s", "ratio"],
+            Scenario::Node | Scenario::Go => {
+                &["calls_per_s", "python_asyncio_calls_per_s", "ratio"]
+            }
+            Scenario::Engine => &["calls_per_s_1_task", "calls_per_s_64_tasks"],
+        }
+    }
+}
+
+/// Everything a scenario needs to know about the run.
+pub struct Opts {
+    pub clients: Vec<usize>,
+    pub seconds: f64,
+    pub repeat: usize,
+    pub pin: bool,
+    pub sidecar_bin: PathBuf,
+    pub socket: Option<PathBuf>,
+    pub redis_url: Option<String>,
+    pub waiters: usize,
+    pub concurrency: usize,
+    pub python: PathBuf,
+    pub python_driver: PathBuf,
+    pub node_driver: PathBuf,
+    pub go_driver: PathBuf,
+}
+
+impl Opts {
+    /// The warm-up before each measured window.
+    pub fn warmup(&self) -> std::time::Duration {
+        std::time::Duration::from_secs_f64((self.seconds / 5.0).min(1.0))
+    }
+
+    pub fn window(&self) -> std::time::Duration {
+        std::time::Duration::from_secs_f64(self.seconds)
+    }
+}
+
+/// One output line under construction.
+pub struct Line(pub Map<String, Value>);
+
+impl Line {
+    pub fn new(s: Scenario) -> Line {
+        let mut m = Map::new();
+        m.insert("scenario".into(), s.name().into());
+        for k in s.keys() {
+            m.insert((*k).into(), Value::Null);
+        }
+        Line(m)
+    }
+
+    pub fn set(&mut self, k: &str, v: impl Into<Value>) -> &mut Self {
+        self.0.insert(k.to_string(), v.into());
+        self
+    }
+
+    /// A float, rounded to 3 significant decimals (NaN/inf become null).
+    pub fn num(&mut self, k: &str, v: f64) -> &mut Self {
+        let v = if v.is_finite() {
+            Value::from((v * 1000.0).round() / 1000.0)
+        } else {
+            Value::Null
+        };
+        self.0.insert(k.to_string(), v);
+        self
+    }
+
+    pub fn opt(&mut self, k: &str, v: Option<f64>) -> &mut Self {
+        match v {
+            Some(v) => self.num(k, v),
+            None => self.set(k, Value::Null),
+        }
+    }
+}
+
+/// The per-key median of repeated lines (numbers only; other values from the first).
+fn median_of(lines: Vec<Line>) -> Line {
+    let mut it = lines.into_iter();
+    let Some(mut first) = it.next() else {
+        return Line(Map::new());
+    };
+    let rest: Vec<Line> = it.collect();
+    if rest.is_empty() {
+        return first;
+    }
+    let keys: Vec<String> = first.0.keys().cloned().collect();
+    for k in keys {
+        let mut v: Vec<f64> = std::iter::once(&first)
+            .chain(rest.iter())
+            .filter_map(|l| l.0.get(&k).and_then(Value::as_f64))
+            .collect();
+        if v.len() != rest.len() + 1 || k == "clients" || k == "waiters" {
+            continue;
+        }
+        v.sort_by(f64::total_cmp);
+        first.num(&k, v[v.len() / 2]);
+    }
+    first.set("runs", rest.len() + 1);
+    first
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    if let Some(Command::EchoServer { kind, socket }) = &cli.command {
+        let Some(kind) = echo::Kind::parse(kind) else {
+            eprintln!("unknown echo server kind {kind:?}");
+            return ExitCode::FAILURE;
+        };
+        if let Err(e) = echo::serve(kind, socket) {
+            eprintln!("echo server: {e}");
+            return ExitCode::FAILURE;
+        }
+        return ExitCode::SUCCESS;
+    }
+    if cli.print_config {
+        let socket = PathBuf::from("/tmp/polygate-bench.sock");
+        print!("{}", target::config(&socket, &target::Backend::Memory));
+        return ExitCode::SUCCESS;
+    }
+    let mut scenarios = if cli.all {
+        Scenario::ALL.to_vec()
+    } else {
+        cli.scenario.clone()
+    };
+    scenarios.dedup();
+    if scenarios.is_empty() {
+        eprintln!("polygate-bench: name a --scenario (or --all); see --help");
+        return ExitCode::from(2);
+    }
+    // Relative default paths are meant from the repository root.
+    let root = procs::repo_root();
+    let rel = |p: &PathBuf| {
+        if p.is_relative() {
+            root.join(p)
+        } else {
+            p.clone()
+        }
+    };
+    let mut opts = Opts {
+        clients: cli.clients.clone(),
+        seconds: cli.seconds,
+        repeat: cli.repeat.max(1),
+        pin: cli.pin,
+        sidecar_bin: rel(&cli.sidecar_bin),
+        socket: cli.socket.clone(),
+        redis_url: cli.redis_url.clone(),
+        waiters: cli.waiters,
+        concurrency: cli.concurrency,
+        python: rel(&cli.python),
+        python_driver: rel(&cli.python_driver),
+        node_driver: rel(&cli.node_driver),
+        go_driver: rel(&cli.go_driver),
+    };
+    if cli.smoke {
+        opts.seconds = opts.seconds.min(0.2);
+        opts.clients = vec![1, 4];
+        opts.waiters = opts.waiters.min(200);
+        opts.concurrency = opts.concurrency.min(4);
+        opts.repeat = 1;
+    }
+    let rt = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("polygate-bench: cannot start a runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let mut ctx = scenarios::Ctx::new(&opts, rt);
+    let mut failed = false;
+    for s in scenarios {
+        let load = procs::loadavg();
+        let runs: Vec<Vec<Line>> = (0..opts.repeat).map(|_| ctx.run(s)).collect();
+        // Transpose: the median of each line over the runs.
+        let n = runs.iter().map(Vec::len).min().unwrap_or(0);
+        let mut runs: Vec<std::vec::IntoIter<Line>> =
+            runs.into_iter().map(Vec::into_iter).collect();
+        for _ in 0..n {
+            let lines: Vec<Line> = runs.iter_mut().filter_map(Iterator::next).collect();
+            let mut line = median_of(lines);
+            line.set("loadavg", load.clone());
+            failed |= line.0.contains_key("error");
+            println!("{}", Value::Object(line.0));
+        }
+    }
+    if failed {
+        ExitCode::FAILURE
+    } else {
+        ExitCode::SUCCESS
+    }
+}
