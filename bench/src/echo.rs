@@ -155,7 +155,15 @@ fn serve_epoll(path: &Path) -> io::Result<()> {
                         dead = true;
                         break;
                     }
-                    Ok(n) => c.rbuf.extend_from_slice(&scratch[..n]),
+                    Ok(n) => {
+                        c.rbuf.extend_from_slice(&scratch[..n]);
+                        // A short read emptied the socket: skip the read that would
+                        // only say EAGAIN (new data raises a new edge). Tokio's own
+                        // reads do the same.
+                        if n < scratch.len() {
+                            break;
+                        }
+                    }
                     Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
                     Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
                     Err(_) => {

@@ -71,26 +71,47 @@ struct Frames {
     max_frame: usize,
 }
 
+/// The size (prefix included) of the frame at the start of `buf`: `Ok(Some(n))` when
+/// `buf` holds all of it, `Ok(None)` when more bytes are needed. An oversize length is
+/// refused from the prefix alone, before the payload arrives (`FrameTooLarge`).
+///
+/// For a reader that keeps its own buffer (the sidecar reads many frames per
+/// `read`); [`ServerCodec`] / [`ClientCodec`] use the same rule.
+pub fn frame_size(buf: &[u8], max_frame: usize) -> Result<Option<usize>, FrameError> {
+    let Some(head) = buf.get(..HEADER_LEN) else {
+        return Ok(None);
+    };
+    let len = u32::from_be_bytes(head.try_into().expect("4 bytes")) as usize;
+    let max = clamp_max(max_frame);
+    if len > max {
+        return Err(FrameError::FrameTooLarge { len, max });
+    }
+    let total = HEADER_LEN + len;
+    Ok((buf.len() >= total).then_some(total))
+}
+
+/// Decodes a client payload (no prefix), failing as [`ServerCodec`] does
+/// (`Malformed` with the id when the payload has one).
+pub fn decode_client_payload(payload: &[u8]) -> Result<ClientFrame, FrameError> {
+    codec::decode_client(payload).map_err(|e| malformed(payload, e))
+}
+
 impl Frames {
     /// Splits one complete payload off `src`, if it holds one.
     fn decode(&self, src: &mut BytesMut) -> Result<Option<BytesMut>, FrameError> {
-        let Some(head) = src.get(..HEADER_LEN) else {
-            return Ok(None);
-        };
-        let len = u32::from_be_bytes(head.try_into().expect("4 bytes")) as usize;
-        if len > self.max_frame {
-            return Err(FrameError::FrameTooLarge {
-                len,
-                max: self.max_frame,
-            });
+        match frame_size(src, self.max_frame)? {
+            Some(total) => {
+                src.advance(HEADER_LEN);
+                Ok(Some(src.split_to(total - HEADER_LEN)))
+            }
+            None => {
+                if let Some(head) = src.get(..HEADER_LEN) {
+                    let len = u32::from_be_bytes(head.try_into().expect("4 bytes")) as usize;
+                    src.reserve(HEADER_LEN + len - src.len());
+                }
+                Ok(None)
+            }
         }
-        let total = HEADER_LEN + len;
-        if src.len() < total {
-            src.reserve(total - src.len());
-            return Ok(None);
-        }
-        src.advance(HEADER_LEN);
-        Ok(Some(src.split_to(len)))
     }
 
     fn decode_eof(&self, src: &mut BytesMut) -> Result<Option<BytesMut>, FrameError> {

@@ -8,7 +8,9 @@ pub mod framing;
 pub mod messages;
 
 pub use codec::{decode_client, decode_server, encode_client, encode_server, peek_id, CodecError};
-pub use framing::{length_codec, ClientCodec, FrameError, ServerCodec};
+pub use framing::{
+    decode_client_payload, frame_size, length_codec, ClientCodec, FrameError, ServerCodec,
+};
 pub use messages::*;
 
 /// The newest protocol version spoken by this crate.

@@ -40,14 +40,32 @@ impl<B: Backend> Engine<B> {
     /// Run admission for the call (§4–§5); may wait. Cancel-safe: dropping the future
     /// ends the wait and leaves nothing reserved.
     pub async fn acquire(&self, owner: OwnerId, call: u64) -> Result<Grant, EngineError> {
-        let r = self.acquire_inner(owner, call).await;
+        self.acquire_or_wait(owner, call, || {}).await
+    }
+
+    /// [`Engine::acquire`], calling `on_wait` once, the first time the Acquire goes
+    /// to sleep waiting for a source (not for a backend round trip). The server uses
+    /// it to stop counting a waiting Acquire against the connection's in-flight cap.
+    pub async fn acquire_or_wait(
+        &self,
+        owner: OwnerId,
+        call: u64,
+        on_wait: impl FnOnce(),
+    ) -> Result<Grant, EngineError> {
+        let r = self.acquire_inner(owner, call, on_wait).await;
         if let Err(e) = &r {
             self.count_error(e);
         }
         r
     }
 
-    async fn acquire_inner(&self, owner: OwnerId, call: u64) -> Result<Grant, EngineError> {
+    async fn acquire_inner(
+        &self,
+        owner: OwnerId,
+        call: u64,
+        on_wait: impl FnOnce(),
+    ) -> Result<Grant, EngineError> {
+        let mut on_wait = Some(on_wait);
         if self.shutdown.is_cancelled() {
             return Err(EngineError::ShuttingDown);
         }
@@ -164,6 +182,9 @@ impl<B: Backend> Engine<B> {
                 rand::random::<f64>(),
             );
             if waiting.is_none() {
+                if let Some(f) = on_wait.take() {
+                    f();
+                }
                 sc.waiters.fetch_add(1, Ordering::Relaxed);
                 waiting = Some(WaiterGuard(&sc.waiters));
                 bump(&sc.counters.waits);

@@ -27,6 +27,19 @@ impl<B: Backend> Engine<B> {
         permit: u64,
         outcome: Outcome,
     ) -> Result<Applied, EngineError> {
+        self.report_in_call(owner, permit, outcome).await?.1
+    }
+
+    /// [`Engine::report`], also naming the call the permit belonged to (`Retry` and
+    /// `Finish` go on with it). The outer `Err` means nothing changed (unknown permit,
+    /// invalid outcome); otherwise the permit is gone and the inner result is the
+    /// report's (a backend failure included).
+    pub async fn report_in_call(
+        &self,
+        owner: OwnerId,
+        permit: u64,
+        outcome: Outcome,
+    ) -> Result<(u64, Result<Applied, EngineError>), EngineError> {
         // §7: one buggy worker (or an upstream's daily Retry-After) must not block a
         // source for every host for a day: the block is capped, silently.
         let outcome = match outcome {
@@ -80,11 +93,12 @@ impl<B: Backend> Engine<B> {
             Ok(a) => a,
             Err(e) => {
                 self.wake_one(p.source);
-                return Err(EngineError::BackendUnavailable {
+                let e = EngineError::BackendUnavailable {
                     scope: Some(self.scopes[p.scope].name.clone()),
                     message: e.to_string(),
                     reasons: Vec::new(),
-                });
+                };
+                return Ok((p.call, Err(e)));
             }
         };
         self.note_state(p.source, &applied);
@@ -93,7 +107,7 @@ impl<B: Backend> Engine<B> {
         } else {
             self.wake_one(p.source);
         }
-        Ok(applied)
+        Ok((p.call, Ok(applied)))
     }
 
     /// Forget the call; an unreported permit is abandoned (settled as if the upstream

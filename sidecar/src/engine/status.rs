@@ -4,7 +4,7 @@
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
-use super::tables::LiveCounts;
+use super::tables::{LiveCounts, OwnerId};
 use super::{Engine, ScopeStatus, SourceStatus};
 use crate::backend::{Backend, SourceSnapshot};
 use crate::gate::quota::QuotaView;
@@ -72,6 +72,12 @@ impl<B: Backend> Engine<B> {
             });
         }
         out
+    }
+
+    /// `true` when `owner` holds no unreported permit (a draining connection may
+    /// close once this holds and it has no request in progress).
+    pub fn owner_is_idle(&self, owner: OwnerId) -> bool {
+        !self.lock().holds_permit(owner)
     }
 
     /// Counts for invariant checks (tests, debugging).

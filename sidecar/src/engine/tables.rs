@@ -328,6 +328,11 @@ impl Tables {
         Ok(c.permit.and_then(|id| self.permits.remove(&id)))
     }
 
+    /// `owner` holds an unreported permit.
+    pub(crate) fn holds_permit(&self, owner: OwnerId) -> bool {
+        self.permits.values().any(|p| p.owner == owner)
+    }
+
     /// Forget every call of `owner`; returns its permits.
     pub(crate) fn release_owner(&mut self, owner: OwnerId) -> Vec<PermitRec> {
         self.calls.retain(|_, c| c.owner != owner);

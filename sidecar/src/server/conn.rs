@@ -1,30 +1,40 @@
-//! One client connection: handshake, request tasks, the writer, teardown.
+//! One client connection: handshake, the request loop, teardown (§11, §11a, §12, §16).
+//!
+//! The connection is one task that owns its socket. Each time it runs it reads
+//! everything the socket has (as far as its in-flight budget allows), answers every
+//! frame it can right there — decode, one poll of the engine, encode into the write
+//! buffer — and writes all the replies of the batch with one `write`. Only requests
+//! still pending after that first poll are spawned ([`dispatch`]); their replies come
+//! back through the connection's `JoinSet` and go out with the next batch. So a call
+//! on the memory backend costs no task, no channel and no allocation for framing; the
+//! shutdown signals are registered once and read as flags.
+//!
+//! `Cancel` (bindings/PROTOCOL.md §7, §14) reaches requests that are still running,
+//! which are exactly the spawned ones: one answered inline was answered before the
+//! next frame was even decoded, so its normal reply is the one the client gets.
 
-use std::collections::hash_map::Entry;
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::future::Future;
 use std::panic::AssertUnwindSafe;
-use std::pin::pin;
-use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
-use std::task::Poll;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::Arc;
+use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
-use futures_util::{FutureExt, SinkExt, StreamExt};
-use ipc_protocol::{ClientFrame, ErrorKind, ErrorReply, Reply, Request, ServerFrame};
-use ipc_protocol::{FrameError, ServerCodec};
-use tokio::net::unix::{OwnedReadHalf, OwnedWriteHalf};
+use futures_util::FutureExt;
+use ipc_protocol::{ClientFrame, ErrorKind, FrameError, Reply, Request};
 use tokio::net::UnixStream;
-use tokio::sync::{mpsc, OwnedSemaphorePermit, Semaphore};
-use tokio::task::{AbortHandle, JoinSet};
-use tokio_util::codec::{FramedRead, FramedWrite};
+use tokio::task::{AbortHandle, JoinError, JoinSet};
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, warn};
 
-use super::convert;
-use super::{ServerOptions, ServerStats};
-use crate::backend::{Backend, Outcome};
-use crate::engine::{Engine, EngineError, Grant, OwnerId};
+use super::budget::Budget;
+use super::dispatch::{self, CancelBy, Ctx, Done, Job, Step};
+use super::transport::{self, Filled, Inbox, Outbox, Socket};
+use super::{convert, ServerOptions};
+use crate::backend::Backend;
+use crate::engine::{Engine, OwnerId};
 use crate::peer::peer_of;
 
 /// State every connection shares with the accept loop.
@@ -34,113 +44,74 @@ pub(super) struct Shared {
     pub draining: CancellationToken,
     /// The grace is over: connections close now.
     pub hard_stop: CancellationToken,
+    /// The same two as flags: 1 draining, 2 hard stop. Connections read this on every
+    /// run (`CancellationToken::is_cancelled` takes a lock every connection shares);
+    /// the tokens are only there to wake them.
+    phase: AtomicU8,
 }
 
-/// Replies queued for the writer before request tasks wait on it.
-const REPLY_QUEUE: usize = 256;
+impl Shared {
+    pub fn new(opts: ServerOptions) -> Shared {
+        Shared {
+            opts,
+            draining: CancellationToken::new(),
+            hard_stop: CancellationToken::new(),
+            phase: AtomicU8::new(0),
+        }
+    }
+
+    /// Begin the drain.
+    pub fn drain(&self) {
+        self.phase.fetch_max(1, Ordering::Release);
+        self.draining.cancel();
+    }
+
+    /// End the grace: connections close now.
+    pub fn stop_now(&self) {
+        self.phase.store(2, Ordering::Release);
+        self.hard_stop.cancel();
+    }
+
+    fn is_draining(&self) -> bool {
+        self.phase.load(Ordering::Acquire) >= 1
+    }
+
+    fn is_stopped(&self) -> bool {
+        self.phase.load(Ordering::Acquire) >= 2
+    }
+}
+
 /// While draining, how often an open connection checks whether it is idle.
 const DRAIN_POLL: Duration = Duration::from_millis(50);
-/// How long teardown waits for the writer to flush the last replies; also how long
-/// the reader tries to queue the error reply of a protocol violation before closing.
+/// How long teardown waits for the last replies to be written (after a protocol
+/// violation too: a peer that does not read cannot hold the connection open).
 const FLUSH_TIMEOUT: Duration = Duration::from_secs(1);
 /// The same after the shutdown grace ran out: the peer had its chance.
 const HARD_STOP_FLUSH: Duration = Duration::from_millis(100);
 /// How long teardown lets non-abortable requests (Report, EndCall, admin) finish.
 const FINISH_TIMEOUT: Duration = Duration::from_secs(2);
+/// Frames answered in one run of the task before it yields to the others.
+const FRAMES_PER_RUN: usize = 256;
 
-/// Per-connection state the request tasks share.
-struct Conn<B: Backend> {
-    id: OwnerId,
-    uid: u32,
-    engine: Arc<Engine<B>>,
-    shared: Arc<Shared>,
-    /// Requests still running, by request id. Whoever removes an entry (the task when
-    /// it finishes, or a `Cancel`) owns the request's reply.
-    pending: Mutex<HashMap<u64, Pending>>,
-    /// Permits granted and not yet reported, to the call they belong to. Only used to
-    /// tell when a draining connection holds nothing any more.
-    permits: Mutex<HashMap<u64, u64>>,
-    /// The in-flight cap (`ServerOptions::max_in_flight`).
-    budget: Arc<Budget>,
-    /// The protocol version agreed in the handshake (1 or 2): version-2 requests are
-    /// refused on a version-1 connection, so an old client never sees a reply it
-    /// cannot decode.
-    version: AtomicU32,
-}
-
-/// A connection's in-flight slots: the reader takes one before it reads a frame, a
-/// request task holds it until its reply is queued (or it ends). A waiting Acquire
-/// holds none while it waits, and takes one again once it has its answer.
-struct Budget {
-    slots: Arc<Semaphore>,
-    /// Slots held by request tasks.
-    held: AtomicUsize,
-    stats: Arc<ServerStats>,
-}
-
-impl Budget {
-    fn new(max: usize, stats: Arc<ServerStats>) -> Arc<Self> {
-        Arc::new(Budget {
-            slots: Arc::new(Semaphore::new(max.max(1))),
-            held: AtomicUsize::new(0),
-            stats,
-        })
-    }
-}
-
-/// One request in progress: its slot of the connection's budget.
-struct InFlight {
-    _slot: OwnedSemaphorePermit,
-    budget: Arc<Budget>,
-}
-
-impl InFlight {
-    fn new(slot: OwnedSemaphorePermit, budget: &Arc<Budget>) -> Self {
-        let held = budget.held.fetch_add(1, Ordering::Relaxed) + 1;
-        budget.stats.in_flight.fetch_add(1, Ordering::Relaxed);
-        budget
-            .stats
-            .peak_in_flight
-            .fetch_max(held, Ordering::Relaxed);
-        InFlight {
-            _slot: slot,
-            budget: budget.clone(),
-        }
-    }
-}
-
-impl Drop for InFlight {
-    fn drop(&mut self) {
-        self.budget.held.fetch_sub(1, Ordering::Relaxed);
-        self.budget.stats.in_flight.fetch_sub(1, Ordering::Relaxed);
-    }
-}
-
-/// A running request.
+/// A request running in a task.
 struct Pending {
     task: AbortHandle,
-    /// How a `Cancel` (or teardown) stops it.
     cancel: CancelBy,
+    /// Its `/metrics` timer, observed when its reply is ready.
+    timer: Timer,
 }
 
-/// How a running request can be stopped early.
-enum CancelBy {
-    /// Safe to abort at any await point: `Acquire`, `Start` (their engine futures are
-    /// cancel-safe, and a `Start` ends its call when dropped) and the read-only status
-    /// requests. These are where a request can wait for long.
-    Abort,
-    /// `Retry`: its report must finish (several engine steps), its acquire may wait
-    /// for long; the token ends the acquire and the task ends the call.
-    Token(CancellationToken),
-    /// Short requests that change engine state in several steps: they finish.
-    Never,
+/// A request's type ([`crate::metrics::request_type`]) and when it was read: the
+/// `polygate_request_duration_seconds{request}` observation made with its reply.
+#[derive(Clone, Copy)]
+struct Timer {
+    /// Index of the request type.
+    ty: usize,
+    /// When the frame was decoded.
+    started: Instant,
 }
 
 impl Pending {
-    fn cancellable(&self) -> bool {
-        !matches!(self.cancel, CancelBy::Never)
-    }
-
     fn cancel(&self) {
         match &self.cancel {
             CancelBy::Abort => self.task.abort(),
@@ -150,45 +121,52 @@ impl Pending {
     }
 }
 
-/// Ends a call whose `Start` was dropped (cancelled, connection gone) before it could
-/// answer: a `Start` that does not answer `Started` leaves no call behind.
-struct CallGuard<B: Backend> {
-    engine: Arc<Engine<B>>,
-    owner: OwnerId,
-    call: Option<u64>,
-}
-
-impl<B: Backend> Drop for CallGuard<B> {
-    fn drop(&mut self) {
-        if let Some(call) = self.call.take() {
-            let (engine, owner) = (self.engine.clone(), self.owner);
-            if let Ok(rt) = tokio::runtime::Handle::try_current() {
-                rt.spawn(async move {
-                    let _ = engine.end_call(owner, call).await;
-                });
-            }
-        }
-    }
-}
-
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|p| p.into_inner())
-}
-
-impl<B: Backend> Conn<B> {
-    fn idle(&self) -> bool {
-        lock(&self.pending).is_empty() && lock(&self.permits).is_empty()
-    }
-}
-
 /// Why the request loop stopped.
 enum End {
     /// The client closed (or the socket failed).
     Closed,
-    /// We closed after a protocol error (already answered).
+    /// We close after a protocol error (already answered).
     Violation,
     /// Shutdown: drained, or the grace ran out.
     Shutdown,
+}
+
+/// Why [`Conn::read_frames`] stopped.
+enum Read {
+    /// The connection must close.
+    End(End),
+    /// No in-flight slot free (or replies waiting for one).
+    NoRoom,
+    /// The socket has nothing more for now (a wake-up is registered).
+    Waiting,
+    /// This run answered its share of frames.
+    Yield,
+}
+
+/// One connection's state; only its own task touches it.
+struct Conn<B: Backend> {
+    ctx: Ctx<B>,
+    stream: Socket,
+    /// Frames read and not yet decoded.
+    inbox: Inbox,
+    /// Replies not yet written.
+    out: Outbox,
+    /// Requests running in tasks, by request id. Whoever removes an entry (the task's
+    /// completion, a `Cancel`) owns the request's reply.
+    pending: HashMap<u64, Pending>,
+    /// Those tasks; each yields its request id and what it answered.
+    tasks: JoinSet<(u64, Done)>,
+    /// Replies waiting for an in-flight slot (a waiting Acquire's answer, a
+    /// `Cancelled`): the connection reads nothing while this is not empty.
+    overflow: VecDeque<(u64, Reply)>,
+    /// The protocol version of the handshake; `None` until `Hello`.
+    version: Option<u32>,
+    /// Shutdown began: close once idle.
+    draining: bool,
+    /// In-flight count last added to the server's stats.
+    published: usize,
+    /// The most requests this connection has had in flight.
+    peak: usize,
 }
 
 /// Serve one accepted connection to the end, then release what it held.
@@ -198,7 +176,7 @@ pub(super) async fn serve<B: Backend>(
     engine: Arc<Engine<B>>,
     shared: Arc<Shared>,
 ) {
-    let max_frame = shared.opts.max_frame;
+    let max_frame = shared.opts.max_frame as usize;
     let peer = match peer_of(&stream) {
         Ok(p) => p,
         Err(e) => {
@@ -206,8 +184,6 @@ pub(super) async fn serve<B: Backend>(
             return;
         }
     };
-    let (read, write) = stream.into_split();
-    let mut writer = FramedWrite::new(write, ServerCodec::new(max_frame as usize));
     if !shared.opts.access.may_connect(peer.uid, peer.gid) {
         warn!(
             conn = id,
@@ -215,674 +191,482 @@ pub(super) async fn serve<B: Backend>(
             gid = peer.gid,
             "peer may not connect; refused"
         );
-        let reply = Reply::Error(convert::error(
-            ErrorKind::PermissionDenied,
-            format!(
-                "uid {} / gid {} may not connect to this sidecar",
-                peer.uid, peer.gid
-            ),
-        ));
-        let send = writer.send(ServerFrame { id: 0, reply });
-        let _ = tokio::time::timeout(FLUSH_TIMEOUT, send).await;
+        let mut out = Outbox::new(max_frame);
+        let message = format!(
+            "uid {} / gid {} may not connect to this sidecar",
+            peer.uid, peer.gid
+        );
+        out.push(
+            id,
+            0,
+            Reply::Error(convert::error(ErrorKind::PermissionDenied, message)),
+        );
+        if let Ok(s) = transport::socket(stream) {
+            let _ = tokio::time::timeout(FLUSH_TIMEOUT, out.flush(&s)).await;
+        }
         return;
     }
+    let stream = match transport::socket(stream) {
+        Ok(s) => s,
+        Err(e) => {
+            warn!(conn = id, error = %e, "cannot register the socket; closing");
+            return;
+        }
+    };
     debug!(conn = id, uid = peer.uid, gid = peer.gid, pid = ?peer.pid, "connected");
-
-    let (tx, rx) = mpsc::channel(REPLY_QUEUE);
-    let writer_task = tokio::spawn(write_loop(writer, rx, id));
-    let conn = Arc::new(Conn {
-        id,
-        uid: peer.uid,
-        engine,
-        pending: Mutex::new(HashMap::new()),
-        permits: Mutex::new(HashMap::new()),
-        budget: Budget::new(shared.opts.max_in_flight, shared.opts.stats.clone()),
-        shared,
-        version: AtomicU32::new(ipc_protocol::MIN_PROTOCOL_VERSION),
-    });
-    let reader = FramedRead::new(read, ServerCodec::new(max_frame as usize));
-    let mut tasks = JoinSet::new();
-    let end = serve_frames(&conn, reader, &tx, &mut tasks).await;
-
-    // Teardown: abort the waits (dropping their engine futures ends them), let the
-    // short state-changing requests finish (bounded), then release everything the
-    // connection held.
-    for p in lock(&conn.pending).values() {
-        p.cancel();
-    }
-    let finish = async { while tasks.join_next().await.is_some() {} };
-    if tokio::time::timeout(FINISH_TIMEOUT, finish).await.is_err() {
-        warn!(conn = id, "requests still running at close; aborting them");
-        tasks.abort_all();
-        while tasks.join_next().await.is_some() {}
-    }
-    lock(&conn.pending).clear();
-    drop(tx);
-    conn.engine.release_owner(id).await;
-    let mut writer_task = writer_task;
-    let flush = if conn.shared.hard_stop.is_cancelled() {
-        HARD_STOP_FLUSH
-    } else {
-        FLUSH_TIMEOUT
+    let budget = Budget::new(shared.opts.max_in_flight);
+    let mut conn = Conn {
+        ctx: Ctx {
+            engine,
+            owner: id,
+            uid: peer.uid,
+            shared,
+            budget,
+        },
+        stream,
+        inbox: Inbox::new(max_frame),
+        out: Outbox::new(max_frame),
+        pending: HashMap::new(),
+        tasks: JoinSet::new(),
+        overflow: VecDeque::new(),
+        version: None,
+        draining: false,
+        published: 0,
+        peak: 0,
     };
-    if tokio::time::timeout(flush, &mut writer_task).await.is_err() {
-        writer_task.abort();
-    }
-    let why = match end {
-        End::Closed => "closed by peer",
-        End::Violation => "closed after a protocol error",
-        End::Shutdown => "closed for shutdown",
-    };
-    debug!(conn = id, "disconnected: {why}");
+    let end = conn.run().await;
+    conn.teardown(end).await;
 }
 
-/// Queue a reply for the writer. Backpressure: this waits while the reply queue is
-/// full, but never past the hard stop (false: the connection must end now).
-async fn queue_reply(
-    tx: &mpsc::Sender<ServerFrame>,
-    hard_stop: &CancellationToken,
-    id: u64,
-    reply: Reply,
-) -> bool {
-    tokio::select! {
-        biased;
-        r = tx.send(ServerFrame { id, reply }) => {
-            // Only fails once the writer is gone; the next read then sees the close.
-            let _ = r;
-            true
-        }
-        () = hard_stop.cancelled() => false,
+impl<B: Backend> Conn<B> {
+    fn id(&self) -> OwnerId {
+        self.ctx.owner
     }
-}
 
-/// Handshake, then the request loop.
-async fn serve_frames<B: Backend>(
-    conn: &Arc<Conn<B>>,
-    mut reader: FramedRead<OwnedReadHalf, ServerCodec>,
-    tx: &mpsc::Sender<ServerFrame>,
-    tasks: &mut JoinSet<()>,
-) -> End {
-    let shared = conn.shared.clone();
-    let opts = &shared.opts;
-    let send = |id: u64, reply: Reply| queue_reply(tx, &shared.hard_stop, id, reply);
-    // The connection closes after a violation whatever happens: its error reply gets a
-    // bounded chance to be queued, so a peer that does not read cannot hold it open.
-    let closing = |id: u64, reply: Reply| async move {
-        let _ = tokio::time::timeout(FLUSH_TIMEOUT, send(id, reply)).await;
-    };
-    let violation = |id: u64, message: String| {
-        debug!(conn = conn.id, "{message}");
-        closing(
-            id,
-            Reply::Error(convert::error(ErrorKind::ProtocolViolation, message)),
-        )
-    };
+    /// Slots in use: buffered replies and running requests.
+    fn in_flight(&self) -> usize {
+        self.out.replies() + self.ctx.budget.tasks()
+    }
 
-    // ---- handshake ----
-    let first = tokio::select! {
-        () = shared.hard_stop.cancelled() => return End::Shutdown,
-        r = tokio::time::timeout(opts.handshake_timeout, reader.next()) => r,
-    };
-    match first {
-        Err(_) => {
-            violation(0, format!("no Hello within {:?}", opts.handshake_timeout)).await;
-            return End::Violation;
-        }
-        Ok(None) => return End::Closed,
-        Ok(Some(Err(e))) => return frame_error(conn.id, e, &closing).await,
-        Ok(Some(Ok(ClientFrame {
-            id,
-            request:
-                Request::Hello {
-                    protocol_version,
-                    client_name,
-                    pid,
-                },
-        }))) => {
-            let supported = ipc_protocol::MIN_PROTOCOL_VERSION..=ipc_protocol::PROTOCOL_VERSION;
-            if !supported.contains(&protocol_version) {
-                violation(
-                    id,
-                    format!(
-                        "protocol version mismatch: client {client_name:?} speaks version \
-                         {protocol_version}, this sidecar speaks versions {} to {}",
-                        supported.start(),
-                        supported.end()
-                    ),
-                )
-                .await;
-                return End::Violation;
-            }
-            conn.version.store(protocol_version, Ordering::Relaxed);
-            debug!(conn = conn.id, client = %client_name, client_pid = pid, protocol_version, "hello");
-            let welcome = Reply::Welcome {
-                protocol_version,
-                sidecar_version: env!("CARGO_PKG_VERSION").to_string(),
-                max_frame: opts.max_frame,
-            };
-            if !send(id, welcome).await {
-                return End::Shutdown;
-            }
-        }
-        Ok(Some(Ok(ClientFrame { id, request }))) => {
-            violation(
-                id,
-                format!(
-                    "the first frame must be Hello, got {}",
-                    request_name(&request)
-                ),
-            )
-            .await;
-            return End::Violation;
+    fn room(&self) -> bool {
+        self.in_flight() < self.ctx.budget.max
+    }
+
+    /// Buffer a reply (its slot is already counted by the caller's rules).
+    fn reply(&mut self, id: u64, reply: Reply) {
+        dispatch::log_error(self.id(), id, &reply);
+        self.out.push(self.id(), id, reply);
+        let n = self.in_flight();
+        if n > self.peak {
+            self.peak = n;
+            let stats = &self.ctx.shared.opts.stats;
+            stats.peak_in_flight.fetch_max(n, Ordering::Relaxed);
         }
     }
 
-    // ---- requests ----
-    let mut draining = false;
-    // The in-flight slot the next request will use: no frame is read without one, so
-    // at the cap the socket fills up and the client feels the backpressure.
-    let mut slot: Option<OwnedSemaphorePermit> = None;
-    loop {
-        while tasks.try_join_next().is_some() {}
-        let frame = tokio::select! {
-            biased;
-            () = shared.hard_stop.cancelled() => return End::Shutdown,
-            () = shared.draining.cancelled(), if !draining => {
-                draining = true;
-                continue;
+    /// A reply that needs a slot of its own: buffered if there is room, else it waits.
+    fn reply_when_room(&mut self, id: u64, reply: Reply) {
+        if self.overflow.is_empty() && self.room() {
+            self.reply(id, reply);
+        } else {
+            self.overflow.push_back((id, reply));
+        }
+    }
+
+    /// Bring the server's in-flight count up to date with this connection's.
+    fn publish(&mut self, now: usize) {
+        let stats = &self.ctx.shared.opts.stats;
+        if now > self.published {
+            stats
+                .in_flight
+                .fetch_add(now - self.published, Ordering::Relaxed);
+        } else if now < self.published {
+            stats
+                .in_flight
+                .fetch_sub(self.published - now, Ordering::Relaxed);
+        }
+        self.published = now;
+    }
+
+    /// The request loop, handshake included.
+    async fn run(&mut self) -> End {
+        let shared = self.ctx.shared.clone();
+        // The shutdown signals are registered once (their first poll) and read as
+        // flags afterwards: this task's waker does not change, and a registered
+        // future wakes it when the token is cancelled.
+        let mut hard_stop = std::pin::pin!(shared.hard_stop.cancelled());
+        let mut draining = std::pin::pin!(shared.draining.cancelled());
+        let mut hello_by = std::pin::pin!(tokio::time::sleep(shared.opts.handshake_timeout));
+        let mut drain_tick: Option<tokio::time::Interval> = None;
+        let mut first = true;
+        std::future::poll_fn(|cx| {
+            if std::mem::take(&mut first) {
+                let _ = hard_stop.as_mut().poll(cx);
+                let _ = draining.as_mut().poll(cx);
             }
-            () = tokio::time::sleep(DRAIN_POLL), if draining => {
-                if conn.idle() {
-                    return End::Shutdown;
+            if shared.is_stopped() {
+                return Poll::Ready(End::Shutdown);
+            }
+            if self.version.is_none() && hello_by.as_mut().poll(cx).is_ready() {
+                let timeout = shared.opts.handshake_timeout;
+                return Poll::Ready(self.violation(0, format!("no Hello within {timeout:?}")));
+            }
+            if !self.draining && shared.is_draining() {
+                self.draining = true;
+                drain_tick = Some(tokio::time::interval(DRAIN_POLL));
+            }
+            if let Some(tick) = &mut drain_tick {
+                while tick.poll_tick(cx).is_ready() {
+                    if self.idle() {
+                        return Poll::Ready(End::Shutdown);
+                    }
                 }
-                continue;
             }
-            s = conn.budget.slots.clone().acquire_owned(), if slot.is_none() => {
-                slot = Some(s.expect("the in-flight semaphore is never closed"));
-                continue;
+            let r = self.poll_batch(cx);
+            let now = self.in_flight();
+            self.publish(now);
+            r
+        })
+        .await
+    }
+
+    /// No request running and no unreported permit: a draining connection may close.
+    fn idle(&self) -> bool {
+        self.pending.is_empty() && self.ctx.engine.owner_is_idle(self.id())
+    }
+
+    /// Collect finished tasks, read and answer frames, write the replies.
+    fn poll_batch(&mut self, cx: &mut Context<'_>) -> Poll<End> {
+        let mut answered = 0;
+        loop {
+            if self.ctx.budget.tasks() > 0 {
+                self.ctx.budget.register(cx);
             }
-            f = reader.next(), if slot.is_some() => f,
+            while !self.tasks.is_empty() {
+                match self.tasks.poll_join_next(cx) {
+                    Poll::Ready(Some(r)) => self.task_done(r),
+                    _ => break,
+                }
+            }
+            while self.room() {
+                let Some((id, reply)) = self.overflow.pop_front() else {
+                    break;
+                };
+                self.reply(id, reply);
+            }
+            let stopped = match self.read_frames(cx, &mut answered) {
+                Read::End(end) => return Poll::Ready(end),
+                r => r,
+            };
+            let had = self.out.replies();
+            if let Poll::Ready(Err(e)) = self.out.poll_flush(cx, &self.stream) {
+                debug!(conn = self.id(), error = %e, "write failed");
+                return Poll::Ready(End::Closed);
+            }
+            match stopped {
+                // Writing freed the slots the reader was waiting for: read on.
+                Read::NoRoom if self.out.replies() < had => continue,
+                Read::Yield => cx.waker().wake_by_ref(),
+                _ => {}
+            }
+            return Poll::Pending;
+        }
+    }
+
+    /// Decode and answer frames while there is room; read the socket when the buffer
+    /// holds no complete frame.
+    fn read_frames(&mut self, cx: &mut Context<'_>, answered: &mut usize) -> Read {
+        loop {
+            if !self.overflow.is_empty() || !self.room() {
+                return Read::NoRoom;
+            }
+            if *answered >= FRAMES_PER_RUN {
+                return Read::Yield;
+            }
+            match self.inbox.next_frame() {
+                Ok(Some(frame)) => {
+                    *answered += 1;
+                    if let Some(end) = self.on_frame(frame, cx) {
+                        return Read::End(end);
+                    }
+                    continue;
+                }
+                Ok(None) if self.inbox.eof => return Read::End(End::Closed),
+                Ok(None) => {}
+                Err(e) => return Read::End(self.frame_error(e)),
+            }
+            match self.inbox.poll_fill(cx, &self.stream) {
+                Poll::Ready(Ok(Filled::Some)) => {}
+                Poll::Ready(Ok(Filled::Pending)) | Poll::Pending => return Read::Waiting,
+                Poll::Ready(Err(e)) => {
+                    debug!(conn = self.id(), error = %e, "read failed");
+                    return Read::End(End::Closed);
+                }
+            }
+        }
+    }
+
+    /// Answer a frame that could not be read, where that is possible; then close.
+    fn frame_error(&mut self, e: FrameError) -> End {
+        let (id, kind) = match &e {
+            FrameError::FrameTooLarge { .. } => (0, ErrorKind::FrameTooLarge),
+            FrameError::Malformed { id, .. } => (id.unwrap_or(0), ErrorKind::Malformed),
+            FrameError::Io(_) => {
+                debug!(conn = self.id(), error = %e, "read failed");
+                return End::Closed;
+            }
         };
-        let ClientFrame { id, request } = match frame {
-            None => return End::Closed,
-            Some(Err(e)) => return frame_error(conn.id, e, &closing).await,
-            Some(Ok(f)) => f,
+        warn!(conn = self.id(), error = %e, "bad frame; closing the connection");
+        self.reply(id, Reply::Error(convert::error(kind, e.to_string())));
+        End::Violation
+    }
+
+    fn violation(&mut self, id: u64, message: String) -> End {
+        debug!(conn = self.id(), "{message}");
+        let e = convert::error(ErrorKind::ProtocolViolation, message);
+        self.reply(id, Reply::Error(e));
+        End::Violation
+    }
+
+    /// One decoded frame (there is room for its reply).
+    fn on_frame(&mut self, frame: ClientFrame, cx: &mut Context<'_>) -> Option<End> {
+        let ClientFrame { id, request } = frame;
+        let Some(version) = self.version else {
+            return self.hello(id, request);
         };
-        let version = conn.version.load(Ordering::Relaxed);
         if request.min_version() > version {
-            let e = convert::error(
-                ErrorKind::InvalidArgument,
-                format!(
-                    "{} needs protocol version {}; this connection said {version} in Hello",
-                    request_name(&request),
-                    request.min_version()
-                ),
+            let message = format!(
+                "{} needs protocol version {}; this connection said {version} in Hello",
+                dispatch::request_name(&request),
+                request.min_version()
             );
-            if !send(id, Reply::Error(e)).await {
-                return End::Shutdown;
-            }
-            continue;
+            self.reply(
+                id,
+                Reply::Error(convert::error(ErrorKind::InvalidArgument, message)),
+            );
+            return None;
         }
         match request {
             Request::Hello { .. } => {
-                violation(id, "Hello may only be the first frame".into()).await;
-                return End::Violation;
+                Some(self.violation(id, "Hello may only be the first frame".into()))
             }
             Request::Cancel { target } => {
-                let cancelled = {
-                    let mut pending = lock(&conn.pending);
-                    match pending.get(&target) {
-                        Some(p) if p.cancellable() => pending.remove(&target),
-                        _ => None,
-                    }
-                };
-                if let Some(p) = cancelled {
-                    p.cancel();
-                    debug!(conn = conn.id, request = target, "cancelled");
-                    let e = convert::error(
-                        ErrorKind::Cancelled,
-                        format!("request {target} was cancelled"),
-                    );
-                    if !send(target, Reply::Error(e)).await {
-                        return End::Shutdown;
-                    }
-                }
-                if !send(id, Reply::Ok).await {
-                    return End::Shutdown;
-                }
+                self.cancel(target);
+                self.reply(id, Reply::Ok);
+                None
+            }
+            _ if self.pending.contains_key(&id) => {
+                let message = format!("request id {id} is already in flight on this connection");
+                self.reply(
+                    id,
+                    Reply::Error(convert::error(ErrorKind::InvalidArgument, message)),
+                );
+                None
             }
             request => {
-                // Spawned under the lock, so the task cannot finish (and look for its
-                // entry) before the entry exists.
-                let duplicate = match lock(&conn.pending).entry(id) {
-                    Entry::Occupied(_) => true,
-                    Entry::Vacant(entry) => {
-                        let token = CancellationToken::new();
-                        let cancel = match request {
-                            Request::Acquire { .. }
-                            | Request::Start(_)
-                            | Request::Status
-                            | Request::StatusJson => CancelBy::Abort,
-                            Request::Retry { .. } => CancelBy::Token(token.clone()),
-                            _ => CancelBy::Never,
-                        };
-                        let s = slot.take().expect("a frame is only read with a slot");
-                        let in_flight = InFlight::new(s, &conn.budget);
-                        let task = tasks.spawn(request_task(
-                            conn.clone(),
-                            tx.clone(),
-                            id,
-                            request,
-                            in_flight,
-                            token,
-                        ));
-                        entry.insert(Pending { task, cancel });
-                        false
-                    }
+                let timer = Timer {
+                    ty: crate::metrics::request_type(&request),
+                    started: Instant::now(),
                 };
-                if duplicate {
-                    let e = convert::error(
-                        ErrorKind::InvalidArgument,
-                        format!("request id {id} is already in flight on this connection"),
-                    );
-                    if !send(id, Reply::Error(e)).await {
-                        return End::Shutdown;
+                match dispatch::dispatch(&self.ctx, request) {
+                    Step::Now(reply) => {
+                        self.observe(timer);
+                        self.reply(id, reply)
                     }
+                    Step::Later(job) => self.start(id, job, cx, timer),
                 }
+                None
             }
         }
     }
-}
 
-/// Answer a frame that could not be read, where that is possible; the caller closes.
-async fn frame_error<Fut>(conn: OwnerId, e: FrameError, send: impl Fn(u64, Reply) -> Fut) -> End
-where
-    Fut: Future<Output = ()>,
-{
-    let (id, kind) = match &e {
-        FrameError::FrameTooLarge { .. } => (0, ErrorKind::FrameTooLarge),
-        FrameError::Malformed { id, .. } => (id.unwrap_or(0), ErrorKind::Malformed),
-        FrameError::Io(_) => {
-            debug!(conn, error = %e, "read failed");
-            return End::Closed;
-        }
-    };
-    warn!(conn, error = %e, "bad frame; closing the connection");
-    send(id, Reply::Error(convert::error(kind, e.to_string()))).await;
-    End::Violation
-}
-
-/// Run one request and queue its reply, unless it was cancelled meanwhile. `in_flight`
-/// is held until the reply is queued (a waiting `Acquire` lets it go while it waits and
-/// takes a slot again before queuing its reply).
-async fn request_task<B: Backend>(
-    conn: Arc<Conn<B>>,
-    tx: mpsc::Sender<ServerFrame>,
-    id: u64,
-    request: Request,
-    in_flight: InFlight,
-    cancelled: CancellationToken,
-) {
-    let mut in_flight = Some(in_flight);
-    let (timed, started) = (crate::metrics::request_type(&request), Instant::now());
-    // A Start or Retry the client cancelled must not leave its call behind.
-    let ends_call = matches!(request, Request::Start(_) | Request::Retry { .. });
-    let reply = AssertUnwindSafe(handle(&conn, request, &mut in_flight, &cancelled))
-        .catch_unwind()
-        .await
-        .unwrap_or_else(|_| {
-            warn!(conn = conn.id, request = id, "request handler panicked");
-            Reply::Error(convert::error(
-                ErrorKind::Internal,
-                "internal error while handling the request",
-            ))
-        });
-    if lock(&conn.pending).remove(&id).is_none() {
-        // Cancelled after the engine answered: the client was told `Cancelled`, so a
-        // permit it will never learn of goes straight back (and the call of a
-        // cancelled Start or Retry ends).
-        if let Reply::Granted { permit, .. } | Reply::Started { permit, .. } = reply {
-            let call = lock(&conn.permits).remove(&permit);
-            let engine = conn.engine.clone();
-            let owner = conn.id;
-            tokio::spawn(async move {
-                let _ = engine.report(owner, permit, Outcome::Cancelled).await;
-                if let Some(call) = call.filter(|_| ends_call) {
-                    let _ = engine.end_call(owner, call).await;
-                }
-            });
-        }
-        return;
-    }
-    if let Reply::Error(e) = &reply {
-        log_error(conn.id, id, e);
-    }
-    // An Acquire that waited gave its slot back: it takes one again before its reply
-    // may wait on the queue, so a connection never has more than `max_in_flight`
-    // answered requests whose replies are not queued yet. (On a remote backend every
-    // Acquire waits for its round trip, fail-fast errors included: without this, a
-    // client pipelining Acquires it never reads would grow the daemon without bound.)
-    // Done only once the request left `pending`: a Cancel cannot strand a grant here.
-    if in_flight.is_none() {
-        let slots = conn.budget.slots.clone();
-        in_flight = tokio::select! {
-            biased;
-            () = conn.shared.hard_stop.cancelled() => return,
-            s = slots.acquire_owned() => Some(InFlight::new(
-                s.expect("the in-flight semaphore is never closed"),
-                &conn.budget,
-            )),
+    /// The first frame: it must be a `Hello` of a version this sidecar speaks.
+    fn hello(&mut self, id: u64, request: Request) -> Option<End> {
+        let Request::Hello {
+            protocol_version,
+            client_name,
+            pid,
+        } = request
+        else {
+            let message = format!(
+                "the first frame must be Hello, got {}",
+                dispatch::request_name(&request)
+            );
+            return Some(self.violation(id, message));
         };
+        let supported = ipc_protocol::MIN_PROTOCOL_VERSION..=ipc_protocol::PROTOCOL_VERSION;
+        if !supported.contains(&protocol_version) {
+            let message = format!(
+                "protocol version mismatch: client {client_name:?} speaks version \
+                 {protocol_version}, this sidecar speaks versions {} to {}",
+                supported.start(),
+                supported.end()
+            );
+            return Some(self.violation(id, message));
+        }
+        self.version = Some(protocol_version);
+        debug!(conn = self.id(), client = %client_name, client_pid = pid, protocol_version, "hello");
+        let welcome = Reply::Welcome {
+            protocol_version,
+            sidecar_version: env!("CARGO_PKG_VERSION").to_string(),
+            max_frame: self.ctx.shared.opts.max_frame,
+        };
+        self.reply(id, welcome);
+        None
     }
-    // Past the hard stop the reply is dropped: the connection is going away, and what
-    // it held is released by teardown.
-    conn.shared.opts.metrics.observe(timed, started.elapsed());
-    queue_reply(&tx, &conn.shared.hard_stop, id, reply).await;
-    drop(in_flight);
-}
 
-fn log_error(conn: OwnerId, request: u64, e: &ErrorReply) {
-    match e.kind {
-        // Expected outcomes of admission, not faults.
-        ErrorKind::CircuitOpen
-        | ErrorKind::AllSourcesExhausted
-        | ErrorKind::ShuttingDown
-        | ErrorKind::Cancelled => {
-            debug!(conn, request, kind = ?e.kind, "{}", e.message)
-        }
-        _ => warn!(conn, request, kind = ?e.kind, "{}", e.message),
+    /// Record a request's time in the sidecar (`/metrics`).
+    fn observe(&self, timer: Timer) {
+        let metrics = &self.ctx.shared.opts.metrics;
+        metrics.observe(timer.ty, timer.started.elapsed());
     }
-}
 
-/// Map one request onto the engine. An `Acquire` the engine keeps waiting drops
-/// `in_flight` (see [`ServerOptions::max_in_flight`]).
-async fn handle<B: Backend>(
-    conn: &Conn<B>,
-    request: Request,
-    in_flight: &mut Option<InFlight>,
-    cancelled: &CancellationToken,
-) -> Reply {
-    let engine = &conn.engine;
-    let owner = conn.id;
-    let finish = matches!(request, Request::Finish { .. });
-    let fail = |e: &EngineError| Reply::Error(convert::engine_error(e));
-    let invalid = |e: convert::ArgumentError| {
-        Reply::Error(convert::error(ErrorKind::InvalidArgument, e.to_string()))
-    };
-    let admin_denied = |what: &str| {
-        (!conn.shared.opts.access.may_admin(conn.uid)).then(|| {
-            Reply::Error(convert::error(
-                ErrorKind::PermissionDenied,
-                format!("uid {} may not {what} (not in admin_uids)", conn.uid),
-            ))
-        })
-    };
-    match request {
-        Request::BeginCall { scope, est_tokens } => {
-            if let Some(Err(e)) = est_tokens.map(|t| convert::tokens("est_tokens", t)) {
-                return invalid(e);
+    /// Poll a job once here; spawn it only if it has to wait.
+    fn start(&mut self, id: u64, mut job: Job, cx: &mut Context<'_>, timer: Timer) {
+        match std::panic::catch_unwind(AssertUnwindSafe(|| job.fut.as_mut().poll(cx))) {
+            Ok(Poll::Ready(done)) => {
+                self.observe(timer);
+                self.finished(id, done)
             }
-            match engine.begin_call(owner, &scope, est_tokens) {
-                Ok(call) => Reply::CallBegun { call },
-                Err(e) => fail(&e),
+            Ok(Poll::Pending) => {
+                let fut = job.fut;
+                let task = self.tasks.spawn(run_job(self.id(), id, fut));
+                let cancel = job.cancel;
+                self.pending.insert(id, Pending {
+                    task,
+                    cancel,
+                    timer,
+                });
+            }
+            Err(_) => {
+                // The job (and its slot guard) is gone with the panic.
+                drop(job);
+                self.reply_when_room(id, panicked(self.id(), id));
             }
         }
-        Request::Acquire { call } => match acquire(engine, owner, call, in_flight).await {
-            Ok(grant) => {
-                lock(&conn.permits).insert(grant.permit, call);
-                convert::granted(&grant)
-            }
-            Err(e) => fail(&e),
-        },
-        Request::Report { permit, outcome } => {
-            let outcome = match convert::outcome(outcome) {
-                Ok(o) => o,
-                Err(e) => return invalid(e),
-            };
-            let r = engine.report(owner, permit, outcome).await;
-            // The engine no longer holds the permit: reported, already gone (reclaimed,
-            // ended with its call), or taken out before the backend failed.
-            if matches!(
-                r,
-                Ok(_) | Err(EngineError::UnknownPermit(_) | EngineError::BackendUnavailable { .. })
-            ) {
-                lock(&conn.permits).remove(&permit);
-            }
-            match r {
-                Ok(applied) => convert::reported(&applied),
-                Err(e) => fail(&e),
-            }
-        }
-        Request::EndCall { call } => {
-            let r = engine.end_call(owner, call).await;
-            lock(&conn.permits).retain(|_, c| *c != call);
-            match r {
-                Ok(()) => Reply::Ok,
-                Err(e) => fail(&e),
-            }
-        }
-        Request::Status => {
-            let scopes = engine.status().await;
-            Reply::Status(convert::status_report(engine.backend_name(), scopes))
-        }
-        Request::StatusJson => {
-            let scopes = engine.status().await;
-            Reply::StatusJson(convert::status_json(engine.backend_name(), &scopes))
-        }
-        Request::Begin(spec) => {
-            let args = match convert::call_spec(spec) {
-                Ok(a) => a,
-                Err(e) => return invalid(e),
-            };
-            match engine.begin_call(owner, &args.scope, args.est_tokens) {
-                Ok(call) => Reply::CallBegun { call },
-                Err(e) => fail(&e),
-            }
-        }
-        Request::Start(spec) => {
-            let args = match convert::call_spec(spec) {
-                Ok(a) => a,
-                Err(e) => return invalid(e),
-            };
-            let call = match engine.begin_call(owner, &args.scope, args.est_tokens) {
-                Ok(call) => call,
-                Err(e) => return fail(&e),
-            };
-            let mut guard = CallGuard {
-                engine: engine.clone(),
-                owner,
-                call: Some(call),
-            };
-            let r = acquire(engine, owner, call, in_flight).await;
-            guard.call = None;
-            match r {
-                Ok(grant) => {
-                    lock(&conn.permits).insert(grant.permit, call);
-                    convert::started(call, &grant)
-                }
-                Err(e) => {
-                    let _ = engine.end_call(owner, call).await;
-                    fail(&e)
-                }
-            }
-        }
-        Request::Retry { permit, outcome } | Request::Finish { permit, outcome } => {
-            let outcome = match convert::outcome(outcome) {
-                Ok(o) => o,
-                Err(e) => return invalid(e),
-            };
-            let Some(call) = lock(&conn.permits).get(&permit).copied() else {
-                return fail(&EngineError::UnknownPermit(permit));
-            };
-            let r = engine.report(owner, permit, outcome).await;
-            match r {
-                // Refused: nothing changed (a reclaimed permit is gone either way).
-                Err(EngineError::UnknownPermit(_)) => {
-                    lock(&conn.permits).remove(&permit);
-                    return fail(&EngineError::UnknownPermit(permit));
-                }
-                Err(e @ EngineError::InvalidArgument(_)) => return fail(&e),
-                _ => {
-                    lock(&conn.permits).remove(&permit);
-                }
-            }
-            let end = |reply: Reply| async move {
-                let _ = engine.end_call(owner, call).await;
-                lock(&conn.permits).retain(|_, c| *c != call);
-                reply
-            };
-            if finish {
-                return end(match r {
-                    Ok(applied) => convert::reported(&applied),
-                    Err(e) => fail(&e),
-                })
-                .await;
-            }
-            let r = tokio::select! {
-                biased;
-                () = cancelled.cancelled() => None,
-                r = acquire(engine, owner, call, in_flight) => Some(r),
-            };
-            match r {
-                Some(Ok(grant)) => {
-                    lock(&conn.permits).insert(grant.permit, call);
-                    convert::granted(&grant)
-                }
-                Some(Err(e)) => end(fail(&e)).await,
-                // The client was told `Cancelled` already; this reply is dropped.
-                None => {
-                    end(Reply::Error(convert::error(
-                        ErrorKind::Cancelled,
-                        "cancelled",
-                    )))
-                    .await
-                }
-            }
-        }
-        Request::ForceOpen { source, seconds } => {
-            if let Some(denied) = admin_denied("force-open a source") {
-                return denied;
-            }
-            let d = match convert::seconds("seconds", seconds, true) {
-                Ok(d) => d,
-                Err(e) => return invalid(e),
-            };
-            admin_result(
-                owner,
-                "force_open",
-                &source,
-                engine.force_open(&source, d).await,
-            )
-        }
-        Request::ForceClose { source } => {
-            if let Some(denied) = admin_denied("force-close a source") {
-                return denied;
-            }
-            admin_result(
-                owner,
-                "force_close",
-                &source,
-                engine.force_close(&source).await,
-            )
-        }
-        Request::Reset { source } => {
-            if let Some(denied) = admin_denied("reset a source") {
-                return denied;
-            }
-            admin_result(owner, "reset", &source, engine.reset(&source).await)
-        }
-        Request::Ping => Reply::Pong,
-        // Both are handled by the connection loop and never reach a task.
-        Request::Hello { .. } | Request::Cancel { .. } => Reply::Error(convert::error(
-            ErrorKind::Internal,
-            "request routed to the wrong handler",
-        )),
     }
-}
 
-/// `Engine::acquire`, letting go of the in-flight slot if it has to wait: a waiting
-/// Acquire is bounded by its call (one per call), and holding slots while waiting
-/// could keep the `Report`s that would end the wait from being read.
-async fn acquire<B: Backend>(
-    engine: &Engine<B>,
-    owner: OwnerId,
-    call: u64,
-    in_flight: &mut Option<InFlight>,
-) -> Result<Grant, EngineError> {
-    let mut fut = pin!(engine.acquire(owner, call));
-    if let Poll::Ready(r) = std::future::poll_fn(|cx| Poll::Ready(fut.as_mut().poll(cx))).await {
-        return r;
-    }
-    *in_flight = None;
-    fut.await
-}
-
-fn admin_result(
-    conn: OwnerId,
-    op: &str,
-    source: &str,
-    r: Result<crate::backend::Applied, EngineError>,
-) -> Reply {
-    match r {
-        Ok(a) => {
-            tracing::info!(conn, source, state = ?a.state, epoch = a.epoch, "admin {op}");
-            Reply::Ok
+    /// A request's reply is ready (inline, or its task ended and owned the reply).
+    fn finished(&mut self, id: u64, done: Done) {
+        if done.holds_slot {
+            self.ctx.budget.slot_done();
+            self.reply(id, done.reply);
+        } else {
+            self.reply_when_room(id, done.reply);
         }
-        Err(e) => Reply::Error(convert::engine_error(&e)),
     }
-}
 
-fn request_name(r: &Request) -> &'static str {
-    match r {
-        Request::Hello { .. } => "Hello",
-        Request::BeginCall { .. } => "BeginCall",
-        Request::Acquire { .. } => "Acquire",
-        Request::Report { .. } => "Report",
-        Request::EndCall { .. } => "EndCall",
-        Request::Status => "Status",
-        Request::ForceOpen { .. } => "ForceOpen",
-        Request::ForceClose { .. } => "ForceClose",
-        Request::Reset { .. } => "Reset",
-        Request::Ping => "Ping",
-        Request::Cancel { .. } => "Cancel",
-        Request::Start(_) => "Start",
-        Request::Retry { .. } => "Retry",
-        Request::Finish { .. } => "Finish",
-        Request::Begin(_) => "Begin",
-        Request::StatusJson => "StatusJson",
-    }
-}
-
-/// The one writer of a connection: frames from every request task, in queue order.
-async fn write_loop(
-    mut sink: FramedWrite<OwnedWriteHalf, ServerCodec>,
-    mut rx: mpsc::Receiver<ServerFrame>,
-    conn: OwnerId,
-) {
-    while let Some(frame) = rx.recv().await {
-        let id = frame.id;
-        match sink.feed(frame).await {
-            Ok(()) => {}
-            Err(FrameError::Io(e)) => {
-                debug!(conn, error = %e, "write failed");
-                return;
-            }
-            Err(e) => {
-                // The reply could not be framed (e.g. a status larger than max_frame):
-                // the client still gets an answer for its id.
-                warn!(conn, request = id, error = %e, "reply could not be sent");
-                let reply = Reply::Error(convert::error(
-                    ErrorKind::Internal,
-                    format!("the reply could not be sent: {e}"),
-                ));
-                if sink.feed(ServerFrame { id, reply }).await.is_err() {
-                    return;
-                }
-            }
-        }
-        if rx.is_empty() && sink.flush().await.is_err() {
+    fn task_done(&mut self, r: Result<(u64, Done), JoinError>) {
+        // Aborted tasks (cancelled, teardown) answer nothing; their slot guard gave
+        // the slot back when the future was dropped.
+        let Ok((id, done)) = r else { return };
+        if let Some(p) = self.pending.remove(&id) {
+            self.observe(p.timer);
+            self.finished(id, done);
             return;
         }
+        // Cancelled after the engine answered: the client was told `Cancelled`.
+        if done.holds_slot {
+            self.ctx.budget.slot_done();
+        }
+        dispatch::give_back(&self.ctx.engine, self.id(), done);
     }
-    let _ = sink.close().await;
+
+    /// `Cancel{target}`: stop a running request that may be stopped, and answer it
+    /// `Cancelled` (bindings/PROTOCOL.md §7).
+    fn cancel(&mut self, target: u64) {
+        if !self
+            .pending
+            .get(&target)
+            .is_some_and(|p| p.cancel.cancellable())
+        {
+            return;
+        }
+        let p = self.pending.remove(&target).expect("checked");
+        p.cancel();
+        debug!(conn = self.id(), request = target, "cancelled");
+        let e = convert::error(
+            ErrorKind::Cancelled,
+            format!("request {target} was cancelled"),
+        );
+        self.reply_when_room(target, Reply::Error(e));
+    }
+
+    /// Abort the waits (dropping their engine futures ends them), let the short
+    /// state-changing requests finish (bounded), release everything the connection
+    /// held, and write what is left to write (bounded).
+    async fn teardown(&mut self, end: End) {
+        for p in self.pending.values() {
+            p.cancel();
+        }
+        let finish = async {
+            while let Some(r) = self.tasks.join_next().await {
+                let Ok((id, done)) = r else { continue };
+                if self.pending.remove(&id).is_some() {
+                    if done.holds_slot {
+                        self.ctx.budget.slot_done();
+                    }
+                    self.out.push(self.ctx.owner, id, done.reply);
+                } else {
+                    if done.holds_slot {
+                        self.ctx.budget.slot_done();
+                    }
+                    dispatch::give_back(&self.ctx.engine, self.ctx.owner, done);
+                }
+            }
+        };
+        if tokio::time::timeout(FINISH_TIMEOUT, finish).await.is_err() {
+            warn!(
+                conn = self.id(),
+                "requests still running at close; aborting them"
+            );
+            self.tasks.abort_all();
+            while self.tasks.join_next().await.is_some() {}
+        }
+        self.pending.clear();
+        while let Some((id, reply)) = self.overflow.pop_front() {
+            self.out.push(self.ctx.owner, id, reply);
+        }
+        self.ctx.engine.release_owner(self.id()).await;
+        let limit = if self.ctx.shared.is_stopped() {
+            HARD_STOP_FLUSH
+        } else {
+            FLUSH_TIMEOUT
+        };
+        if self.out.bytes() > 0 {
+            let _ = tokio::time::timeout(limit, self.out.flush(&self.stream)).await;
+        }
+        self.publish(0);
+        let why = match end {
+            End::Closed => "closed by peer",
+            End::Violation => "closed after a protocol error",
+            End::Shutdown => "closed for shutdown",
+        };
+        debug!(conn = self.id(), "disconnected: {why}");
+    }
+}
+
+/// A spawned job: its id and answer (an `Internal` error if it panicked).
+async fn run_job(
+    conn: OwnerId,
+    id: u64,
+    fut: Pin<Box<dyn Future<Output = Done> + Send>>,
+) -> (u64, Done) {
+    let done = AssertUnwindSafe(fut)
+        .catch_unwind()
+        .await
+        .unwrap_or_else(|_| Done {
+            reply: panicked(conn, id),
+            holds_slot: false,
+            ends_call: false,
+        });
+    (id, done)
+}
+
+fn panicked(conn: OwnerId, id: u64) -> Reply {
+    warn!(conn, request = id, "request handler panicked");
+    Reply::Error(convert::error(
+        ErrorKind::Internal,
+        "internal error while handling the request",
+    ))
 }

@@ -1,31 +1,36 @@
-//! The socket server: wire frames ↔ engine calls (§11, §12).
+//! The socket server: wire frames ↔ engine calls (§11, §11a, §12, §16).
 //!
 //! [`run`] accepts connections on a Unix listener until `shutdown` resolves. Each
 //! connection checks the peer's credentials, requires a `Hello` first, then serves
-//! many concurrent requests multiplexed by id: every request runs as its own task,
-//! replies go through one writer task. `Cancel` aborts a pending `Acquire` (or
-//! `Status`), which is answered `Cancelled`; other requests are short and change
-//! engine state in steps, so they are left to finish and answer normally. When a
-//! connection ends (EOF, error, protocol violation, shutdown) its waits are aborted,
-//! its other requests finish, and [`Engine::release_owner`] releases everything it
-//! held.
+//! many concurrent requests multiplexed by id. It is one task (`conn`): it reads
+//! what the socket has, answers every request that needs no waiting right there
+//! (`dispatch`: one poll of the engine, the reply encoded straight into the write
+//! buffer) and writes the batch's replies at once; only requests still pending after
+//! that poll — Acquires that really wait, remote-backend round trips — run as tasks.
+//! `Cancel` aborts a pending `Acquire` or `Start` (or `Status`), and ends a `Retry`'s
+//! wait, answered `Cancelled`; other requests are short and change engine state in
+//! steps, so they are left to finish and answer normally. When a connection ends
+//! (EOF, error, protocol violation, shutdown) its waits are aborted, its other
+//! requests finish, and [`Engine::release_owner`] releases everything it held.
 //!
-//! Backpressure: a connection has at most [`ServerOptions::max_in_flight`] requests in
-//! progress (read, reply not yet queued for the writer); at the cap it stops reading
-//! frames until a reply is queued, so a client that pipelines without reading fills
-//! its own socket buffer instead of the daemon's memory. An `Acquire` the engine keeps
-//! waiting gives its slot back while it waits (it is bounded by the calls it belongs
-//! to), so waiting calls never keep a connection's `Report`s from being read; once
-//! answered it takes a slot again before its reply is queued, so Acquires that only
-//! wait for a remote backend's round trip are held at the cap like everything else.
+//! Backpressure (`budget`): a connection has at most
+//! [`ServerOptions::max_in_flight`] requests in flight (read, reply not yet written to
+//! the socket); at the cap it stops reading, so a client that pipelines without
+//! reading fills its own socket buffer instead of the daemon's memory. An Acquire
+//! that waits for a source gives its slot back while it waits (it is bounded by the
+//! calls it belongs to), so waiting calls never keep a connection's `Report`s from
+//! being read; its answer takes a slot again before it is buffered.
 //!
 //! Shutdown: stop accepting, [`Engine::shutdown`] (waits end with `ShuttingDown`),
 //! let connections drain for up to [`ServerOptions::shutdown_grace`] (a connection
 //! closes as soon as it has no pending request and no unreported permit), then drop
 //! whatever is left and release it.
 
+mod budget;
 mod conn;
 pub mod convert;
+mod dispatch;
+mod transport;
 
 use std::future::Future;
 use std::io;
@@ -59,8 +64,9 @@ pub struct ServerOptions {
     pub handshake_timeout: Duration,
     /// Period of [`Engine::reclaim_expired`].
     pub reclaim_interval: Duration,
-    /// Requests one connection may have in progress before the server stops reading
-    /// its frames (a waiting `Acquire` does not count while it waits). At least 1.
+    /// Requests one connection may have in flight (read, reply not yet written)
+    /// before the server stops reading its frames (an Acquire waiting for a source
+    /// does not count while it waits). At least 1.
     pub max_in_flight: usize,
     /// Counters the server keeps (tests, debugging); shared by clones of the options.
     #[doc(hidden)]
@@ -78,7 +84,8 @@ pub struct ServerStats {
 }
 
 impl ServerStats {
-    /// Requests in progress (holding an in-flight slot) over all connections.
+    /// Requests in flight (holding an in-flight slot) over all connections; each
+    /// connection brings it up to date every time it has run.
     pub fn in_flight(&self) -> usize {
         self.in_flight.load(Ordering::Relaxed)
     }
@@ -133,11 +140,7 @@ where
     B: Backend,
     F: Future<Output = ()>,
 {
-    let shared = Arc::new(conn::Shared {
-        opts,
-        draining: CancellationToken::new(),
-        hard_stop: CancellationToken::new(),
-    });
+    let shared = Arc::new(conn::Shared::new(opts));
     let tracker = TaskTracker::new();
     tracker.spawn(reclaim_loop(
         engine.clone(),
@@ -171,7 +174,7 @@ where
         "shutting down: no longer accepting"
     );
     engine.shutdown();
-    shared.draining.cancel();
+    shared.drain();
     tracker.close();
     if tokio::time::timeout(shared.opts.shutdown_grace, tracker.wait())
         .await
@@ -181,7 +184,7 @@ where
             connections = tracker.len(),
             "shutdown grace elapsed; dropping remaining connections"
         );
-        shared.hard_stop.cancel();
+        shared.stop_now();
         tracker.wait().await;
     }
     debug!("server stopped");

@@ -1,0 +1,380 @@
+//! One request → the engine → one reply (§11, §11a; bindings/PROTOCOL.md §7, §14).
+//!
+//! [`dispatch`] answers what needs no engine future at once ([`Step::Now`]: `Ping`,
+//! `BeginCall`, argument and permission errors) and turns everything else into a
+//! [`Job`]: a boxed future the connection polls once, right where it read the frame.
+//! On the memory backend that first poll finishes every request but an Acquire that
+//! has to wait; only a future still pending after it is spawned (waiting Acquires,
+//! `Start`s and `Retry`s, and on a remote backend the round trips). Moving a polled
+//! future into a task is what the engine's futures are built for: they are
+//! cancel-safe at every await (a dropped Acquire leaves nothing reserved: see
+//! `Ticket`, `AdmitResult` and the pass's slot guard in the engine) and keep no
+//! state on the stack of whoever polled them.
+//!
+//! Each job owns a [`SlotGuard`]: the request's in-flight slot, given back the moment
+//! its Acquire starts to wait (`Engine::acquire_or_wait`), or handed to the reply when
+//! it finishes.
+
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+
+use ipc_protocol::{ErrorKind, Reply, Request};
+use tokio_util::sync::CancellationToken;
+use tracing::{debug, info, warn};
+
+use super::budget::{Budget, SlotGuard};
+use super::conn::Shared;
+use super::convert;
+use crate::backend::{Applied, Backend, Outcome};
+use crate::engine::{Engine, EngineError, OwnerId};
+
+/// What the connection needs to run a request.
+pub(super) struct Ctx<B: Backend> {
+    pub engine: Arc<Engine<B>>,
+    pub owner: OwnerId,
+    /// The peer's uid (admin requests).
+    pub uid: u32,
+    pub shared: Arc<Shared>,
+    pub budget: Arc<Budget>,
+}
+
+/// How a request is answered.
+pub(super) enum Step {
+    /// Answered already.
+    Now(Reply),
+    /// Needs the engine's futures: poll [`Job::fut`] (once inline, then in a task).
+    Later(Job),
+}
+
+/// A request running as a future.
+pub(super) struct Job {
+    pub fut: Pin<Box<dyn Future<Output = Done> + Send>>,
+    /// How a `Cancel` (or teardown) stops it.
+    pub cancel: CancelBy,
+}
+
+/// A finished job.
+pub(super) struct Done {
+    pub reply: Reply,
+    /// The request still held its in-flight slot: the reply takes it over.
+    pub holds_slot: bool,
+    /// A `Start` or `Retry`: if the client was already told `Cancelled`, a grant in
+    /// `reply` is given back *and its call ended*.
+    pub ends_call: bool,
+}
+
+/// How a running request can be stopped early.
+pub(super) enum CancelBy {
+    /// Dropping the future is safe at any await point: `Acquire`, `Start` (its call
+    /// ends when dropped) and the read-only status requests — where a request can
+    /// wait for long.
+    Abort,
+    /// `Retry`: its report must finish (several engine steps), its acquire may wait
+    /// for long; the token ends the acquire, and the job ends the call.
+    Token(CancellationToken),
+    /// Short requests that change engine state in several steps: they finish.
+    Never,
+}
+
+impl CancelBy {
+    pub fn cancellable(&self) -> bool {
+        !matches!(self, CancelBy::Never)
+    }
+}
+
+/// Ends a call whose `Start` was dropped (cancelled, connection gone) before it could
+/// answer: a `Start` that does not answer `Started` leaves no call behind.
+struct CallGuard<B: Backend> {
+    engine: Arc<Engine<B>>,
+    owner: OwnerId,
+    call: Option<u64>,
+}
+
+impl<B: Backend> Drop for CallGuard<B> {
+    fn drop(&mut self) {
+        if let Some(call) = self.call.take() {
+            let (engine, owner) = (self.engine.clone(), self.owner);
+            if let Ok(rt) = tokio::runtime::Handle::try_current() {
+                rt.spawn(async move {
+                    let _ = engine.end_call(owner, call).await;
+                });
+            }
+        }
+    }
+}
+
+fn fail(e: &EngineError) -> Reply {
+    Reply::Error(convert::engine_error(e))
+}
+
+fn invalid(e: convert::ArgumentError) -> Reply {
+    Reply::Error(convert::error(ErrorKind::InvalidArgument, e.to_string()))
+}
+
+fn cancelled() -> Reply {
+    Reply::Error(convert::error(ErrorKind::Cancelled, "cancelled"))
+}
+
+/// A job: `body` runs with the request's slot guard (`$slot`, borrowed, so the
+/// engine's `on_wait` can release it) and yields the reply; the job reports whether
+/// the slot is still held when it finishes.
+macro_rules! job {
+    ($budget:expr, $cancel:expr, $ends_call:expr, |$slot:ident| $body:block) => {{
+        let $slot = SlotGuard::new($budget);
+        Step::Later(Job {
+            fut: Box::pin(async move {
+                #[allow(unused_variables)]
+                let reply = async {
+                    let $slot = &$slot;
+                    $body
+                }
+                .await;
+                Done {
+                    reply,
+                    holds_slot: $slot.finish(),
+                    ends_call: $ends_call,
+                }
+            }),
+            cancel: $cancel,
+        })
+    }};
+}
+
+/// Map one request onto the engine. `Hello` and `Cancel` are the connection's.
+pub(super) fn dispatch<B: Backend>(cx: &Ctx<B>, request: Request) -> Step {
+    let owner = cx.owner;
+    let engine = cx.engine.clone();
+    let admin_denied = |what: &str| {
+        (!cx.shared.opts.access.may_admin(cx.uid)).then(|| {
+            Step::Now(Reply::Error(convert::error(
+                ErrorKind::PermissionDenied,
+                format!("uid {} may not {what} (not in admin_uids)", cx.uid),
+            )))
+        })
+    };
+    match request {
+        Request::Ping => Step::Now(Reply::Pong),
+        Request::BeginCall { scope, est_tokens } => {
+            if let Some(Err(e)) = est_tokens.map(|t| convert::tokens("est_tokens", t)) {
+                return Step::Now(invalid(e));
+            }
+            Step::Now(match engine.begin_call(owner, &scope, est_tokens) {
+                Ok(call) => Reply::CallBegun { call },
+                Err(e) => fail(&e),
+            })
+        }
+        Request::Begin(spec) => Step::Now(match convert::call_spec(spec) {
+            Err(e) => invalid(e),
+            Ok(a) => match engine.begin_call(owner, &a.scope, a.est_tokens) {
+                Ok(call) => Reply::CallBegun { call },
+                Err(e) => fail(&e),
+            },
+        }),
+        Request::Acquire { call } => job!(&cx.budget, CancelBy::Abort, false, |slot| {
+            match engine.acquire_or_wait(owner, call, || slot.release()).await {
+                Ok(g) => convert::granted(&g),
+                Err(e) => fail(&e),
+            }
+        }),
+        Request::Start(spec) => {
+            let args = match convert::call_spec(spec) {
+                Ok(a) => a,
+                Err(e) => return Step::Now(invalid(e)),
+            };
+            let call = match engine.begin_call(owner, &args.scope, args.est_tokens) {
+                Ok(call) => call,
+                Err(e) => return Step::Now(fail(&e)),
+            };
+            job!(&cx.budget, CancelBy::Abort, true, |slot| {
+                let mut guard = CallGuard {
+                    engine: engine.clone(),
+                    owner,
+                    call: Some(call),
+                };
+                let r = engine.acquire_or_wait(owner, call, || slot.release()).await;
+                guard.call = None;
+                match r {
+                    Ok(g) => convert::started(call, &g),
+                    Err(e) => {
+                        let _ = engine.end_call(owner, call).await;
+                        fail(&e)
+                    }
+                }
+            })
+        }
+        Request::Report { permit, outcome } => {
+            let outcome = match convert::outcome(outcome) {
+                Ok(o) => o,
+                Err(e) => return Step::Now(invalid(e)),
+            };
+            job!(&cx.budget, CancelBy::Never, false, |slot| {
+                match engine.report(owner, permit, outcome).await {
+                    Ok(a) => convert::reported(&a),
+                    Err(e) => fail(&e),
+                }
+            })
+        }
+        Request::EndCall { call } => job!(&cx.budget, CancelBy::Never, false, |slot| {
+            match engine.end_call(owner, call).await {
+                Ok(()) => Reply::Ok,
+                Err(e) => fail(&e),
+            }
+        }),
+        Request::Finish { permit, outcome } => {
+            let outcome = match convert::outcome(outcome) {
+                Ok(o) => o,
+                Err(e) => return Step::Now(invalid(e)),
+            };
+            job!(&cx.budget, CancelBy::Never, false, |slot| {
+                match engine.report_in_call(owner, permit, outcome).await {
+                    // Refused: nothing changed, the permit is still the client's.
+                    Err(e) => fail(&e),
+                    Ok((call, r)) => {
+                        let _ = engine.end_call(owner, call).await;
+                        match r {
+                            Ok(a) => convert::reported(&a),
+                            Err(e) => fail(&e),
+                        }
+                    }
+                }
+            })
+        }
+        Request::Retry { permit, outcome } => {
+            let outcome = match convert::outcome(outcome) {
+                Ok(o) => o,
+                Err(e) => return Step::Now(invalid(e)),
+            };
+            let token = CancellationToken::new();
+            let stop = token.clone();
+            job!(&cx.budget, CancelBy::Token(token), true, |slot| {
+                let call = match engine.report_in_call(owner, permit, outcome).await {
+                    Err(e) => return fail(&e),
+                    // Applied (or lost to a backend failure): the attempt is over.
+                    Ok((call, _)) => call,
+                };
+                let r = tokio::select! {
+                    biased;
+                    () = stop.cancelled() => None,
+                    r = engine.acquire_or_wait(owner, call, || slot.release()) => Some(r),
+                };
+                let reply = match r {
+                    Some(Ok(g)) => return convert::granted(&g),
+                    Some(Err(e)) => fail(&e),
+                    // The client was told `Cancelled` already; this reply is dropped.
+                    None => cancelled(),
+                };
+                let _ = engine.end_call(owner, call).await;
+                reply
+            })
+        }
+        Request::Status => job!(&cx.budget, CancelBy::Abort, false, |slot| {
+            let scopes = engine.status().await;
+            Reply::Status(convert::status_report(engine.backend_name(), scopes))
+        }),
+        Request::StatusJson => job!(&cx.budget, CancelBy::Abort, false, |slot| {
+            let scopes = engine.status().await;
+            Reply::StatusJson(convert::status_json(engine.backend_name(), &scopes))
+        }),
+        Request::ForceOpen { source, seconds } => {
+            if let Some(denied) = admin_denied("force-open a source") {
+                return denied;
+            }
+            let d = match convert::seconds("seconds", seconds, true) {
+                Ok(d) => d,
+                Err(e) => return Step::Now(invalid(e)),
+            };
+            job!(&cx.budget, CancelBy::Never, false, |slot| {
+                let r = engine.force_open(&source, d).await;
+                admin_result(owner, "force_open", &source, r)
+            })
+        }
+        Request::ForceClose { source } => {
+            if let Some(denied) = admin_denied("force-close a source") {
+                return denied;
+            }
+            job!(&cx.budget, CancelBy::Never, false, |slot| {
+                let r = engine.force_close(&source).await;
+                admin_result(owner, "force_close", &source, r)
+            })
+        }
+        Request::Reset { source } => {
+            if let Some(denied) = admin_denied("reset a source") {
+                return denied;
+            }
+            job!(&cx.budget, CancelBy::Never, false, |slot| {
+                let r = engine.reset(&source).await;
+                admin_result(owner, "reset", &source, r)
+            })
+        }
+        // Both are the connection's own and never reach here.
+        Request::Hello { .. } | Request::Cancel { .. } => Step::Now(Reply::Error(convert::error(
+            ErrorKind::Internal,
+            "request routed to the wrong handler",
+        ))),
+    }
+}
+
+fn admin_result(conn: OwnerId, op: &str, source: &str, r: Result<Applied, EngineError>) -> Reply {
+    match r {
+        Ok(a) => {
+            info!(conn, source, state = ?a.state, epoch = a.epoch, "admin {op}");
+            Reply::Ok
+        }
+        Err(e) => fail(&e),
+    }
+}
+
+/// A reply whose request the client cancelled after the engine answered: a permit
+/// the client will never learn of goes straight back (reported `Cancelled`, which
+/// refunds it), and the call of a cancelled `Start` or `Retry` ends.
+pub(super) fn give_back<B: Backend>(engine: &Arc<Engine<B>>, owner: OwnerId, done: Done) {
+    let (Reply::Granted { permit, .. } | Reply::Started { permit, .. }) = done.reply else {
+        return;
+    };
+    let engine = engine.clone();
+    tokio::spawn(async move {
+        if let Ok((call, _)) = engine
+            .report_in_call(owner, permit, Outcome::Cancelled)
+            .await
+        {
+            if done.ends_call {
+                let _ = engine.end_call(owner, call).await;
+            }
+        }
+    });
+}
+
+/// Log an error reply: expected outcomes of admission quietly, the rest as warnings.
+pub(super) fn log_error(conn: OwnerId, request: u64, reply: &Reply) {
+    let Reply::Error(e) = reply else { return };
+    match e.kind {
+        ErrorKind::CircuitOpen
+        | ErrorKind::AllSourcesExhausted
+        | ErrorKind::ShuttingDown
+        | ErrorKind::Cancelled => debug!(conn, request, kind = ?e.kind, "{}", e.message),
+        _ => warn!(conn, request, kind = ?e.kind, "{}", e.message),
+    }
+}
+
+/// The request's name, for messages.
+pub(super) fn request_name(r: &Request) -> &'static str {
+    match r {
+        Request::Hello { .. } => "Hello",
+        Request::BeginCall { .. } => "BeginCall",
+        Request::Acquire { .. } => "Acquire",
+        Request::Report { .. } => "Report",
+        Request::EndCall { .. } => "EndCall",
+        Request::Status => "Status",
+        Request::ForceOpen { .. } => "ForceOpen",
+        Request::ForceClose { .. } => "ForceClose",
+        Request::Reset { .. } => "Reset",
+        Request::Ping => "Ping",
+        Request::Cancel { .. } => "Cancel",
+        Request::Start(_) => "Start",
+        Request::Retry { .. } => "Retry",
+        Request::Finish { .. } => "Finish",
+        Request::Begin(_) => "Begin",
+        Request::StatusJson => "StatusJson",
+    }
+}
