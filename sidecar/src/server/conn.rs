@@ -363,6 +363,14 @@ impl<B: Backend> Conn<B> {
                 debug!(conn = self.id(), error = %e, "write failed");
                 return Poll::Ready(End::Closed);
             }
+            // Jobs spawned in this batch: be woken when they finish (JoinSet registers
+            // the waker only when polled), or take what already finished.
+            if !self.tasks.is_empty() {
+                if let Poll::Ready(Some(r)) = self.tasks.poll_join_next(cx) {
+                    self.task_done(r);
+                    continue;
+                }
+            }
             match stopped {
                 // Writing freed the slots the reader was waiting for: read on.
                 Read::NoRoom if self.out.replies() < had => continue,
