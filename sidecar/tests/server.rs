@@ -1,329 +1,19 @@
-//! Black-box tests of the socket server: a real Unix socket in a temp dir, the server
-//! started in-process with `server::run` over the memory backend, and a client built
-//! on `ipc_protocol::ClientCodec`.
+//! Black-box tests of the socket server (§11, §11a, §12, §16) through the fixture of
+//! `support/server.rs`: a real Unix socket, the server in-process, a raw client.
 
 mod support;
 
 use std::collections::HashSet;
-use std::path::{Path, PathBuf};
-use std::sync::atomic::Ordering;
-use std::sync::Arc;
 use std::time::Duration;
 
 use futures_util::{SinkExt, StreamExt};
 use ipc_protocol::{
-    BreakerState, ClientCodec, ClientFrame, ErrorKind, ErrorReply, Outcome, Reply, Request,
-    ServerFrame, SourceStatus, StatusReport, PROTOCOL_VERSION,
+    BreakerState, ClientFrame, ErrorKind, Outcome, Reply, Request, PROTOCOL_VERSION,
 };
-use polygate::backend::memory::MemoryBackend;
-use polygate::clock::{Clock, TokioClock};
-use polygate::config::parse_str;
-use polygate::engine::Engine;
-use polygate::server::{self, ServerError, ServerOptions, ServerStats, MAX_IN_FLIGHT};
-use support::test_backend::TestBackend;
+use polygate::server::MAX_IN_FLIGHT;
+use support::server::*;
 use tokio::io::AsyncWriteExt;
-use tokio::net::{UnixListener, UnixStream};
-use tokio::sync::oneshot;
-use tokio::task::JoinHandle;
-use tokio_util::codec::Framed;
-
-const MAX_FRAME: u32 = 4096;
-/// Upper bound for any single expected reply.
-const REPLY_TIMEOUT: Duration = Duration::from_secs(5);
-
-fn my_uid() -> u32 {
-    nix::unistd::getuid().as_raw()
-}
-
-/// A uid that is not ours.
-fn other_uid() -> u32 {
-    my_uid().wrapping_add(4242)
-}
-
-/// Scopes: `chat` (fail-fast, sources a and b) and `slow` (circuit_open = wait,
-/// source s1), plus whatever `[sidecar]` lines the test adds.
-fn config_toml(sidecar: &str) -> String {
-    format!(
-        r#"
-[sidecar]
-max_frame = {MAX_FRAME}
-shutdown_grace = "2s"
-{sidecar}
-
-[scopes.chat]
-circuit_open = "fail_fast"
-quota_full = "fail_fast"
-
-[[scopes.chat.sources]]
-name = "a"
-timeout = "10s"
-
-[[scopes.chat.sources]]
-name = "b"
-timeout = "10s"
-
-[scopes.slow]
-circuit_open = "wait"
-poll_interval = "20ms"
-stall_window = "10m"
-
-[[scopes.slow.sources]]
-name = "s1"
-timeout = "10s"
-"#
-    )
-}
-
-struct Server {
-    _dir: tempfile::TempDir,
-    path: PathBuf,
-    stop: Option<oneshot::Sender<()>>,
-    task: JoinHandle<Result<(), ServerError>>,
-    engine: Arc<Engine<TestBackend>>,
-    stats: Arc<ServerStats>,
-}
-
-impl Server {
-    /// Start with `admin_uids = [my uid]`.
-    async fn start() -> Server {
-        Self::start_with(&format!("admin_uids = [{}]", my_uid())).await
-    }
-
-    async fn start_with(sidecar: &str) -> Server {
-        Self::start_opts(sidecar, |_| {}).await
-    }
-
-    async fn start_opts(sidecar: &str, tweak: impl FnOnce(&mut ServerOptions)) -> Server {
-        Self::start_backend(sidecar, false, tweak).await
-    }
-
-    /// `remote`: the backend says it is remote ([`Backend::is_remote`]).
-    async fn start_backend(
-        sidecar: &str,
-        remote: bool,
-        tweak: impl FnOnce(&mut ServerOptions),
-    ) -> Server {
-        let config = parse_str(&config_toml(sidecar), std::iter::empty()).expect("test config");
-        let clock: Arc<dyn Clock> = Arc::new(TokioClock::new());
-        let mut names: Vec<String> = config
-            .scopes
-            .iter()
-            .flat_map(|s| s.sources.iter().map(|x| x.name.clone()))
-            .collect();
-        names.dedup();
-        let backend = TestBackend::new(
-            MemoryBackend::new(clock.clone(), names),
-            remote,
-            Duration::ZERO,
-        );
-        let engine = Engine::new(&config, backend, clock);
-        let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("sidecar.sock");
-        let listener = UnixListener::bind(&path).unwrap();
-        let mut opts = ServerOptions::from_config(&config.sidecar);
-        tweak(&mut opts);
-        let stats = opts.stats.clone();
-        let (stop, stopped) = oneshot::channel::<()>();
-        let task = tokio::spawn(server::run(listener, engine.clone(), opts, async move {
-            let _ = stopped.await;
-        }));
-        Server {
-            _dir: dir,
-            path,
-            stop: Some(stop),
-            task,
-            engine,
-            stats,
-        }
-    }
-
-    /// Make the backend fail (or work again).
-    fn backend_down(&self, down: bool) {
-        self.engine.backend().down.store(down, Ordering::SeqCst);
-    }
-
-    /// Poll the server's in-flight count until `pred` holds.
-    async fn in_flight_until(&self, what: &str, pred: impl Fn(usize) -> bool) -> usize {
-        let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
-        loop {
-            let n = self.stats.in_flight();
-            if pred(n) {
-                return n;
-            }
-            assert!(
-                tokio::time::Instant::now() < deadline,
-                "in-flight count never reached {what}: {n}"
-            );
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
-    }
-
-    /// The engine holds no permit and no reservation (and, if `calls`, no call).
-    fn assert_nothing_held(&self, calls: bool) {
-        let live = self.engine.live_counts();
-        assert_eq!(live.permits, 0, "{live:?}");
-        assert_eq!(live.pacer_in_flight, 0, "{live:?}");
-        assert_eq!(live.reserved_tokens, 0, "{live:?}");
-        if calls {
-            assert_eq!(live.calls, 0, "{live:?}");
-        }
-    }
-
-    async fn client(&self) -> Client {
-        Client::connect(&self.path).await
-    }
-
-    /// Trigger shutdown and wait for `run` to return.
-    async fn shutdown(mut self) -> Result<(), ServerError> {
-        let _ = self.stop.take().unwrap().send(());
-        tokio::time::timeout(Duration::from_secs(10), self.task)
-            .await
-            .expect("server stops within its grace")
-            .expect("server task")
-    }
-}
-
-struct Client {
-    framed: Framed<UnixStream, ClientCodec>,
-    next_id: u64,
-}
-
-impl Client {
-    /// Connected, no Hello sent yet.
-    async fn raw(path: &Path) -> Client {
-        let stream = UnixStream::connect(path).await.unwrap();
-        Client {
-            framed: Framed::new(stream, ClientCodec::new(1 << 20)),
-            next_id: 1000,
-        }
-    }
-
-    /// Connected and greeted.
-    async fn connect(path: &Path) -> Client {
-        let mut c = Self::raw(path).await;
-        match c.call(hello(PROTOCOL_VERSION)).await {
-            Reply::Welcome { .. } => c,
-            other => panic!("expected Welcome, got {other:?}"),
-        }
-    }
-
-    async fn send(&mut self, id: u64, request: Request) {
-        self.framed.send(ClientFrame { id, request }).await.unwrap();
-    }
-
-    async fn recv(&mut self) -> ServerFrame {
-        match tokio::time::timeout(REPLY_TIMEOUT, self.framed.next()).await {
-            Ok(Some(Ok(f))) => f,
-            Ok(other) => panic!("expected a frame, got {other:?}"),
-            Err(_) => panic!("no reply within {REPLY_TIMEOUT:?}"),
-        }
-    }
-
-    /// Send with a fresh id and wait for its reply (no other request in flight).
-    async fn call(&mut self, request: Request) -> Reply {
-        self.next_id += 1;
-        let id = self.next_id;
-        self.send(id, request).await;
-        let f = self.recv().await;
-        assert_eq!(f.id, id, "reply id");
-        f.reply
-    }
-
-    /// The server closes the connection (EOF, or a reset).
-    async fn expect_closed(&mut self) {
-        match tokio::time::timeout(REPLY_TIMEOUT, self.framed.next()).await {
-            Ok(None) | Ok(Some(Err(_))) => {}
-            Ok(Some(Ok(f))) => panic!("expected the connection to close, got {f:?}"),
-            Err(_) => panic!("connection still open after {REPLY_TIMEOUT:?}"),
-        }
-    }
-
-    async fn status(&mut self) -> StatusReport {
-        match self.call(Request::Status).await {
-            Reply::Status(s) => s,
-            other => panic!("expected Status, got {other:?}"),
-        }
-    }
-
-    async fn source(&mut self, name: &str) -> SourceStatus {
-        let report = self.status().await;
-        report
-            .scopes
-            .iter()
-            .flat_map(|s| s.sources.iter())
-            .find(|s| s.name == name)
-            .cloned()
-            .unwrap_or_else(|| panic!("source {name} missing from {report:?}"))
-    }
-
-    async fn acquire(&mut self, call: u64) -> u64 {
-        match self.call(Request::Acquire { call }).await {
-            Reply::Granted { permit, .. } => permit,
-            other => panic!("expected Granted, got {other:?}"),
-        }
-    }
-
-    async fn begin(&mut self, scope: &str) -> u64 {
-        match self
-            .call(Request::BeginCall {
-                scope: scope.into(),
-                est_tokens: None,
-            })
-            .await
-        {
-            Reply::CallBegun { call } => call,
-            other => panic!("expected CallBegun, got {other:?}"),
-        }
-    }
-
-    async fn force_open(&mut self, source: &str, seconds: f64) {
-        let r = self
-            .call(Request::ForceOpen {
-                source: source.into(),
-                seconds,
-            })
-            .await;
-        assert_eq!(r, Reply::Ok);
-    }
-}
-
-fn hello(protocol_version: u32) -> Request {
-    Request::Hello {
-        protocol_version,
-        client_name: "server-test".into(),
-        pid: std::process::id(),
-    }
-}
-
-fn error_of(reply: Reply) -> ErrorReply {
-    match reply {
-        Reply::Error(e) => e,
-        other => panic!("expected an error, got {other:?}"),
-    }
-}
-
-fn error_frame(f: ServerFrame, id: u64, kind: ErrorKind) -> ErrorReply {
-    assert_eq!(f.id, id, "error id in {f:?}");
-    let e = error_of(f.reply);
-    assert_eq!(e.kind, kind, "{e:?}");
-    e
-}
-
-/// Poll `source` until `pred` holds (engine bookkeeping may settle asynchronously).
-async fn eventually(c: &mut Client, source: &str, pred: impl Fn(&SourceStatus) -> bool) {
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(3);
-    loop {
-        let s = c.source(source).await;
-        if pred(&s) {
-            return;
-        }
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "condition never held: {s:?}"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-}
+use tokio::net::UnixStream;
 
 #[tokio::test]
 async fn handshake_welcome_and_version_mismatch() {
@@ -371,8 +61,7 @@ async fn handshake_welcome_and_version_mismatch() {
 
 #[tokio::test]
 async fn ping_pong() {
-    let server = Server::start().await;
-    let mut c = server.client().await;
+    let (server, mut c) = Server::with_client().await;
     for _ in 0..3 {
         assert_eq!(c.call(Request::Ping).await, Reply::Pong);
     }
@@ -381,8 +70,7 @@ async fn ping_pong() {
 
 #[tokio::test]
 async fn unknown_scope_and_unknown_permit_are_named() {
-    let server = Server::start().await;
-    let mut c = server.client().await;
+    let (server, mut c) = Server::with_client().await;
 
     let e = error_of(
         c.call(Request::BeginCall {
@@ -425,8 +113,7 @@ async fn unknown_scope_and_unknown_permit_are_named() {
 
 #[tokio::test]
 async fn success_flow() {
-    let server = Server::start().await;
-    let mut c = server.client().await;
+    let (server, mut c) = Server::with_client().await;
 
     let call = c.begin("chat").await;
     let permit = match c.call(Request::Acquire { call }).await {
@@ -489,8 +176,7 @@ async fn success_flow() {
 
 #[tokio::test]
 async fn concurrent_requests_are_multiplexed_by_id() {
-    let server = Server::start().await;
-    let mut c = server.client().await;
+    let (server, mut c) = Server::with_client().await;
     c.force_open("s1", 60.0).await;
 
     // A waiting Acquire must not hold up anything else on the connection.
@@ -543,8 +229,7 @@ async fn concurrent_requests_are_multiplexed_by_id() {
 
 #[tokio::test]
 async fn cancel_ends_a_waiting_acquire_and_leaves_nothing_in_flight() {
-    let server = Server::start().await;
-    let mut c = server.client().await;
+    let (server, mut c) = Server::with_client().await;
     c.force_open("s1", 60.0).await;
 
     let call = c.begin("slow").await;
@@ -669,8 +354,7 @@ async fn dropped_connection_releases_its_permit() {
 
 #[tokio::test]
 async fn shutdown_ends_a_waiting_acquire_with_shutting_down() {
-    let server = Server::start().await;
-    let mut c = server.client().await;
+    let (server, mut c) = Server::with_client().await;
     c.force_open("s1", 60.0).await;
     let call = c.begin("slow").await;
     c.send(5, Request::Acquire { call }).await;
@@ -695,8 +379,7 @@ async fn shutdown_ends_a_waiting_acquire_with_shutting_down() {
 
 #[tokio::test]
 async fn shutdown_drops_connections_after_the_grace() {
-    let server = Server::start().await;
-    let mut c = server.client().await;
+    let (server, mut c) = Server::with_client().await;
     let call = c.begin("chat").await;
     // Holding an unreported permit keeps the connection open while draining.
     assert!(matches!(
@@ -716,7 +399,10 @@ async fn shutdown_drops_connections_after_the_grace() {
 
 #[tokio::test]
 async fn admin_requests_need_an_admin_uid() {
-    let server = Server::start_with(&format!("admin_uids = [{}]", other_uid())).await;
+    let server = Setup::new()
+        .sidecar(&format!("admin_uids = [{}]", other_uid()))
+        .start()
+        .await;
     let mut c = server.client().await;
     for request in [
         Request::ForceOpen {
@@ -739,8 +425,7 @@ async fn admin_requests_need_an_admin_uid() {
 
 #[tokio::test]
 async fn admin_arguments_are_validated() {
-    let server = Server::start().await;
-    let mut c = server.client().await;
+    let (server, mut c) = Server::with_client().await;
     for seconds in [0.0, -1.0, f64::NAN, f64::INFINITY] {
         let e = error_of(
             c.call(Request::ForceOpen {
@@ -776,12 +461,14 @@ async fn admin_arguments_are_validated() {
 
 #[tokio::test]
 async fn peers_outside_the_allowed_lists_are_refused() {
-    let server = Server::start_with(&format!(
-        "allowed_uids = [{}]\nadmin_uids = [{}]",
-        other_uid(),
-        other_uid()
-    ))
-    .await;
+    let server = Setup::new()
+        .sidecar(&format!(
+            "allowed_uids = [{}]\nadmin_uids = [{}]",
+            other_uid(),
+            other_uid()
+        ))
+        .start()
+        .await;
     let mut c = Client::raw(&server.path).await;
     let e = error_frame(c.recv().await, 0, ErrorKind::PermissionDenied);
     assert!(e.message.contains(&my_uid().to_string()), "{e:?}");
@@ -791,7 +478,11 @@ async fn peers_outside_the_allowed_lists_are_refused() {
 
 #[tokio::test]
 async fn a_silent_client_is_closed_after_the_handshake_timeout() {
-    let server = Server::start_opts("", |o| o.handshake_timeout = Duration::from_millis(200)).await;
+    let server = Setup::new()
+        .sidecar("")
+        .options(|o| o.handshake_timeout = Duration::from_millis(200))
+        .start()
+        .await;
     let mut c = Client::raw(&server.path).await;
     let e = error_frame(c.recv().await, 0, ErrorKind::ProtocolViolation);
     assert!(e.message.contains("Hello"), "{e:?}");
@@ -898,8 +589,11 @@ async fn waiting_acquires_do_not_hold_in_flight_slots_on_a_remote_backend() {
 async fn waiting_acquires_do_not_hold_slots(remote: bool) {
     // A cap of 4, and 10 Acquires waiting: the connection must still read the
     // requests that would end the waits.
-    let admin = format!("admin_uids = [{}]", my_uid());
-    let server = Server::start_backend(&admin, remote, |o| o.max_in_flight = 4).await;
+    let server = Setup::new()
+        .remote(remote, Duration::ZERO)
+        .options(|o| o.max_in_flight = 4)
+        .start()
+        .await;
     let mut c = server.client().await;
     c.force_open("s1", 60.0).await;
     let mut calls = Vec::new();
@@ -961,8 +655,11 @@ async fn pipelined_failing_acquires_on_a_remote_backend_are_held_at_the_cap() {
     // gives its slot back at once; the slot must be taken again before its reply is
     // queued, or a client that pipelines Acquires without reading is never held.
     const CAP: usize = 4;
-    let admin = format!("admin_uids = [{}]", my_uid());
-    let server = Server::start_backend(&admin, true, |o| o.max_in_flight = CAP).await;
+    let server = Setup::new()
+        .remote(true, Duration::ZERO)
+        .options(|o| o.max_in_flight = CAP)
+        .start()
+        .await;
     let mut c = server.client().await;
     // Both sources HALF_OPEN with their probes out: every Acquire of `chat` makes
     // a backend round trip and fails fast with CircuitOpen.
@@ -1100,8 +797,7 @@ async fn shutdown_completes_when_clients_fill_their_reply_queues() {
 
 #[tokio::test]
 async fn admin_errors_without_a_scope_carry_none() {
-    let server = Server::start().await;
-    let mut c = server.client().await;
+    let (server, mut c) = Server::with_client().await;
     server.backend_down(true);
     for request in [
         Request::ForceOpen {
@@ -1130,8 +826,7 @@ async fn admin_errors_without_a_scope_carry_none() {
 #[tokio::test]
 async fn a_refused_force_close_keeps_this_hosts_memo() {
     // The memo may only forget a cooldown the backend really ended.
-    let server = Server::start().await;
-    let mut c = server.client().await;
+    let (server, mut c) = Server::with_client().await;
     let r = c
         .call(Request::ForceOpen {
             source: "a".into(),
@@ -1158,8 +853,7 @@ async fn a_refused_force_close_keeps_this_hosts_memo() {
 
 #[tokio::test]
 async fn a_report_the_backend_failed_does_not_hold_up_the_drain() {
-    let server = Server::start().await;
-    let mut c = server.client().await;
+    let (server, mut c) = Server::with_client().await;
     let call = c.begin("chat").await;
     let permit = c.acquire(call).await;
     server.backend_down(true);
@@ -1188,8 +882,7 @@ async fn a_report_the_backend_failed_does_not_hold_up_the_drain() {
 
 #[tokio::test]
 async fn absurd_token_counts_are_refused() {
-    let server = Server::start().await;
-    let mut c = server.client().await;
+    let (server, mut c) = Server::with_client().await;
     let limit = 1_000_000_000u64;
 
     let e = error_of(
@@ -1252,61 +945,6 @@ async fn absurd_token_counts_are_refused() {
 
 // ---- protocol version 2 (DESIGN §11a): Start / Retry / Finish / Begin / StatusJson ----
 
-fn spec(scope: &str) -> ipc_protocol::CallSpec {
-    ipc_protocol::CallSpec {
-        scope: scope.into(),
-        est_tokens: None,
-        priority: None,
-        est_input_tokens: None,
-        est_output_tokens: None,
-    }
-}
-
-fn success(tokens: Option<u64>) -> Outcome {
-    Outcome::Success {
-        tokens,
-        count_attempt: true,
-    }
-}
-
-fn timeout() -> Outcome {
-    Outcome::Failure {
-        kind: ipc_protocol::FailureKind::Timeout,
-    }
-}
-
-/// `Started` → (call, permit, source, attempt).
-fn started(reply: Reply) -> (u64, u64, String, u32) {
-    match reply {
-        Reply::Started {
-            call,
-            permit,
-            source,
-            attempt,
-            ..
-        } => (call, permit, source, attempt),
-        other => panic!("expected Started, got {other:?}"),
-    }
-}
-
-/// Wait until the engine holds no call, no permit and no reservation (teardown of a
-/// cancelled request runs on its own task).
-async fn nothing_held_eventually(server: &Server) {
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(3);
-    loop {
-        let live = server.engine.live_counts();
-        if live.calls == 0 && live.permits == 0 && live.pacer_in_flight == 0 {
-            server.assert_nothing_held(true);
-            return;
-        }
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "still held: {live:?}"
-        );
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-}
-
 #[tokio::test]
 async fn both_protocol_versions_are_accepted_and_welcomed_as_sent() {
     let server = Server::start().await;
@@ -1356,8 +994,7 @@ async fn version_2_requests_are_refused_on_a_version_1_connection() {
 
 #[tokio::test]
 async fn start_then_finish_is_a_whole_call_in_two_round_trips() {
-    let server = Server::start().await;
-    let mut c = server.client().await;
+    let (server, mut c) = Server::with_client().await;
     let mut s = spec("chat");
     s.est_tokens = Some(321);
     let reply = c.call(Request::Start(s)).await;
@@ -1390,8 +1027,7 @@ async fn start_then_finish_is_a_whole_call_in_two_round_trips() {
 
 #[tokio::test]
 async fn retry_reports_and_fails_over_in_one_round_trip() {
-    let server = Server::start().await;
-    let mut c = server.client().await;
+    let (server, mut c) = Server::with_client().await;
     let (call, permit, source, _) = started(c.call(Request::Start(spec("chat"))).await);
     assert_eq!(source, "a");
     // The timeout is applied and the next permit is on b (call-local demotion).
@@ -1443,8 +1079,7 @@ async fn retry_reports_and_fails_over_in_one_round_trip() {
 
 #[tokio::test]
 async fn invalid_retry_or_finish_changes_nothing() {
-    let server = Server::start().await;
-    let mut c = server.client().await;
+    let (server, mut c) = Server::with_client().await;
     let (_, permit, _, _) = started(c.call(Request::Start(spec("chat"))).await);
     for request in [
         Request::Retry {
@@ -1496,8 +1131,7 @@ async fn invalid_retry_or_finish_changes_nothing() {
 
 #[tokio::test]
 async fn a_start_or_retry_that_ends_in_an_error_leaves_no_call() {
-    let server = Server::start().await;
-    let mut c = server.client().await;
+    let (server, mut c) = Server::with_client().await;
     c.force_open("a", 60.0).await;
     c.force_open("b", 60.0).await;
     let e = error_of(c.call(Request::Start(spec("chat"))).await);
@@ -1542,8 +1176,7 @@ async fn a_start_or_retry_that_ends_in_an_error_leaves_no_call() {
 
 #[tokio::test]
 async fn cancelling_a_waiting_start_leaves_nothing_behind() {
-    let server = Server::start().await;
-    let mut c = server.client().await;
+    let (server, mut c) = Server::with_client().await;
     c.force_open("s1", 600.0).await;
     c.send(10, Request::Start(spec("slow"))).await;
     tokio::time::sleep(Duration::from_millis(100)).await;
@@ -1567,8 +1200,7 @@ async fn cancelling_a_waiting_start_leaves_nothing_behind() {
 
 #[tokio::test]
 async fn cancelling_a_waiting_retry_ends_its_call() {
-    let server = Server::start().await;
-    let mut c = server.client().await;
+    let (server, mut c) = Server::with_client().await;
     let (_, permit, _, _) = started(c.call(Request::Start(spec("slow"))).await);
     c.force_open("s1", 600.0).await;
     c.send(
@@ -1599,8 +1231,7 @@ async fn cancelling_a_waiting_retry_ends_its_call() {
 
 #[tokio::test]
 async fn begin_and_split_estimates_and_usage_totals() {
-    let server = Server::start().await;
-    let mut c = server.client().await;
+    let (server, mut c) = Server::with_client().await;
     let mut s = spec("chat");
     s.est_input_tokens = Some(900);
     s.est_output_tokens = Some(300);
@@ -1647,8 +1278,7 @@ async fn begin_and_split_estimates_and_usage_totals() {
 
 #[tokio::test]
 async fn status_json_names_every_scope_and_source() {
-    let server = Server::start().await;
-    let mut c = server.client().await;
+    let (server, mut c) = Server::with_client().await;
     c.force_open("b", 30.0).await;
     let json = match c.call(Request::StatusJson).await {
         Reply::StatusJson(j) => j,
@@ -1665,5 +1295,184 @@ async fn status_json_names_every_scope_and_source() {
     assert_eq!(chat[0]["state"], "closed");
     assert_eq!(chat[1]["state"], "open");
     assert!(chat[1]["retry_after_s"].as_f64().unwrap() > 25.0, "{chat}");
+    server.shutdown().await.unwrap();
+}
+
+// ---- the hot path (DESIGN §16): frames answered on the connection's own task ----
+
+#[tokio::test]
+async fn requests_are_answered_inline_while_another_waits() {
+    let (server, mut c) = Server::with_client().await;
+    c.force_open("s1", 60.0).await;
+    let waiting = c.begin("slow").await;
+    c.send(1, Request::Acquire { call: waiting }).await;
+    // The wait does not hold up the connection: a whole call, a Ping and a status
+    // are answered while it goes on.
+    assert_eq!(c.call(Request::Ping).await, Reply::Pong);
+    let (_, permit, source, _) = started(c.call(Request::Start(spec("chat"))).await);
+    assert_eq!(source, "a");
+    let r = c
+        .call(Request::Finish {
+            permit,
+            outcome: success(None),
+        })
+        .await;
+    assert!(matches!(r, Reply::Reported { applied: true, .. }), "{r:?}");
+    let report = c.status().await;
+    let slow = report.scopes.iter().find(|s| s.name == "slow").unwrap();
+    assert_eq!(slow.waiters, 1, "{slow:?}");
+    // Still waiting: the Cancel catches it.
+    c.send(2, Request::Cancel { target: 1 }).await;
+    let (mut cancelled, mut ok) = (false, false);
+    while !(cancelled && ok) {
+        let f = c.recv().await;
+        match f.id {
+            1 => cancelled = error_of(f.reply).kind == ErrorKind::Cancelled,
+            2 => ok = f.reply == Reply::Ok,
+            _ => panic!("unexpected {f:?}"),
+        }
+    }
+    assert_eq!(c.call(Request::EndCall { call: waiting }).await, Reply::Ok);
+    nothing_held_eventually(&server).await;
+    server.shutdown().await.unwrap();
+}
+
+#[tokio::test]
+async fn a_cancel_behind_an_inline_answer_finds_nothing_to_cancel() {
+    let (server, mut c) = Server::with_client().await;
+    let call = c.begin("chat").await;
+    // One write: the Acquire is answered (granted at once) before the Cancel behind
+    // it is even decoded, so its normal reply is the one the client gets, and the
+    // permit is the client's.
+    c.framed
+        .feed(ClientFrame {
+            id: 10,
+            request: Request::Acquire { call },
+        })
+        .await
+        .unwrap();
+    c.framed
+        .feed(ClientFrame {
+            id: 11,
+            request: Request::Cancel { target: 10 },
+        })
+        .await
+        .unwrap();
+    c.framed
+        .feed(ClientFrame {
+            id: 12,
+            request: Request::Start(spec("chat")),
+        })
+        .await
+        .unwrap();
+    c.framed
+        .feed(ClientFrame {
+            id: 13,
+            request: Request::Cancel { target: 12 },
+        })
+        .await
+        .unwrap();
+    c.framed.flush().await.unwrap();
+    let (mut permit, mut started_permit) = (None, None);
+    for _ in 0..4 {
+        let f = c.recv().await;
+        match (f.id, f.reply) {
+            (10, Reply::Granted { permit: p, .. }) => permit = Some(p),
+            (12, r @ Reply::Started { .. }) => started_permit = Some(started(r).1),
+            (11 | 13, Reply::Ok) => {}
+            other => panic!("unexpected {other:?}"),
+        }
+    }
+    for p in [permit.expect("granted"), started_permit.expect("started")] {
+        let r = c
+            .call(Request::Report {
+                permit: p,
+                outcome: Outcome::Cancelled,
+            })
+            .await;
+        assert!(matches!(r, Reply::Reported { .. }), "{r:?}");
+    }
+    assert_eq!(c.call(Request::EndCall { call }).await, Reply::Ok);
+    assert_eq!(
+        c.call(Request::Ping).await,
+        Reply::Pong,
+        "no reply left over"
+    );
+    server.shutdown().await.unwrap();
+}
+
+#[tokio::test]
+async fn pipelined_frames_are_all_answered_and_batched() {
+    let (server, mut c) = Server::with_client().await;
+    // 400 Pings and 50 BeginCalls in one write: every one answered, by id; they are
+    // answered from one read, so their replies wait together for one write.
+    for id in 0..450u64 {
+        let request = if id % 9 == 0 {
+            Request::BeginCall {
+                scope: "chat".into(),
+                est_tokens: None,
+            }
+        } else {
+            Request::Ping
+        };
+        c.framed
+            .feed(ClientFrame {
+                id: 1 + id,
+                request,
+            })
+            .await
+            .unwrap();
+    }
+    c.framed.flush().await.unwrap();
+    let mut seen = HashSet::new();
+    for _ in 0..450 {
+        let f = c.recv().await;
+        match (f.id - 1) % 9 {
+            0 => assert!(matches!(f.reply, Reply::CallBegun { .. }), "{f:?}"),
+            _ => assert_eq!(f.reply, Reply::Pong, "{f:?}"),
+        }
+        assert!(seen.insert(f.id), "two replies for {}", f.id);
+    }
+    assert!(
+        server.stats.peak_in_flight() > 1,
+        "replies were written one by one"
+    );
+    server.in_flight_until("0", |n| n == 0).await;
+    server.shutdown().await.unwrap();
+}
+
+#[tokio::test]
+async fn on_a_remote_backend_waiting_requests_run_in_tasks_and_others_pass_them() {
+    let server = Setup::new()
+        .remote(true, Duration::from_millis(100))
+        .start()
+        .await;
+    let mut c = server.client().await;
+    // The Start waits for its admission round trip; the Ping behind it is answered
+    // first, on the connection's own task, and the Start's answer follows on its
+    // own (nothing else wakes the connection meanwhile).
+    c.send(1, Request::Start(spec("chat"))).await;
+    c.send(2, Request::Ping).await;
+    let first = c.recv().await;
+    assert_eq!((first.id, first.reply), (2, Reply::Pong));
+    let f = c.recv().await;
+    assert_eq!(f.id, 1);
+    let (_, permit, _, _) = started(f.reply);
+    let r = c
+        .call(Request::Finish {
+            permit,
+            outcome: success(Some(5)),
+        })
+        .await;
+    assert!(matches!(r, Reply::Reported { applied: true, .. }), "{r:?}");
+    assert!(
+        server
+            .engine
+            .backend()
+            .admits
+            .load(std::sync::atomic::Ordering::SeqCst)
+            >= 1
+    );
+    nothing_held_eventually(&server).await;
     server.shutdown().await.unwrap();
 }

@@ -17,7 +17,7 @@ use std::collections::{HashMap, VecDeque};
 use std::future::Future;
 use std::panic::AssertUnwindSafe;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
@@ -26,60 +26,15 @@ use futures_util::FutureExt;
 use ipc_protocol::{ClientFrame, ErrorKind, FrameError, Reply, Request};
 use tokio::net::UnixStream;
 use tokio::task::{AbortHandle, JoinError, JoinSet};
-use tokio_util::sync::CancellationToken;
 use tracing::{debug, warn};
 
 use super::budget::Budget;
 use super::dispatch::{self, CancelBy, Ctx, Done, Job, Step};
 use super::transport::{self, Filled, Inbox, Outbox, Socket};
-use super::{convert, ServerOptions};
+use super::{convert, Shared};
 use crate::backend::Backend;
 use crate::engine::{Engine, OwnerId};
 use crate::peer::peer_of;
-
-/// State every connection shares with the accept loop.
-pub(super) struct Shared {
-    pub opts: ServerOptions,
-    /// Shutdown began: connections close once they hold nothing.
-    pub draining: CancellationToken,
-    /// The grace is over: connections close now.
-    pub hard_stop: CancellationToken,
-    /// The same two as flags: 1 draining, 2 hard stop. Connections read this on every
-    /// run (`CancellationToken::is_cancelled` takes a lock every connection shares);
-    /// the tokens are only there to wake them.
-    phase: AtomicU8,
-}
-
-impl Shared {
-    pub fn new(opts: ServerOptions) -> Shared {
-        Shared {
-            opts,
-            draining: CancellationToken::new(),
-            hard_stop: CancellationToken::new(),
-            phase: AtomicU8::new(0),
-        }
-    }
-
-    /// Begin the drain.
-    pub fn drain(&self) {
-        self.phase.fetch_max(1, Ordering::Release);
-        self.draining.cancel();
-    }
-
-    /// End the grace: connections close now.
-    pub fn stop_now(&self) {
-        self.phase.store(2, Ordering::Release);
-        self.hard_stop.cancel();
-    }
-
-    fn is_draining(&self) -> bool {
-        self.phase.load(Ordering::Acquire) >= 1
-    }
-
-    fn is_stopped(&self) -> bool {
-        self.phase.load(Ordering::Acquire) >= 2
-    }
-}
 
 /// While draining, how often an open connection checks whether it is idle.
 const DRAIN_POLL: Duration = Duration::from_millis(50);

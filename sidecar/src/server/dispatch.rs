@@ -24,8 +24,8 @@ use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
 
 use super::budget::{Budget, SlotGuard};
-use super::conn::Shared;
 use super::convert;
+use super::Shared;
 use crate::backend::{Applied, Backend, Outcome};
 use crate::engine::{Engine, EngineError, OwnerId};
 

@@ -34,7 +34,7 @@ mod transport;
 
 use std::future::Future;
 use std::io;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicU8, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -120,6 +120,50 @@ impl ServerOptions {
     }
 }
 
+/// State every connection shares with the accept loop.
+pub(crate) struct Shared {
+    pub opts: ServerOptions,
+    /// Shutdown began: connections close once they hold nothing.
+    pub draining: CancellationToken,
+    /// The grace is over: connections close now.
+    pub hard_stop: CancellationToken,
+    /// The same two as flags: 1 draining, 2 hard stop. Connections read this on every
+    /// run (`CancellationToken::is_cancelled` takes a lock every connection shares);
+    /// the tokens are only there to wake them.
+    phase: AtomicU8,
+}
+
+impl Shared {
+    pub fn new(opts: ServerOptions) -> Shared {
+        Shared {
+            opts,
+            draining: CancellationToken::new(),
+            hard_stop: CancellationToken::new(),
+            phase: AtomicU8::new(0),
+        }
+    }
+
+    /// Begin the drain.
+    pub fn drain(&self) {
+        self.phase.fetch_max(1, Ordering::Release);
+        self.draining.cancel();
+    }
+
+    /// End the grace: connections close now.
+    pub fn stop_now(&self) {
+        self.phase.store(2, Ordering::Release);
+        self.hard_stop.cancel();
+    }
+
+    pub(crate) fn is_draining(&self) -> bool {
+        self.phase.load(Ordering::Acquire) >= 1
+    }
+
+    pub(crate) fn is_stopped(&self) -> bool {
+        self.phase.load(Ordering::Acquire) >= 2
+    }
+}
+
 /// Why [`run`] stopped other than by its shutdown signal.
 #[derive(Debug, thiserror::Error)]
 pub enum ServerError {
@@ -140,7 +184,7 @@ where
     B: Backend,
     F: Future<Output = ()>,
 {
-    let shared = Arc::new(conn::Shared::new(opts));
+    let shared = Arc::new(Shared::new(opts));
     let tracker = TaskTracker::new();
     tracker.spawn(reclaim_loop(
         engine.clone(),
