@@ -65,7 +65,7 @@ struct Cli {
     /// Python for the driver and the redis-py baseline.
     #[arg(long, default_value = ".venv/bin/python")]
     python: PathBuf,
-    /// The Python driver (CLI contract in bench/stand-in/python_client.py).
+    /// The Python driver (its command line: bench/drivers/python_client.py).
     #[arg(long, default_value = "bench/drivers/python_client.py")]
     python_driver: PathBuf,
     /// The Node driver.

@@ -41,7 +41,12 @@ fn keys(scenario: &str) -> &'static [&'static str] {
         "waiters" => &["waiters", "rss_mib", "cpu_pct_while_waiting", "release_ms"],
         "python" => &["mode", "calls_per_s", "baseline_calls_per_s", "ratio"],
         "node" | "go" => &["calls_per_s", "python_asyncio_calls_per_s", "ratio"],
-        "engine" => &["calls_per_s_1_task", "calls_per_s_64_tasks"],
+        "engine" => &[
+            "calls_per_s_1_task",
+            "calls_per_s_64_tasks",
+            "metrics_hook_ns",
+            "clock_reads_ns",
+        ],
         other => panic!("unexpected scenario {other:?}"),
     }
 }
