@@ -172,7 +172,12 @@ impl Scenario {
             Scenario::Node | Scenario::Go => {
                 &["calls_per_s", "python_asyncio_calls_per_s", "ratio"]
             }
-            Scenario::Engine => &["calls_per_s_1_task", "calls_per_s_64_tasks"],
+            Scenario::Engine => &[
+                "calls_per_s_1_task",
+                "calls_per_s_64_tasks",
+                "metrics_hook_ns",
+                "clock_reads_ns",
+            ],
         }
     }
 }

@@ -495,11 +495,14 @@ impl<B: Backend> Conn<B> {
                 let fut = job.fut;
                 let task = self.tasks.spawn(run_job(self.id(), id, fut));
                 let cancel = job.cancel;
-                self.pending.insert(id, Pending {
-                    task,
-                    cancel,
-                    timer,
-                });
+                self.pending.insert(
+                    id,
+                    Pending {
+                        task,
+                        cancel,
+                        timer,
+                    },
+                );
             }
             Err(_) => {
                 // The job (and its slot guard) is gone with the panic.
