@@ -805,3 +805,151 @@ fn max_rate_limit_block_defaults_parses_and_overrides() {
         &["SIDECAR__MAX_RATE_LIMIT_BLOCK=soon", "expected a duration"],
     );
 }
+
+#[test]
+fn provider_quota_keys_default_parse_and_override() {
+    use polygate::config::{TokensCharged, DEFAULT_BURST};
+    // Defaults: today's buckets exactly.
+    let c = parse(MINIMAL).unwrap();
+    let s = &c.scopes[0].sources[0];
+    assert_eq!(s.burst, DEFAULT_BURST);
+    assert_eq!(s.burst, Duration::from_secs(60));
+    assert_eq!(s.tokens_charged, TokensCharged::Actual);
+    assert_eq!((s.itpm, s.otpm, s.rpd, s.tpd), (None, None, None, None));
+    assert_eq!(s.est_output_tokens, None);
+    // Values.
+    let c = parse(&source_with(
+        "burst = \"1s\"\ntokens_charged = \"estimate\"\nitpm = 4000\notpm = 800\nrpd = 1000\n\
+         tpd = 90000\nest_output_tokens = 64\nrpm = 40",
+    ))
+    .unwrap();
+    let s = &c.scopes[0].sources[0];
+    assert_eq!(s.burst, Duration::from_secs(1));
+    assert_eq!(s.tokens_charged, TokensCharged::Estimate);
+    assert_eq!(
+        (s.itpm, s.otpm, s.rpd, s.tpd),
+        (Some(4000), Some(800), Some(1000), Some(90000))
+    );
+    assert_eq!(s.default_est_output_tokens(), 64);
+    assert_eq!(s.default_est_input_tokens(), 100, "ceil(itpm / rpm)");
+    assert_eq!(
+        s.default_est_tokens(),
+        164,
+        "no tpm: the split's defaults summed"
+    );
+    // The output default derives from otpm like est_tokens from tpm.
+    let c = parse(&source_with("otpm = 600\nrpm = 7\ntpm = 7000")).unwrap();
+    let s = &c.scopes[0].sources[0];
+    assert_eq!(s.default_est_output_tokens(), 86, "ceil(600 / 7)");
+    assert_eq!(s.default_est_tokens(), 1000);
+    assert_eq!(s.default_est_input_tokens(), 914, "what the total leaves");
+    // Environment overrides by source index.
+    let c = parse_str(
+        &source_with("tpm = 100"),
+        env(&[
+            ("CHAT__SOURCES__0__BURST", "10s"),
+            ("CHAT__SOURCES__0__TOKENS_CHARGED", "estimate"),
+            ("CHAT__SOURCES__0__OTPM", "50"),
+            ("CHAT__SOURCES__0__TPM", "200"),
+        ]),
+    )
+    .unwrap();
+    let s = &c.scopes[0].sources[0];
+    assert_eq!(s.burst, Duration::from_secs(10));
+    assert_eq!(s.tokens_charged, TokensCharged::Estimate);
+    assert_eq!((s.otpm, s.tpm), (Some(50), Some(200)));
+}
+
+#[test]
+fn bad_provider_quota_keys_name_the_key() {
+    let k = "scopes.chat.sources[0]";
+    err(
+        &source_with("burst = \"2m\""),
+        &[&format!("{k}.burst"), "at most 60s"],
+    );
+    err(
+        &source_with("burst = \"0s\""),
+        &[&format!("{k}.burst"), "greater than zero"],
+    );
+    err(
+        &source_with("burst = \"soon\""),
+        &[&format!("{k}.burst"), "duration"],
+    );
+    err(
+        &source_with("tokens_charged = \"usage\""),
+        &[&format!("{k}.tokens_charged"), "actual, estimate"],
+    );
+    for key in ["itpm", "otpm", "rpd", "tpd", "est_output_tokens"] {
+        err(
+            &source_with(&format!("{key} = 0")),
+            &[&format!("{k}.{key}"), "greater than zero"],
+        );
+    }
+    err_env(
+        MINIMAL,
+        &[("CHAT__SOURCES__0__BURST", "forever")],
+        &["CHAT__SOURCES__0__BURST", "duration"],
+    );
+    err_env(
+        MINIMAL,
+        &[("CHAT__SOURCES__0__ITPM", "many")],
+        &["CHAT__SOURCES__0__ITPM", "integer"],
+    );
+    err_env(
+        MINIMAL,
+        &[("CHAT__SOURCES__0__NOPE", "1")],
+        &["CHAT__SOURCES__0__NOPE", "BURST", "TOKENS_CHARGED"],
+    );
+    err_env(
+        MINIMAL,
+        &[("CHAT__SOURCES__3__RPD", "1")],
+        &["CHAT__SOURCES__3__RPD", "source index"],
+    );
+}
+
+#[test]
+fn a_shared_source_agrees_on_every_provider_quota_key() {
+    for (a, b, field) in [
+        ("burst = \"1s\"", "", "burst"),
+        ("tokens_charged = \"estimate\"", "", "tokens_charged"),
+        ("itpm = 5", "itpm = 6", "itpm"),
+        ("otpm = 5", "", "otpm"),
+        ("rpd = 5", "", "rpd"),
+        ("tpd = 5", "tpd = 7", "tpd"),
+    ] {
+        let toml = format!(
+            "[[scopes.chat.sources]]\nname = \"a\"\n{a}\n[[scopes.batch.sources]]\nname = \"a\"\n{b}\n"
+        );
+        err(&toml, &["source `a`", &format!("sets {field} =")]);
+    }
+    // est_output_tokens is an estimate, not the quota: scopes may differ.
+    parse(
+        "[[scopes.chat.sources]]\nname = \"a\"\nest_output_tokens = 5\n\
+         [[scopes.batch.sources]]\nname = \"a\"\n",
+    )
+    .unwrap();
+}
+
+#[test]
+fn the_provider_examples_parse_as_the_rules_they_name() {
+    use polygate::config::TokensCharged;
+    let text = include_str!("../../examples/providers.toml");
+    let c = parse_str(text, no_env()).unwrap();
+    let s = &c.scopes[0].sources;
+    let by = |n: &str| s.iter().find(|x| x.name == n).unwrap();
+    let anthropic = by("anthropic-sonnet");
+    assert!(anthropic.itpm.is_some() && anthropic.otpm.is_some());
+    assert_eq!(anthropic.burst, Duration::from_secs(60));
+    assert_eq!(anthropic.tokens_charged, TokensCharged::Actual);
+    let azure = by("azure-gpt4o");
+    assert_eq!(azure.burst, Duration::from_secs(1));
+    assert_eq!(azure.tokens_charged, TokensCharged::Estimate);
+    let openai = by("openai-gpt4o");
+    assert!(openai.rpd.is_some() && openai.tpd.is_some());
+    let c = parse_str(EXAMPLE_CONFIG, no_env()).unwrap();
+    let eu = &c.scopes[0].sources[1];
+    assert_eq!(
+        (eu.burst, eu.tokens_charged),
+        (Duration::from_secs(1), TokensCharged::Estimate)
+    );
+}

@@ -2,7 +2,8 @@
 //!
 //! `SCOPE` is the scope name uppercased with `-` turned into `_`, or `SIDECAR` for
 //! the `[sidecar]` table; `KEY` is the key uppercased, nested tables joined with `__`
-//! (`CHAT__BREAKER__COOLDOWN=30s`). A variable whose prefix is no known scope is
+//! (`CHAT__BREAKER__COOLDOWN=30s`); a source's keys are reached by its index in the
+//! file, `CHAT__SOURCES__0__BURST=1s`. A variable whose prefix is no known scope is
 //! ignored (other software uses `__` too); a known prefix with an unknown key fails,
 //! listing the keys that can be overridden. One table per target ([`SIDECAR_KEYS`],
 //! [`SCOPE_KEYS`]) is both that list and how each value is stored, so a new key is
@@ -13,7 +14,7 @@
 use std::collections::HashMap;
 use std::fmt;
 
-use super::raw::{Ordered, RawFile, RawScope, RawSidecar};
+use super::raw::{Ordered, RawFile, RawScope, RawSidecar, RawSource};
 use super::ConfigError;
 
 /// Where each overridden key's value came from, so errors can name the variable.
@@ -132,6 +133,22 @@ const SCOPE_KEYS: &[(&str, Slot<RawScope>)] = &[
     ("PACER__DECREASE", Slot::Float(|s| &mut s.pacer.decrease)),
 ];
 
+/// Every `{SCOPE}__SOURCES__{i}__` key (the `i`-th source of the scope, counted
+/// from 0 in file order), in the order an unknown-key error lists them.
+const SOURCE_KEYS: &[(&str, Slot<RawSource>)] = &[
+    ("TPM", Slot::Int(|s| &mut s.tpm)),
+    ("RPM", Slot::Int(|s| &mut s.rpm)),
+    ("EST_TOKENS", Slot::Int(|s| &mut s.est_tokens)),
+    ("TIMEOUT", Slot::Text(|s| &mut s.timeout)),
+    ("BURST", Slot::Text(|s| &mut s.burst)),
+    ("TOKENS_CHARGED", Slot::Text(|s| &mut s.tokens_charged)),
+    ("ITPM", Slot::Int(|s| &mut s.itpm)),
+    ("OTPM", Slot::Int(|s| &mut s.otpm)),
+    ("RPD", Slot::Int(|s| &mut s.rpd)),
+    ("TPD", Slot::Int(|s| &mut s.tpd)),
+    ("EST_OUTPUT_TOKENS", Slot::Int(|s| &mut s.est_output_tokens)),
+];
+
 /// The environment prefix of a scope: uppercased, `-` → `_`.
 pub fn scope_env_prefix(scope: &str) -> String {
     scope.to_uppercase().replace('-', "_")
@@ -171,6 +188,10 @@ pub(super) fn apply_env(
             target.apply(&mut raw.sidecar, SIDECAR_KEYS, value, origins)?;
         } else if let Some((i, prefix, key)) = scope_hit {
             let (name, scope) = &mut raw.scopes.0[i];
+            if let Some(rest) = key.strip_prefix("SOURCES__") {
+                apply_source(&var, prefix, name, scope, rest, value, origins)?;
+                continue;
+            }
             let path = format!("scopes.{name}.{}", key.to_lowercase().replace("__", "."));
             let target = Target {
                 var: &var,
@@ -182,6 +203,37 @@ pub(super) fn apply_env(
         }
     }
     Ok(())
+}
+
+/// `{SCOPE}__SOURCES__{i}__{KEY}`: `rest` is `{i}__{KEY}`. The source must exist in
+/// the file (an override cannot add one).
+fn apply_source(
+    var: &str,
+    prefix: &str,
+    scope_name: &str,
+    scope: &mut RawScope,
+    rest: &str,
+    value: String,
+    origins: &mut Origins,
+) -> Result<(), ConfigError> {
+    let sources = scope.sources.get_or_insert_with(Vec::new);
+    let (index, key) = rest.split_once("__").unwrap_or((rest, ""));
+    let Some(i) = index.parse::<usize>().ok().filter(|i| *i < sources.len()) else {
+        return Err(ConfigError::Invalid {
+            key: format!("scopes.{scope_name}.sources"),
+            reason: format!(
+                "{var}: {prefix}__SOURCES__ must be followed by a source index 0..{}                  (the file's order) and __KEY, got {rest:?}",
+                sources.len()
+            ),
+        });
+    };
+    let target = Target {
+        var,
+        prefix,
+        key,
+        path: format!("scopes.{scope_name}.sources[{i}].{}", key.to_lowercase()),
+    };
+    target.apply(&mut sources[i], SOURCE_KEYS, value, origins)
 }
 
 /// One variable, split into what it names.

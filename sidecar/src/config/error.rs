@@ -73,25 +73,21 @@ pub enum ConfigError {
         "source `{source_name}`: scopes.{first_scope} sets {field} = {} but \
          scopes.{second_scope} sets {field} = {}; a source is one global quota, \
          so every scope naming it must agree",
-        show_quota(*.first_value),
-        show_quota(*.second_value)
+        .first_value,
+        .second_value
     )]
     SourceConflict {
         /// The source.
         source_name: String,
-        /// `tpm` or `rpm`.
+        /// The quota key (`tpm`, `rpm`, `burst`, …).
         field: &'static str,
         /// The scope that named the source first.
         first_scope: String,
-        /// Its value (`None` = unset).
-        first_value: Option<u64>,
+        /// Its value as the file shows it (`unset` when absent).
+        first_value: Box<str>,
         /// The scope that disagrees.
         second_scope: String,
-        /// Its value (`None` = unset).
-        second_value: Option<u64>,
+        /// Its value as the file shows it (`unset` when absent).
+        second_value: Box<str>,
     },
-}
-
-fn show_quota(v: Option<u64>) -> String {
-    v.map_or_else(|| "unset".into(), |v| v.to_string())
 }

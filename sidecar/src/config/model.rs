@@ -98,6 +98,17 @@ spelled! {
 }
 
 spelled! {
+    /// What a source's token buckets are finally charged (§7a `tokens_charged`).
+    pub enum TokensCharged {
+        /// The reported usage (§7): the reservation is settled to it.
+        Actual = "actual",
+        /// The reservation itself, whatever is reported (Azure OpenAI charges each
+        /// request's estimated maximum on arrival).
+        Estimate = "estimate",
+    }
+}
+
+spelled! {
     /// How log lines are written (§12).
     pub enum LogFormat {
         /// One human-readable line per event.
@@ -253,6 +264,21 @@ pub struct SourceConfig {
     pub est_tokens: Option<u64>,
     /// Upstream timeout; probe lease and permit lease derive from it.
     pub timeout: Duration,
+    /// §7a: each per-minute bucket holds `limit × burst / 60 s` (a provider that
+    /// evaluates over 1- or 10-second periods needs `1s` / `10s`); at most 60 s.
+    pub burst: Duration,
+    /// §7a: settle to the reported usage, or charge the reservation (Azure).
+    pub tokens_charged: TokensCharged,
+    /// §7a: input tokens per minute (Anthropic ITPM); `None` = no such bucket.
+    pub itpm: Option<u64>,
+    /// §7a: output tokens per minute (Anthropic OTPM); `None` = no such bucket.
+    pub otpm: Option<u64>,
+    /// §7a: requests per day (OpenAI RPD); `None` = no such bucket.
+    pub rpd: Option<u64>,
+    /// §7a: tokens per day (OpenAI TPD); `None` = no such bucket.
+    pub tpd: Option<u64>,
+    /// §7a: explicit output estimate of a call that gives none.
+    pub est_output_tokens: Option<u64>,
 }
 
 impl SourceConfig {
@@ -262,16 +288,47 @@ impl SourceConfig {
         if let Some(e) = self.est_tokens {
             return e;
         }
-        match (self.tpm, self.rpm) {
-            (Some(t), Some(r)) if r > 0 => t.div_ceil(r),
-            (Some(t), _) => t.div_ceil(60),
-            _ => 0,
+        if self.tpm.is_none() && (self.itpm.is_some() || self.otpm.is_some()) {
+            // §7a: only split limits: the total is the sum of the split's defaults.
+            return per_request(self.itpm, self.rpm) + self.default_est_output_tokens();
+        }
+        per_request(self.tpm, self.rpm)
+    }
+
+    /// §7a: the output estimate used when a call gives none: the source's own, else
+    /// `ceil(otpm / rpm)`, else `ceil(otpm / 60)`, else 0 (no output bucket).
+    pub fn default_est_output_tokens(&self) -> u64 {
+        if let Some(e) = self.est_output_tokens {
+            return e;
+        }
+        per_request(self.otpm, self.rpm)
+    }
+
+    /// §7a: the input estimate of a call that gives none: `ceil(itpm / rpm)`, else
+    /// `ceil(itpm / 60)` with an input bucket; otherwise what the total estimate
+    /// leaves beside the output estimate.
+    pub fn default_est_input_tokens(&self) -> u64 {
+        match self.itpm {
+            Some(_) => per_request(self.itpm, self.rpm),
+            None => self
+                .default_est_tokens()
+                .saturating_sub(self.default_est_output_tokens()),
         }
     }
 
     /// §12: a permit never reported is reclaimed after 2 × the source timeout.
     pub fn permit_lease(&self) -> Duration {
         2 * self.timeout
+    }
+}
+
+/// `ceil(limit / rpm)`, else `ceil(limit / 60)`, else 0: one request's share of a
+/// per-minute limit.
+fn per_request(limit: Option<u64>, rpm: Option<u64>) -> u64 {
+    match (limit, rpm) {
+        (Some(t), Some(r)) if r > 0 => t.div_ceil(r),
+        (Some(t), _) => t.div_ceil(60),
+        _ => 0,
     }
 }
 
@@ -353,6 +410,10 @@ pub const DEFAULT_SELECTOR: Selector = Selector::Priority;
 pub const DEFAULT_MAX_RATE_LIMIT_BLOCK: Duration = Duration::from_secs(600);
 /// Default source `timeout`.
 pub const DEFAULT_SOURCE_TIMEOUT: Duration = Duration::from_secs(60);
+/// Default (and largest) source `burst` (§7a): a minute's worth.
+pub const DEFAULT_BURST: Duration = Duration::from_secs(60);
+/// Default source `tokens_charged` (§7a).
+pub const DEFAULT_TOKENS_CHARGED: TokensCharged = TokensCharged::Actual;
 
 #[cfg(test)]
 mod tests {
@@ -373,6 +434,7 @@ mod tests {
         round_trips(Selector::as_str);
         round_trips(BackendKind::as_str);
         round_trips(OnBackendError::as_str);
+        round_trips(TokensCharged::as_str);
         assert_eq!(Mode::allowed(), "wait, fail_fast");
         assert_eq!(OnBackendError::allowed(), "local, fail_closed");
     }

@@ -145,6 +145,20 @@ pub(super) struct RawSource {
     pub est_tokens: Option<i64>,
     /// Duration string.
     pub timeout: Option<String>,
+    /// Duration string (§7a).
+    pub burst: Option<String>,
+    /// `actual` | `estimate` (§7a).
+    pub tokens_charged: Option<String>,
+    /// Input tokens per minute (§7a).
+    pub itpm: Option<i64>,
+    /// Output tokens per minute (§7a).
+    pub otpm: Option<i64>,
+    /// Requests per day (§7a).
+    pub rpd: Option<i64>,
+    /// Tokens per day (§7a).
+    pub tpd: Option<i64>,
+    /// Output estimate (§7a).
+    pub est_output_tokens: Option<i64>,
 }
 
 /// A TOML table kept in document order (scope order matters for status output).

@@ -10,8 +10,9 @@ use super::env::Origins;
 use super::raw::{RawBreaker, RawFile, RawPacer, RawScope, RawSidecar, RawSource};
 use super::{
     BreakerConfig, Config, ConfigError, PacerConfig, ScopeConfig, SidecarConfig, SourceConfig,
-    Spelling, DEFAULT_CIRCUIT_OPEN, DEFAULT_MAX_ATTEMPTS, DEFAULT_POLL_INTERVAL,
+    Spelling, DEFAULT_BURST, DEFAULT_CIRCUIT_OPEN, DEFAULT_MAX_ATTEMPTS, DEFAULT_POLL_INTERVAL,
     DEFAULT_QUOTA_FULL, DEFAULT_SELECTOR, DEFAULT_SOURCE_TIMEOUT, DEFAULT_STALL_WINDOW,
+    DEFAULT_TOKENS_CHARGED,
 };
 use crate::limits::{MAX_CONFIG_DURATION, MAX_NAME, MAX_PACER, MAX_RATE, MAX_TOKENS};
 
@@ -538,17 +539,38 @@ fn validate_source(
             })
         }
     };
+    let burst = duration(ctx, &k("burst"), raw.burst.clone(), DEFAULT_BURST)?;
+    if burst > DEFAULT_BURST {
+        return Err(ctx.err(
+            &k("burst"),
+            format_args!("{:?}", raw.burst.unwrap_or_default()),
+            "must be at most 60s: a per-minute bucket never holds more than a minute's worth",
+        ));
+    }
     Ok(SourceConfig {
         tpm: positive(ctx, &k("tpm"), raw.tpm, MAX_RATE)?,
         rpm: positive(ctx, &k("rpm"), raw.rpm, MAX_RATE)?,
         est_tokens: positive(ctx, &k("est_tokens"), raw.est_tokens, MAX_TOKENS)?,
         timeout: duration(ctx, &k("timeout"), raw.timeout, DEFAULT_SOURCE_TIMEOUT)?,
+        burst,
+        tokens_charged: choice(
+            ctx,
+            &k("tokens_charged"),
+            raw.tokens_charged,
+            DEFAULT_TOKENS_CHARGED,
+        )?,
+        itpm: positive(ctx, &k("itpm"), raw.itpm)?,
+        otpm: positive(ctx, &k("otpm"), raw.otpm)?,
+        rpd: positive(ctx, &k("rpd"), raw.rpd)?,
+        tpd: positive(ctx, &k("tpd"), raw.tpd)?,
+        est_output_tokens: positive(ctx, &k("est_output_tokens"), raw.est_output_tokens)?,
         name,
     })
 }
 
 /// §2: a source is one breaker and one quota by its name, so every scope naming it
-/// must configure the same `tpm` and `rpm`.
+/// must configure the same quota keys (`tpm`, `rpm` and §7a's `burst`,
+/// `tokens_charged`, `itpm`, `otpm`, `rpd`, `tpd`).
 fn check_shared_sources(scopes: &[ScopeConfig]) -> Result<(), ConfigError> {
     let mut seen: HashMap<&str, (&str, &SourceConfig)> = HashMap::new();
     for scope in scopes {
@@ -557,7 +579,11 @@ fn check_shared_sources(scopes: &[ScopeConfig]) -> Result<(), ConfigError> {
                 seen.insert(&src.name, (&scope.name, src));
                 continue;
             };
-            for (field, a, b) in [("tpm", first.tpm, src.tpm), ("rpm", first.rpm, src.rpm)] {
+            for (field, a, b) in quota_keys(first)
+                .into_iter()
+                .zip(quota_keys(src))
+                .map(|((field, a), (_, b))| (field, a, b))
+            {
                 if a != b {
                     return Err(ConfigError::SourceConflict {
                         source_name: src.name.clone(),
@@ -572,4 +598,25 @@ fn check_shared_sources(scopes: &[ScopeConfig]) -> Result<(), ConfigError> {
         }
     }
     Ok(())
+}
+
+/// The keys of a source that make up its one global quota, each as its value shows.
+fn quota_keys(s: &SourceConfig) -> [(&'static str, Box<str>); 8] {
+    let n = |v: Option<u64>| v.map_or_else(|| "unset".into(), |v| v.to_string().into());
+    [
+        ("tpm", n(s.tpm)),
+        ("rpm", n(s.rpm)),
+        ("itpm", n(s.itpm)),
+        ("otpm", n(s.otpm)),
+        ("rpd", n(s.rpd)),
+        ("tpd", n(s.tpd)),
+        (
+            "burst",
+            format!("{:?}", humantime::format_duration(s.burst).to_string()).into(),
+        ),
+        (
+            "tokens_charged",
+            format!("{:?}", s.tokens_charged.as_str()).into(),
+        ),
+    ]
 }

@@ -25,6 +25,13 @@ pub fn source(name: &str) -> SourceConfig {
         rpm: None,
         est_tokens: None,
         timeout: secs(10),
+        burst: polygate::config::DEFAULT_BURST,
+        tokens_charged: polygate::config::DEFAULT_TOKENS_CHARGED,
+        itpm: None,
+        otpm: None,
+        rpd: None,
+        tpd: None,
+        est_output_tokens: None,
     }
 }
 
