@@ -109,6 +109,7 @@ fn qp() -> QuotaParams {
     QuotaParams {
         tpm: Some(1_000_000_000),
         rpm: Some(1_000_000_000),
+        ..QuotaParams::default()
     }
 }
 
@@ -171,6 +172,7 @@ async fn main() {
         if let Ok(Admit::Admitted { epoch, is_probe }) = backend.admit(s, &bp(), &qp(), 10).await {
             let ok = Outcome::Success {
                 tokens: Some(10),
+                split: None,
                 count_attempt: true,
             };
             let _ = backend
@@ -208,6 +210,7 @@ async fn main() {
                     ("failure", _) | ("mixed", 0) => Outcome::failure(FailureKind::ServerError),
                     _ => Outcome::Success {
                         tokens: Some(8),
+                        split: None,
                         count_attempt: true,
                     },
                 };

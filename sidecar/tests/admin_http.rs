@@ -370,6 +370,7 @@ async fn live_ready_metrics_and_errors() {
         for outcome in [
             Outcome::Success {
                 tokens: None,
+                split: None,
                 count_attempt: true,
             },
             Outcome::failure(FailureKind::Timeout),

@@ -43,6 +43,7 @@ fn qp() -> QuotaParams {
     QuotaParams {
         tpm: Some(60_000),
         rpm: Some(600),
+        ..QuotaParams::default()
     }
 }
 
@@ -94,6 +95,7 @@ async fn admit_report<B: Backend>(b: &B, source: &str) {
             10,
             Outcome::Success {
                 tokens: Some(7),
+                split: None,
                 count_attempt: true,
             },
         )
@@ -306,7 +308,7 @@ async fn huge_counts_and_durations_keep_sane_ttls() {
             "s1",
             &q,
             reserved,
-            polygate::backend::Settlement::Charge { tokens: charged },
+            polygate::backend::Settlement::charge(charged),
         )
         .await
         .unwrap();
@@ -879,6 +881,7 @@ async fn local_permits_are_fenced_on_redis_after_restore() {
             10,
             Outcome::Success {
                 tokens: Some(10),
+                split: None,
                 count_attempt: true,
             },
         )

@@ -17,6 +17,7 @@ const OWNER: u64 = 1;
 fn success() -> Outcome {
     Outcome::Success {
         tokens: None,
+        split: None,
         count_attempt: true,
     }
 }
@@ -757,6 +758,7 @@ async fn quota_exhausted_in_debt_reports_the_refill_of_debt_and_estimate() {
     let g = e.acquire(OWNER, call).await.unwrap();
     let used = Outcome::Success {
         tokens: Some(100),
+        split: None,
         count_attempt: true,
     };
     e.report(OWNER, g.permit, used).await.unwrap(); // level 60 − 100 = −40
@@ -837,6 +839,7 @@ async fn an_unusable_success_is_a_failure_for_health_and_holds_the_pacer() {
     assert_eq!(&*g.source, "a", "equal health: config order");
     let unusable = Outcome::Success {
         tokens: None,
+        split: None,
         count_attempt: false,
     };
     e.report(OWNER, g.permit, unusable).await.unwrap();

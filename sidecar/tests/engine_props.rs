@@ -56,10 +56,12 @@ fn outcome(n: u8) -> Outcome {
     match n {
         0 => Outcome::Success {
             tokens: Some(7),
+            split: None,
             count_attempt: true,
         },
         1 => Outcome::Success {
             tokens: None,
+            split: None,
             count_attempt: false,
         },
         2 => Outcome::failure(FailureKind::ServerError),

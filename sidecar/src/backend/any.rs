@@ -13,7 +13,7 @@ use super::{BResult, Backend, SourceSnapshot};
 use crate::clock::Clock;
 use crate::config::BackendKind;
 use crate::gate::breaker::{Applied, BreakerParams, Entry, Peek};
-use crate::gate::quota::{QuotaParams, Reserve, Settlement};
+use crate::gate::quota::{QuotaParams, Reserve, Settlement, Tokens};
 use crate::gate::{Admit, Outcome};
 
 /// Either backend; every [`Backend`] method delegates.
@@ -142,7 +142,12 @@ impl Backend for AnyBackend {
         delegate!(self, b => b.reset(source).await)
     }
 
-    async fn reserve(&self, source: &str, q: &QuotaParams, tokens: u64) -> BResult<Reserve> {
+    async fn reserve(
+        &self,
+        source: &str,
+        q: &QuotaParams,
+        tokens: impl Into<Tokens> + Send,
+    ) -> BResult<Reserve> {
         delegate!(self, b => b.reserve(source, q, tokens).await)
     }
 
@@ -150,7 +155,7 @@ impl Backend for AnyBackend {
         &self,
         source: &str,
         q: &QuotaParams,
-        reserved_tokens: u64,
+        reserved_tokens: impl Into<Tokens> + Send,
         how: Settlement,
     ) -> BResult<()> {
         delegate!(self, b => b.settle(source, q, reserved_tokens, how).await)
@@ -174,7 +179,7 @@ impl Backend for AnyBackend {
         source: &str,
         p: &BreakerParams,
         q: &QuotaParams,
-        tokens: u64,
+        tokens: impl Into<Tokens> + Send,
     ) -> BResult<Admit> {
         delegate!(self, b => b.admit(source, p, q, tokens).await)
     }
@@ -187,7 +192,7 @@ impl Backend for AnyBackend {
         q: &QuotaParams,
         epoch: u64,
         is_probe: bool,
-        reserved_tokens: u64,
+        reserved_tokens: impl Into<Tokens> + Send,
         outcome: Outcome,
     ) -> BResult<Applied> {
         delegate!(self, b => b.report(source, p, q, epoch, is_probe, reserved_tokens, outcome).await)

@@ -13,7 +13,7 @@ use std::time::Duration;
 use super::{BResult, Backend, BackendError, SourceSnapshot};
 use crate::clock::Clock;
 use crate::gate::breaker::{Applied, BreakerParams, Entry, Peek};
-use crate::gate::quota::{QuotaParams, Reserve, Settlement};
+use crate::gate::quota::{QuotaParams, Reserve, Settlement, Tokens};
 use crate::gate::{Admit, Gates, Outcome};
 
 /// The memory backend.
@@ -132,7 +132,12 @@ impl Backend for MemoryBackend {
         self.with(source, |c, now| c.reset(now))
     }
 
-    async fn reserve(&self, source: &str, q: &QuotaParams, tokens: u64) -> BResult<Reserve> {
+    async fn reserve(
+        &self,
+        source: &str,
+        q: &QuotaParams,
+        tokens: impl Into<Tokens> + Send,
+    ) -> BResult<Reserve> {
         self.with(source, |c, now| c.quota.reserve(q, tokens, now))
     }
 
@@ -140,7 +145,7 @@ impl Backend for MemoryBackend {
         &self,
         source: &str,
         q: &QuotaParams,
-        reserved_tokens: u64,
+        reserved_tokens: impl Into<Tokens> + Send,
         how: Settlement,
     ) -> BResult<()> {
         self.with(source, |c, now| {
@@ -169,8 +174,9 @@ impl Backend for MemoryBackend {
                 window_successes: b.successes,
                 window_failures: b.failures,
                 streak: b.streak,
-                tokens_available: qv.tokens,
-                requests_available: qv.requests,
+                tokens_available: qv.tokens(),
+                requests_available: qv.requests(),
+                levels: qv.levels,
                 quota_blocked: qv.blocked,
             }
         })
@@ -181,7 +187,7 @@ impl Backend for MemoryBackend {
         source: &str,
         p: &BreakerParams,
         q: &QuotaParams,
-        tokens: u64,
+        tokens: impl Into<Tokens> + Send,
     ) -> BResult<Admit> {
         self.with(source, |c, now| c.admit(now, p, q, tokens))
     }
@@ -194,7 +200,7 @@ impl Backend for MemoryBackend {
         q: &QuotaParams,
         epoch: u64,
         is_probe: bool,
-        reserved_tokens: u64,
+        reserved_tokens: impl Into<Tokens> + Send,
         outcome: Outcome,
     ) -> BResult<Applied> {
         self.with(source, |c, now| {

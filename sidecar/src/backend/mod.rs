@@ -103,7 +103,7 @@ pub use any::AnyBackend;
 pub use event::{AdminEvent, AdminOp};
 
 pub use crate::gate::breaker::{Applied, BreakerParams, Entry, Peek, State};
-pub use crate::gate::quota::{QuotaParams, Reserve, Settlement};
+pub use crate::gate::quota::{QuotaParams, Reserve, Settlement, Split, Tokens};
 pub use crate::gate::{Admit, FailureKind, Outcome};
 
 use std::future::Future;
@@ -131,6 +131,9 @@ pub struct SourceSnapshot {
     pub tokens_available: Option<f64>,
     /// rpm bucket level.
     pub requests_available: Option<f64>,
+    /// §7a: every bucket's level, in [`crate::gate::quota::BUCKETS`] order (`None`:
+    /// not configured); the first two are `tokens_available`, `requests_available`.
+    pub levels: [Option<f64>; 6],
     /// Remaining 429 block.
     pub quota_blocked: Duration,
 }
@@ -147,6 +150,7 @@ impl Default for SourceSnapshot {
             streak: 0,
             tokens_available: None,
             requests_available: None,
+            levels: [None; 6],
             quota_blocked: Duration::ZERO,
         }
     }
@@ -251,7 +255,7 @@ pub trait Backend: Send + Sync + 'static {
         &self,
         source: &str,
         q: &QuotaParams,
-        tokens: u64,
+        tokens: impl Into<Tokens> + Send,
     ) -> impl Future<Output = BResult<Reserve>> + Send;
 
     /// Settle a reservation of `reserved_tokens`.
@@ -259,7 +263,7 @@ pub trait Backend: Send + Sync + 'static {
         &self,
         source: &str,
         q: &QuotaParams,
-        reserved_tokens: u64,
+        reserved_tokens: impl Into<Tokens> + Send,
         how: Settlement,
     ) -> impl Future<Output = BResult<()>> + Send;
 
@@ -287,7 +291,7 @@ pub trait Backend: Send + Sync + 'static {
         source: &str,
         p: &BreakerParams,
         q: &QuotaParams,
-        tokens: u64,
+        tokens: impl Into<Tokens> + Send,
     ) -> impl Future<Output = BResult<Admit>> + Send;
 
     /// Settle the permit's reservation and feed the outcome to the breaker,
@@ -300,7 +304,7 @@ pub trait Backend: Send + Sync + 'static {
         q: &QuotaParams,
         epoch: u64,
         is_probe: bool,
-        reserved_tokens: u64,
+        reserved_tokens: impl Into<Tokens> + Send,
         outcome: Outcome,
     ) -> impl Future<Output = BResult<Applied>> + Send;
 

@@ -14,6 +14,7 @@ use super::pass::nap;
 use super::report::{Abandon, GiveBack, Settle};
 use super::runtime::bump;
 use super::tables::{Hold, OwnerId, PermitRec};
+use super::CallEst;
 use super::{Engine, Grant};
 use crate::backend::Backend;
 use crate::clock::Clock;
@@ -27,14 +28,15 @@ impl<B: Backend> Engine<B> {
         &self,
         owner: OwnerId,
         scope: &str,
-        est_tokens: Option<u64>,
+        est: impl Into<CallEst>,
     ) -> Result<u64, EngineError> {
+        let est = est.into();
         let si = *self
             .scope_index
             .get(scope)
             .ok_or_else(|| EngineError::UnknownScope(crate::limits::echo(scope).into_owned()))?;
         let now = self.clock.now();
-        self.lock().begin(owner, si, est_tokens, now)
+        self.lock().begin(owner, si, est, now)
     }
 
     /// Run admission for the call (§4–§5); may wait. Cancel-safe: dropping the future
@@ -109,12 +111,12 @@ impl<B: Backend> Engine<B> {
                 return Err(EngineError::Exhausted {
                     scope: scope_name(),
                     reason: Exhaustion::Stalled,
-                    retry_after: self.known_retry_after(si, &policy, budget.est_tokens),
+                    retry_after: self.known_retry_after(si, &policy, budget.est),
                     reasons: self.reasons_of(si, &reasons),
                 });
             }
             let refused = match self
-                .pass(si, &policy, &failed, budget.est_tokens, &mut reasons)
+                .pass(si, &policy, &failed, budget.est, &mut reasons)
                 .await
             {
                 Ok(hold) => {
@@ -212,7 +214,7 @@ impl<B: Backend> Engine<B> {
         &self,
         scope: usize,
         policy: &super::runtime::Policy,
-        est_tokens: Option<u64>,
+        est: CallEst,
     ) -> Duration {
         let now = self.clock.now();
         self.scopes[scope]
@@ -224,7 +226,7 @@ impl<B: Backend> Engine<B> {
                 if !memo.is_zero() {
                     return memo;
                 }
-                let tokens = est_tokens.unwrap_or(src.params().est_tokens);
+                let tokens = src.params().estimate(est).total;
                 src.quota_hint
                     .wait(now, tokens, policy.cfg.poll_interval)
                     .unwrap_or(Duration::ZERO)
@@ -313,7 +315,7 @@ impl<B: Backend> Engine<B> {
             source: src.name.clone(),
             is_probe: g.is_probe,
             attempt,
-            est_tokens: g.tokens,
+            est_tokens: g.tokens.total,
         };
         Ok((grant, stale))
     }

@@ -44,6 +44,27 @@ use crate::gate::breaker::{Applied, State};
 use runtime::{ScopeRt, SourceRt, Topology};
 use tables::Tables;
 
+/// A call's own token estimates (§7, §7a), each optional: the source's defaults
+/// fill what is missing ([`runtime::SourceParams::estimate`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct CallEst {
+    /// `est_tokens`: the total.
+    pub total: Option<u64>,
+    /// `est_input_tokens`.
+    pub input: Option<u64>,
+    /// `est_output_tokens` (normally the request's `max_tokens`).
+    pub output: Option<u64>,
+}
+
+impl From<Option<u64>> for CallEst {
+    fn from(total: Option<u64>) -> Self {
+        CallEst {
+            total,
+            ..CallEst::default()
+        }
+    }
+}
+
 /// A granted permit.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Grant {

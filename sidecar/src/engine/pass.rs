@@ -21,12 +21,13 @@ use super::detach::Work;
 use super::report::{GiveBack, Settle};
 use super::runtime::Policy;
 use super::tables::Hold;
+use super::CallEst;
 use super::{Engine, SkipReason};
 use crate::backend::{BResult, Backend, BackendError};
 use crate::config::Selector;
 use crate::gate::breaker::{BreakerParams, Peek, State};
 use crate::gate::health::rank;
-use crate::gate::quota::QuotaParams;
+use crate::gate::quota::{QuotaParams, Tokens};
 use crate::gate::Admit;
 
 /// A shared backend's memo entry is re-checked at most this often per source (§10).
@@ -73,7 +74,7 @@ impl<B: Backend> Engine<B> {
         scope: usize,
         policy: &Policy,
         failed: &[usize],
-        est_tokens: Option<u64>,
+        est: CallEst,
         reasons: &mut [Option<SkipReason>],
     ) -> Result<Hold, Refused> {
         let mut refused = Refused::default();
@@ -106,9 +107,9 @@ impl<B: Backend> Engine<B> {
             };
             // Gates 3 + 4: quota then breaker, one backend operation — unless this
             // host's quota hint already knows the answer for this tick.
-            let tokens = est_tokens.unwrap_or(params.est_tokens);
+            let tokens = params.estimate(est);
             let poll = policy.cfg.poll_interval;
-            if let Some(wait) = src.quota_hint.wait(now, tokens, poll) {
+            if let Some(wait) = src.quota_hint.wait(now, tokens.total, poll) {
                 reasons[pos] = Some(SkipReason::RateLimited);
                 refused.source(wait);
                 continue;
@@ -139,8 +140,12 @@ impl<B: Backend> Engine<B> {
                 Ok(Admit::RateLimited { retry_after }) => {
                     reasons[pos] = Some(SkipReason::RateLimited);
                     refused.source(retry_after);
-                    src.quota_hint
-                        .set(hint_generation, self.clock.now(), retry_after, tokens);
+                    src.quota_hint.set(
+                        hint_generation,
+                        self.clock.now(),
+                        retry_after,
+                        tokens.total,
+                    );
                 }
                 Ok(Admit::CircuitOpen {
                     state,
@@ -253,7 +258,7 @@ struct Admission {
     /// Quota parameters of the source.
     qp: QuotaParams,
     /// Tokens to reserve.
-    tokens: u64,
+    tokens: Tokens,
 }
 
 impl<B: Backend> Work<B> for Admission {

@@ -15,7 +15,7 @@ use super::Engine;
 use crate::backend::{BResult, Backend, BackendError};
 use crate::gate::breaker::{Applied, BreakerParams, State};
 use crate::gate::pacer::Signal;
-use crate::gate::quota::{QuotaParams, Settlement};
+use crate::gate::quota::{QuotaParams, Tokens};
 use crate::gate::{FailureKind, Outcome};
 use crate::logs::{self, Kind};
 
@@ -176,7 +176,7 @@ pub(super) struct Settle {
     /// The grant holds the probe lease.
     is_probe: bool,
     /// Tokens the grant reserved.
-    tokens: u64,
+    tokens: Tokens,
     /// What happened.
     outcome: Outcome,
 }
@@ -259,7 +259,7 @@ impl<B: Backend> Work<B> for Abandon {
     async fn run(&self, engine: &Engine<B>) {
         let p = &self.0;
         let src = &engine.sources[p.source];
-        let how = Settlement::Charge { tokens: p.tokens };
+        let how = Outcome::success(None).settlement(p.tokens);
         if let Err(e) = engine
             .backend
             .settle(&src.name, &src.params().qp, p.tokens, how)

@@ -12,12 +12,14 @@ use std::time::Duration;
 use tokio::sync::Notify;
 
 use super::error::ReloadError;
+use super::CallEst;
+use crate::config::TokensCharged;
 use crate::config::{Config, ScopeConfig, SourceConfig};
 use crate::gate::breaker::BreakerParams;
 use crate::gate::health::Health;
 use crate::gate::memo::{Memo, QuotaHint};
 use crate::gate::pacer::Pacer;
-use crate::gate::quota::QuotaParams;
+use crate::gate::quota::{QuotaParams, Tokens};
 use crate::metrics::histogram::{Histogram, WAIT_BUCKETS};
 
 /// A scope's policy: everything SIGHUP may change about it. Swapped whole, so one
@@ -54,6 +56,10 @@ pub(crate) struct SourceParams {
     pub(crate) qp: QuotaParams,
     /// §7 default estimate.
     pub(crate) est_tokens: u64,
+    /// §7a default input estimate.
+    pub(crate) est_input_tokens: u64,
+    /// §7a default output estimate.
+    pub(crate) est_output_tokens: u64,
     /// A permit never reported is reclaimed after this (2 × timeout).
     pub(crate) lease: Duration,
 }
@@ -64,9 +70,47 @@ impl SourceParams {
             qp: QuotaParams {
                 tpm: s.tpm,
                 rpm: s.rpm,
+                itpm: s.itpm,
+                otpm: s.otpm,
+                tpd: s.tpd,
+                rpd: s.rpd,
+                burst: s.burst,
+                charge_estimate: s.tokens_charged == TokensCharged::Estimate,
             },
             est_tokens: s.default_est_tokens(),
+            est_input_tokens: s.default_est_input_tokens(),
+            est_output_tokens: s.default_est_output_tokens(),
             lease: s.permit_lease(),
+        }
+    }
+}
+
+impl SourceParams {
+    /// §7/§7a: a call's reservation at this source. What the call names is taken
+    /// as given; a missing part is what the call's total leaves beside the other
+    /// part, else the source's default for it (the output default never above the
+    /// call's total); a missing total is the sum of the parts when the call names
+    /// one, else the source's default.
+    pub(crate) fn estimate(&self, c: CallEst) -> Tokens {
+        let output = match (c.output, c.input, c.total) {
+            (Some(o), _, _) => o,
+            (None, Some(i), Some(t)) => t.saturating_sub(i),
+            (None, _, t) => self.est_output_tokens.min(t.unwrap_or(u64::MAX)),
+        };
+        let input = match (c.input, c.total) {
+            (Some(i), _) => i,
+            (None, Some(t)) => t.saturating_sub(output),
+            (None, None) => self.est_input_tokens,
+        };
+        let total = match c.total {
+            Some(t) => t,
+            None if c.input.is_some() || c.output.is_some() => input + output,
+            None => self.est_tokens,
+        };
+        Tokens {
+            total,
+            input,
+            output,
         }
     }
 }

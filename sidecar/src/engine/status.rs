@@ -22,11 +22,11 @@ impl<B: Backend> Engine<B> {
                 match self.backend.snapshot(&src.name, &bp, &params.qp).await {
                     Ok(snap) => {
                         let quota = QuotaView {
-                            tokens: snap.tokens_available,
-                            requests: snap.requests_available,
+                            levels: snap.levels,
                             blocked: snap.quota_blocked,
                         };
-                        s.quota_retry_after = quota.wait(&params.qp, params.est_tokens);
+                        let est = params.estimate(super::CallEst::default());
+                        s.quota_retry_after = quota.wait(&params.qp, est);
                         s.shared = snap;
                     }
                     Err(e) => {

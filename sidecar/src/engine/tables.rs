@@ -7,6 +7,8 @@ use std::collections::HashMap;
 use std::time::Duration;
 
 use super::error::EngineError;
+use super::CallEst;
+use crate::gate::quota::Tokens;
 use crate::gate::Outcome;
 
 /// Identifies who holds calls and permits (one per connection in the daemon).
@@ -23,8 +25,8 @@ pub(crate) struct CallRec {
     owner: OwnerId,
     /// Scope index.
     pub(crate) scope: usize,
-    /// The Acquire's own estimate.
-    est_tokens: Option<u64>,
+    /// The call's own estimates.
+    est: CallEst,
     /// Attempts granted so far (a cancelled attempt gives its attempt back).
     attempts: u32,
     /// Sources that failed in this call (call-local demotion), in failure order.
@@ -65,7 +67,7 @@ pub(crate) struct PermitRec {
     /// Holds the probe lease.
     pub(crate) is_probe: bool,
     /// Tokens reserved.
-    pub(crate) tokens: u64,
+    pub(crate) tokens: Tokens,
     /// When granted (latency for health).
     pub(crate) granted_at: Duration,
     /// When it is reclaimed if never reported.
@@ -84,7 +86,7 @@ pub(crate) struct Hold {
     /// The grant is the probe.
     pub(crate) is_probe: bool,
     /// Tokens reserved.
-    pub(crate) tokens: u64,
+    pub(crate) tokens: Tokens,
 }
 
 /// What an Acquire needs to know about its call before a pass.
@@ -94,8 +96,8 @@ pub(crate) struct Budget {
     pub(crate) attempts: u32,
     /// The stall clock now.
     pub(crate) stall: Duration,
-    /// The call's own estimate.
-    pub(crate) est_tokens: Option<u64>,
+    /// The call's own estimates.
+    pub(crate) est: CallEst,
 }
 
 /// Calls and permits, under one short-held lock.
@@ -143,7 +145,7 @@ impl Tables {
         &mut self,
         owner: OwnerId,
         scope: usize,
-        est_tokens: Option<u64>,
+        est: CallEst,
         now: Duration,
     ) -> Result<u64, EngineError> {
         let n = self.owner_calls.entry(owner).or_insert(0);
@@ -160,7 +162,7 @@ impl Tables {
             CallRec {
                 owner,
                 scope,
-                est_tokens,
+                est,
                 attempts: 0,
                 failed: Vec::new(),
                 stalled: Duration::ZERO,
@@ -213,7 +215,7 @@ impl Tables {
         Ok(Budget {
             attempts: c.attempts,
             stall: c.stall(now),
-            est_tokens: c.est_tokens,
+            est: c.est,
         })
     }
 
@@ -389,7 +391,7 @@ impl Tables {
             permits: self.permits.len(),
             probes: self.permits.values().filter(|p| p.is_probe).count(),
             pacer_in_flight: 0,
-            reserved_tokens: self.permits.values().map(|p| p.tokens).sum(),
+            reserved_tokens: self.permits.values().map(|p| p.tokens.total).sum(),
             max_probes_per_source: (0..sources)
                 .map(|s| {
                     self.permits

@@ -20,7 +20,7 @@ pub mod quota;
 use std::time::Duration;
 
 use breaker::{Applied, Breaker, BreakerParams, State};
-use quota::{Quota, QuotaParams, Reserve, Settlement};
+use quota::{Quota, QuotaParams, Reserve, Settlement, Split, Tokens};
 
 /// Answer of the combined admission step (gates 3 + 4, [`Gates::admit`]).
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -82,6 +82,9 @@ pub enum Outcome {
     Success {
         /// Actual tokens; `None` keeps the estimate.
         tokens: Option<u64>,
+        /// §7a: their input/output parts; `None` splits `tokens` in proportion to
+        /// the reservation.
+        split: Option<Split>,
         /// `false` keeps the success out of the breaker window.
         count_attempt: bool,
     },
@@ -92,6 +95,8 @@ pub enum Outcome {
         /// Tokens the upstream reported for a non-transient failure; `None` charges
         /// the estimate. Ignored for transient kinds (refunded, §7).
         tokens: Option<u64>,
+        /// §7a: their input/output parts, as for a success.
+        split: Option<Split>,
     },
     /// 429: backpressure, not failure.
     RateLimited {
@@ -105,21 +110,49 @@ pub enum Outcome {
 impl Outcome {
     /// A failure of `kind` without a token count.
     pub fn failure(kind: FailureKind) -> Self {
-        Outcome::Failure { kind, tokens: None }
+        Outcome::Failure {
+            kind,
+            tokens: None,
+            split: None,
+        }
+    }
+
+    /// A success of `tokens` (no split), counted in the window.
+    pub fn success(tokens: Option<u64>) -> Self {
+        Outcome::Success {
+            tokens,
+            split: None,
+            count_attempt: true,
+        }
     }
 
     /// §7 settlement of the reservation for this outcome: a success or a
     /// non-transient failure is charged its reported tokens (the estimate when none
     /// were reported), a transient failure or a 429 refunds the tokens, a
     /// cancellation refunds everything.
-    pub fn settlement(&self, reserved_tokens: u64) -> Settlement {
+    /// Without a count the reservation is charged as it was made (its own split).
+    pub fn settlement(&self, reserved: impl Into<Tokens>) -> Settlement {
+        let r = reserved.into();
+        let charge = |tokens: Option<u64>, split: Option<Split>| match (tokens, split) {
+            (None, None) => Settlement::Charge {
+                tokens: r.total,
+                split: Some(Split {
+                    input: r.input,
+                    output: r.output,
+                }),
+            },
+            (tokens, split) => Settlement::Charge {
+                tokens: tokens.unwrap_or_else(|| split.map_or(0, |s| s.input + s.output)),
+                split,
+            },
+        };
         match *self {
-            Outcome::Success { tokens, .. } => Settlement::Charge {
-                tokens: tokens.unwrap_or(reserved_tokens),
-            },
-            Outcome::Failure { kind, tokens } if !kind.is_transient() => Settlement::Charge {
-                tokens: tokens.unwrap_or(reserved_tokens),
-            },
+            Outcome::Success { tokens, split, .. } => charge(tokens, split),
+            Outcome::Failure {
+                kind,
+                tokens,
+                split,
+            } if !kind.is_transient() => charge(tokens, split),
             Outcome::Failure { .. } | Outcome::RateLimited { .. } => Settlement::RefundTokens,
             Outcome::Cancelled => Settlement::RefundAll,
         }
@@ -151,8 +184,9 @@ impl Gates {
         now: Duration,
         p: &BreakerParams,
         q: &QuotaParams,
-        tokens: u64,
+        tokens: impl Into<Tokens>,
     ) -> Admit {
+        let tokens = tokens.into();
         if let Reserve::Denied { retry_after } = self.quota.reserve(q, tokens, now) {
             return Admit::RateLimited { retry_after };
         }
@@ -184,9 +218,10 @@ impl Gates {
         q: &QuotaParams,
         epoch: u64,
         is_probe: bool,
-        reserved_tokens: u64,
+        reserved_tokens: impl Into<Tokens>,
         outcome: Outcome,
     ) -> Applied {
+        let reserved_tokens = reserved_tokens.into();
         self.quota
             .settle(q, reserved_tokens, outcome.settlement(reserved_tokens), now);
         match outcome {

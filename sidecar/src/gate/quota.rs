@@ -1,5 +1,6 @@
-//! The quota gate (§7): continuously refilled buckets per source (tokens per minute,
-//! requests per minute) and a 429 block. Plain data; `now` is passed in. The Redis
+//! The quota gate (§7, §7a): continuously refilled buckets per source (tokens,
+//! requests, input and output tokens per minute; tokens and requests per day) and a
+//! 429 block. Plain data; `now` is passed in. The Redis
 //! backend implements the same rules in `gate.lua` (see `backend/mod.rs`).
 //!
 //! A bucket is stored as the instant it would be full again if nothing more were
@@ -9,21 +10,84 @@
 //! holds at most its capacity), and the debt floor of −capacity is `full_at ≤ now +
 //! 2 × refill time of a full bucket`. Every quantity is then a time, which is what
 //! the Redis script keeps as integer microseconds (no float text), and "how long
-//! until `need` fits" is one subtraction. The buckets are a list ([`Quota::buckets`]):
-//! a new kind of bucket (§7a) is one more entry with its capacity and its amount.
+//! until `need` fits" is one subtraction. The buckets are a list ([`BUCKETS`]): each
+//! kind says what it counts and over which period; [`QuotaParams::limit`] says
+//! whether it is configured. §7a in one place ([`Shape`]): a per-minute bucket
+//! holds `limit × burst / 60 s` (at least 1), refills `limit` per minute and may go
+//! into debt down to −`limit`; a per-day bucket holds and refills a day's worth. With
+//! every §7a key at its default each bucket is exactly the §7 one.
 //!
 //! The quota's vocabulary lives here too ([`QuotaParams`], [`Reserve`],
 //! [`Settlement`]): every backend speaks it, and none of it depends on a backend.
 
 use std::time::Duration;
 
-/// Quota parameters of a source (§7). `None` disables that bucket.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+/// Quota parameters of a source (§7, §7a). `None` disables that bucket.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct QuotaParams {
     /// Tokens per minute.
     pub tpm: Option<u64>,
     /// Requests per minute.
     pub rpm: Option<u64>,
+    /// §7a: input tokens per minute (Anthropic ITPM).
+    pub itpm: Option<u64>,
+    /// §7a: output tokens per minute (Anthropic OTPM).
+    pub otpm: Option<u64>,
+    /// §7a: tokens per day.
+    pub tpd: Option<u64>,
+    /// §7a: requests per day.
+    pub rpd: Option<u64>,
+    /// §7a: a per-minute bucket holds `limit × burst / 60 s` (≤ 60 s).
+    pub burst: Duration,
+    /// §7a `tokens_charged = "estimate"`: the reservation is the charge, whatever
+    /// usage is reported (refunds of §7 still apply).
+    pub charge_estimate: bool,
+}
+
+impl Default for QuotaParams {
+    fn default() -> Self {
+        QuotaParams {
+            tpm: None,
+            rpm: None,
+            itpm: None,
+            otpm: None,
+            tpd: None,
+            rpd: None,
+            burst: MINUTE,
+            charge_estimate: false,
+        }
+    }
+}
+
+/// A reservation's tokens (§7a): the total for `tpm`/`tpd`, and its input and
+/// output parts for `itpm`/`otpm`. A bare count is all input.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Tokens {
+    /// Total tokens.
+    pub total: u64,
+    /// Input (prompt) tokens.
+    pub input: u64,
+    /// Output tokens (normally the request's `max_tokens`).
+    pub output: u64,
+}
+
+impl From<u64> for Tokens {
+    fn from(n: u64) -> Self {
+        Tokens {
+            total: n,
+            input: n,
+            output: 0,
+        }
+    }
+}
+
+/// Reported input/output usage (§7a; input excludes cached reads).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Split {
+    /// Input tokens.
+    pub input: u64,
+    /// Output tokens.
+    pub output: u64,
 }
 
 /// Answer of `reserve` (gate 3).
@@ -33,9 +97,10 @@ pub enum Reserve {
     Reserved,
     /// Not enough in a bucket, or blocked by a 429; nothing was taken.
     Denied {
-        /// §6: the time until this reservation certainly fits as far as the quota
+        /// §6/§7a: the time until this reservation certainly fits as far as the quota
         /// knows: every bucket holds its share of it (refill after debt) and the 429
-        /// block is over, whichever is later. Never zero.
+        /// block is over, whichever is later (the longest wait over the buckets).
+        /// Never zero.
         retry_after: Duration,
     },
 }
@@ -48,6 +113,9 @@ pub enum Settlement {
     Charge {
         /// Actual tokens used.
         tokens: u64,
+        /// Their input/output parts; `None` splits `tokens` in proportion to the
+        /// reservation's parts (§7a).
+        split: Option<Split>,
     },
     /// The request counted but used no tokens (transient failure, 429): the token
     /// deposit nets to zero.
@@ -56,8 +124,21 @@ pub enum Settlement {
     RefundAll,
 }
 
-/// The refill period of every per-minute bucket: its capacity refills in this long.
+impl Settlement {
+    /// A charge of `tokens` without a split.
+    pub fn charge(tokens: u64) -> Self {
+        Settlement::Charge {
+            tokens,
+            split: None,
+        }
+    }
+}
+
+/// The refill period of every per-minute bucket: its limit refills in this long.
 pub const MINUTE: Duration = Duration::from_secs(60);
+
+/// The refill period of a per-day bucket (§7a).
+pub const DAY: Duration = Duration::from_secs(24 * 3600);
 
 /// The longest 429 block any backend keeps (7 days; `gate.lua`'s `QMAX_BLOCK`). The
 /// engine already cuts a 429's `retry_after` to `max_rate_limit_block` (§7, default
@@ -67,39 +148,212 @@ pub const MAX_QUOTA_BLOCK: Duration = Duration::from_secs(7 * 24 * 3600);
 /// What a bucket counts, and so how much of a reservation it takes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Counts {
-    /// Tokens (`tpm`): the reservation's token estimate.
+    /// Tokens (`tpm`, `tpd`): the reservation's total.
     Tokens,
-    /// Requests (`rpm`): one per reservation.
+    /// Requests (`rpm`, `rpd`): one per reservation.
     Requests,
+    /// Input tokens (`itpm`).
+    Input,
+    /// Output tokens (`otpm`).
+    Output,
 }
 
-impl Counts {
-    /// This bucket's share of a reservation of `tokens`.
-    pub fn amount(self, tokens: u64) -> u64 {
+/// The kinds of bucket, in the order [`Quota`] stores them and the Redis script
+/// lists them (`gate.lua` `QB`): what each counts and its refill period.
+pub const BUCKETS: [(Bucket, Counts, Duration); 6] = [
+    (Bucket::Tpm, Counts::Tokens, MINUTE),
+    (Bucket::Rpm, Counts::Requests, MINUTE),
+    (Bucket::Itpm, Counts::Input, MINUTE),
+    (Bucket::Otpm, Counts::Output, MINUTE),
+    (Bucket::Tpd, Counts::Tokens, DAY),
+    (Bucket::Rpd, Counts::Requests, DAY),
+];
+
+/// The name of each bucket kind (its config key; status and metrics show it).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Bucket {
+    /// Tokens per minute.
+    Tpm,
+    /// Requests per minute.
+    Rpm,
+    /// Input tokens per minute.
+    Itpm,
+    /// Output tokens per minute.
+    Otpm,
+    /// Tokens per day.
+    Tpd,
+    /// Requests per day.
+    Rpd,
+}
+
+impl Bucket {
+    /// The config key (`tpm`, …).
+    pub const fn as_str(self) -> &'static str {
         match self {
-            Counts::Tokens => tokens,
-            Counts::Requests => 1,
+            Bucket::Tpm => "tpm",
+            Bucket::Rpm => "rpm",
+            Bucket::Itpm => "itpm",
+            Bucket::Otpm => "otpm",
+            Bucket::Tpd => "tpd",
+            Bucket::Rpd => "rpd",
         }
     }
 }
 
-impl QuotaParams {
-    /// The configured buckets with their capacities, in the order [`Quota`] stores
-    /// them (the Redis script lists them in the same order).
-    pub fn buckets(&self) -> [(Counts, Option<u64>); 2] {
-        [(Counts::Tokens, self.tpm), (Counts::Requests, self.rpm)]
+impl Counts {
+    /// This bucket's share of a reservation.
+    pub fn amount(self, t: Tokens) -> u64 {
+        match self {
+            Counts::Tokens => t.total,
+            Counts::Requests => 1,
+            Counts::Input => t.input,
+            Counts::Output => t.output,
+        }
     }
 }
 
-/// Nanoseconds `amount` takes to refill in a bucket of `cap` per [`MINUTE`], rounded
-/// up (a debit is never smaller than its amount).
-fn refill_ns(amount: u64, cap: u64) -> u128 {
-    (amount as u128 * MINUTE.as_nanos()).div_ceil(cap.max(1) as u128)
+/// One configured bucket's numbers (§7a): `limit` per `period` refill, `capacity`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Shape {
+    /// The configured limit: what refills in one period.
+    pub limit: u64,
+    /// The refill period (a minute or a day).
+    pub period: Duration,
+    /// What a full bucket holds: a per-minute bucket `max(1, floor(limit × burst /
+    /// 60 s))` (burst in whole µs, as the script computes it), a per-day one its
+    /// limit.
+    pub capacity: u64,
 }
 
-/// One bucket: full again at `full_at` (a time on the backend's clock).
+impl Shape {
+    /// Nanoseconds `amount` takes to refill, rounded up (a debit is never smaller
+    /// than its amount).
+    fn refill_ns(&self, amount: u64) -> u128 {
+        (amount as u128 * self.period.as_nanos()).div_ceil(self.limit.max(1) as u128)
+    }
+
+    /// Nanoseconds `amount` takes to refill, rounded down (a credit is never larger).
+    fn back_ns(&self, amount: u64) -> u128 {
+        amount as u128 * self.period.as_nanos() / self.limit.max(1) as u128
+    }
+
+    /// The deepest deficit: a level of −limit (§7: one absurd count delays later
+    /// admissions by at most one more period of refill).
+    fn floor_ns(&self) -> u128 {
+        self.refill_ns(self.capacity + self.limit)
+    }
+
+    /// Refill per second (status).
+    pub fn refill_per_s(&self) -> f64 {
+        self.limit as f64 / self.period.as_secs_f64()
+    }
+}
+
+impl QuotaParams {
+    /// The limit configured for `b`.
+    pub fn limit(&self, b: Bucket) -> Option<u64> {
+        match b {
+            Bucket::Tpm => self.tpm,
+            Bucket::Rpm => self.rpm,
+            Bucket::Itpm => self.itpm,
+            Bucket::Otpm => self.otpm,
+            Bucket::Tpd => self.tpd,
+            Bucket::Rpd => self.rpd,
+        }
+    }
+
+    /// `b`'s shape when configured.
+    pub fn shape(&self, b: Bucket) -> Option<Shape> {
+        let (_, _, period) = BUCKETS[b as usize];
+        let limit = self.limit(b)?;
+        let capacity = if period == MINUTE && self.burst != MINUTE {
+            let burst_us = self.burst.as_micros().min(MINUTE.as_micros());
+            ((limit as u128 * burst_us / MINUTE.as_micros()) as u64).max(1)
+        } else {
+            limit
+        };
+        Some(Shape {
+            limit,
+            period,
+            capacity,
+        })
+    }
+
+    /// The credits settling a reservation `r` `how` gives back to the buckets (§7,
+    /// §7a); every backend applies exactly these.
+    pub fn credits(&self, r: Tokens, how: Settlement) -> Credits {
+        let refund = Credits {
+            total: r.total as i128,
+            input: r.input as i128,
+            output: r.output as i128,
+            requests: 0,
+        };
+        match how {
+            Settlement::Charge { .. } if self.charge_estimate => Credits::default(),
+            Settlement::Charge { tokens, split } => {
+                let split = split.unwrap_or_else(|| proportional(tokens, r));
+                Credits {
+                    total: r.total as i128 - tokens as i128,
+                    input: r.input as i128 - split.input as i128,
+                    output: r.output as i128 - split.output as i128,
+                    requests: 0,
+                }
+            }
+            Settlement::RefundTokens => refund,
+            Settlement::RefundAll => Credits {
+                requests: 1,
+                ..refund
+            },
+        }
+    }
+}
+
+/// §7a: `tokens` split in proportion to the reservation's input and output parts
+/// (all input when the reservation has neither).
+fn proportional(tokens: u64, r: Tokens) -> Split {
+    let parts = r.input as u128 + r.output as u128;
+    if parts == 0 {
+        return Split {
+            input: tokens,
+            output: 0,
+        };
+    }
+    let input = ((tokens as u128 * r.input as u128 + parts / 2) / parts) as u64;
+    Split {
+        input,
+        output: tokens - input.min(tokens),
+    }
+}
+
+/// What a settlement gives back to the buckets of each count (negative: an extra
+/// debit).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Credits {
+    /// Total tokens (`tpm`, `tpd`).
+    pub total: i128,
+    /// Input tokens (`itpm`).
+    pub input: i128,
+    /// Output tokens (`otpm`).
+    pub output: i128,
+    /// Requests (`rpm`, `rpd`): 0 or 1.
+    pub requests: u8,
+}
+
+impl Credits {
+    /// The credit of a bucket counting `c`.
+    pub fn of(&self, c: Counts) -> i128 {
+        match c {
+            Counts::Tokens => self.total,
+            Counts::Requests => self.requests as i128,
+            Counts::Input => self.input,
+            Counts::Output => self.output,
+        }
+    }
+}
+
+/// One bucket's state: full again at `full_at` (a time on the backend's clock).
 #[derive(Debug, Clone, Copy, PartialEq)]
-struct Bucket {
+struct Level {
     /// When the bucket is full again if nothing more is taken; at or before `now`
     /// means full.
     full_at: Duration,
@@ -109,7 +363,7 @@ fn dur(ns: u128) -> Duration {
     Duration::from_nanos(ns.min(u64::MAX as u128) as u64)
 }
 
-impl Bucket {
+impl Level {
     /// Taken time: how long until full, at `now`.
     fn deficit(&self, now: Duration) -> u128 {
         self.full_at.saturating_sub(now).as_nanos()
@@ -118,8 +372,8 @@ impl Bucket {
     /// Time until the level reaches `need` (capped at the capacity: a reservation
     /// larger than the bucket fits a full bucket). Never zero while it has not: a
     /// wait that rounds to nothing would let a reservation through below `need`.
-    fn wait_for(&self, cap: u64, need: u64, now: Duration) -> Duration {
-        let room = refill_ns(cap - need.min(cap), cap); // deficit allowed with `need` fitting
+    fn wait_for(&self, s: &Shape, need: u64, now: Duration) -> Duration {
+        let room = s.refill_ns(s.capacity - need.min(s.capacity)); // deficit allowed
         let wait = self.deficit(now).saturating_sub(room);
         if wait == 0 {
             Duration::ZERO
@@ -128,66 +382,72 @@ impl Bucket {
         }
     }
 
-    /// Take `amount`, keeping the level ≥ −capacity.
-    fn debit(&mut self, cap: u64, amount: u64, now: Duration) {
-        let deficit = (self.deficit(now) + refill_ns(amount, cap)).min(2 * MINUTE.as_nanos());
+    /// Take `amount`, keeping the level ≥ −limit.
+    fn debit(&mut self, s: &Shape, amount: u64, now: Duration) {
+        let deficit = (self.deficit(now) + s.refill_ns(amount)).min(s.floor_ns());
         self.full_at = now + dur(deficit);
     }
 
     /// Give back `amount`, keeping the level ≤ capacity.
-    fn credit(&mut self, cap: u64, amount: u64, now: Duration) {
-        let back = amount as u128 * MINUTE.as_nanos() / cap.max(1) as u128; // rounded down
-        self.full_at = now + dur(self.deficit(now).saturating_sub(back));
+    fn credit(&mut self, s: &Shape, amount: u64, now: Duration) {
+        self.full_at = now + dur(self.deficit(now).saturating_sub(s.back_ns(amount)));
     }
 
     /// Add `amount` (negative: debit).
-    fn add(&mut self, cap: u64, amount: i128, now: Duration) {
+    fn add(&mut self, s: &Shape, amount: i128, now: Duration) {
         let n = amount.unsigned_abs().min(u64::MAX as u128) as u64;
         if amount >= 0 {
-            self.credit(cap, n, now)
+            self.credit(s, n, now)
         } else {
-            self.debit(cap, n, now)
+            self.debit(s, n, now)
         }
     }
 
     /// The level at `now` (negative: debt), for status.
-    fn level(&self, cap: u64, now: Duration) -> f64 {
-        cap as f64 - self.deficit(now) as f64 * cap as f64 / MINUTE.as_nanos() as f64
+    fn level(&self, s: &Shape, now: Duration) -> f64 {
+        s.capacity as f64 - self.deficit(now) as f64 * s.limit as f64 / s.period.as_nanos() as f64
     }
 }
 
 /// One source's quota state.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Quota {
-    /// One slot per entry of [`QuotaParams::buckets`]; a bucket never used (or
-    /// disabled) is `None` and reads as full.
-    buckets: [Option<Bucket>; 2],
+    /// One slot per entry of [`BUCKETS`]; a bucket never used (or disabled) is
+    /// `None` and reads as full.
+    buckets: [Option<Level>; 6],
     /// A 429 `retry_after` blocks reservations until then.
     blocked_until: Duration,
 }
 
-/// Quota levels for status.
+/// Quota levels for status, one per entry of [`BUCKETS`] (`None`: not configured).
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct QuotaView {
-    /// Token level (negative: debt).
-    pub tokens: Option<f64>,
-    /// Request level.
-    pub requests: Option<f64>,
+    /// Each bucket's level (negative: debt).
+    pub levels: [Option<f64>; 6],
     /// Remaining block.
     pub blocked: Duration,
 }
 
 impl QuotaView {
-    /// §6: the time until a reservation of `tokens` fits buckets at these levels and
-    /// the block is over (status shows it; zero = now).
-    pub fn wait(&self, q: &QuotaParams, tokens: u64) -> Duration {
+    /// Token level (negative: debt).
+    pub fn tokens(&self) -> Option<f64> {
+        self.levels[Bucket::Tpm as usize]
+    }
+
+    /// Request level.
+    pub fn requests(&self) -> Option<f64> {
+        self.levels[Bucket::Rpm as usize]
+    }
+
+    /// §6: the time until a reservation `t` fits buckets at these levels and the
+    /// block is over (status shows it; zero = now).
+    pub fn wait(&self, q: &QuotaParams, t: Tokens) -> Duration {
         let mut wait = self.blocked;
-        let levels = [self.tokens, self.requests];
-        for ((counts, cap), level) in q.buckets().into_iter().zip(levels) {
-            if let (Some(cap), Some(level)) = (cap, level) {
-                let need = counts.amount(tokens).min(cap) as f64;
+        for ((b, counts, _), level) in BUCKETS.into_iter().zip(self.levels) {
+            if let (Some(s), Some(level)) = (q.shape(b), level) {
+                let need = counts.amount(t).min(s.capacity) as f64;
                 if level < need {
-                    let secs = (need - level) * MINUTE.as_secs_f64() / cap.max(1) as f64;
+                    let secs = (need - level) / s.refill_per_s();
                     wait = wait.max(Duration::try_from_secs_f64(secs).unwrap_or(Duration::MAX));
                 }
             }
@@ -200,55 +460,59 @@ impl Quota {
     /// Full buckets, no block.
     pub fn new() -> Self {
         Quota {
-            buckets: [None; 2],
+            buckets: [None; 6],
             blocked_until: Duration::ZERO,
         }
     }
 
-    /// §6/§7: the time until a reservation of `tokens` certainly fits; zero = now.
-    pub fn wait(&self, q: &QuotaParams, tokens: u64, now: Duration) -> Duration {
+    /// §6/§7: the time until a reservation `t` certainly fits (the longest wait
+    /// over the buckets and the block); zero = now.
+    pub fn wait(&self, q: &QuotaParams, t: impl Into<Tokens>, now: Duration) -> Duration {
+        let t = t.into();
         let mut wait = self.blocked_until.saturating_sub(now);
-        for (i, (counts, cap)) in q.buckets().into_iter().enumerate() {
-            if let (Some(cap), Some(b)) = (cap, &self.buckets[i]) {
-                wait = wait.max(b.wait_for(cap, counts.amount(tokens), now));
+        for (i, (b, counts, _)) in BUCKETS.into_iter().enumerate() {
+            if let (Some(s), Some(l)) = (q.shape(b), &self.buckets[i]) {
+                wait = wait.max(l.wait_for(&s, counts.amount(t), now));
             }
         }
         wait
     }
 
-    /// Gate 3: take `tokens` and one request, or nothing.
-    pub fn reserve(&mut self, q: &QuotaParams, tokens: u64, now: Duration) -> Reserve {
-        let wait = self.wait(q, tokens, now);
+    /// Gate 3: take the reservation `t` (and one request), or nothing.
+    pub fn reserve(&mut self, q: &QuotaParams, t: impl Into<Tokens>, now: Duration) -> Reserve {
+        let t = t.into();
+        let wait = self.wait(q, t, now);
         if !wait.is_zero() {
             return Reserve::Denied { retry_after: wait };
         }
-        for (i, (counts, cap)) in q.buckets().into_iter().enumerate() {
-            match cap {
-                Some(cap) => self.buckets[i]
-                    .get_or_insert(Bucket { full_at: now })
-                    .debit(cap, counts.amount(tokens), now),
+        for (i, (b, counts, _)) in BUCKETS.into_iter().enumerate() {
+            match q.shape(b) {
+                Some(s) => self.buckets[i].get_or_insert(Level { full_at: now }).debit(
+                    &s,
+                    counts.amount(t),
+                    now,
+                ),
                 None => self.buckets[i] = None,
             }
         }
         Reserve::Reserved
     }
 
-    /// Settle a reservation of `reserved` tokens.
-    pub fn settle(&mut self, q: &QuotaParams, reserved: u64, how: Settlement, now: Duration) {
-        let (token_credit, request_credit) = match how {
-            Settlement::Charge { tokens } => (reserved as i128 - tokens as i128, 0),
-            Settlement::RefundTokens => (reserved as i128, 0),
-            Settlement::RefundAll => (reserved as i128, 1),
-        };
-        for (i, (counts, cap)) in q.buckets().into_iter().enumerate() {
-            let credit = match counts {
-                Counts::Tokens => token_credit,
-                Counts::Requests => request_credit,
-            };
-            match cap {
-                Some(cap) if credit != 0 => self.buckets[i]
-                    .get_or_insert(Bucket { full_at: now })
-                    .add(cap, credit, now),
+    /// Settle a reservation `reserved`.
+    pub fn settle(
+        &mut self,
+        q: &QuotaParams,
+        reserved: impl Into<Tokens>,
+        how: Settlement,
+        now: Duration,
+    ) {
+        let c = q.credits(reserved.into(), how);
+        for (i, (b, counts, _)) in BUCKETS.into_iter().enumerate() {
+            let credit = c.of(counts);
+            match q.shape(b) {
+                Some(s) if credit != 0 => self.buckets[i]
+                    .get_or_insert(Level { full_at: now })
+                    .add(&s, credit, now),
                 Some(_) => {}
                 None => self.buckets[i] = None,
             }
@@ -265,12 +529,14 @@ impl Quota {
 
     /// Levels for status.
     pub fn view(&self, q: &QuotaParams, now: Duration) -> QuotaView {
-        let level = |i: usize, cap: Option<u64>| {
-            cap.map(|c| self.buckets[i].map_or(c as f64, |b| b.level(c, now)))
-        };
+        let mut levels = [None; 6];
+        for (i, (b, _, _)) in BUCKETS.into_iter().enumerate() {
+            levels[i] = q
+                .shape(b)
+                .map(|s| self.buckets[i].map_or(s.capacity as f64, |l| l.level(&s, now)));
+        }
         QuotaView {
-            tokens: level(0, q.tpm),
-            requests: level(1, q.rpm),
+            levels,
             blocked: self.blocked_until.saturating_sub(now),
         }
     }
@@ -290,42 +556,46 @@ mod tests {
         Duration::from_secs(n)
     }
 
-    const Q: QuotaParams = QuotaParams {
-        tpm: Some(60),
-        rpm: None,
-    };
+    fn q60() -> QuotaParams {
+        QuotaParams {
+            tpm: Some(60),
+            ..QuotaParams::default()
+        }
+    }
 
     #[test]
     fn the_wait_covers_debt_and_the_block_whichever_is_later() {
+        let qp = q60();
         let mut q = Quota::new();
-        assert_eq!(q.reserve(&Q, 50, s(0)), Reserve::Reserved);
-        q.settle(&Q, 50, Settlement::Charge { tokens: 90 }, s(0)); // level −30
-        assert_eq!(q.view(&Q, s(0)).tokens, Some(-30.0));
+        assert_eq!(q.reserve(&qp, 50, s(0)), Reserve::Reserved);
+        q.settle(&qp, 50, Settlement::charge(90), s(0)); // level −30
+        assert_eq!(q.view(&qp, s(0)).tokens(), Some(-30.0));
         // 10 tokens need 40 more: 40 s at one token per second.
-        assert_eq!(q.wait(&Q, 10, s(0)), s(40));
+        assert_eq!(q.wait(&qp, 10, s(0)), s(40));
         q.block(s(5), s(0));
-        assert_eq!(q.wait(&Q, 10, s(0)), s(40), "refill is the later");
+        assert_eq!(q.wait(&qp, 10, s(0)), s(40), "refill is the later");
         q.block(s(100), s(0));
-        assert_eq!(q.wait(&Q, 10, s(0)), s(100), "the block is the later");
+        assert_eq!(q.wait(&qp, 10, s(0)), s(100), "the block is the later");
         assert_eq!(
-            q.reserve(&Q, 10, s(1)),
+            q.reserve(&qp, 10, s(1)),
             Reserve::Denied { retry_after: s(99) }
         );
     }
 
     #[test]
     fn levels_stay_within_plus_minus_capacity_and_refill_continuously() {
+        let qp = q60();
         let mut q = Quota::new();
         assert_eq!(
-            q.reserve(&Q, 100, s(0)),
+            q.reserve(&qp, 100, s(0)),
             Reserve::Reserved,
             "oversized fits a full bucket"
         );
-        assert_eq!(q.view(&Q, s(0)).tokens, Some(-40.0));
-        q.settle(&Q, 0, Settlement::Charge { tokens: u64::MAX }, s(0));
-        assert_eq!(q.view(&Q, s(0)).tokens, Some(-60.0), "debt floor");
-        assert_eq!(q.view(&Q, s(90)).tokens, Some(30.0));
-        q.settle(&Q, 1_000, Settlement::RefundTokens, s(90));
-        assert_eq!(q.view(&Q, s(90)).tokens, Some(60.0), "capacity cap");
+        assert_eq!(q.view(&qp, s(0)).tokens(), Some(-40.0));
+        q.settle(&qp, 0, Settlement::charge(u64::MAX), s(0));
+        assert_eq!(q.view(&qp, s(0)).tokens(), Some(-60.0), "debt floor");
+        assert_eq!(q.view(&qp, s(90)).tokens(), Some(30.0));
+        q.settle(&qp, 1_000, Settlement::RefundTokens, s(90));
+        assert_eq!(q.view(&qp, s(90)).tokens(), Some(60.0), "capacity cap");
     }
 }

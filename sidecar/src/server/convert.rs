@@ -48,9 +48,9 @@ pub enum ArgumentError {
 pub struct CallArgs {
     /// Scope name.
     pub scope: String,
-    /// The call's estimate: `est_tokens`, else the split's sum, else `None` (the
-    /// source's default).
-    pub est_tokens: Option<u64>,
+    /// The call's estimates (§7a): the total is `est_tokens`, else the split's sum
+    /// (the engine then fills the parts the call leaves out from the source).
+    pub est: engine::CallEst,
 }
 
 /// A version-2 `CallSpec` → engine arguments, validating every count and the
@@ -74,10 +74,14 @@ pub fn call_spec(spec: wire::CallSpec) -> Result<CallArgs, ArgumentError> {
             priority,
         });
     }
-    let split = split_sum(input, output).ok_or(ArgumentError::SplitSum)?;
+    split_sum(input, output).ok_or(ArgumentError::SplitSum)?;
     Ok(CallArgs {
         scope: spec.scope,
-        est_tokens: est.or(split),
+        est: engine::CallEst {
+            total: est,
+            input,
+            output,
+        },
     })
 }
 
@@ -94,8 +98,9 @@ fn split_sum(a: Option<u64>, b: Option<u64>) -> Option<Option<u64>> {
 }
 
 /// A version-2 `Usage`: every count validated; the total is `tokens`, else the
-/// split's sum, else `None` (keep the estimate).
-fn usage_tokens(u: wire::Usage) -> Result<Option<u64>, ArgumentError> {
+/// split's sum, else `None` (keep the estimate); the split (§7a) when either part is
+/// given, a missing part being what the total leaves (else 0).
+fn usage_tokens(u: wire::Usage) -> Result<(Option<u64>, Option<backend::Split>), ArgumentError> {
     let total = u.tokens.map(|t| tokens("tokens", t)).transpose()?;
     let input = u
         .input_tokens
@@ -105,11 +110,21 @@ fn usage_tokens(u: wire::Usage) -> Result<Option<u64>, ArgumentError> {
         .output_tokens
         .map(|t| tokens("output_tokens", t))
         .transpose()?;
-    let split = split_sum(input, output).ok_or(ArgumentError::Tokens {
+    let split_total = split_sum(input, output).ok_or(ArgumentError::Tokens {
         name: "input_tokens + output_tokens",
         value: input.unwrap_or(0) + output.unwrap_or(0),
     })?;
-    Ok(total.or(split))
+    let split = match (input, output) {
+        (None, None) => None,
+        (i, o) => {
+            let t = total.unwrap_or(0);
+            Some(backend::Split {
+                input: i.unwrap_or_else(|| t.saturating_sub(o.unwrap_or(0))),
+                output: o.unwrap_or_else(|| t.saturating_sub(i.unwrap_or(0))),
+            })
+        }
+    };
+    Ok((total.or(split_total), split))
 }
 
 /// A wire token count, refused above [`MAX_TOKENS`].
@@ -140,6 +155,7 @@ pub fn outcome(o: wire::Outcome) -> Result<backend::Outcome, ArgumentError> {
             count_attempt,
         } => backend::Outcome::Success {
             tokens: t.map(|t| tokens("tokens", t)).transpose()?,
+            split: None,
             count_attempt,
         },
         wire::Outcome::Failure { kind } => backend::Outcome::failure(failure_kind(kind)),
@@ -152,16 +168,24 @@ pub fn outcome(o: wire::Outcome) -> Result<backend::Outcome, ArgumentError> {
         wire::Outcome::SuccessUsage {
             usage,
             count_attempt,
-        } => backend::Outcome::Success {
-            tokens: usage_tokens(usage)?,
-            count_attempt,
-        },
+        } => {
+            let (tokens, split) = usage_tokens(usage)?;
+            backend::Outcome::Success {
+                tokens,
+                split,
+                count_attempt,
+            }
+        }
         // §7: a non-transient failure is charged these tokens (the estimate when
         // none are given); a transient one is refunded whatever it says.
-        wire::Outcome::FailureUsage { kind, usage } => backend::Outcome::Failure {
-            kind: failure_kind(kind),
-            tokens: usage_tokens(usage)?,
-        },
+        wire::Outcome::FailureUsage { kind, usage } => {
+            let (tokens, split) = usage_tokens(usage)?;
+            backend::Outcome::Failure {
+                kind: failure_kind(kind),
+                tokens,
+                split,
+            }
+        }
     })
 }
 
@@ -478,7 +502,11 @@ mod tests {
             o,
             backend::Outcome::Failure {
                 kind: backend::FailureKind::BadResult,
-                tokens: Some(42)
+                tokens: Some(42),
+                split: Some(backend::Split {
+                    input: 30,
+                    output: 12
+                })
             }
         );
         let o = outcome(wire::Outcome::Failure {

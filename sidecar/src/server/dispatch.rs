@@ -166,7 +166,7 @@ pub(super) fn dispatch<B: Backend>(cx: &Ctx<B>, request: Request) -> Step {
         }
         Request::Begin(spec) => Step::Now(match convert::call_spec(spec) {
             Err(e) => invalid(e),
-            Ok(a) => match engine.begin_call(owner, &a.scope, a.est_tokens) {
+            Ok(a) => match engine.begin_call(owner, &a.scope, a.est) {
                 Ok(call) => Reply::CallBegun { call },
                 Err(e) => fail(&e),
             },
@@ -182,7 +182,7 @@ pub(super) fn dispatch<B: Backend>(cx: &Ctx<B>, request: Request) -> Step {
                 Ok(a) => a,
                 Err(e) => return Step::Now(invalid(e)),
             };
-            let call = match engine.begin_call(owner, &args.scope, args.est_tokens) {
+            let call = match engine.begin_call(owner, &args.scope, args.est) {
                 Ok(call) => call,
                 Err(e) => return Step::Now(fail(&e)),
             };

@@ -65,6 +65,7 @@ pub fn qp() -> QuotaParams {
     QuotaParams {
         tpm: Some(60),
         rpm: Some(2),
+        ..QuotaParams::default()
     }
 }
 
@@ -72,6 +73,7 @@ pub fn qp_tokens_only() -> QuotaParams {
     QuotaParams {
         tpm: Some(60),
         rpm: None,
+        ..QuotaParams::default()
     }
 }
 
@@ -604,9 +606,7 @@ pub async fn quota_reserve_and_settle_net_to_zero<H: Harness>(h: &H) {
         "refund",
     );
     // Success charging exactly the estimate: nothing moves.
-    b.settle(S1, &q, 10, Settlement::Charge { tokens: 10 })
-        .await
-        .unwrap();
+    b.settle(S1, &q, 10, Settlement::charge(10)).await.unwrap();
     assert_level(
         b.snapshot(S1, &bp(), &q).await.unwrap().tokens_available,
         50.0,
@@ -614,9 +614,7 @@ pub async fn quota_reserve_and_settle_net_to_zero<H: Harness>(h: &H) {
     );
     // Success with fewer tokens: the difference comes back.
     assert_eq!(b.reserve(S1, &q, 30).await.unwrap(), Reserve::Reserved);
-    b.settle(S1, &q, 30, Settlement::Charge { tokens: 5 })
-        .await
-        .unwrap();
+    b.settle(S1, &q, 30, Settlement::charge(5)).await.unwrap();
     assert_level(
         b.snapshot(S1, &bp(), &q).await.unwrap().tokens_available,
         45.0,
@@ -628,9 +626,7 @@ pub async fn quota_debt_delays_admission<H: Harness>(h: &H) {
     let b = h.fresh().await;
     let q = qp_tokens_only();
     assert_eq!(b.reserve(S1, &q, 50).await.unwrap(), Reserve::Reserved);
-    b.settle(S1, &q, 50, Settlement::Charge { tokens: 100 })
-        .await
-        .unwrap();
+    b.settle(S1, &q, 50, Settlement::charge(100)).await.unwrap();
     assert_level(
         b.snapshot(S1, &bp(), &q).await.unwrap().tokens_available,
         -40.0,
@@ -657,16 +653,9 @@ pub async fn quota_debt_is_floored_at_minus_capacity<H: Harness>(h: &H) {
     let b = h.fresh().await;
     let q = qp_tokens_only();
     assert_eq!(b.reserve(S1, &q, 50).await.unwrap(), Reserve::Reserved);
-    b.settle(
-        S1,
-        &q,
-        50,
-        Settlement::Charge {
-            tokens: u64::MAX / 4,
-        },
-    )
-    .await
-    .unwrap();
+    b.settle(S1, &q, 50, Settlement::charge(u64::MAX / 4))
+        .await
+        .unwrap();
     assert_level(
         b.snapshot(S1, &bp(), &q).await.unwrap().tokens_available,
         -60.0,
@@ -697,6 +686,7 @@ pub async fn quota_request_bucket_and_refund_all<H: Harness>(h: &H) {
     let q = QuotaParams {
         tpm: None,
         rpm: Some(2),
+        ..QuotaParams::default()
     };
     assert_eq!(b.reserve(S1, &q, 0).await.unwrap(), Reserve::Reserved);
     assert_eq!(b.reserve(S1, &q, 0).await.unwrap(), Reserve::Reserved);
@@ -768,6 +758,7 @@ pub async fn admit_releases_reservation_when_breaker_refuses<H: Harness>(h: &H) 
     let q2 = QuotaParams {
         tpm: None,
         rpm: Some(2),
+        ..QuotaParams::default()
     };
     b.admit(S2, &bp(), &q2, 0).await.unwrap();
     b.force_open(S2, ms(300)).await.unwrap();
@@ -811,6 +802,7 @@ pub async fn admit_grants_probe_and_report_settles<H: Harness>(h: &H) {
             20,
             Outcome::Success {
                 tokens: Some(12),
+                split: None,
                 count_attempt: true,
             },
         )
@@ -865,9 +857,7 @@ pub async fn quota_refusal_reports_the_later_of_refill_and_block<H: Harness>(h: 
     let q = qp_tokens_only(); // one token per second
     let before = b.snapshot(S1, &bp(), &q).await.unwrap().epoch;
     assert_eq!(b.reserve(S1, &q, 50).await.unwrap(), Reserve::Reserved);
-    b.settle(S1, &q, 50, Settlement::Charge { tokens: 90 })
-        .await
-        .unwrap(); // level −30
+    b.settle(S1, &q, 50, Settlement::charge(90)).await.unwrap(); // level −30
     let refused = |a: Admit| match a {
         Admit::RateLimited { retry_after } => retry_after,
         a => panic!("expected a quota refusal: {a:?}"),
@@ -948,7 +938,11 @@ pub async fn failures_are_charged_or_refunded_by_kind<H: Harness>(h: &H) {
                 epoch,
                 false,
                 20,
-                Outcome::Failure { kind, tokens },
+                Outcome::Failure {
+                    kind,
+                    tokens,
+                    split: None,
+                },
             )
             .await
             .unwrap();

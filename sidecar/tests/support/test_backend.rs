@@ -119,12 +119,24 @@ impl Backend for TestBackend {
         self.check()?;
         self.inner.reset(s).await
     }
-    async fn reserve(&self, s: &str, q: &QuotaParams, t: u64) -> BResult<Reserve> {
+    async fn reserve(
+        &self,
+        s: &str,
+        q: &QuotaParams,
+        t: impl Into<Tokens> + Send,
+    ) -> BResult<Reserve> {
         self.inner.reserve(s, q, t).await
     }
-    async fn settle(&self, s: &str, q: &QuotaParams, t: u64, how: Settlement) -> BResult<()> {
+    async fn settle(
+        &self,
+        s: &str,
+        q: &QuotaParams,
+        t: impl Into<Tokens> + Send,
+        how: Settlement,
+    ) -> BResult<()> {
+        let t = t.into();
         self.trip().await;
-        self.release(t);
+        self.release(t.total);
         self.inner.settle(s, q, t, how).await
     }
     async fn block_quota(&self, s: &str, d: Duration) -> BResult<()> {
@@ -139,7 +151,14 @@ impl Backend for TestBackend {
         self.snapshots.fetch_add(1, Ordering::SeqCst);
         self.inner.snapshot(s, p, q).await
     }
-    async fn admit(&self, s: &str, p: &BreakerParams, q: &QuotaParams, t: u64) -> BResult<Admit> {
+    async fn admit(
+        &self,
+        s: &str,
+        p: &BreakerParams,
+        q: &QuotaParams,
+        t: impl Into<Tokens> + Send,
+    ) -> BResult<Admit> {
+        let t = t.into();
         self.trip().await;
         self.admits.fetch_add(1, Ordering::SeqCst);
         if self.rejects.lock().unwrap().as_deref() == Some(s) {
@@ -147,7 +166,7 @@ impl Backend for TestBackend {
         }
         let r = self.inner.admit(s, p, q, t).await;
         if let Ok(Admit::Admitted { .. }) = r {
-            self.tokens.fetch_add(t as i64, Ordering::SeqCst);
+            self.tokens.fetch_add(t.total as i64, Ordering::SeqCst);
             self.requests.fetch_add(1, Ordering::SeqCst);
         }
         r
@@ -160,12 +179,13 @@ impl Backend for TestBackend {
         q: &QuotaParams,
         e: u64,
         probe: bool,
-        t: u64,
+        t: impl Into<Tokens> + Send,
         o: Outcome,
     ) -> BResult<Applied> {
+        let t = t.into();
         self.trip().await;
         self.check()?;
-        self.release(t);
+        self.release(t.total);
         self.inner.report(s, p, q, e, probe, t, o).await
     }
     async fn neutral(&self, s: &str, e: u64, probe: bool) -> BResult<Applied> {

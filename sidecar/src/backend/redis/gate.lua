@@ -1,4 +1,4 @@
--- PolyGate breaker (§6) + quota (§7) for one source, atomically, in one script call.
+-- PolyGate breaker (§6) + quota (§7, §7a) for one source, atomically, in one script call.
 --
 -- KEYS[1] = {prefix:source}:b  breaker hash     KEYS[2] = {prefix:source}:q  quota hash
 --
@@ -31,6 +31,16 @@
 -- ARGV[21] open_us : force_open: how long the breaker stays open (-1)
 -- ARGV[22] channel : admin ops: the pub/sub channel they announce on ('')
 -- ARGV[23] source : admin ops: the source named in the announcement ('')
+-- ARGV[24] burst_us : §7a: a per-minute bucket holds limit x burst / 1 min, at least 1
+--              (0 = a minute's worth: exactly §7)
+-- ARGV[25] itpm : input token bucket limit per minute (-1 = disabled)
+-- ARGV[26] otpm : output token bucket limit per minute (-1 = disabled)
+-- ARGV[27] tpd : token bucket limit per day (-1 = disabled)
+-- ARGV[28] rpd : request bucket limit per day (-1 = disabled)
+-- ARGV[29] in_tokens : the reservation's input tokens (reserve, admit) (0)
+-- ARGV[30] out_tokens : the reservation's output tokens (reserve, admit) (0)
+-- ARGV[31] in_credit : settle, report: input tokens given back; negative = debit (0)
+-- ARGV[32] out_credit : settle, report: output tokens given back; negative = debit (0)
 --
 -- Cost (§10, §16): one TIME per call; every stored number is an integer (µs or a
 -- count) written with '%d' (never '%.17g' float text, never strtod of one); each hash
@@ -60,6 +70,7 @@
 
 local CLOSED, OPEN, HALF = 0, 1, 2
 local MIN = 60000000 -- one minute in µs: the refill period of a per-minute bucket
+local DAY = 86400000000 -- one day in µs: the refill period of a per-day bucket (§7a)
 -- A 429 block lasts at most this long here (the engine caps it at
 -- max_rate_limit_block, default 10 min; this only bounds a misbehaving caller).
 local QMAX_BLOCK = 7 * 24 * 3600 * 1000000
@@ -309,58 +320,87 @@ end
 
 -- ------------------------------------------------------------------ quota
 
--- The buckets, in QuotaParams::buckets order: field, capacity slot, counts tokens?
--- A new kind of bucket (§7a) is one more row here and in quota.rs.
-local QB = { { f = 'tt', cap = 11, tokens = true }, { f = 'rt', cap = 12, tokens = false } }
+-- The buckets, in quota.rs BUCKETS order: field, limit slot, what a reservation
+-- takes from it (t total tokens, r one request, i input, o output tokens), refill
+-- period, and where HMGET returns it. tt and rt are always read (§7's two); the §7a
+-- ones only when some of them is configured.
+local QB = {
+  { f = 'tt', lim = 11, n = 't', per = MIN, at = 1 },
+  { f = 'rt', lim = 12, n = 'r', per = MIN, at = 2 },
+  { f = 'it', lim = 25, n = 'i', per = MIN, at = 5 },
+  { f = 'ot', lim = 26, n = 'o', per = MIN, at = 6 },
+  { f = 'td', lim = 27, n = 't', per = DAY, at = 7 },
+  { f = 'rd', lim = 28, n = 'r', per = DAY, at = 8 },
+}
 
 -- A bucket is stored as the µs at which it is full again (`full_at`); absent or past
 -- = full. Its deficit at now is full_at − now: the refill time of what was taken.
+-- Per bucket i: q.lim[i] its limit (what refills per period; -1 = disabled) and
+-- q.caps[i] what a full one holds (§7a: a per-minute bucket limit × burst / 1 min,
+-- at least 1; a per-day one its limit).
 local function qload()
-  local v = redis.call('HMGET', K[2], 'tt', 'rt', 'bu', 'x')
-  local q = { bu = tonumber(v[3]) or 0, x = tonumber(v[4]), w = {}, caps = {} }
+  local extra = arg(25, -1) > 0 or arg(26, -1) > 0 or arg(27, -1) > 0 or arg(28, -1) > 0
+  local v
+  if extra then
+    v = redis.call('HMGET', K[2], 'tt', 'rt', 'bu', 'x', 'it', 'ot', 'td', 'rd')
+  else
+    v = redis.call('HMGET', K[2], 'tt', 'rt', 'bu', 'x')
+  end
+  local burst = arg(24, 0)
+  local q = { bu = tonumber(v[3]) or 0, x = tonumber(v[4]), w = {}, caps = {}, lim = {} }
   for i = 1, #QB do
-    q.caps[i] = arg(QB[i].cap, -1)
-    q[QB[i].f] = math.max(tonumber(v[i]) or now, now)
+    local b = QB[i]
+    local l = arg(b.lim, -1)
+    local c = l
+    if l > 0 and b.per == MIN and burst > 0 and burst < MIN then
+      c = math.max(1, math.floor(l * burst / MIN))
+    end
+    q.lim[i], q.caps[i] = l, c
+    if l > 0 then q[b.f] = math.max(tonumber(v[b.at]) or now, now) end
   end
   return q
 end
 
--- Refill time of `n` in a bucket of `cap` per minute (µs, rounded up).
-local function refill(n, cap)
-  return math.ceil(n * MIN / cap)
+-- Refill time of `n` in bucket `i` (µs, rounded up).
+local function refill(q, i, n)
+  return math.ceil(n * QB[i].per / q.lim[i])
 end
 
--- A bucket's share of a reservation of `tokens`.
-local function amount(i, tokens)
-  if QB[i].tokens then return tokens end
-  return 1
+-- Bucket i's share of the reservation (slots 13, 29, 30).
+local function amount(i)
+  local n = QB[i].n
+  if n == 't' then return arg(13, 0) end
+  if n == 'r' then return 1 end
+  if n == 'i' then return arg(29, 0) end
+  return arg(30, 0)
 end
 
--- µs until a reservation of `tokens` fits (every bucket holds its share, a share
--- larger than the bucket needing a full one) and the 429 block is over; 0 = now.
-local function qwait(q, tokens)
+-- µs until the reservation fits (every bucket holds its share, a share larger than
+-- the bucket needing a full one) and the 429 block is over; 0 = now. §7a: the
+-- longest wait over all the buckets.
+local function qwait(q)
   local w = math.max(q.bu - now, 0)
   for i = 1, #QB do
     local cap = q.caps[i]
     if cap > 0 then
-      local need = math.min(amount(i, tokens), cap)
-      local room = refill(cap - need, cap)
+      local need = math.min(amount(i), cap)
+      local room = refill(q, i, cap - need)
       w = math.max(w, q[QB[i].f] - now - room)
     end
   end
   return w
 end
 
--- Add `n` to bucket `i` (negative: take), keeping −capacity ≤ level ≤ capacity.
+-- Add `n` to bucket `i` (negative: take), keeping −limit ≤ level ≤ capacity.
 local function qadd(q, i, n)
   local cap = q.caps[i]
   if cap <= 0 or n == 0 then return end
   local f = QB[i].f
   local full_at
   if n < 0 then
-    full_at = math.min(q[f] + refill(-n, cap), now + 2 * MIN)
+    full_at = math.min(q[f] + refill(q, i, -n), now + refill(q, i, cap + q.lim[i]))
   else
-    full_at = math.max(q[f] - math.floor(n * MIN / cap), now)
+    full_at = math.max(q[f] - math.floor(n * QB[i].per / q.lim[i]), now)
   end
   if full_at ~= q[f] then
     q[f] = full_at
@@ -368,15 +408,15 @@ local function qadd(q, i, n)
   end
 end
 
-local function qdebit(q, tokens)
-  for i = 1, #QB do qadd(q, i, -amount(i, tokens)) end
+local function qdebit(q)
+  for i = 1, #QB do qadd(q, i, -amount(i)) end
 end
 
--- Give back `tc` tokens and `rc` requests (a settlement, computed by the caller).
-local function qcredit(q, tc, rc)
-  for i = 1, #QB do
-    if QB[i].tokens then qadd(q, i, tc) else qadd(q, i, rc) end
-  end
+-- Give back the settlement's credits (computed by the caller): slots 18 (tokens),
+-- 19 (requests), 31 (input), 32 (output).
+local CREDIT = { t = 18, r = 19, i = 31, o = 32 }
+local function qcredit(q)
+  for i = 1, #QB do qadd(q, i, arg(CREDIT[QB[i].n], 0)) end
 end
 
 local function qblock(q, d)
@@ -418,7 +458,7 @@ local function qlevel(q, i)
   local cap = q.caps[i]
   if cap < 0 then return '' end
   if cap == 0 then return '0' end
-  return string.format('%.17g', cap - (q[QB[i].f] - now) * cap / MIN)
+  return string.format('%.17g', cap - (q[QB[i].f] - now) * q.lim[i] / QB[i].per)
 end
 
 -- ------------------------------------------------------------------ dispatch
@@ -432,24 +472,24 @@ local function gate(keys, args)
   if op == 'admit' then
     -- Gate 3 then gate 4; a breaker refusal takes nothing.
     local q = qload()
-    local tokens = arg(13, 0)
-    local wait = qwait(q, tokens)
+    local wait = qwait(q)
     if wait > 0 then return { 1, 0, 0, 0, wait } end
     local b = bload(false)
     local g, p = try_enter(b)
     bsave_p(b)
     if not g then return { 2, b.e, 0, b.st, bra(b) } end
-    qdebit(q, tokens)
+    qdebit(q)
     qsave(q)
     if p then return { 0, b.e, 1, b.st, 0 } end
     return { 0, b.e, 0, b.st, 0 }
 
   elseif op == 'report' then
     -- Settle (the caller computed the credits), then the verdict.
-    local tc, rc, block = arg(18, 0), arg(19, 0), arg(20, -1)
-    if tc ~= 0 or rc ~= 0 or block >= 0 then
+    local block = arg(20, -1)
+    if arg(18, 0) ~= 0 or arg(19, 0) ~= 0 or block >= 0 or arg(31, 0) ~= 0
+        or arg(32, 0) ~= 0 then
       local q = qload()
-      qcredit(q, tc, rc)
+      qcredit(q)
       if block >= 0 then qblock(q, block) end
       qsave(q)
     end
@@ -526,16 +566,15 @@ local function gate(keys, args)
 
   elseif op == 'reserve' then
     local q = qload()
-    local tokens = arg(13, 0)
-    local wait = qwait(q, tokens)
+    local wait = qwait(q)
     if wait > 0 then return { 0, wait } end
-    qdebit(q, tokens)
+    qdebit(q)
     qsave(q)
     return { 1, 0 }
 
   elseif op == 'settle' then
     local q = qload()
-    qcredit(q, arg(18, 0), arg(19, 0))
+    qcredit(q)
     qsave(q)
     return { 1 }
 
@@ -552,7 +591,7 @@ local function gate(keys, args)
     roll(b)
     local q = qload()
     return { b.st, b.e, bra(b), b.k, b.co + b.po, b.cf + b.pf, b.s, qlevel(q, 1), qlevel(q, 2),
-      math.max(q.bu - now, 0) }
+      math.max(q.bu - now, 0), qlevel(q, 3), qlevel(q, 4), qlevel(q, 5), qlevel(q, 6) }
   end
 
   return redis.error_reply('polygate: unknown op ' .. tostring(op))

@@ -34,7 +34,7 @@ use super::event::AdminEvent;
 use super::memory::MemoryBackend;
 use super::{
     Admit, Applied, BResult, Backend, BackendError, BreakerParams, Entry, Outcome, Peek,
-    QuotaParams, Reserve, Settlement, SourceSnapshot,
+    QuotaParams, Reserve, Settlement, SourceSnapshot, Tokens,
 };
 use crate::clock::Clock;
 use crate::config::{BackendKind, OnBackendError};
@@ -329,7 +329,13 @@ impl Backend for RedisBackend {
         self.admin(source, op).await
     }
 
-    async fn reserve(&self, source: &str, q: &QuotaParams, tokens: u64) -> BResult<Reserve> {
+    async fn reserve(
+        &self,
+        source: &str,
+        q: &QuotaParams,
+        tokens: impl Into<Tokens> + Send,
+    ) -> BResult<Reserve> {
+        let tokens = tokens.into();
         match self.exec(source, ReserveArgs { q, tokens }).await? {
             Some(r) => Ok(r),
             None => self.local.reserve(source, q, tokens).await,
@@ -340,9 +346,10 @@ impl Backend for RedisBackend {
         &self,
         source: &str,
         q: &QuotaParams,
-        reserved_tokens: u64,
+        reserved_tokens: impl Into<Tokens> + Send,
         how: Settlement,
     ) -> BResult<()> {
+        let reserved_tokens = reserved_tokens.into();
         let op = SettleArgs {
             q,
             reserved: reserved_tokens,
@@ -378,8 +385,9 @@ impl Backend for RedisBackend {
         source: &str,
         p: &BreakerParams,
         q: &QuotaParams,
-        tokens: u64,
+        tokens: impl Into<Tokens> + Send,
     ) -> BResult<Admit> {
+        let tokens = tokens.into();
         match self.exec(source, AdmitArgs { p, q, tokens }).await? {
             Some(a) => Ok(a),
             None => self.local.admit(source, p, q, tokens).await,
@@ -394,9 +402,10 @@ impl Backend for RedisBackend {
         q: &QuotaParams,
         epoch: u64,
         is_probe: bool,
-        reserved_tokens: u64,
+        reserved_tokens: impl Into<Tokens> + Send,
         outcome: Outcome,
     ) -> BResult<Applied> {
+        let reserved_tokens = reserved_tokens.into();
         let op = ReportArgs {
             p,
             q,

@@ -7,13 +7,13 @@ use std::time::Duration;
 use ::redis::Value;
 
 use super::script::{
-    applied, bool_at, credits, dur_at, int_at, level_at, proto, state_at, u64_at, Announce, Argv,
-    Op,
+    applied, bool_at, dur_at, int_at, level_at, level_or_none, proto, state_at, u64_at, Announce,
+    Argv, Op,
 };
 use crate::backend::event::AdminOp;
 use crate::backend::{
     Admit, Applied, BResult, BreakerParams, Entry, Outcome, Peek, QuotaParams, Reserve, Settlement,
-    SourceSnapshot,
+    SourceSnapshot, Tokens,
 };
 
 /// Gate 4 alone: may a caller enter?
@@ -220,7 +220,7 @@ pub(super) struct ReserveArgs<'a> {
     /// The source's buckets.
     pub q: &'a QuotaParams,
     /// Tokens to reserve.
-    pub tokens: u64,
+    pub tokens: Tokens,
 }
 
 impl Op for ReserveArgs<'_> {
@@ -249,7 +249,7 @@ pub(super) struct SettleArgs<'a> {
     /// The source's buckets.
     pub q: &'a QuotaParams,
     /// Tokens the reservation took.
-    pub reserved: u64,
+    pub reserved: Tokens,
     /// How it is settled.
     pub how: Settlement,
 }
@@ -260,7 +260,7 @@ impl Op for SettleArgs<'_> {
     fn argv(&self) -> Argv<'_> {
         Argv {
             quota: Some(self.q),
-            credit: credits(self.reserved, self.how),
+            credit: self.q.credits(self.reserved, self.how),
             ..Argv::default()
         }
     }
@@ -296,7 +296,7 @@ pub(super) struct AdmitArgs<'a> {
     /// The source's buckets.
     pub q: &'a QuotaParams,
     /// Tokens to reserve.
-    pub tokens: u64,
+    pub tokens: Tokens,
 }
 
 impl Op for AdmitArgs<'_> {
@@ -341,7 +341,7 @@ pub(super) struct ReportArgs<'a> {
     /// The permit is the probe.
     pub is_probe: bool,
     /// Tokens the permit's reservation took.
-    pub reserved: u64,
+    pub reserved: Tokens,
     /// What happened.
     pub outcome: Outcome,
 }
@@ -363,7 +363,9 @@ impl Op for ReportArgs<'_> {
             count_attempt,
             is_probe: self.is_probe,
             verdict,
-            credit: credits(self.reserved, self.outcome.settlement(self.reserved)),
+            credit: self
+                .q
+                .credits(self.reserved, self.outcome.settlement(self.reserved)),
             block,
             ..Argv::default()
         }
@@ -402,6 +404,14 @@ impl Op for SnapshotArgs<'_> {
             streak: u32::try_from(u64_at(v, 6)?).unwrap_or(u32::MAX),
             tokens_available: level_at(v, 7)?,
             requests_available: level_at(v, 8)?,
+            levels: [
+                level_at(v, 7)?,
+                level_at(v, 8)?,
+                level_or_none(v, 10)?,
+                level_or_none(v, 11)?,
+                level_or_none(v, 12)?,
+                level_or_none(v, 13)?,
+            ],
             quota_blocked: dur_at(v, 9)?,
         })
     }
@@ -448,16 +458,17 @@ mod tests {
         };
         let q = QuotaParams {
             tpm: Some(u64::MAX),
-            rpm: None,
+            ..QuotaParams::default()
         };
         let report = ReportArgs {
             p: &p,
             q: &q,
             epoch: u64::MAX,
             is_probe: true,
-            reserved: u64::MAX,
+            reserved: u64::MAX.into(),
             outcome: Outcome::Success {
                 tokens: Some(3),
+                split: None,
                 count_attempt: true,
             },
         };
@@ -500,8 +511,8 @@ mod tests {
         assert_eq!(slot(&report, "rpm"), "-1", "rpm disabled");
         assert_eq!(
             slot(&report, "token_credit"),
-            ((1u64 << 53) - 3).to_string(),
-            "reserved (capped) minus charged"
+            (1u64 << 53).to_string(),
+            "reserved minus charged, capped"
         );
         assert_eq!(slot(&report, "request_credit"), "", "0: trailing, not sent");
         assert_eq!(slot(&report, "count_attempt"), "1");
@@ -527,7 +538,7 @@ mod tests {
             q: &q,
             epoch: 7,
             is_probe: true,
-            reserved: 10,
+            reserved: 10.into(),
             outcome: Outcome::RateLimited {
                 retry_after: Some(Duration::from_secs(2)),
             },
@@ -556,8 +567,8 @@ mod tests {
         );
         let settle = SettleArgs {
             q: &q,
-            reserved: 10,
-            how: Settlement::Charge { tokens: 13 },
+            reserved: 10.into(),
+            how: Settlement::charge(13),
         };
         assert_eq!(slot(&settle, "token_credit"), "-3", "an extra debit");
         assert_eq!(slot(&settle, "verdict"), "");
@@ -569,7 +580,7 @@ mod tests {
         let admit = AdmitArgs {
             p: &p,
             q: &q,
-            tokens: 12,
+            tokens: 12.into(),
         };
         assert_eq!(slot(&admit, "tokens"), "12");
         assert_eq!(
@@ -588,8 +599,12 @@ mod tests {
             q: &q,
             epoch: 1,
             is_probe: false,
-            reserved: 100,
-            outcome: Outcome::Failure { kind, tokens },
+            reserved: 100.into(),
+            outcome: Outcome::Failure {
+                kind,
+                tokens,
+                split: None,
+            },
         };
         let credit = |r: &ReportArgs| slot(r, "token_credit");
         assert_eq!(credit(&report(FailureKind::Timeout, Some(40))), "100");

@@ -52,9 +52,8 @@ use std::time::Duration;
 
 use ::redis::{Cmd, Script, Value};
 
-use crate::backend::{
-    Applied, BResult, BackendError, BreakerParams, QuotaParams, Settlement, State,
-};
+use crate::backend::{Applied, BResult, BackendError, BreakerParams, QuotaParams, State, Tokens};
+use crate::gate::quota::{Credits, MINUTE};
 
 /// `gate.lua`, ready to run either way.
 pub(super) struct Gate {
@@ -135,7 +134,7 @@ pub(super) fn invocation<O: Op>(prefix: &str, source: &str, op: &O) -> Call {
 
 /// The names of `gate.lua`'s ARGV slots, `ARGV[1]` first; its header documents each
 /// under the same name.
-pub(super) const SLOTS: [&str; 23] = [
+pub(super) const SLOTS: [&str; 32] = [
     "op",
     "failure_threshold",
     "failure_rate",
@@ -159,6 +158,15 @@ pub(super) const SLOTS: [&str; 23] = [
     "open_us",
     "channel",
     "source",
+    "burst_us",
+    "itpm",
+    "otpm",
+    "tpd",
+    "rpd",
+    "in_tokens",
+    "out_tokens",
+    "in_credit",
+    "out_credit",
 ];
 
 /// The value each slot holds when an operation does not use it, in [`SLOTS`] order
@@ -166,7 +174,7 @@ pub(super) const SLOTS: [&str; 23] = [
 /// slot as its neutral value.
 const NEUTRAL: [&str; SLOTS.len()] = [
     "", "0", "0", "0", "0", "0", "0", "0", "0", "0", "-1", "-1", "0", "0", "0", "0", "", "0", "0",
-    "-1", "-1", "", "",
+    "-1", "-1", "", "", "0", "-1", "-1", "-1", "-1", "0", "0", "0", "0",
 ];
 
 /// Largest duration handed to the script, in µs (2^52 µs ≈ 142 years): `TIME` + it
@@ -205,10 +213,12 @@ pub(super) fn ttl_basis(p: &BreakerParams) -> Duration {
 pub(super) struct Argv<'a> {
     /// Slots 2–10: the scope's breaker parameters (all 0 when absent).
     pub breaker: Option<&'a BreakerParams>,
-    /// Slots 11–12: the source's buckets (`-1` = bucket disabled, also when absent).
+    /// Slots 11–12 and 24–28: the source's buckets (`-1` = bucket disabled, also
+    /// when absent) and its burst (`0` = a minute's worth, §7a).
     pub quota: Option<&'a QuotaParams>,
-    /// Slot 13: the reservation in tokens to take (reserve, admit).
-    pub tokens: u64,
+    /// Slots 13, 29–30: the reservation to take (reserve, admit): its total, input
+    /// and output tokens.
+    pub tokens: Tokens,
     /// Slot 14: the epoch the reporting permit was granted under.
     pub epoch: u64,
     /// Slot 15: a success counts in the breaker window.
@@ -218,9 +228,10 @@ pub(super) struct Argv<'a> {
     /// Slot 17: the report's verdict (`S` success, `F` failure, `N` none: a 429 or a
     /// cancellation).
     pub verdict: &'static str,
-    /// Slots 18–19: what a settlement gives back to the buckets (tokens, may be
-    /// negative: an extra debit; requests, 0 or 1), from [`credits`].
-    pub credit: (i64, u8),
+    /// Slots 18–19, 31–32: what a settlement gives back to the buckets (tokens,
+    /// may be negative: an extra debit; requests, 0 or 1; input and output tokens),
+    /// from [`QuotaParams::credits`].
+    pub credit: Credits,
     /// Slot 20: block the quota this long (`-1` = no block).
     pub block: Option<Duration>,
     /// Slot 21: force the breaker open this long.
@@ -229,14 +240,17 @@ pub(super) struct Argv<'a> {
     pub announce: Option<Announce<'a>>,
 }
 
-/// What settling a reservation of `reserved` tokens `how` gives back to the buckets:
-/// (tokens, negative for an extra debit; requests).
-pub(super) fn credits(reserved: u64, how: Settlement) -> (i64, u8) {
-    let r = count(reserved) as i64;
-    match how {
-        Settlement::Charge { tokens } => (r - count(tokens) as i64, 0),
-        Settlement::RefundTokens => (r, 0),
-        Settlement::RefundAll => (r, 1),
+/// A credit as the script takes it: within ±2^53 (exact in a double).
+fn credit(n: i128) -> i64 {
+    n.clamp(-(MAX_ARG_COUNT as i128), MAX_ARG_COUNT as i128) as i64
+}
+
+/// The burst slot: 0 for the default (a minute's worth: §7 exactly), else whole µs.
+fn burst_us(q: &QuotaParams) -> u64 {
+    if q.burst >= MINUTE {
+        0
+    } else {
+        micros(q.burst).max(1)
     }
 }
 
@@ -261,6 +275,22 @@ impl Argv<'_> {
         let (tpm, rpm) = self
             .quota
             .map_or((-1, -1), |q| (bucket(q.tpm), bucket(q.rpm)));
+        // The split travels only to a source with a bucket that counts it, so a
+        // source without §7a keys sends exactly the slots it did before.
+        let (has_in, has_out) = self
+            .quota
+            .map_or((false, false), |q| (q.itpm.is_some(), q.otpm.is_some()));
+        let part = |on: bool, n: u64| if on { count(n) } else { 0 };
+        let part_credit = |on: bool, n: i128| if on { credit(n) } else { 0 };
+        let (burst, itpm, otpm, tpd, rpd) = self.quota.map_or((0, -1, -1, -1, -1), |q| {
+            (
+                burst_us(q),
+                bucket(q.itpm),
+                bucket(q.otpm),
+                bucket(q.tpd),
+                bucket(q.rpd),
+            )
+        });
         // A NaN or infinite rate would not parse as a Lua number; configs never hold one.
         let frate = if frate.is_finite() { frate } else { 1.0 };
         let (channel, source) = self.announce.map_or(("", ""), |a| (a.channel, a.source));
@@ -277,17 +307,26 @@ impl Argv<'_> {
             basis.to_string(),
             tpm.to_string(),
             rpm.to_string(),
-            count(self.tokens).to_string(),
+            count(self.tokens.total).to_string(),
             self.epoch.to_string(),
             u8::from(self.count_attempt).to_string(),
             u8::from(self.is_probe).to_string(),
             self.verdict.to_string(),
-            self.credit.0.to_string(),
-            self.credit.1.to_string(),
+            credit(self.credit.total).to_string(),
+            self.credit.requests.to_string(),
             micros_or_none(self.block).to_string(),
             micros_or_none(self.open_for).to_string(),
             channel.to_string(),
             source.to_string(),
+            burst.to_string(),
+            itpm.to_string(),
+            otpm.to_string(),
+            tpd.to_string(),
+            rpd.to_string(),
+            part(has_in, self.tokens.input).to_string(),
+            part(has_out, self.tokens.output).to_string(),
+            part_credit(has_in, self.credit.input).to_string(),
+            part_credit(has_out, self.credit.output).to_string(),
         ];
         while v.len() > 1 && v.last().map(String::as_str) == Some(NEUTRAL[v.len() - 1]) {
             v.pop();
@@ -354,6 +393,14 @@ pub(super) fn state_at(v: &[Value], i: usize) -> BResult<State> {
         2 => Ok(State::HalfOpen),
         _ => Err(proto("state", v)),
     }
+}
+
+/// A level the script may not send (an older reply shape has fewer): `None`.
+pub(super) fn level_or_none(v: &[Value], i: usize) -> BResult<Option<f64>> {
+    if v.len() <= i {
+        return Ok(None);
+    }
+    level_at(v, i)
 }
 
 pub(super) fn level_at(v: &[Value], i: usize) -> BResult<Option<f64>> {
