@@ -354,3 +354,53 @@ pub(crate) fn reload(
     }
     Ok(changes)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn params() -> SourceParams {
+        SourceParams {
+            qp: QuotaParams::default(),
+            est_tokens: 1_000,
+            est_input_tokens: 800,
+            est_output_tokens: 200,
+            lease: Duration::from_secs(1),
+        }
+    }
+
+    fn t(total: u64, input: u64, output: u64) -> Tokens {
+        Tokens {
+            total,
+            input,
+            output,
+        }
+    }
+
+    #[test]
+    fn a_call_estimate_fills_what_it_leaves_out_from_the_source() {
+        let p = params();
+        let c = |total, input, output| CallEst {
+            total,
+            input,
+            output,
+        };
+        assert_eq!(p.estimate(c(None, None, None)), t(1_000, 800, 200));
+        assert_eq!(p.estimate(c(Some(500), None, None)), t(500, 300, 200));
+        assert_eq!(
+            p.estimate(c(Some(50), None, None)),
+            t(50, 0, 50),
+            "output ≤ total"
+        );
+        assert_eq!(p.estimate(c(Some(500), Some(100), None)), t(500, 100, 400));
+        assert_eq!(p.estimate(c(Some(500), None, Some(450))), t(500, 50, 450));
+        assert_eq!(p.estimate(c(None, Some(300), Some(64))), t(364, 300, 64));
+        assert_eq!(p.estimate(c(None, Some(300), None)), t(500, 300, 200));
+        assert_eq!(p.estimate(c(None, None, Some(64))), t(864, 800, 64));
+        assert_eq!(
+            p.estimate(c(Some(9), Some(5), Some(7))),
+            t(9, 5, 7),
+            "as given"
+        );
+    }
+}

@@ -599,3 +599,65 @@ mod tests {
         assert_eq!(q.view(&qp, s(90)).tokens(), Some(60.0), "capacity cap");
     }
 }
+
+#[cfg(test)]
+mod provider_tests {
+    use super::*;
+
+    #[test]
+    fn burst_capacity_is_floored_and_at_least_one_and_days_ignore_it() {
+        let q = QuotaParams {
+            tpm: Some(6_000),
+            rpm: Some(30),
+            tpd: Some(500),
+            burst: Duration::from_secs(1),
+            ..QuotaParams::default()
+        };
+        assert_eq!(q.shape(Bucket::Tpm).unwrap().capacity, 100);
+        assert_eq!(
+            q.shape(Bucket::Rpm).unwrap().capacity,
+            1,
+            "0.5 → at least 1"
+        );
+        assert_eq!(q.shape(Bucket::Tpd).unwrap().capacity, 500);
+        assert_eq!(q.shape(Bucket::Itpm), None);
+        let d = QuotaParams {
+            tpm: Some(6_000),
+            ..QuotaParams::default()
+        };
+        assert_eq!(d.shape(Bucket::Tpm).unwrap().capacity, 6_000, "default: §7");
+    }
+
+    #[test]
+    fn a_total_splits_in_proportion_and_estimate_charging_credits_nothing() {
+        let r = Tokens {
+            total: 100,
+            input: 75,
+            output: 25,
+        };
+        let q = QuotaParams::default();
+        let c = q.credits(r, Settlement::charge(40));
+        assert_eq!((c.total, c.input, c.output, c.requests), (60, 45, 15, 0));
+        let est = QuotaParams {
+            charge_estimate: true,
+            ..q
+        };
+        assert_eq!(est.credits(r, Settlement::charge(40)), Credits::default());
+        let c = est.credits(r, Settlement::RefundAll);
+        assert_eq!((c.total, c.input, c.output, c.requests), (100, 75, 25, 1));
+        assert_eq!(
+            proportional(
+                7,
+                Tokens {
+                    total: 0,
+                    input: 0,
+                    output: 0
+                }
+            ),
+            Split {
+                input: 7,
+                output: 0
+            }
+        );
+    }
+}

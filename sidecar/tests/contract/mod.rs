@@ -12,6 +12,9 @@
 
 #![allow(dead_code)]
 
+mod provider;
+pub use provider::*;
+
 use std::future::Future;
 use std::time::Duration;
 
@@ -88,7 +91,7 @@ pub fn assert_dur<H: Harness>(h: &H, actual: Duration, expected: Duration, what:
 }
 
 #[track_caller]
-fn assert_level(actual: Option<f64>, expected: f64, what: &str) {
+pub fn assert_level(actual: Option<f64>, expected: f64, what: &str) {
     let a = actual.unwrap_or_else(|| panic!("{what}: bucket missing"));
     assert!(
         (a - expected).abs() < 0.5,
@@ -1130,6 +1133,13 @@ macro_rules! contract_tests {
             idle_breaker_keeps_the_decayed_level,
             lost_state_shows_as_an_epoch_going_backwards,
             a_429_block_is_bounded_alike,
+            burst_sets_capacity_and_buckets_start_full,
+            burst_capacity_is_never_below_one_request,
+            an_oversized_reservation_needs_a_full_bucket_and_leaves_debt,
+            input_and_output_buckets_settle_the_split_or_in_proportion,
+            estimate_charging_keeps_the_reservation_whatever_is_reported,
+            per_day_buckets_hold_a_day_and_ignore_burst,
+            quota_retry_after_is_the_longest_wait_over_the_buckets,
         );
     };
     (@cases $harness:expr; $($case:ident),* $(,)?) => {
