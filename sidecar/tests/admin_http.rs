@@ -719,3 +719,65 @@ async fn scrapes_cost_a_remote_backend_nothing() {
     assert!((2.9..=3.1).contains(&age), "{age}");
     refresh.abort();
 }
+
+/// §7a: `/metrics` shows every configured bucket: level, capacity, refill, debt.
+#[tokio::test]
+async fn every_quota_bucket_is_a_labelled_sample() {
+    timeout(LIMIT, async {
+        let src = polygate::config::SourceConfig {
+            rpm: Some(120),
+            otpm: Some(600),
+            burst: secs(1),
+            ..source("a")
+        };
+        let e = engine(&config(vec![scope("chat", vec![src])]));
+        let call = e
+            .begin_call(
+                1,
+                "chat",
+                polygate::engine::CallEst {
+                    output: Some(30),
+                    ..Default::default()
+                },
+            )
+            .unwrap();
+        let g = e.acquire(1, call).await.unwrap();
+        let used = Outcome::Success {
+            tokens: None,
+            split: Some(polygate::backend::Split {
+                input: 0,
+                output: 40,
+            }),
+            count_attempt: true,
+        };
+        e.report(1, g.permit, used).await.unwrap();
+        e.end_call(1, call).await.unwrap();
+        let admin = Admin::start(exposition(&e), AdminOptions::default()).await;
+        let (code, m) = get(admin.addr, "/metrics").await;
+        assert_eq!(code, 200);
+        let f = parse_openmetrics(&m).unwrap_or_else(|e| panic!("{e}\n{m}"));
+        let at = |name: &str, bucket: &str| value(&f, name, &[("source", "a"), ("bucket", bucket)]);
+        assert_eq!(at("polygate_quota_bucket_capacity", "rpm"), Some(2.0));
+        assert_eq!(at("polygate_quota_bucket_capacity", "otpm"), Some(10.0));
+        assert_eq!(
+            at("polygate_quota_bucket_refill_per_second", "otpm"),
+            Some(10.0)
+        );
+        assert_eq!(
+            at("polygate_quota_bucket_capacity", "tpm"),
+            None,
+            "not configured"
+        );
+        let level = at("polygate_quota_bucket_level", "otpm").expect("a level");
+        let debt = at("polygate_quota_bucket_debt", "otpm").expect("a debt");
+        // 40 output tokens out of a bucket of 10: about -30 (refill meanwhile).
+        assert!((-30.0..-25.0).contains(&level), "{level}\n{m}");
+        assert!(
+            (debt + level).abs() < 1e-9,
+            "debt mirrors the level: {debt} {level}"
+        );
+        admin.stop().await;
+    })
+    .await
+    .unwrap();
+}

@@ -813,3 +813,50 @@ async fn socket_activation_takes_the_named_sockets() {
         daemon.stderr()
     );
 }
+
+/// §7a: status (table and JSON) shows every configured bucket: level, capacity,
+/// refill per second, debt.
+#[tokio::test(flavor = "multi_thread")]
+async fn status_shows_every_bucket_with_capacity_refill_and_debt() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("s.sock");
+    let text = format!(
+        "{}\n[scopes.claude]\n[[scopes.claude.sources]]\nname = \"anthropic\"\nrpm = 60\n\
+         itpm = 6000\notpm = 1200\nburst = \"1s\"\nrpd = 1000\n",
+        config(&path)
+    );
+    let (stop, task) = serve_in_process(&path, &text);
+    let out = status_command(&["--json"], &path).await;
+    assert!(out.status.success(), "{out:?}");
+    let doc: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let src = &doc["scopes"][1]["sources"][0];
+    assert_eq!(src["name"], "anthropic");
+    let buckets = src["buckets"].as_array().unwrap();
+    let names: Vec<&str> = buckets
+        .iter()
+        .map(|b| b["bucket"].as_str().unwrap())
+        .collect();
+    assert_eq!(names, ["rpm", "itpm", "otpm", "rpd"]);
+    let by = |n: &str| buckets.iter().find(|b| b["bucket"] == n).unwrap();
+    assert_eq!(by("rpm")["capacity"], 1, "60 rpm over a 1 s burst");
+    assert_eq!(by("rpm")["level"], 1.0, "starts full");
+    assert_eq!(by("itpm")["capacity"], 100);
+    assert_eq!(by("otpm")["refill_per_s"], 20.0);
+    assert_eq!(by("rpd")["capacity"], 1000, "burst does not apply per day");
+    assert_eq!(by("otpm")["debt"], 0.0);
+    // The default source shows §7's two buckets at a minute's worth.
+    let primary = &doc["scopes"][0]["sources"][0]["buckets"];
+    assert_eq!(primary[0]["bucket"], "tpm");
+    assert_eq!(primary[0]["capacity"], 6000);
+    assert_eq!(primary[1]["refill_per_s"], 1.0);
+    let out = status_command(&[], &path).await;
+    assert!(out.status.success(), "{out:?}");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(stdout.contains("scope claude quota buckets:"), "{stdout}");
+    let otpm = stdout.lines().find(|l| l.contains("otpm")).unwrap();
+    for cell in ["anthropic", "20", "20.000"] {
+        assert!(otpm.contains(cell), "{cell:?} missing from {otpm:?}");
+    }
+    stop.send(()).unwrap();
+    task.await.unwrap().unwrap();
+}

@@ -51,8 +51,11 @@ pub fn run(socket: &Path, json: bool) -> ExitCode {
     };
     let fetch = async { tokio::time::timeout(STATUS_TIMEOUT, fetch(socket, request)).await };
     match rt.block_on(fetch) {
-        Ok(Ok(Printable::Report(report))) => {
+        Ok(Ok(Printable::Report(report, doc))) => {
             print!("{}", render(&report));
+            if let Some(doc) = doc {
+                print!("{}", render_buckets(&doc));
+            }
             ExitCode::SUCCESS
         }
         Ok(Ok(Printable::Json(doc))) => {
@@ -75,8 +78,9 @@ pub fn run(socket: &Path, json: bool) -> ExitCode {
 
 /// What a status request brought back.
 enum Printable {
-    /// The answer to `Status`.
-    Report(StatusReport),
+    /// The answer to `Status`, and the JSON document when the sidecar speaks it
+    /// (its per-bucket detail, §7a, has no place in the version-1 report).
+    Report(StatusReport, Option<String>),
     /// The answer to `StatusJson`: the document as the sidecar wrote it.
     Json(String),
 }
@@ -124,8 +128,19 @@ async fn fetch(socket: &Path, request: Request) -> Result<Printable, String> {
         Request::StatusJson => "StatusJson",
         _ => "Status",
     };
+    let wants_buckets =
+        matches!(request, Request::Status) && agreed >= Request::StatusJson.min_version();
     match ask(2, request).await? {
-        Reply::Status(report) => Ok(Printable::Report(report)),
+        Reply::Status(report) => {
+            let doc = match wants_buckets {
+                true => match ask(3, Request::StatusJson).await? {
+                    Reply::StatusJson(doc) => Some(doc),
+                    _ => None,
+                },
+                false => None,
+            };
+            Ok(Printable::Report(report, doc))
+        }
         Reply::StatusJson(doc) => Ok(Printable::Json(doc)),
         Reply::Error(e) => Err(format!("{:?}: {}", e.kind, e.message)),
         other => Err(format!("unexpected answer to {name}: {other:?}")),
@@ -232,6 +247,69 @@ fn source_row(s: &SourceStatus) -> Vec<String> {
     ]
 }
 
+/// Every source's quota buckets from the JSON status document (§7a): level,
+/// capacity, refill per second and debt, one table per scope that has any.
+pub fn render_buckets(doc: &str) -> String {
+    let mut out = String::new();
+    let Ok(v) = serde_json::from_str::<serde_json::Value>(doc) else {
+        return out;
+    };
+    let none = Vec::new();
+    for scope in v["scopes"].as_array().unwrap_or(&none) {
+        let mut rows: Vec<[String; 6]> = Vec::new();
+        for src in scope["sources"].as_array().unwrap_or(&none) {
+            for b in src["buckets"].as_array().unwrap_or(&none) {
+                let num = |k: &str, digits: usize| {
+                    b[k].as_f64()
+                        .map_or_else(|| "-".to_string(), |x| format!("{x:.digits$}"))
+                };
+                rows.push([
+                    src["name"].as_str().unwrap_or("?").to_string(),
+                    b["bucket"].as_str().unwrap_or("?").to_string(),
+                    b["level"]
+                        .as_f64()
+                        .map_or_else(|| "-".into(), |x| format!("{:.0}", x.floor())),
+                    num("capacity", 0),
+                    num("refill_per_s", 3),
+                    b["debt"]
+                        .as_f64()
+                        .map_or_else(|| "-".into(), |x| format!("{:.0}", x.ceil())),
+                ]);
+            }
+        }
+        if rows.is_empty() {
+            continue;
+        }
+        let header = ["SOURCE", "BUCKET", "LEVEL", "CAPACITY", "REFILL/S", "DEBT"];
+        let mut widths = header.map(str::len);
+        for r in &rows {
+            for (w, c) in widths.iter_mut().zip(r) {
+                *w = (*w).max(c.chars().count());
+            }
+        }
+        let _ = writeln!(
+            out,
+            "\nscope {} quota buckets:",
+            scope["name"].as_str().unwrap_or("?")
+        );
+        let head = header.map(String::from);
+        for r in std::iter::once(&head).chain(&rows) {
+            let mut line = String::from(" ");
+            for (i, (c, w)) in r.iter().zip(widths).enumerate() {
+                let pad = " ".repeat(w - c.chars().count());
+                if i < 2 {
+                    let _ = write!(line, " {c}{pad}");
+                } else {
+                    let _ = write!(line, " {pad}{c}");
+                }
+            }
+            out.push_str(line.trim_end());
+            out.push('\n');
+        }
+    }
+    out
+}
+
 fn state(s: BreakerState) -> &'static str {
     match s {
         BreakerState::Closed => "closed",
@@ -325,6 +403,29 @@ mod tests {
             .collect();
         assert_eq!(lens.len(), 3);
         assert!(lens.windows(2).all(|w| w[0] == w[1]), "{text}");
+    }
+
+    #[test]
+    fn buckets_render_level_capacity_refill_and_debt() {
+        let doc = r#"{"scopes":[{"name":"chat","sources":[
+            {"name":"anthropic","buckets":[
+              {"bucket":"rpm","level":0.4,"capacity":1,"refill_per_s":1.0,"debt":0.0},
+              {"bucket":"otpm","level":-250.2,"capacity":8000,"refill_per_s":133.33333,"debt":250.2}]},
+            {"name":"local","buckets":[]}]},
+            {"name":"empty","sources":[{"name":"x","buckets":[]}]}]}"#;
+        let text = render_buckets(doc);
+        assert!(text.contains("scope chat quota buckets:"), "{text}");
+        assert!(!text.contains("scope empty"), "{text}");
+        let otpm = text.lines().find(|l| l.contains("otpm")).unwrap();
+        for cell in ["anthropic", "-251", "8000", "133.333", "251"] {
+            assert!(otpm.contains(cell), "{cell:?} missing from {otpm:?}");
+        }
+        let rpm = text.lines().find(|l| l.contains(" rpm")).unwrap();
+        assert!(
+            rpm.contains(" 0 ") && rpm.trim_end().ends_with('0'),
+            "{rpm:?}"
+        );
+        assert_eq!(render_buckets("not json"), "");
     }
 
     #[test]

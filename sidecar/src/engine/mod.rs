@@ -30,6 +30,7 @@ pub use error::{EngineError, Exhaustion, ReloadError, SkipReason};
 pub use runtime::{ScopeCounters, SourceCounters};
 pub use tables::{LiveCounts, OwnerId, MAX_CALLS_PER_OWNER};
 
+use crate::gate::quota::{Bucket, QuotaParams, BUCKETS};
 use std::collections::HashMap;
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
@@ -99,6 +100,45 @@ pub struct SourceStatus {
     pub in_flight: u32,
     /// Served from local state because the shared backend is down.
     pub degraded: bool,
+    /// The source's quota parameters, so every bucket's capacity and refill can be
+    /// shown beside the level `shared` holds ([`SourceStatus::buckets`]).
+    pub quota: QuotaParams,
+}
+
+/// One configured bucket of a source, for status and metrics (§7a).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct BucketView {
+    /// Which bucket (its config key).
+    pub bucket: Bucket,
+    /// The level (negative: debt); `None` when the backend could not be read.
+    pub level: Option<f64>,
+    /// What a full bucket holds.
+    pub capacity: u64,
+    /// Refill per second.
+    pub refill_per_s: f64,
+    /// How far below zero the level is (0 without debt).
+    pub debt: Option<f64>,
+}
+
+impl SourceStatus {
+    /// Every configured bucket, in [`crate::gate::quota::BUCKETS`] order.
+    pub fn buckets(&self) -> Vec<BucketView> {
+        BUCKETS
+            .iter()
+            .enumerate()
+            .filter_map(|(i, (b, _, _))| {
+                let s = self.quota.shape(*b)?;
+                let level = self.shared.levels[i];
+                Some(BucketView {
+                    bucket: *b,
+                    level,
+                    capacity: s.capacity,
+                    refill_per_s: s.refill_per_s(),
+                    debt: level.map(|l| (-l).max(0.0)),
+                })
+            })
+            .collect()
+    }
 }
 
 /// Live state of one scope, for status.

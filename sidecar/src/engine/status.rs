@@ -58,6 +58,7 @@ impl<B: Backend> Engine<B> {
                     memo_remaining: src.memo.remaining(now),
                     quota_retry_after: Duration::ZERO, // filled from the snapshot
                     pacer_ceiling,
+                    quota: src.params().qp,
                     in_flight,
                     degraded: self.backend.degraded(&src.name),
                 });

@@ -14,6 +14,7 @@
 pub mod histogram;
 mod shared;
 
+use crate::engine::BucketView;
 use std::collections::HashSet;
 use std::fmt;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -418,6 +419,51 @@ impl<B: Backend> Scrape<B> {
                 gauge(&mut m, &[("source", s.name.as_str())], v)?;
             }
         }
+        // §7a: every configured bucket, labelled by its config key.
+        let bucket_families: [(&str, &str, BucketRead); 4] = [
+            (
+                "polygate_quota_bucket_level",
+                "Level of each quota bucket (negative: debt).",
+                |v| v.level,
+            ),
+            (
+                "polygate_quota_bucket_capacity",
+                "What each quota bucket holds when full (limit x burst / 60 s per minute).",
+                |v| Some(v.capacity as f64),
+            ),
+            (
+                "polygate_quota_bucket_refill_per_second",
+                "Refill rate of each quota bucket.",
+                |v| Some(v.refill_per_s),
+            ),
+            (
+                "polygate_quota_bucket_debt",
+                "How far each quota bucket is below zero.",
+                |v| v.debt,
+            ),
+        ];
+        for (name, help, read) in bucket_families {
+            let mut m = family(enc, name, help, None, MetricType::Gauge)?;
+            for (s, known) in &sources {
+                // Capacity and refill come from the config; level and debt only from
+                // a backend view this refresh could read.
+                for v in s.buckets() {
+                    let v = if *known {
+                        v
+                    } else {
+                        BucketView {
+                            level: None,
+                            debt: None,
+                            ..v
+                        }
+                    };
+                    if let Some(x) = read(&v) {
+                        let labels = [("source", s.name.as_str()), ("bucket", v.bucket.as_str())];
+                        gauge(&mut m, &labels, x)?;
+                    }
+                }
+            }
+        }
         // Host-local, always live.
         let local: [(&str, &str, Option<Unit>, LocalRead); 4] = [
             (
@@ -526,6 +572,9 @@ impl<B: Backend> Scrape<B> {
 
 /// Reads one host-local gauge of a source.
 type LocalRead = fn(&crate::engine::SourceStatus) -> Num;
+
+/// How one bucket family reads its value from a bucket (`None`: no sample).
+type BucketRead = fn(&BucketView) -> Option<f64>;
 
 impl<B: Backend> prometheus_client::collector::Collector for Scrape<B> {
     fn encode(&self, mut enc: DescriptorEncoder<'_>) -> fmt::Result {

@@ -375,6 +375,13 @@ pub fn status_json(backend: &str, scopes: &[engine::ScopeStatus]) -> String {
                         "requests_available": b.requests_available,
                         "quota_blocked_s": b.quota_blocked.as_secs_f64(),
                         "quota_retry_after_s": s.quota_retry_after.as_secs_f64(),
+                        "buckets": s.buckets().iter().map(|v| json!({
+                            "bucket": v.bucket.as_str(),
+                            "level": v.level,
+                            "capacity": v.capacity,
+                            "refill_per_s": v.refill_per_s,
+                            "debt": v.debt,
+                        })).collect::<Vec<_>>(),
                         "degraded": s.degraded,
                     })
                 })
