@@ -885,6 +885,14 @@ fn bad_provider_quota_keys_name_the_key() {
             &[&format!("{k}.{key}"), "greater than zero"],
         );
     }
+    err(
+        &source_with("tpd = 10000000000000"),
+        &[&format!("{k}.tpd"), "at most"],
+    );
+    err(
+        &source_with("est_output_tokens = 10000000000"),
+        &[&format!("{k}.est_output_tokens"), "at most"],
+    );
     err_env(
         MINIMAL,
         &[("CHAT__SOURCES__0__BURST", "forever")],

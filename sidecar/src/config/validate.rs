@@ -559,11 +559,16 @@ fn validate_source(
             raw.tokens_charged,
             DEFAULT_TOKENS_CHARGED,
         )?,
-        itpm: positive(ctx, &k("itpm"), raw.itpm)?,
-        otpm: positive(ctx, &k("otpm"), raw.otpm)?,
-        rpd: positive(ctx, &k("rpd"), raw.rpd)?,
-        tpd: positive(ctx, &k("tpd"), raw.tpd)?,
-        est_output_tokens: positive(ctx, &k("est_output_tokens"), raw.est_output_tokens)?,
+        itpm: positive(ctx, &k("itpm"), raw.itpm, MAX_RATE)?,
+        otpm: positive(ctx, &k("otpm"), raw.otpm, MAX_RATE)?,
+        rpd: positive(ctx, &k("rpd"), raw.rpd, MAX_RATE)?,
+        tpd: positive(ctx, &k("tpd"), raw.tpd, MAX_RATE)?,
+        est_output_tokens: positive(
+            ctx,
+            &k("est_output_tokens"),
+            raw.est_output_tokens,
+            MAX_TOKENS,
+        )?,
         name,
     })
 }
