@@ -1,0 +1,242 @@
+#!/usr/bin/env python3
+"""Fleet scenario (DESIGN §7a) for `polygate-bench --scenario fleet`: N sidecars on a
+throwaway redis-server, a local fake upstream enforcing one provider rule and
+answering 429 + Retry-After when it is broken, and W workers per host that go through
+the Python binding (`client.run`-style loop: acquire, call the upstream, report the
+usage or the 429). Prints one JSON line:
+{"upstream_429s", "startup_429s", "utilisation", "calls_ok", "calls_failed", ...}.
+
+Upstream rules (limits per deployment, as `--rpm` / `--tpm` say):
+* token-bucket  (Anthropic): RPM, ITPM, OTPM buckets, continuous refill, capacity one
+                 minute's worth; input + actual output charged on arrival.
+* per-second    (Azure OpenAI): RPM and TPM evaluated per fixed 1-second period
+                 (limit / 60 each); TPM charged with prompt + max_tokens on arrival.
+* fixed-minute  (fixed 60-second windows): RPM and TPM (actual usage) per window.
+
+`--config matching` writes the source block examples/providers.toml recommends for
+the rule; `--config default` is today's configuration (rpm + tpm only) as the control.
+Standard library only (plus the polygate binding on sys.path)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "bindings" / "python"))
+import polygate  # noqa: E402
+
+PROMPT, MAX_TOKENS, OUTPUT = 60, 40, 30  # tokens per request: in, max out, actual out
+
+
+class Upstream:
+    """A fake provider deployment enforcing one rule; thread-safe."""
+
+    def __init__(self, rule: str, rpm: int, tpm: int) -> None:
+        self.rule, self.rpm, self.tpm = rule, rpm, tpm
+        self.itpm, self.otpm = tpm * PROMPT // (PROMPT + OUTPUT), tpm * OUTPUT // (PROMPT + OUTPUT)
+        self.lock = threading.Lock()
+        self.t0 = time.monotonic()
+        self.ok = self.r429 = self.startup_429 = 0
+        self.levels = {"r": float(rpm), "i": float(self.itpm), "o": float(self.otpm)}
+        self.last = self.t0
+        self.window = (-1, 0, 0)  # (index, requests, tokens)
+
+    def call(self) -> tuple:
+        """One request arriving now: (ok, retry_after_s, input, output)."""
+        with self.lock:
+            now = time.monotonic()
+            retry = self._admit(now)
+            if retry is None:
+                self.ok += 1
+                return True, 0.0, PROMPT, OUTPUT
+            self.r429 += 1
+            if now - self.t0 < 60:
+                self.startup_429 += 1
+            return False, retry, 0, 0
+
+    def _admit(self, now: float):
+        if self.rule == "token-bucket":
+            dt, self.last = now - self.last, now
+            caps = {"r": self.rpm, "i": self.itpm, "o": self.otpm}
+            need = {"r": 1, "i": PROMPT, "o": OUTPUT}
+            waits = []
+            for k in caps:
+                self.levels[k] = min(caps[k], self.levels[k] + dt * caps[k] / 60)
+                if self.levels[k] < need[k]:
+                    waits.append((need[k] - self.levels[k]) * 60 / caps[k])
+            if waits:
+                return max(waits)
+            for k in caps:
+                self.levels[k] -= need[k]
+            return None
+        period = 1.0 if self.rule == "per-second" else 60.0
+        rl = self.rpm / 60 if period == 1.0 else self.rpm
+        tl = self.tpm / 60 if period == 1.0 else self.tpm
+        cost = PROMPT + MAX_TOKENS if period == 1.0 else PROMPT + OUTPUT
+        idx = int((now - self.t0) // period)
+        w, n, t = self.window
+        if w != idx:
+            n, t = 0, 0
+        if n + 1 > rl or t + cost > tl:
+            self.window = (idx, n, t)
+            return period * (idx + 1) - (now - self.t0)
+        self.window = (idx, n + 1, t + cost)
+        return None
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def source_block(rule: str, config: str, rpm: int, tpm: int) -> str:
+    lines = ['name = "deploy"', 'timeout = "10s"', f"rpm = {rpm}"]
+    if config == "default":
+        return "\n".join(lines + [f"tpm = {tpm}"])
+    if rule == "token-bucket":
+        itpm, otpm = tpm * PROMPT // (PROMPT + OUTPUT), tpm * OUTPUT // (PROMPT + OUTPUT)
+        return "\n".join(lines + [f"itpm = {itpm}", f"otpm = {otpm}"])
+    if rule == "per-second":
+        # One request's interval: a bucket of one request never sends more than
+        # limit/60 in a fixed second (a bucket of a second's worth could send ~2x).
+        burst_ms = max(1, 60_000 // rpm)
+        return "\n".join(lines + [f"tpm = {tpm}", f'burst = "{burst_ms}ms"',
+                                  'tokens_charged = "estimate"'])
+    return "\n".join(lines + [f"tpm = {tpm}", f'burst = "{max(1, 60_000 // rpm)}ms"'])
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--hosts", type=int, default=4)
+    ap.add_argument("--workers", type=int, default=16)
+    ap.add_argument("--seconds", type=float, default=90)
+    ap.add_argument("--upstream", choices=["token-bucket", "per-second", "fixed-minute"],
+                    default="token-bucket")
+    ap.add_argument("--config", choices=["matching", "default"], default="matching")
+    ap.add_argument("--rpm", type=int, default=60)
+    ap.add_argument("--tpm", type=int, default=6000)
+    ap.add_argument("--sidecar", default=os.environ.get(
+        "POLYGATE_SIDECAR_BIN", str(ROOT / "target" / "debug" / "polygate-sidecar")))
+    a = ap.parse_args()
+    # SIGTERM (a timeout, the bench's own stop) still stops what this run started.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    tmp = Path(tempfile.mkdtemp(prefix="pg-fleet-"))
+    procs = []
+    try:
+        port = free_port()
+        procs.append(subprocess.Popen(
+            ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+             "--appendonly", "no", "--dir", str(tmp)],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", port), 0.2).close()
+                break
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise SystemExit("redis-server did not start")
+                time.sleep(0.05)
+        socks = []
+        block = source_block(a.upstream, a.config, a.rpm, a.tpm)
+        for h in range(a.hosts):
+            sock = tmp / f"h{h}.sock"
+            cfg = tmp / f"h{h}.toml"
+            cfg.write_text(
+                f'[sidecar]\nsocket = "{sock}"\nbackend = "redis"\n'
+                f'redis_url = "redis://127.0.0.1:{port}/0"\nredis_timeout = "2s"\n'
+                f'key_prefix = "fleet"\n\n[scopes.chat]\nquota_full = "wait"\n'
+                f'stall_window = "600s"\npoll_interval = "20ms"\nmax_attempts = 10\n'
+                f'[scopes.chat.pacer]\ninitial = {a.workers}\nmax = {a.workers}\n'
+                f'min = {a.workers}\n\n[[scopes.chat.sources]]\n{block}\n')
+            procs.append(subprocess.Popen([a.sidecar, "--config", str(cfg)],
+                                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+            socks.append(sock)
+        deadline = time.monotonic() + 15
+        while not all(s.exists() for s in socks):
+            if time.monotonic() > deadline:
+                raise SystemExit("a sidecar did not start")
+            time.sleep(0.05)
+        up = Upstream(a.upstream, a.rpm, a.tpm)
+        stop_at = up.t0 + a.seconds
+        counts = {"ok": 0, "failed": 0}
+        lock = threading.Lock()
+
+        def worker(sock: Path) -> None:
+            client = polygate.connect(str(sock))
+            try:
+                while time.monotonic() < stop_at:
+                    try:
+                        with client.call("chat", est_input_tokens=PROMPT,
+                                         est_output_tokens=MAX_TOKENS) as call:
+                            while True:
+                                p = call.acquire()
+                                if time.monotonic() >= stop_at:
+                                    p.cancel()
+                                    return
+                                ok, retry, i, o = up.call()
+                                if ok:
+                                    p.success(input_tokens=i, output_tokens=o)
+                                    break
+                                p.rate_limited(retry_after_s=retry)
+                        with lock:
+                            counts["ok"] += 1
+                    except polygate.PolyGateError:
+                        with lock:
+                            counts["failed"] += 1
+            finally:
+                client.close()
+
+        threads = [threading.Thread(target=worker, args=(s,), daemon=True)
+                   for s in socks for _ in range(a.workers)]
+        for t in threads:
+            t.start()
+        # A worker still waiting out a 429 at the end is left behind (a daemon
+        # thread): the upstream's counts are the result.
+        for t in threads:
+            t.join(timeout=max(0.0, stop_at + 5 - time.monotonic()))
+        elapsed = min(time.monotonic(), stop_at) - up.t0
+        with up.lock:
+            ok, r429, startup = up.ok, up.r429, up.startup_429
+        requests = ok + r429
+        # What the rule could have accepted in requests over the run.
+        if a.upstream == "token-bucket":
+            allowed = a.rpm + a.rpm * elapsed / 60
+        elif a.upstream == "per-second":
+            allowed = a.rpm / 60 * math.ceil(elapsed)
+        else:
+            allowed = a.rpm * math.ceil(elapsed / 60)
+        print(json.dumps({
+            "scenario": "fleet", "upstream": a.upstream, "config": a.config,
+            "hosts": a.hosts, "workers": a.workers, "seconds": round(elapsed, 2),
+            "upstream_requests": requests, "upstream_429s": r429,
+            "upstream_429_share": round(r429 / max(1, requests), 4),
+            "startup_429s": startup,
+            "utilisation": round(ok / allowed, 4),
+            "calls_ok": counts["ok"], "calls_failed": counts["failed"],
+        }))
+        return 0
+    finally:
+        for p in reversed(procs):
+            p.terminate()
+        for p in procs:
+            try:
+                p.wait(5)
+            except subprocess.TimeoutExpired:
+                p.kill()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
