@@ -950,7 +950,7 @@ fn the_provider_examples_parse_as_the_rules_they_name() {
     assert_eq!(anthropic.burst, Duration::from_secs(60));
     assert_eq!(anthropic.tokens_charged, TokensCharged::Actual);
     let azure = by("azure-gpt4o");
-    assert_eq!(azure.burst, Duration::from_secs(1));
+    assert_eq!(azure.burst, Duration::from_millis(100), "60 s / 600 rpm");
     assert_eq!(azure.tokens_charged, TokensCharged::Estimate);
     let openai = by("openai-gpt4o");
     assert!(openai.rpd.is_some() && openai.tpd.is_some());
@@ -958,6 +958,6 @@ fn the_provider_examples_parse_as_the_rules_they_name() {
     let eu = &c.scopes[0].sources[1];
     assert_eq!(
         (eu.burst, eu.tokens_charged),
-        (Duration::from_secs(1), TokensCharged::Estimate)
+        (Duration::from_millis(125), TokensCharged::Estimate)
     );
 }
