@@ -125,6 +125,8 @@ def main() -> int:
     ap.add_argument("--upstream", choices=["token-bucket", "per-second", "fixed-minute"],
                     default="token-bucket")
     ap.add_argument("--config", choices=["matching", "default"], default="matching")
+    ap.add_argument("--burst", default=None,
+                    help="override the matching block's burst (e.g. 1s, to compare)")
     ap.add_argument("--rpm", type=int, default=60)
     ap.add_argument("--tpm", type=int, default=6000)
     ap.add_argument("--sidecar", default=os.environ.get(
@@ -151,6 +153,9 @@ def main() -> int:
                 time.sleep(0.05)
         socks = []
         block = source_block(a.upstream, a.config, a.rpm, a.tpm)
+        if a.burst is not None:
+            block = "\n".join(l for l in block.splitlines() if not l.startswith("burst"))
+            block += f'\nburst = "{a.burst}"'
         for h in range(a.hosts):
             sock = tmp / f"h{h}.sock"
             cfg = tmp / f"h{h}.toml"
@@ -220,6 +225,7 @@ def main() -> int:
             allowed = a.rpm * math.ceil(elapsed / 60)
         print(json.dumps({
             "scenario": "fleet", "upstream": a.upstream, "config": a.config,
+            "burst": a.burst,
             "hosts": a.hosts, "workers": a.workers, "seconds": round(elapsed, 2),
             "upstream_requests": requests, "upstream_429s": r429,
             "upstream_429_share": round(r429 / max(1, requests), 4),
