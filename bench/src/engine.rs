@@ -58,6 +58,7 @@ async fn cycle(e: &Engine<MemoryBackend>, owner: u64, scope: &str) -> Result<(),
     }
     let ok = Outcome::Success {
         tokens: Some(10),
+        split: None,
         count_attempt: true,
     };
     e.report(owner, g.permit, ok)

@@ -74,6 +74,27 @@ struct Cli {
     /// The Go driver's package directory.
     #[arg(long, default_value = "bench/drivers/go_client")]
     go_driver: PathBuf,
+    /// `fleet`: sidecars on one throwaway redis-server (DESIGN §7a).
+    #[arg(long, default_value_t = 4)]
+    hosts: usize,
+    /// `fleet`: workers per host, each on its own binding connection.
+    #[arg(long, default_value_t = 16)]
+    workers: usize,
+    /// `fleet`: the provider rule the fake upstream enforces.
+    #[arg(long, value_enum, default_value = "token-bucket")]
+    upstream: Upstream,
+    /// `fleet`: `matching` (the examples/providers.toml block for the rule) or
+    /// `default` (today's rpm + tpm, the control).
+    #[arg(long, default_value = "matching")]
+    fleet_config: String,
+    /// `fleet`: the upstream deployment's requests and tokens per minute.
+    #[arg(long, default_value_t = 60)]
+    rpm: u64,
+    #[arg(long, default_value_t = 6000)]
+    tpm: u64,
+    /// `fleet`: the driver (bench/fleet/fleet.py).
+    #[arg(long, default_value = "bench/fleet/fleet.py")]
+    fleet_driver: PathBuf,
     /// Tiny durations and counts: checks that every scenario runs and prints its keys.
     #[arg(long)]
     smoke: bool,
@@ -96,6 +117,27 @@ enum Command {
     },
 }
 
+/// The provider rules of the fleet scenario's fake upstream (DESIGN §7a).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum Upstream {
+    /// Anthropic: RPM, ITPM, OTPM continuous buckets.
+    TokenBucket,
+    /// Azure OpenAI: RPM and estimate-charged TPM per 1-second period.
+    PerSecond,
+    /// Fixed 60-second windows.
+    FixedMinute,
+}
+
+impl Upstream {
+    pub fn name(self) -> &'static str {
+        match self {
+            Upstream::TokenBucket => "token-bucket",
+            Upstream::PerSecond => "per-second",
+            Upstream::FixedMinute => "fixed-minute",
+        }
+    }
+}
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub enum Scenario {
     Latency,
@@ -107,6 +149,9 @@ pub enum Scenario {
     Go,
     /// The engine alone, in process (not part of --all's socket figures, but run by it).
     Engine,
+    /// DESIGN §7a: upstream 429s of N sidecars against a fake provider (not in --all:
+    /// it measures counts over minutes, not the cost budget).
+    Fleet,
 }
 
 impl Scenario {
@@ -131,6 +176,7 @@ impl Scenario {
             Scenario::Node => "node",
             Scenario::Go => "go",
             Scenario::Engine => "engine",
+            Scenario::Fleet => "fleet",
         }
     }
 
@@ -172,6 +218,14 @@ impl Scenario {
             Scenario::Node | Scenario::Go => {
                 &["calls_per_s", "python_asyncio_calls_per_s", "ratio"]
             }
+            Scenario::Fleet => &[
+                "upstream",
+                "upstream_429s",
+                "startup_429s",
+                "utilisation",
+                "calls_ok",
+                "calls_failed",
+            ],
             Scenario::Engine => &[
                 "calls_per_s_1_task",
                 "calls_per_s_64_tasks",
@@ -197,6 +251,19 @@ pub struct Opts {
     pub python_driver: PathBuf,
     pub node_driver: PathBuf,
     pub go_driver: PathBuf,
+    /// The fleet scenario's settings.
+    pub fleet: Fleet,
+}
+
+/// What `--scenario fleet` runs.
+pub struct Fleet {
+    pub hosts: usize,
+    pub workers: usize,
+    pub upstream: Upstream,
+    pub config: String,
+    pub rpm: u64,
+    pub tpm: u64,
+    pub driver: PathBuf,
 }
 
 impl Opts {
@@ -324,6 +391,15 @@ fn main() -> ExitCode {
         python_driver: rel(&cli.python_driver),
         node_driver: rel(&cli.node_driver),
         go_driver: rel(&cli.go_driver),
+        fleet: Fleet {
+            hosts: cli.hosts,
+            workers: cli.workers,
+            upstream: cli.upstream,
+            config: cli.fleet_config.clone(),
+            rpm: cli.rpm,
+            tpm: cli.tpm,
+            driver: rel(&cli.fleet_driver),
+        },
     };
     if cli.smoke {
         opts.seconds = opts.seconds.min(0.2);

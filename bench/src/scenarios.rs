@@ -38,6 +38,7 @@ impl<'a> Ctx<'a> {
             Scenario::Redis => redis(self),
             Scenario::Waiters => waiters(self),
             Scenario::Engine => crate::engine::run(&self.rt, self.opts),
+            Scenario::Fleet => Ok(vec![fleet(self.opts)]),
             Scenario::Python | Scenario::Node | Scenario::Go => crate::drivers::run(self, s),
         };
         r.unwrap_or_else(|e| {
@@ -522,4 +523,50 @@ pub fn status_of(payload: &[u8]) -> Result<ipc_protocol::StatusReport, String> {
         Reply::Status(s) => Ok(s),
         other => Err(format!("expected Status, got {other:?}")),
     }
+}
+
+/// DESIGN §7a: the fleet driver (`bench/fleet/fleet.py`) run once with this bench's
+/// settings; its JSON line becomes the scenario's line.
+fn fleet(opts: &Opts) -> Line {
+    let f = &opts.fleet;
+    let mut line = Line::new(Scenario::Fleet);
+    let out = std::process::Command::new(&opts.python)
+        .arg(&f.driver)
+        .args([
+            "--hosts",
+            &f.hosts.to_string(),
+            "--workers",
+            &f.workers.to_string(),
+        ])
+        .args([
+            "--seconds",
+            &opts.seconds.to_string(),
+            "--upstream",
+            f.upstream.name(),
+        ])
+        .args(["--rpm", &f.rpm.to_string(), "--tpm", &f.tpm.to_string()])
+        .args(["--config", &f.config, "--sidecar"])
+        .arg(&opts.sidecar_bin)
+        .output();
+    let parsed = out.as_ref().ok().and_then(|o| {
+        let text = String::from_utf8_lossy(&o.stdout);
+        let last = text.lines().last()?.to_string();
+        serde_json::from_str::<serde_json::Map<String, serde_json::Value>>(&last).ok()
+    });
+    match parsed {
+        Some(m) => {
+            for (k, v) in m {
+                line.set(&k, v);
+            }
+            line.set("scenario", Scenario::Fleet.name());
+        }
+        None => {
+            let why = match &out {
+                Ok(o) => String::from_utf8_lossy(&o.stderr).into_owned(),
+                Err(e) => e.to_string(),
+            };
+            line.set("error", format!("fleet driver failed: {why}"));
+        }
+    }
+    line
 }
