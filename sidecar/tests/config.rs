@@ -849,7 +849,8 @@ fn priorities_parse_with_defaults() {
 #[test]
 fn bad_priorities_name_the_key() {
     err(
-        &CLASSES.replace("reserve = 0.3", "reserve = 0.8\nlimit = 0.9")
+        &CLASSES
+            .replace("reserve = 0.3", "reserve = 0.8\nlimit = 0.9")
             .replace("limit = 0.7", "reserve = 0.3"),
         &["scopes.chat.priorities[*].reserve", "sum to", "more than 1"],
     );
@@ -862,12 +863,22 @@ fn bad_priorities_name_the_key() {
         ],
     );
     err(
-        &CLASSES.replace("default_priority = \"batch\"", "default_priority = \"bulk\""),
-        &["scopes.chat.default_priority", "\"bulk\"", "interactive, batch"],
+        &CLASSES.replace(
+            "default_priority = \"batch\"",
+            "default_priority = \"bulk\"",
+        ),
+        &[
+            "scopes.chat.default_priority",
+            "\"bulk\"",
+            "interactive, batch",
+        ],
     );
     err(
         &scope_with("default_priority = \"batch\""),
-        &["scopes.chat.default_priority", "declares no priority classes"],
+        &[
+            "scopes.chat.default_priority",
+            "declares no priority classes",
+        ],
     );
     err(
         &CLASSES.replace("weight = 1\n", "weight = 0\n"),

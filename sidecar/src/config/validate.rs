@@ -482,9 +482,7 @@ fn validate_priorities(
             return Err(ctx.err(
                 &at("name"),
                 format_args!("{name:?}"),
-                format!(
-                    "must be 1 to {MAX_PRIORITY_NAME} characters of A-Z, a-z, 0-9, `_` or `-`"
-                ),
+                format!("must be 1 to {MAX_PRIORITY_NAME} characters of A-Z, a-z, 0-9, `_` or `-`"),
             ));
         }
         if let Some(j) = priorities.iter().position(|c| c.name == name) {

@@ -21,6 +21,7 @@ mod admin;
 mod detach;
 mod error;
 mod pass;
+mod queue;
 mod report;
 mod runtime;
 mod status;
@@ -218,7 +219,10 @@ impl<B: Backend> Engine<B> {
         // Whatever was freed may be quota: let the next admission ask the backend.
         self.sources[source].quota_hint.clear();
         for &s in &self.sources[source].scopes {
-            self.scopes[s].notify.notify_one();
+            match &self.scopes[s].queue {
+                Some(q) => q.wake_next(),
+                None => self.scopes[s].notify.notify_one(),
+            }
         }
     }
 
@@ -228,6 +232,9 @@ impl<B: Backend> Engine<B> {
         self.sources[source].quota_hint.clear();
         for &s in &self.sources[source].scopes {
             self.scopes[s].notify.notify_waiters();
+            if let Some(q) = &self.scopes[s].queue {
+                q.wake_all();
+            }
         }
     }
 

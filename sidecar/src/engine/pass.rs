@@ -74,6 +74,7 @@ impl<B: Backend> Engine<B> {
         policy: &Policy,
         failed: &[usize],
         est_tokens: Option<u64>,
+        class: usize,
         reasons: &mut [Option<SkipReason>],
     ) -> Result<Hold, Refused> {
         let mut refused = Refused::default();
@@ -134,6 +135,7 @@ impl<B: Backend> Engine<B> {
                         epoch,
                         is_probe,
                         tokens,
+                        class,
                     });
                 }
                 Ok(Admit::RateLimited { retry_after }) => {
@@ -274,6 +276,7 @@ impl<B: Backend> Work<B> for Admission {
                     epoch,
                     is_probe,
                     tokens: self.tokens,
+                    class: 0,
                 };
                 engine.detach(GiveBack(Settle::of_hold(engine, self.scope, &g)));
             }

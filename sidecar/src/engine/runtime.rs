@@ -12,6 +12,7 @@ use std::time::Duration;
 use tokio::sync::Notify;
 
 use super::error::ReloadError;
+use super::queue::WaitQueue;
 use crate::config::{Config, ScopeConfig, SourceConfig};
 use crate::gate::breaker::BreakerParams;
 use crate::gate::health::Health;
@@ -124,6 +125,30 @@ pub struct SourceCounters {
     pub abandoned: AtomicU64,
 }
 
+/// Monotonic counters of one priority class of a scope (§15), for status and
+/// `/metrics`.
+#[derive(Debug, Default)]
+pub struct ClassCounters {
+    /// Permits granted to calls of the class.
+    pub grants: AtomicU64,
+    /// Acquires of the class that started waiting.
+    pub waits: AtomicU64,
+    /// Acquires that ended `CircuitOpen`.
+    pub circuit_open: AtomicU64,
+    /// Acquires that ended `stalled`.
+    pub stalled: AtomicU64,
+    /// Acquires that ended `quota_exhausted`.
+    pub quota_exhausted: AtomicU64,
+    /// Acquires that ended `retry_exhausted`.
+    pub retry_exhausted: AtomicU64,
+    /// Acquires refused because the shared backend is unreachable.
+    pub backend_unavailable: AtomicU64,
+    /// Sources skipped because the class reached its `limit`.
+    pub held_limit: AtomicU64,
+    /// Sources skipped because the rest is another class's unused reserve.
+    pub held_reserve: AtomicU64,
+}
+
 /// Count one event.
 pub(crate) fn bump(c: &AtomicU64) {
     c.fetch_add(1, Ordering::Relaxed);
@@ -145,6 +170,13 @@ pub(crate) struct ScopeRt {
     pub(crate) waiters: AtomicU32,
     /// Counters for `/metrics`.
     pub(crate) counters: ScopeCounters,
+    /// §15: the waiters in fair order across classes; `None` for a scope without
+    /// classes, whose waiters share `notify` (first come, first served).
+    pub(crate) queue: Option<WaitQueue>,
+    /// §15: class names, config order (fixed: changing them needs a restart).
+    pub(crate) class_names: Vec<String>,
+    /// §15: counters per class, config order.
+    pub(crate) class_counters: Vec<ClassCounters>,
 }
 
 /// Host-local runtime state of one source (shared by every scope naming it).
@@ -236,6 +268,13 @@ impl Topology {
                 notify: Notify::new(),
                 waiters: AtomicU32::new(0),
                 counters: ScopeCounters::default(),
+                queue: (!sc.priorities.is_empty()).then(|| WaitQueue::new(&weights(sc))),
+                class_names: sc.priorities.iter().map(|p| p.name.clone()).collect(),
+                class_counters: sc
+                    .priorities
+                    .iter()
+                    .map(|_| ClassCounters::default())
+                    .collect(),
             });
             scope_index.insert(sc.name.clone(), si);
         }
@@ -246,6 +285,11 @@ impl Topology {
             source_index,
         }
     }
+}
+
+/// The class weights of a scope, config order.
+fn weights(sc: &ScopeConfig) -> Vec<f64> {
+    sc.priorities.iter().map(|p| p.weight).collect()
 }
 
 /// Apply a new configuration to running scopes and sources (SIGHUP); see
@@ -282,6 +326,14 @@ pub(crate) fn reload(
     if names(config) != now {
         return Err(ReloadError::TopologyChanged);
     }
+    for (sc, new) in scopes.iter().zip(&config.scopes) {
+        let classes: Vec<&str> = new.priorities.iter().map(|p| p.name.as_str()).collect();
+        if classes != sc.class_names {
+            return Err(ReloadError::ClassesChanged {
+                scope: sc.name.clone(),
+            });
+        }
+    }
     let mut changes = Vec::new();
     // Per-source settings follow the first scope naming the source, as at start-up
     // (scopes may disagree on est_tokens/timeout/pacer; tpm/rpm must agree).
@@ -307,6 +359,10 @@ pub(crate) fn reload(
             src.pacer.reconfigure(new.pacer);
         }
         sc.notify.notify_waiters();
+        if let Some(q) = &sc.queue {
+            q.reweigh(&weights(new));
+            q.wake_all();
+        }
     }
     Ok(changes)
 }

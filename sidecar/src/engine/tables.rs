@@ -37,6 +37,8 @@ pub(crate) struct CallRec {
     acquiring: bool,
     /// The call's unreported permit.
     permit: Option<u64>,
+    /// §15: index of the call's priority class in its scope (0 without classes).
+    pub(crate) class: usize,
 }
 
 impl CallRec {
@@ -66,6 +68,8 @@ pub(crate) struct PermitRec {
     pub(crate) is_probe: bool,
     /// Tokens reserved.
     pub(crate) tokens: u64,
+    /// §15: the call's priority class (its share of the source settles with it).
+    pub(crate) class: usize,
     /// When granted (latency for health).
     pub(crate) granted_at: Duration,
     /// When it is reclaimed if never reported.
@@ -85,6 +89,8 @@ pub(crate) struct Hold {
     pub(crate) is_probe: bool,
     /// Tokens reserved.
     pub(crate) tokens: u64,
+    /// §15: the call's priority class in its scope (0 without classes).
+    pub(crate) class: usize,
 }
 
 /// What an Acquire needs to know about its call before a pass.
@@ -144,6 +150,7 @@ impl Tables {
         owner: OwnerId,
         scope: usize,
         est_tokens: Option<u64>,
+        class: usize,
         now: Duration,
     ) -> Result<u64, EngineError> {
         let n = self.owner_calls.entry(owner).or_insert(0);
@@ -167,6 +174,7 @@ impl Tables {
                 stalled_since: Some(now),
                 acquiring: false,
                 permit: None,
+                class,
             },
         );
         Ok(id)
@@ -178,7 +186,7 @@ impl Tables {
         &mut self,
         owner: OwnerId,
         call: u64,
-    ) -> Result<usize, EngineError> {
+    ) -> Result<(usize, usize), EngineError> {
         let c = self
             .calls
             .get_mut(&call)
@@ -188,7 +196,12 @@ impl Tables {
             return Err(EngineError::Busy(call));
         }
         c.acquiring = true;
-        Ok(c.scope)
+        Ok((c.scope, c.class))
+    }
+
+    /// §15: the call's class, if the call still exists.
+    pub(crate) fn class_of(&self, call: u64) -> Option<usize> {
+        self.calls.get(&call).map(|c| c.class)
     }
 
     /// The Acquire of `call` ended (if the call still exists).
@@ -255,6 +268,7 @@ impl Tables {
                 epoch: g.epoch,
                 is_probe: g.is_probe,
                 tokens: g.tokens,
+                class: g.class,
                 granted_at: now,
                 expires: now + lease,
             },

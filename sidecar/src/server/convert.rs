@@ -30,14 +30,6 @@ pub enum ArgumentError {
         /// What the client sent.
         value: u64,
     },
-    /// A priority class named where the scope has none (DESIGN §15 not configured).
-    #[error("scope {scope:?} has no priority classes; omit priority (got {priority:?})")]
-    Priority {
-        /// The call's scope.
-        scope: String,
-        /// What the client sent.
-        priority: String,
-    },
     /// A split token count whose sum does not fit.
     #[error("est_input_tokens + est_output_tokens must be at most {max}", max = MAX_TOKENS)]
     SplitSum,
@@ -51,10 +43,13 @@ pub struct CallArgs {
     /// The call's estimate: `est_tokens`, else the split's sum, else `None` (the
     /// source's default).
     pub est_tokens: Option<u64>,
+    /// §15: the priority class named, if any (the engine checks it against the
+    /// scope's classes).
+    pub priority: Option<String>,
 }
 
 /// A version-2 `CallSpec` → engine arguments, validating every count and the
-/// priority (no scope has classes yet, so any named class is refused).
+/// priority's presence (whether the scope has that class is the engine's check).
 pub fn call_spec(spec: wire::CallSpec) -> Result<CallArgs, ArgumentError> {
     let est = spec
         .est_tokens
@@ -68,16 +63,11 @@ pub fn call_spec(spec: wire::CallSpec) -> Result<CallArgs, ArgumentError> {
         .est_output_tokens
         .map(|t| tokens("est_output_tokens", t))
         .transpose()?;
-    if let Some(priority) = spec.priority {
-        return Err(ArgumentError::Priority {
-            scope: spec.scope,
-            priority,
-        });
-    }
     let split = split_sum(input, output).ok_or(ArgumentError::SplitSum)?;
     Ok(CallArgs {
         scope: spec.scope,
         est_tokens: est.or(split),
+        priority: spec.priority,
     })
 }
 
@@ -275,6 +265,10 @@ pub fn engine_error(e: &EngineError) -> wire::ErrorReply {
         EngineError::UnknownSource(_) | EngineError::InvalidArgument(_) => {
             error(K::InvalidArgument, "")
         }
+        EngineError::UnknownPriority { scope, .. } => wire::ErrorReply {
+            scope: Some(scope.clone()),
+            ..error(K::InvalidArgument, "")
+        },
         EngineError::Busy(_) => error(K::Busy, ""),
         EngineError::ShuttingDown => error(K::ShuttingDown, ""),
     };

@@ -166,10 +166,12 @@ pub(super) fn dispatch<B: Backend>(cx: &Ctx<B>, request: Request) -> Step {
         }
         Request::Begin(spec) => Step::Now(match convert::call_spec(spec) {
             Err(e) => invalid(e),
-            Ok(a) => match engine.begin_call(owner, &a.scope, a.est_tokens) {
-                Ok(call) => Reply::CallBegun { call },
-                Err(e) => fail(&e),
-            },
+            Ok(a) => {
+                match engine.begin_call_as(owner, &a.scope, a.est_tokens, a.priority.as_deref()) {
+                    Ok(call) => Reply::CallBegun { call },
+                    Err(e) => fail(&e),
+                }
+            }
         }),
         Request::Acquire { call } => job!(&cx.budget, CancelBy::Abort, false, |slot| {
             match engine.acquire_or_wait(owner, call, || slot.release()).await {
@@ -182,7 +184,12 @@ pub(super) fn dispatch<B: Backend>(cx: &Ctx<B>, request: Request) -> Step {
                 Ok(a) => a,
                 Err(e) => return Step::Now(invalid(e)),
             };
-            let call = match engine.begin_call(owner, &args.scope, args.est_tokens) {
+            let call = match engine.begin_call_as(
+                owner,
+                &args.scope,
+                args.est_tokens,
+                args.priority.as_deref(),
+            ) {
                 Ok(call) => call,
                 Err(e) => return Step::Now(fail(&e)),
             };
