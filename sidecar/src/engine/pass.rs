@@ -27,7 +27,9 @@ use crate::config::Selector;
 use crate::gate::breaker::{BreakerParams, Peek, State};
 use crate::gate::health::rank;
 use crate::gate::quota::QuotaParams;
+use crate::gate::classes::{ClassTag, Held};
 use crate::gate::Admit;
+use super::runtime::bump;
 
 /// A shared backend's memo entry is re-checked at most this often per source (§10).
 pub const MEMO_RECHECK: Duration = Duration::from_secs(1);
@@ -121,6 +123,10 @@ impl<B: Backend> Engine<B> {
                 bp: policy.bp,
                 qp: params.qp,
                 tokens,
+                class: policy.shares.as_ref().map(|s| ClassTag {
+                    shares: s.clone(),
+                    index: class,
+                }),
             };
             let answer = self
                 .detached(admission)
@@ -143,6 +149,18 @@ impl<B: Backend> Engine<B> {
                     refused.source(retry_after);
                     src.quota_hint
                         .set(hint_generation, self.clock.now(), retry_after, tokens);
+                }
+                // §15: room, but not for this class. Only this class is held: the
+                // host's quota hint (shared by every class) stays as it was.
+                Ok(Admit::ClassHeld { why, retry_after }) => {
+                    reasons[pos] = Some(SkipReason::RateLimited);
+                    refused.source(retry_after);
+                    if let Some(c) = self.scopes[scope].class_counters.get(class) {
+                        bump(match why {
+                            Held::Limit => &c.held_limit,
+                            Held::Reserve => &c.held_reserve,
+                        });
+                    }
                 }
                 Ok(Admit::CircuitOpen {
                     state,
@@ -256,6 +274,8 @@ struct Admission {
     qp: QuotaParams,
     /// Tokens to reserve.
     tokens: u64,
+    /// §15: the call's class (`None`: the scope has none).
+    class: Option<ClassTag>,
 }
 
 impl<B: Backend> Work<B> for Admission {
@@ -263,7 +283,22 @@ impl<B: Backend> Work<B> for Admission {
 
     fn run<'a>(&'a self, engine: &'a Engine<B>) -> impl Future<Output = Self::Output> + Send + 'a {
         let name = &engine.sources[self.source].name;
-        engine.backend.admit(name, &self.bp, &self.qp, self.tokens)
+        async move {
+            match &self.class {
+                None => {
+                    engine
+                        .backend
+                        .admit(name, &self.bp, &self.qp, self.tokens)
+                        .await
+                }
+                Some(c) => {
+                    engine
+                        .backend
+                        .admit_class(name, &self.bp, &self.qp, self.tokens, c)
+                        .await
+                }
+            }
+        }
     }
 
     fn unread(&self, out: Self::Output, engine: &Engine<B>) {
@@ -276,7 +311,7 @@ impl<B: Backend> Work<B> for Admission {
                     epoch,
                     is_probe,
                     tokens: self.tokens,
-                    class: 0,
+                    class: self.class.as_ref().map_or(0, |c| c.index),
                 };
                 engine.detach(GiveBack(Settle::of_hold(engine, self.scope, &g)));
             }

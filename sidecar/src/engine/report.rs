@@ -4,6 +4,7 @@
 //! lease released, its pacer slot freed, and no verdict reaches the breaker.
 
 use std::future::Future;
+use std::sync::Arc;
 
 use futures_util::future::join_all;
 
@@ -179,6 +180,9 @@ pub(super) struct Settle {
     tokens: u64,
     /// What happened.
     outcome: Outcome,
+    /// §15: the grant's priority class, whose usage settles with the buckets
+    /// (`None`: the scope has no classes).
+    class: Option<Arc<str>>,
 }
 
 impl Settle {
@@ -192,6 +196,7 @@ impl Settle {
             is_probe: p.is_probe,
             tokens: p.tokens,
             outcome,
+            class: engine.class_name(p.scope, p.class),
         }
     }
 
@@ -205,6 +210,7 @@ impl Settle {
             is_probe: g.is_probe,
             tokens: g.tokens,
             outcome: Outcome::Cancelled,
+            class: engine.class_name(scope, g.class),
         }
     }
 }
@@ -214,15 +220,39 @@ impl<B: Backend> Work<B> for Settle {
 
     fn run<'a>(&'a self, engine: &'a Engine<B>) -> impl Future<Output = Self::Output> + Send + 'a {
         let name = &engine.sources[self.source].name;
-        engine.backend.report(
-            name,
-            &self.bp,
-            &self.qp,
-            self.epoch,
-            self.is_probe,
-            self.tokens,
-            self.outcome,
-        )
+        async move {
+            match &self.class {
+                None => {
+                    engine
+                        .backend
+                        .report(
+                            name,
+                            &self.bp,
+                            &self.qp,
+                            self.epoch,
+                            self.is_probe,
+                            self.tokens,
+                            self.outcome,
+                        )
+                        .await
+                }
+                Some(class) => {
+                    engine
+                        .backend
+                        .report_class(
+                            name,
+                            &self.bp,
+                            &self.qp,
+                            self.epoch,
+                            self.is_probe,
+                            self.tokens,
+                            self.outcome,
+                            class,
+                        )
+                        .await
+                }
+            }
+        }
     }
 }
 

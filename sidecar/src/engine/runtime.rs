@@ -15,6 +15,7 @@ use super::error::ReloadError;
 use super::queue::WaitQueue;
 use crate::config::{Config, ScopeConfig, SourceConfig};
 use crate::gate::breaker::BreakerParams;
+use crate::gate::classes::{ClassShares, Share, PPM};
 use crate::gate::health::Health;
 use crate::gate::memo::{Memo, QuotaHint};
 use crate::gate::pacer::Pacer;
@@ -28,6 +29,8 @@ pub(crate) struct Policy {
     pub(crate) cfg: ScopeConfig,
     /// Breaker parameters derived from `cfg` (probe TTL included).
     pub(crate) bp: BreakerParams,
+    /// §15: the classes' shares as the quota gate reads them (`None`: no classes).
+    pub(crate) shares: Option<Arc<ClassShares>>,
 }
 
 impl Policy {
@@ -43,9 +46,34 @@ impl Policy {
                 max_cooldown: b.max_cooldown,
                 probe_ttl: sc.probe_ttl(),
             },
+            shares: shares(sc),
             cfg: sc.clone(),
         }
     }
+}
+
+/// A fraction as parts per million (validated into [0, 1]).
+fn ppm(f: f64) -> u64 {
+    (f.clamp(0.0, 1.0) * PPM as f64).round() as u64
+}
+
+/// §15: a scope's classes for the quota gate.
+fn shares(sc: &ScopeConfig) -> Option<Arc<ClassShares>> {
+    if sc.priorities.is_empty() {
+        return None;
+    }
+    Some(Arc::new(ClassShares {
+        saturation_ppm: ppm(sc.saturation),
+        classes: sc
+            .priorities
+            .iter()
+            .map(|p| Share {
+                name: Arc::from(p.name.as_str()),
+                reserve_ppm: ppm(p.reserve),
+                limit_ppm: ppm(p.limit),
+            })
+            .collect(),
+    }))
 }
 
 /// Per-source parameters SIGHUP may change.

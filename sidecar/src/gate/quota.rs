@@ -276,6 +276,22 @@ impl Quota {
     }
 }
 
+// §15: what the priority classes' reserves and limits read of the buckets
+// (gate/classes.rs keeps the per-class side).
+impl Quota {
+    /// Each configured bucket's deficit at `now` (ns of refill time; 0 = full),
+    /// `None` for a disabled bucket, in [`QuotaParams::buckets`] order.
+    pub fn deficits(&self, q: &QuotaParams, now: Duration) -> [Option<u128>; 2] {
+        let mut d = [None; 2];
+        for (i, (_, cap)) in q.buckets().into_iter().enumerate() {
+            if cap.is_some() {
+                d[i] = Some(self.buckets[i].map_or(0, |b| b.deficit(now)));
+            }
+        }
+        d
+    }
+}
+
 impl Default for Quota {
     fn default() -> Self {
         Self::new()

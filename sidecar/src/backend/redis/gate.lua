@@ -31,6 +31,10 @@
 -- ARGV[21] open_us : force_open: how long the breaker stays open (-1)
 -- ARGV[22] channel : admin ops: the pub/sub channel they announce on ('')
 -- ARGV[23] source : admin ops: the source named in the announcement ('')
+-- ARGV[24] class : §15 admit, report: the call's priority class name ('' = none)
+-- ARGV[25] saturation_ppm : §15 admit: share in use above which reserves apply (0)
+-- ARGV[26] classes : §15 admit: every class of the scope, 'name reserve_ppm limit_ppm'
+--              triples separated by spaces ('')
 --
 -- Cost (§10, §16): one TIME per call; every stored number is an integer (µs or a
 -- count) written with '%d' (never '%.17g' float text, never strtod of one); each hash
@@ -421,6 +425,118 @@ local function qlevel(q, i)
   return string.format('%.17g', cap - (q[QB[i].f] - now) * cap / MIN)
 end
 
+-- ------------------------------------------------------------------ priority classes
+-- §15 reserves and limits (gate/classes.rs holds the same rules). Each class's use of
+-- each bucket is a field '<bucket field>:<class>' ('tt:batch') holding the µs at which
+-- its share would have drained, like the bucket's own full_at; usage at now is
+-- drain_at − now, in the same µs-of-a-minute unit as the bucket's deficit, and a share
+-- s (ppm) of the capacity is s × 60 µs. Scopes without classes never reach this block.
+
+-- The scope's classes from slot 26, and the index of the call's (slot 24) among them.
+local function cparse()
+  local me = A[24]
+  if me == nil or me == '' then return nil end
+  local cl, mi = {}, nil
+  for n, r, l in string.gmatch(A[26] or '', '(%S+) (%d+) (%d+)') do
+    cl[#cl + 1] = { n = n, r = tonumber(r), l = tonumber(l) }
+    if n == me then mi = #cl end
+  end
+  if mi == nil then return nil end
+  return cl, mi
+end
+
+-- Read every class's drain_at of every enabled bucket (one HMGET).
+local function cload(q, cl)
+  local f = {}
+  for i = 1, #QB do
+    if q.caps[i] > 0 then
+      for j = 1, #cl do f[#f + 1] = QB[i].f .. ':' .. cl[j].n end
+    end
+  end
+  if #f == 0 then return end
+  local v = redis.call('HMGET', K[2], unpack(f))
+  local k = 0
+  for i = 1, #QB do
+    if q.caps[i] > 0 then
+      for j = 1, #cl do
+        k = k + 1
+        cl[j][i] = math.max(tonumber(v[k]) or now, now)
+      end
+    end
+  end
+end
+
+-- µs until class `mi` may take `tokens` (0 = now) and the rule that holds it:
+-- 1 = its limit, 2 = other classes' unused reserves on a saturated bucket.
+local function cwait(q, cl, mi, tokens)
+  local sat = arg(25, 0) * 60
+  local me = cl[mi]
+  local w, why = 0, 0
+  for i = 1, #QB do
+    local cap = q.caps[i]
+    if cap > 0 then
+      local a = refill(amount(i, tokens), cap)
+      local used = me[i] - now
+      if me.l < 1000000 and used > 0 and used + a > me.l * 60 then
+        local x = used + a - me.l * 60
+        if x > w then w, why = x, 1 end
+      end
+      local d = q[QB[i].f] - now
+      if d + a > sat then
+        local held, reserved = 0, 0
+        for j = 1, #cl do
+          local o = cl[j]
+          if j ~= mi and o.r > 0 then
+            reserved = reserved + o.r * 60
+            held = held + math.max(0, o.r * 60 - (o[i] - now))
+          end
+        end
+        if held > 0 and MIN - d - a < held then
+          local x = math.max(math.min(d + a - sat, d + a + reserved - MIN), 1)
+          if x > w then w, why = x, 2 end
+        end
+      end
+    end
+  end
+  return w, why
+end
+
+-- Move class `name`'s drain_at of bucket `i` by `n` (negative: take), within
+-- [now, now + 2 minutes], queued for qsave like a bucket field.
+local function cadd(q, name, i, cur, n)
+  local cap = q.caps[i]
+  if cap <= 0 or n == 0 then return end
+  local v
+  if n < 0 then
+    v = math.min(cur + refill(-n, cap), now + 2 * MIN)
+  else
+    v = math.max(cur - math.floor(n * MIN / cap), now)
+  end
+  if v ~= cur then
+    local f = QB[i].f .. ':' .. name
+    q[f] = v
+    q.w[#q.w + 1] = f
+  end
+end
+
+-- A granted class's usage: `tokens` and one request.
+local function ctake(q, me, tokens)
+  for i = 1, #QB do
+    if q.caps[i] > 0 then cadd(q, me.n, i, me[i], -amount(i, tokens)) end
+  end
+end
+
+-- A settlement's credits on the class's usage (report).
+local function csettle(q, name, tc, rc)
+  local f = {}
+  for i = 1, #QB do f[i] = QB[i].f .. ':' .. name end
+  local v = redis.call('HMGET', K[2], unpack(f))
+  for i = 1, #QB do
+    local cur = math.max(tonumber(v[i]) or now, now)
+    if QB[i].tokens then cadd(q, name, i, cur, tc) else cadd(q, name, i, cur, rc) end
+  end
+end
+
 -- ------------------------------------------------------------------ dispatch
 
 local function gate(keys, args)
@@ -434,12 +550,20 @@ local function gate(keys, args)
     local q = qload()
     local tokens = arg(13, 0)
     local wait = qwait(q, tokens)
+    -- §15: a class held back by its limit or others' reserves takes nothing either.
+    local cl, mi = cparse()
+    if cl then
+      cload(q, cl)
+      local cw, why = cwait(q, cl, mi, tokens)
+      if cw > 0 then return { 3, why, 0, 0, math.max(cw, wait) } end
+    end
     if wait > 0 then return { 1, 0, 0, 0, wait } end
     local b = bload(false)
     local g, p = try_enter(b)
     bsave_p(b)
     if not g then return { 2, b.e, 0, b.st, bra(b) } end
     qdebit(q, tokens)
+    if cl then ctake(q, cl[mi], tokens) end
     qsave(q)
     if p then return { 0, b.e, 1, b.st, 0 } end
     return { 0, b.e, 0, b.st, 0 }
@@ -450,6 +574,8 @@ local function gate(keys, args)
     if tc ~= 0 or rc ~= 0 or block >= 0 then
       local q = qload()
       qcredit(q, tc, rc)
+      local class = A[24]
+      if class ~= nil and class ~= '' and (tc ~= 0 or rc ~= 0) then csettle(q, class, tc, rc) end
       if block >= 0 then qblock(q, block) end
       qsave(q)
     end

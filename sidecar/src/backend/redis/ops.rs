@@ -12,7 +12,7 @@ use super::script::{
 };
 use crate::backend::event::AdminOp;
 use crate::backend::{
-    Admit, Applied, BResult, BreakerParams, Entry, Outcome, Peek, QuotaParams, Reserve, Settlement,
+    Admit, Applied, ClassTag, Held, BResult, BreakerParams, Entry, Outcome, Peek, QuotaParams, Reserve, Settlement,
     SourceSnapshot,
 };
 
@@ -297,6 +297,8 @@ pub(super) struct AdmitArgs<'a> {
     pub q: &'a QuotaParams,
     /// Tokens to reserve.
     pub tokens: u64,
+    /// §15: the call's priority class (`None`: the scope has none).
+    pub class: Option<&'a ClassTag>,
 }
 
 impl Op for AdmitArgs<'_> {
@@ -307,6 +309,8 @@ impl Op for AdmitArgs<'_> {
             breaker: Some(self.p),
             quota: Some(self.q),
             tokens: self.tokens,
+            class: self.class.map(|c| &*c.share().name),
+            shares: self.class.map(|c| &*c.shares),
             ..Argv::default()
         }
     }
@@ -322,6 +326,14 @@ impl Op for AdmitArgs<'_> {
             2 => Ok(Admit::CircuitOpen {
                 state: state_at(v, 3)?,
                 epoch: u64_at(v, 1)?,
+                retry_after: dur_at(v, 4)?,
+            }),
+            3 => Ok(Admit::ClassHeld {
+                why: match int_at(v, 1)? {
+                    1 => Held::Limit,
+                    2 => Held::Reserve,
+                    _ => return Err(proto("admit", v)),
+                },
                 retry_after: dur_at(v, 4)?,
             }),
             _ => Err(proto("admit", v)),
@@ -344,6 +356,8 @@ pub(super) struct ReportArgs<'a> {
     pub reserved: u64,
     /// What happened.
     pub outcome: Outcome,
+    /// §15: the permit's priority class (`None`: the scope has none).
+    pub class: Option<&'a str>,
 }
 
 impl Op for ReportArgs<'_> {
@@ -365,6 +379,7 @@ impl Op for ReportArgs<'_> {
             verdict,
             credit: credits(self.reserved, self.outcome.settlement(self.reserved)),
             block,
+            class: self.class,
             ..Argv::default()
         }
     }
@@ -460,6 +475,7 @@ mod tests {
                 tokens: Some(3),
                 count_attempt: true,
             },
+            class: None,
         };
         let announce = Announce {
             channel: "chan",

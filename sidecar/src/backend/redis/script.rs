@@ -53,7 +53,7 @@ use std::time::Duration;
 use ::redis::{Cmd, Script, Value};
 
 use crate::backend::{
-    Applied, BResult, BackendError, BreakerParams, QuotaParams, Settlement, State,
+    Applied, BResult, BackendError, BreakerParams, ClassShares, QuotaParams, Settlement, State,
 };
 
 /// `gate.lua`, ready to run either way.
@@ -135,7 +135,7 @@ pub(super) fn invocation<O: Op>(prefix: &str, source: &str, op: &O) -> Call {
 
 /// The names of `gate.lua`'s ARGV slots, `ARGV[1]` first; its header documents each
 /// under the same name.
-pub(super) const SLOTS: [&str; 23] = [
+pub(super) const SLOTS: [&str; 26] = [
     "op",
     "failure_threshold",
     "failure_rate",
@@ -159,6 +159,9 @@ pub(super) const SLOTS: [&str; 23] = [
     "open_us",
     "channel",
     "source",
+    "class",
+    "saturation_ppm",
+    "classes",
 ];
 
 /// The value each slot holds when an operation does not use it, in [`SLOTS`] order
@@ -166,7 +169,7 @@ pub(super) const SLOTS: [&str; 23] = [
 /// slot as its neutral value.
 const NEUTRAL: [&str; SLOTS.len()] = [
     "", "0", "0", "0", "0", "0", "0", "0", "0", "0", "-1", "-1", "0", "0", "0", "0", "", "0", "0",
-    "-1", "-1", "", "",
+    "-1", "-1", "", "", "", "0", "",
 ];
 
 /// Largest duration handed to the script, in µs (2^52 µs ≈ 142 years): `TIME` + it
@@ -227,6 +230,22 @@ pub(super) struct Argv<'a> {
     pub open_for: Option<Duration>,
     /// Slots 22–23: where an admin script announces itself (empty otherwise).
     pub announce: Option<Announce<'a>>,
+    /// Slot 24 (§15): the call's priority class (admit, report).
+    pub class: Option<&'a str>,
+    /// Slots 25–26 (§15): the scope's classes (admit only).
+    pub shares: Option<&'a ClassShares>,
+}
+
+/// Slot 26: every class as `name reserve_ppm limit_ppm`, space-separated.
+fn class_spec(c: &ClassShares) -> String {
+    let mut s = String::new();
+    for (i, x) in c.classes.iter().enumerate() {
+        if i > 0 {
+            s.push(' ');
+        }
+        s.push_str(&format!("{} {} {}", x.name, x.reserve_ppm, x.limit_ppm));
+    }
+    s
 }
 
 /// What settling a reservation of `reserved` tokens `how` gives back to the buckets:
@@ -288,6 +307,9 @@ impl Argv<'_> {
             micros_or_none(self.open_for).to_string(),
             channel.to_string(),
             source.to_string(),
+            self.class.unwrap_or("").to_string(),
+            self.shares.map_or(0, |c| c.saturation_ppm).to_string(),
+            self.shares.map_or_else(String::new, class_spec),
         ];
         while v.len() > 1 && v.last().map(String::as_str) == Some(NEUTRAL[v.len() - 1]) {
             v.pop();
