@@ -547,6 +547,7 @@ mod tests {
             outcome: Outcome::RateLimited {
                 retry_after: Some(Duration::from_secs(2)),
             },
+            class: None,
         };
         assert_eq!(slot(&report, "is_probe"), "1");
         assert_eq!(slot(&report, "count_attempt"), "0");
@@ -586,6 +587,7 @@ mod tests {
             p: &p,
             q: &q,
             tokens: 12,
+            class: None,
         };
         assert_eq!(slot(&admit, "tokens"), "12");
         assert_eq!(
@@ -606,6 +608,7 @@ mod tests {
             is_probe: false,
             reserved: 100,
             outcome: Outcome::Failure { kind, tokens },
+            class: None,
         };
         let credit = |r: &ReportArgs| slot(r, "token_credit");
         assert_eq!(credit(&report(FailureKind::Timeout, Some(40))), "100");
