@@ -50,13 +50,15 @@ impl<B: Backend> Engine<B> {
         let sc = &self.scopes[si];
         let class = match priority {
             None => sc.policy().cfg.default_priority,
-            Some(p) => sc.class_names.iter().position(|c| c == p).ok_or_else(|| {
-                EngineError::UnknownPriority {
+            Some(p) => sc
+                .class_names
+                .iter()
+                .position(|c| &**c == p)
+                .ok_or_else(|| EngineError::UnknownPriority {
                     scope: scope.to_string(),
                     priority: crate::limits::echo(p).into_owned(),
-                    classes: sc.class_names.clone(),
-                }
-            })?,
+                    classes: sc.class_names.iter().map(|c| c.to_string()).collect(),
+                })?,
         };
         let now = self.clock.now();
         self.lock().begin(owner, si, est_tokens, class, now)
@@ -192,7 +194,10 @@ impl<B: Backend> Engine<B> {
                     }
                     // No await before returning: a Cancel now cannot strand the grant.
                     for p in stale {
-                        self.sources[p.source].pacer.release(Signal::Hold);
+                        let cls = self.class_name(p.scope, p.class);
+                        self.sources[p.source]
+                            .pacer
+                            .release_as(Signal::Hold, cls.as_deref());
                         bump(&self.sources[p.source].counters.abandoned);
                         self.detach(Abandon(p));
                     }
@@ -286,7 +291,7 @@ impl<B: Backend> Engine<B> {
         if crate::logs::allow(crate::logs::Kind::WaitStarted) {
             tracing::info!(
                 scope = %sc.name,
-                class = sc.class_names.get(class).map_or("", String::as_str),
+                class = sc.class_names.get(class).map_or("", |c| &**c),
                 reasons = ?self.reasons_of(si, reasons),
                 sleep_s = sleep.as_secs_f64(),
                 "wait started"
@@ -447,7 +452,10 @@ impl<B: Backend> Engine<B> {
 
     /// Give back a hold that never became a permit: nothing was sent.
     fn give_back(&self, scope: usize, g: Hold) {
-        self.sources[g.source].pacer.release(Signal::Hold);
+        let cls = self.class_name(scope, g.class);
+        self.sources[g.source]
+            .pacer
+            .release_as(Signal::Hold, cls.as_deref());
         self.detach(GiveBack(Settle::of_hold(self, scope, &g)));
         self.wake_one(g.source);
     }

@@ -240,9 +240,7 @@ impl<B: Backend> Engine<B> {
 
     /// §15: the name of class `class` of scope `scope` (`None`: no classes).
     fn class_name(&self, scope: usize, class: usize) -> Option<Arc<str>> {
-        let p = self.scopes[scope].policy();
-        let shares = p.shares.as_ref()?;
-        shares.classes.get(class).map(|c| c.name.clone())
+        self.scopes[scope].class_names.get(class).cloned()
     }
 
     /// Keep the memo in step with a state the backend just told us.

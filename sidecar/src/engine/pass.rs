@@ -102,7 +102,15 @@ impl<B: Backend> Engine<B> {
             // Gate 2: pacer (check and take in one step). The slot is a guard: any
             // way out of this iteration but a grant gives it back, including a
             // cancelled Acquire dropping this future mid-round-trip.
-            let Some(slot) = src.pacer.try_slot() else {
+            let tag = policy.shares.as_ref().map(|s| ClassTag {
+                shares: s.clone(),
+                index: class,
+            });
+            let slot = match &tag {
+                None => src.pacer.try_slot(),
+                Some(t) => src.pacer.try_slot_class(t),
+            };
+            let Some(slot) = slot else {
                 reasons[pos].get_or_insert(SkipReason::Paced);
                 refused.source(Duration::ZERO);
                 continue;
@@ -123,10 +131,7 @@ impl<B: Backend> Engine<B> {
                 bp: policy.bp,
                 qp: params.qp,
                 tokens,
-                class: policy.shares.as_ref().map(|s| ClassTag {
-                    shares: s.clone(),
-                    index: class,
-                }),
+                class: tag,
             };
             let answer = self
                 .detached(admission)

@@ -74,7 +74,8 @@ impl<B: Backend> Engine<B> {
             } => Signal::Decrease,
             _ => Signal::Hold,
         };
-        src.pacer.release(signal);
+        src.pacer
+            .release_as(signal, self.class_name(p.scope, p.class).as_deref());
         // §4: health counts a `count_attempt = false` success as a failure, and
         // forgets with the half-life of the scope's breaker window.
         let half_life = self.scopes[p.scope].policy().bp.window;
@@ -156,7 +157,10 @@ impl<B: Backend> Engine<B> {
     /// that finish even if the caller is dropped.
     async fn abandon_all(&self, permits: Vec<PermitRec>) {
         for p in &permits {
-            self.sources[p.source].pacer.release(Signal::Hold);
+            let cls = self.class_name(p.scope, p.class);
+            self.sources[p.source]
+                .pacer
+                .release_as(Signal::Hold, cls.as_deref());
             bump(&self.sources[p.source].counters.abandoned);
         }
         join_all(permits.into_iter().map(|p| self.detached(Abandon(p)))).await;

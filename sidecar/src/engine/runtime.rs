@@ -202,7 +202,7 @@ pub(crate) struct ScopeRt {
     /// classes, whose waiters share `notify` (first come, first served).
     pub(crate) queue: Option<WaitQueue>,
     /// §15: class names, config order (fixed: changing them needs a restart).
-    pub(crate) class_names: Vec<String>,
+    pub(crate) class_names: Vec<Arc<str>>,
     /// §15: counters per class, config order.
     pub(crate) class_counters: Vec<ClassCounters>,
 }
@@ -297,7 +297,7 @@ impl Topology {
                 waiters: AtomicU32::new(0),
                 counters: ScopeCounters::default(),
                 queue: (!sc.priorities.is_empty()).then(|| WaitQueue::new(&weights(sc))),
-                class_names: sc.priorities.iter().map(|p| p.name.clone()).collect(),
+                class_names: sc.priorities.iter().map(|p| Arc::from(p.name.as_str())).collect(),
                 class_counters: sc
                     .priorities
                     .iter()
@@ -356,7 +356,8 @@ pub(crate) fn reload(
     }
     for (sc, new) in scopes.iter().zip(&config.scopes) {
         let classes: Vec<&str> = new.priorities.iter().map(|p| p.name.as_str()).collect();
-        if classes != sc.class_names {
+        let running: Vec<&str> = sc.class_names.iter().map(|c| &**c).collect();
+        if classes != running {
             return Err(ReloadError::ClassesChanged {
                 scope: sc.name.clone(),
             });
