@@ -18,8 +18,7 @@
 //! weights, and no class with weight > 0 starves. A turn whose pass granted nothing is
 //! given back ([`WaitQueue::unwake`]), so only grants count.
 //!
-//! Cost: one short lock per turn; picking is O(classes) (at most 16) plus skipping the
-//! few entries that are mid-pass; entries that left (granted, cancelled) are dropped
+//! Cost: one short lock per turn; picking is O(classes) (at most 16); entries that left (granted, cancelled) are dropped
 //! lazily from the front and compacted when they outnumber the live ones, so every
 //! operation is amortised O(1) in the number of waiters — no scan of every waiter
 //! except for [`WaitQueue::wake_all`] (an operator action, a closed breaker).
@@ -209,20 +208,25 @@ impl WaitQueue {
     }
 }
 
-/// The next `QUEUED` waiter in fair order, marked `WOKEN` and its class charged.
+/// The next waiter in fair order, marked `WOKEN` and its class charged: the head of
+/// the class with the smallest `pass` among those whose head is queued. Only a
+/// class's head ever gets a turn, so within a class the order is strictly FIFO (a
+/// class whose head is mid-pass waits for that pass, and another class may go).
 fn pick(st: &mut State) -> Option<Arc<Waiter>> {
+    for c in &mut st.classes {
+        while c.entries.front().is_some_and(|w| w.state() == GONE) {
+            c.entries.pop_front();
+        }
+    }
     let ci = st
         .classes
         .iter()
         .enumerate()
-        .filter(|(_, c)| c.queued > 0)
+        .filter(|(_, c)| c.entries.front().is_some_and(|w| w.state() == QUEUED))
         .min_by(|(i, a), (j, b)| a.pass.total_cmp(&b.pass).then(i.cmp(j)))
         .map(|(i, _)| i)?;
     let c = &mut st.classes[ci];
-    while c.entries.front().is_some_and(|w| w.state() == GONE) {
-        c.entries.pop_front();
-    }
-    let w = c.entries.iter().find(|w| w.state() == QUEUED)?.clone();
+    let w = c.entries.front()?.clone();
     w.set(WOKEN);
     c.queued -= 1;
     c.turns += 1;
