@@ -5,6 +5,7 @@ the class they belong to, on one host and across two sidecars on one Redis."""
 from __future__ import annotations
 
 import asyncio
+import subprocess
 import time
 
 import pytest
@@ -121,7 +122,22 @@ def _check_saturation(clients):
 def test_saturated_rpm_refuses_batch_but_keeps_the_interactive_reserve(sidecar):
     sidecar.write_config(_saturated_scope())
     sidecar.start()
-    _check_saturation([sidecar.client()])
+    client = sidecar.client()
+    _check_saturation([client])
+    # Status per class: grants, their share, refusals by reason.
+    classes = {c["name"]: c for c in client.status()["scopes"]["chat"]["classes"]}
+    b, i = classes["batch"], classes["interactive"]
+    assert (b["grants"], i["grants"]) == (7, 3), classes
+    assert abs(b["grant_share"] - 0.7) < 1e-9 and abs(i["grant_share"] - 0.3) < 1e-9
+    assert b["refusals"]["quota_exhausted"] == 1 and b["refusals"]["held_reserve"] == 1, b
+    assert i["refusals"]["quota_exhausted"] == 1 and i["refusals"]["held_reserve"] == 0, i
+    assert (b["weight"], i["reserve"], b["waiters"]) == (1, 0.3, 0)
+    out = subprocess.run([str(sidecar.binary), "status", "--socket", sidecar.socket],
+                         capture_output=True, text=True, timeout=10)
+    assert out.returncode == 0, out.stderr
+    lines = [ln.split() for ln in out.stdout.splitlines()]
+    row = next(ln for ln in lines if ln and ln[0] == "batch")
+    assert row[5] == "7" and "held_reserve=1" in row, out.stdout
 
 
 def test_an_unknown_class_is_refused_naming_the_classes(sidecar):

@@ -51,8 +51,8 @@ pub fn run(socket: &Path, json: bool) -> ExitCode {
     };
     let fetch = async { tokio::time::timeout(STATUS_TIMEOUT, fetch(socket, request)).await };
     match rt.block_on(fetch) {
-        Ok(Ok(Printable::Report(report))) => {
-            print!("{}", render(&report));
+        Ok(Ok(Printable::Report(report, classes))) => {
+            print!("{}", render_with_classes(&report, &classes));
             ExitCode::SUCCESS
         }
         Ok(Ok(Printable::Json(doc))) => {
@@ -75,8 +75,9 @@ pub fn run(socket: &Path, json: bool) -> ExitCode {
 
 /// What a status request brought back.
 enum Printable {
-    /// The answer to `Status`.
-    Report(StatusReport),
+    /// The answer to `Status`, with each scope's §15 classes (from `StatusJson`,
+    /// which the fixed-layout `Status` cannot carry; empty from a version-1 sidecar).
+    Report(StatusReport, Classes),
     /// The answer to `StatusJson`: the document as the sidecar wrote it.
     Json(String),
 }
@@ -124,12 +125,36 @@ async fn fetch(socket: &Path, request: Request) -> Result<Printable, String> {
         Request::StatusJson => "StatusJson",
         _ => "Status",
     };
-    match ask(2, request).await? {
-        Reply::Status(report) => Ok(Printable::Report(report)),
+    match ask(2, request.clone()).await? {
+        Reply::Status(report) => {
+            let mut classes = Classes::new();
+            if agreed >= Request::StatusJson.min_version() {
+                if let Reply::StatusJson(doc) = ask(3, Request::StatusJson).await? {
+                    classes = classes_of(&doc);
+                }
+            }
+            Ok(Printable::Report(report, classes))
+        }
         Reply::StatusJson(doc) => Ok(Printable::Json(doc)),
         Reply::Error(e) => Err(format!("{:?}: {}", e.kind, e.message)),
         other => Err(format!("unexpected answer to {name}: {other:?}")),
     }
+}
+
+/// Scope name → its §15 classes as `status --json` shows them.
+pub type Classes = std::collections::HashMap<String, Vec<serde_json::Value>>;
+
+fn classes_of(doc: &str) -> Classes {
+    let mut out = Classes::new();
+    let Ok(v) = serde_json::from_str::<serde_json::Value>(doc) else {
+        return out;
+    };
+    for sc in v["scopes"].as_array().into_iter().flatten() {
+        if let (Some(name), Some(cl)) = (sc["name"].as_str(), sc["classes"].as_array()) {
+            out.insert(name.to_string(), cl.clone());
+        }
+    }
+    out
 }
 
 // ---------------------------------------------------------------------------------
@@ -161,6 +186,11 @@ const COLUMNS: &[(&str, Align)] = &[
 
 /// The whole report as a text table per scope, ending with a newline.
 pub fn render(report: &StatusReport) -> String {
+    render_with_classes(report, &Classes::new())
+}
+
+/// [`render`], with a table of each scope's priority classes (§15) after its sources.
+pub fn render_with_classes(report: &StatusReport, classes: &Classes) -> String {
     let mut out = String::new();
     let _ = writeln!(
         out,
@@ -173,8 +203,44 @@ pub fn render(report: &StatusReport) -> String {
     for scope in &report.scopes {
         out.push('\n');
         render_scope(&mut out, scope);
+        if let Some(cl) = classes.get(&scope.name).filter(|c| !c.is_empty()) {
+            render_classes(&mut out, cl);
+        }
     }
     out
+}
+
+/// One line per class: weight, reserve, limit, waiters, grants and their share,
+/// slots held, and the refusals that are not zero.
+fn render_classes(out: &mut String, classes: &[serde_json::Value]) {
+    let _ = writeln!(
+        out,
+        "  {:<16} {:>7} {:>7} {:>5} {:>7} {:>8} {:>6} {:>9}  REFUSED",
+        "CLASS", "WEIGHT", "RESERVE", "LIMIT", "WAITERS", "GRANTS", "SHARE", "IN-FLIGHT"
+    );
+    for c in classes {
+        let f = |k: &str| c[k].as_f64().unwrap_or(0.0);
+        let refused: Vec<String> = c["refusals"]
+            .as_object()
+            .into_iter()
+            .flatten()
+            .filter(|(_, v)| v.as_u64().unwrap_or(0) > 0)
+            .map(|(k, v)| format!("{k}={v}"))
+            .collect();
+        let _ = writeln!(
+            out,
+            "  {:<16} {:>7} {:>7} {:>5} {:>7} {:>8} {:>5.0}% {:>9}  {}",
+            c["name"].as_str().unwrap_or("?"),
+            f("weight"),
+            f("reserve"),
+            f("limit"),
+            f("waiters"),
+            f("grants"),
+            100.0 * f("grant_share"),
+            f("in_flight"),
+            if refused.is_empty() { "-".to_string() } else { refused.join(" ") }
+        );
+    }
 }
 
 fn render_scope(out: &mut String, s: &ScopeStatus) {

@@ -28,7 +28,7 @@ mod status;
 mod tables;
 
 pub use error::{EngineError, Exhaustion, ReloadError, SkipReason};
-pub use runtime::{ScopeCounters, SourceCounters};
+pub use runtime::{ClassCounters, ScopeCounters, SourceCounters};
 pub use tables::{LiveCounts, OwnerId, MAX_CALLS_PER_OWNER};
 
 use std::collections::HashMap;
@@ -96,6 +96,35 @@ pub struct ScopeStatus {
     pub calls: u32,
     /// Sources in config order.
     pub sources: Vec<SourceStatus>,
+    /// §15: the scope's priority classes, config order (empty: none).
+    pub classes: Vec<ClassStatus>,
+}
+
+/// Live state of one priority class of a scope on this host (§15), for status.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ClassStatus {
+    /// Class name.
+    pub name: String,
+    /// Its weight among waiting classes.
+    pub weight: f64,
+    /// Its reserve (share of each source, when saturated).
+    pub reserve: f64,
+    /// Its limit (share of each source, always).
+    pub limit: f64,
+    /// Calls of the class waiting in Acquire now.
+    pub waiters: u32,
+    /// Permits granted to the class.
+    pub grants: u64,
+    /// The class's share of the scope's grants on this host (0 before any).
+    pub grant_share: f64,
+    /// Pacer slots the class holds on this host, over the scope's sources.
+    pub in_flight: u32,
+    /// Acquires of the class that started waiting.
+    pub waits: u64,
+    /// Refusals by reason: call-ending errors (`circuit_open`, `stalled`,
+    /// `quota_exhausted`, `retry_exhausted`, `backend_unavailable`) and sources held
+    /// back for the class (`held_limit`, `held_reserve`).
+    pub refusals: Vec<(&'static str, u64)>,
 }
 
 /// The engine. Cheap to share behind an `Arc`.

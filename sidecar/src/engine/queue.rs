@@ -104,7 +104,8 @@ pub(crate) struct WaitQueue {
 pub(crate) struct ClassQueueView {
     /// Waiters of the class (queued or mid-pass).
     pub(crate) waiting: u32,
-    /// Turns that ended in a grant.
+    /// Turns given and not given back.
+    #[allow(dead_code)] // kept for debugging; status counts grants itself
     pub(crate) turns: u64,
 }
 
@@ -188,11 +189,6 @@ impl WaitQueue {
                 }
             }
         }
-    }
-
-    /// Waiters of the scope (queued or mid-pass).
-    pub(crate) fn waiting(&self) -> u32 {
-        self.lock().classes.iter().map(|c| c.live).sum()
     }
 
     /// Per-class figures, config order.

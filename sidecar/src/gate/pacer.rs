@@ -155,6 +155,11 @@ impl Pacer {
         g.ceiling = g.ceiling.clamp(cfg.min, cfg.max);
     }
 
+    /// §15: slots `class` holds.
+    pub fn class_in_flight(&self, class: &str) -> u32 {
+        self.lock().by_class.get(class).copied().unwrap_or(0)
+    }
+
     /// (ceiling, in_flight).
     pub fn view(&self) -> (f64, u32) {
         let g = self.lock();

@@ -349,14 +349,19 @@ pub fn status_json(backend: &str, scopes: &[engine::ScopeStatus]) -> String {
                     })
                 })
                 .collect();
-            json!({
+            let mut doc = json!({
                 "name": sc.name,
                 "circuit_open": sc.circuit_open,
                 "quota_full": sc.quota_full,
                 "waiters": sc.waiters,
                 "calls": sc.calls,
                 "sources": sources,
-            })
+            });
+            // §15: only a scope that declares classes shows them.
+            if !sc.classes.is_empty() {
+                doc["classes"] = sc.classes.iter().map(class_json).collect();
+            }
+            doc
         })
         .collect();
     json!({
@@ -366,6 +371,27 @@ pub fn status_json(backend: &str, scopes: &[engine::ScopeStatus]) -> String {
         "scopes": scopes,
     })
     .to_string()
+}
+
+/// One priority class in `status --json` (§15).
+fn class_json(c: &engine::ClassStatus) -> serde_json::Value {
+    let refusals: serde_json::Map<String, serde_json::Value> = c
+        .refusals
+        .iter()
+        .map(|(k, v)| (k.to_string(), serde_json::json!(v)))
+        .collect();
+    serde_json::json!({
+        "name": c.name,
+        "weight": c.weight,
+        "reserve": c.reserve,
+        "limit": c.limit,
+        "waiters": c.waiters,
+        "grants": c.grants,
+        "grant_share": c.grant_share,
+        "in_flight": c.in_flight,
+        "waits": c.waits,
+        "refusals": refusals,
+    })
 }
 
 /// Engine status → wire status report.
