@@ -51,11 +51,11 @@ def test_interactive_calls_queued_behind_batch_finish_first(sidecar):
 
             tasks = []
             for i in range(40):
-                # One at a time, so the sidecar sees them in this order (a burst read
-                # in one go may start its acquires in any order).
+                # One at a time, each queued before the next is sent, so the sidecar
+                # sees them in this order (frames read in one go may start their
+                # acquires in any order).
                 tasks.append(asyncio.ensure_future(one("batch", i)))
-                await asyncio.sleep(0.003)
-            await _until(lambda: _scope_waiters(sync) == 40)
+                await _until(lambda: _scope_waiters(sync) == i + 1)
             tasks += [asyncio.ensure_future(one("interactive", i)) for i in range(10)]
             await _until(lambda: _scope_waiters(sync) == 50)
             await held.success()
@@ -161,3 +161,26 @@ def test_reserves_hold_across_two_sidecars_on_one_redis(sidecars, redis_server):
         s.start()
         clients.append(s.client())
     _check_saturation(clients)
+
+
+def test_metrics_per_class(sidecar):
+    import urllib.request
+
+    from .polygate_e2e import free_port
+
+    port = free_port()
+    sidecar.write_config(_saturated_scope(), admin_listen="127.0.0.1:%d" % port)
+    sidecar.start()
+    client = sidecar.client()
+    assert _one(client, "interactive") is True
+    assert _one(client, "batch") is True
+    assert _one(client, "batch") is True
+    with urllib.request.urlopen("http://127.0.0.1:%d/metrics" % port, timeout=5) as r:
+        lines = set(r.read().decode().splitlines())
+    for expected in [
+        'polygate_class_grants_total{scope="chat",class="interactive"} 1',
+        'polygate_class_grants_total{scope="chat",class="batch"} 2',
+        'polygate_class_waiters{scope="chat",class="batch"} 0',
+        'polygate_class_refusals_total{scope="chat",class="batch",reason="held_reserve"} 0',
+    ]:
+        assert expected in lines, "%s missing from:\n%s" % (expected, "\n".join(sorted(lines)))

@@ -113,7 +113,7 @@ impl<B: Backend> Engine<B> {
         // place (it leaves, passing any turn on, however the Acquire ends). Without
         // classes every Acquire passes whenever it wakes, as it always did.
         let place = sc.queue.as_ref().map(|q| q.join(class));
-        let mut my_turn = place.as_ref().is_none_or(|p| p.turn());
+        let mut my_turn = place.as_ref().is_none_or(|p| p.arrive());
         // §6 retry-after of the last pass, for a stall found between passes.
         let mut last_retry_after: Option<Duration> = None;
         loop {

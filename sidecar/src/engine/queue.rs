@@ -205,22 +205,36 @@ impl WaitQueue {
 }
 
 /// The next waiter in fair order, marked `WOKEN` and its class charged: the head of
-/// the class with the smallest `pass` among those whose head is queued. Only a
-/// class's head ever gets a turn, so within a class the order is strictly FIFO (a
-/// class whose head is mid-pass waits for that pass, and another class may go).
+/// the class with the smallest `pass` (a head mid-pass counts at the `pass` it was
+/// picked at). When that head is already mid-pass, nobody: the turn is its, and a
+/// concurrent pass by a lower class could take the freed unit first. Only a class's
+/// head ever gets a turn, so within a class the order is strictly FIFO.
 fn pick(st: &mut State) -> Option<Arc<Waiter>> {
     for c in &mut st.classes {
         while c.entries.front().is_some_and(|w| w.state() == GONE) {
             c.entries.pop_front();
         }
     }
-    let ci = st
+    let (ci, queued) = st
         .classes
         .iter()
         .enumerate()
-        .filter(|(_, c)| c.entries.front().is_some_and(|w| w.state() == QUEUED))
-        .min_by(|(i, a), (j, b)| a.pass.total_cmp(&b.pass).then(i.cmp(j)))
-        .map(|(i, _)| i)?;
+        .filter_map(|(i, c)| {
+            let head = c.entries.front()?;
+            let queued = head.state() == QUEUED;
+            let tag = if queued { c.pass } else { c.pass - c.stride };
+            Some((i, tag, queued))
+        })
+        .min_by(|(i, a, _), (j, b, _)| a.total_cmp(b).then(i.cmp(j)))
+        .map(|(i, _, q)| (i, q))?;
+    if !queued {
+        return None;
+    }
+    charge(st, ci)
+}
+
+/// Give class `ci`'s head its turn.
+fn charge(st: &mut State, ci: usize) -> Option<Arc<Waiter>> {
     let c = &mut st.classes[ci];
     let w = c.entries.front()?.clone();
     w.set(WOKEN);
@@ -241,6 +255,31 @@ pub(crate) struct Place<'a> {
 }
 
 impl Place<'_> {
+    /// The first turn of a new arrival: with nobody queued (every other waiter, if
+    /// any, mid-pass: no contention yet) it is its own at once, so passes of
+    /// unsaturated traffic run side by side; otherwise it asks like everyone
+    /// ([`Place::turn`]).
+    pub(crate) fn arrive(&self) -> bool {
+        let mut st = self.queue.lock();
+        let others_queued = st.classes.iter().map(|c| c.queued).sum::<u32>() > 1;
+        if others_queued || self.waiter.state() != QUEUED {
+            drop(st);
+            return self.turn();
+        }
+        // It may not be its class's head (others of its class mid-pass): it still
+        // runs now, as FIFO among passes that all run at once is moot.
+        let vtime = st.vtime;
+        let c = &mut st.classes[self.waiter.class];
+        self.waiter.set(WOKEN);
+        c.queued -= 1;
+        c.turns += 1;
+        let start = c.pass;
+        c.pass += c.stride;
+        st.vtime = vtime.max(start);
+        st.woken += 1;
+        true
+    }
+
     /// Ask for a turn: `true` when it is this waiter's (run a pass now), `false` when
     /// it went to the waiter fair order put first (that one was woken; nap on).
     pub(crate) fn turn(&self) -> bool {
