@@ -209,3 +209,23 @@ async fn a_named_class_must_exist_and_a_scope_without_classes_takes_none() {
     let call = e.begin_call_as(OWNER, "plain", None, None).unwrap();
     assert_eq!(&*e.acquire(OWNER, call).await.unwrap().source, "b");
 }
+
+#[tokio::test(start_paused = true)]
+async fn reload_changes_shares_but_refuses_changed_classes() {
+    let sc = paced_scope(vec![class("interactive", 8.0), class("batch", 1.0)]);
+    let e = engine(&config(vec![sc.clone()]));
+    let mut heavier = sc.clone();
+    heavier.priorities[1].weight = 2.0;
+    heavier.priorities[0].reserve = 0.5;
+    assert!(e.reload(&config(vec![heavier])).is_ok());
+    let mut renamed = sc.clone();
+    renamed.priorities[1].name = "bulk".into();
+    let err = e.reload(&config(vec![renamed])).unwrap_err();
+    assert!(err.to_string().contains("priority classes"), "{err}");
+    let mut none = sc;
+    none.priorities.clear();
+    none.default_priority = 0;
+    assert!(e.reload(&config(vec![none])).is_err(), "removing classes needs a restart");
+    // Still the running classes.
+    assert!(e.begin_call_as(OWNER, "chat", None, Some("batch")).is_ok());
+}
