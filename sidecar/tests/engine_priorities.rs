@@ -225,7 +225,10 @@ async fn reload_changes_shares_but_refuses_changed_classes() {
     let mut none = sc;
     none.priorities.clear();
     none.default_priority = 0;
-    assert!(e.reload(&config(vec![none])).is_err(), "removing classes needs a restart");
+    assert!(
+        e.reload(&config(vec![none])).is_err(),
+        "removing classes needs a restart"
+    );
     // Still the running classes.
     assert!(e.begin_call_as(OWNER, "chat", None, Some("batch")).is_ok());
 }

@@ -238,7 +238,11 @@ fn render_classes(out: &mut String, classes: &[serde_json::Value]) {
             f("grants"),
             100.0 * f("grant_share"),
             f("in_flight"),
-            if refused.is_empty() { "-".to_string() } else { refused.join(" ") }
+            if refused.is_empty() {
+                "-".to_string()
+            } else {
+                refused.join(" ")
+            }
         );
     }
 }

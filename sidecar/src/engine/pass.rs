@@ -19,17 +19,17 @@ use std::time::Duration;
 
 use super::detach::Work;
 use super::report::{GiveBack, Settle};
+use super::runtime::bump;
 use super::runtime::Policy;
 use super::tables::Hold;
 use super::{Engine, SkipReason};
 use crate::backend::{BResult, Backend, BackendError};
 use crate::config::Selector;
 use crate::gate::breaker::{BreakerParams, Peek, State};
+use crate::gate::classes::{ClassTag, Held};
 use crate::gate::health::rank;
 use crate::gate::quota::QuotaParams;
-use crate::gate::classes::{ClassTag, Held};
 use crate::gate::Admit;
-use super::runtime::bump;
 
 /// A shared backend's memo entry is re-checked at most this often per source (§10).
 pub const MEMO_RECHECK: Duration = Duration::from_secs(1);

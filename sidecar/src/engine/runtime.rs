@@ -297,7 +297,11 @@ impl Topology {
                 waiters: AtomicU32::new(0),
                 counters: ScopeCounters::default(),
                 queue: (!sc.priorities.is_empty()).then(|| WaitQueue::new(&weights(sc))),
-                class_names: sc.priorities.iter().map(|p| Arc::from(p.name.as_str())).collect(),
+                class_names: sc
+                    .priorities
+                    .iter()
+                    .map(|p| Arc::from(p.name.as_str()))
+                    .collect(),
                 class_counters: sc
                     .priorities
                     .iter()

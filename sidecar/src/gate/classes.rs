@@ -119,7 +119,9 @@ impl ClassUsage {
             }
         };
         for (i, ((counts, cap), d)) in q.buckets().into_iter().zip(deficits).enumerate() {
-            let (Some(cap), Some(d)) = (cap, d) else { continue };
+            let (Some(cap), Some(d)) = (cap, d) else {
+                continue;
+            };
             let a = refill_ns(counts.amount(tokens), cap);
             let used = self.usage(&me.name, i, now);
             if me.limit_ppm < PPM {
@@ -158,7 +160,8 @@ impl ClassUsage {
         for (i, (counts, cap)) in q.buckets().into_iter().enumerate() {
             if let Some(cap) = cap {
                 let used = e[i].saturating_sub(now).as_nanos();
-                let next = (used + refill_ns(counts.amount(tokens), cap)).min(2 * MINUTE.as_nanos());
+                let next =
+                    (used + refill_ns(counts.amount(tokens), cap)).min(2 * MINUTE.as_nanos());
                 e[i] = now + Duration::from_nanos(next as u64);
             }
         }
@@ -265,7 +268,10 @@ mod tests {
         let mut deficit = 0u128;
         let per = refill_ns(1, 100);
         let mut taken = 0;
-        while u.held(&Q, [None, Some(deficit)], &tag(1), 0, s(0)).is_none() {
+        while u
+            .held(&Q, [None, Some(deficit)], &tag(1), 0, s(0))
+            .is_none()
+        {
             u.take(&Q, &batch, 0, s(0));
             deficit += per;
             taken += 1;
@@ -276,7 +282,9 @@ mod tests {
         // 81 in use of 100 would be above 80 %: one request's refill (0.6 s) away.
         assert_eq!(wait, Duration::from_millis(600));
         // Interactive is not held by its own reserve.
-        assert!(u.held(&Q, [None, Some(deficit)], &tag(0), 0, s(0)).is_none());
+        assert!(u
+            .held(&Q, [None, Some(deficit)], &tag(0), 0, s(0))
+            .is_none());
     }
 
     #[test]

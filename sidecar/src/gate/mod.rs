@@ -258,8 +258,13 @@ impl Gates {
         outcome: Outcome,
         class: &str,
     ) -> Applied {
-        self.classes
-            .settle(q, class, reserved_tokens, outcome.settlement(reserved_tokens), now);
+        self.classes.settle(
+            q,
+            class,
+            reserved_tokens,
+            outcome.settlement(reserved_tokens),
+            now,
+        );
         self.report(now, p, q, epoch, is_probe, reserved_tokens, outcome)
     }
 

@@ -263,7 +263,11 @@ mod tests {
         while let Some(s) = p.try_slot_class(&tag(1)) {
             held.push(s);
         }
-        assert_eq!(held.len(), 7, "batch stops where 3 slots stay for interactive");
+        assert_eq!(
+            held.len(),
+            7,
+            "batch stops where 3 slots stay for interactive"
+        );
         let mut mine = Vec::new();
         while let Some(s) = p.try_slot_class(&tag(0)) {
             mine.push(s);

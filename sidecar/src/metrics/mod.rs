@@ -378,7 +378,11 @@ impl<B: Backend> Scrape<B> {
             MetricType::Gauge,
         )?;
         for (scope, c) in classes() {
-            gauge(&mut m, &[("scope", scope), ("class", c.name.as_str())], c.waiters)?;
+            gauge(
+                &mut m,
+                &[("scope", scope), ("class", c.name.as_str())],
+                c.waiters,
+            )?;
         }
         let mut m = family(
             enc,
@@ -388,7 +392,11 @@ impl<B: Backend> Scrape<B> {
             MetricType::Gauge,
         )?;
         for (scope, c) in classes() {
-            gauge(&mut m, &[("scope", scope), ("class", c.name.as_str())], c.grant_share)?;
+            gauge(
+                &mut m,
+                &[("scope", scope), ("class", c.name.as_str())],
+                c.grant_share,
+            )?;
         }
         let mut m = family(
             enc,
@@ -398,7 +406,11 @@ impl<B: Backend> Scrape<B> {
             MetricType::Gauge,
         )?;
         for (scope, c) in classes() {
-            gauge(&mut m, &[("scope", scope), ("class", c.name.as_str())], c.in_flight)?;
+            gauge(
+                &mut m,
+                &[("scope", scope), ("class", c.name.as_str())],
+                c.in_flight,
+            )?;
         }
         let mut m = family(
             enc,
@@ -422,7 +434,11 @@ impl<B: Backend> Scrape<B> {
         )?;
         for (scope, c) in classes() {
             for (reason, v) in &c.refusals {
-                let labels = [("scope", scope), ("class", c.name.as_str()), ("reason", reason)];
+                let labels = [
+                    ("scope", scope),
+                    ("class", c.name.as_str()),
+                    ("reason", reason),
+                ];
                 m.encode_family(&labels)?
                     .encode_counter::<NoLabelSet, u64, u64>(v, None)?;
             }

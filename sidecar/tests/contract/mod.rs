@@ -1158,7 +1158,11 @@ pub async fn class_reserve_holds_capacity_across_hosts<H: Harness>(h: &H) {
             .unwrap();
         assert!(matches!(a, Admit::Admitted { .. }), "batch {i}: {a:?}");
     }
-    match hosts[1].admit_class(S1, &bp(), &q, 0, &batch).await.unwrap() {
+    match hosts[1]
+        .admit_class(S1, &bp(), &q, 0, &batch)
+        .await
+        .unwrap()
+    {
         Admit::ClassHeld { why, retry_after } => {
             assert_eq!(why, Held::Reserve);
             // 8 of 10 in use would leave 2 < 3 reserved: certainly free once the
@@ -1173,7 +1177,10 @@ pub async fn class_reserve_holds_capacity_across_hosts<H: Harness>(h: &H) {
             .admit_class(S1, &bp(), &q, 0, &interactive)
             .await
             .unwrap();
-        assert!(matches!(a, Admit::Admitted { .. }), "interactive {i}: {a:?}");
+        assert!(
+            matches!(a, Admit::Admitted { .. }),
+            "interactive {i}: {a:?}"
+        );
     }
     match hosts[0]
         .admit_class(S1, &bp(), &q, 0, &interactive)
@@ -1204,13 +1211,21 @@ pub async fn class_limit_caps_always_and_settles_back<H: Harness>(h: &H) {
     let batch = classes(1_000_000, 0, 200_000, 1);
     let interactive = classes(1_000_000, 0, 200_000, 0);
     let mut epochs = Vec::new();
-    for i in 0..2 {
-        match hosts[i].admit_class(S1, &bp(), &q, 0, &batch).await.unwrap() {
+    for (i, host) in hosts.iter().enumerate() {
+        match host
+            .admit_class(S1, &bp(), &q, 0, &batch)
+            .await
+            .unwrap()
+        {
             Admit::Admitted { epoch, .. } => epochs.push(epoch),
             other => panic!("batch {i}: {other:?}"),
         }
     }
-    match hosts[0].admit_class(S1, &bp(), &q, 0, &batch).await.unwrap() {
+    match hosts[0]
+        .admit_class(S1, &bp(), &q, 0, &batch)
+        .await
+        .unwrap()
+    {
         Admit::ClassHeld { why, retry_after } => {
             assert_eq!(why, Held::Limit);
             assert_dur(h, retry_after, Duration::from_secs(6), "limit wait");
@@ -1226,15 +1241,30 @@ pub async fn class_limit_caps_always_and_settles_back<H: Harness>(h: &H) {
     ));
     // One batch permit cancelled before sending: its request comes back to batch.
     hosts[1]
-        .report_class(S1, &bp(), &q, epochs[0], false, 0, Outcome::Cancelled, "batch")
+        .report_class(
+            S1,
+            &bp(),
+            &q,
+            epochs[0],
+            false,
+            0,
+            Outcome::Cancelled,
+            "batch",
+        )
         .await
         .unwrap();
     assert!(matches!(
-        hosts[0].admit_class(S1, &bp(), &q, 0, &batch).await.unwrap(),
+        hosts[0]
+            .admit_class(S1, &bp(), &q, 0, &batch)
+            .await
+            .unwrap(),
         Admit::Admitted { .. }
     ));
     assert!(matches!(
-        hosts[1].admit_class(S1, &bp(), &q, 0, &batch).await.unwrap(),
+        hosts[1]
+            .admit_class(S1, &bp(), &q, 0, &batch)
+            .await
+            .unwrap(),
         Admit::ClassHeld {
             why: Held::Limit,
             ..

@@ -33,8 +33,7 @@ use tokio::sync::broadcast;
 use super::event::AdminEvent;
 use super::memory::MemoryBackend;
 use super::{
-    ClassTag,
-    Admit, Applied, BResult, Backend, BackendError, BreakerParams, Entry, Outcome, Peek,
+    Admit, Applied, BResult, Backend, BackendError, BreakerParams, ClassTag, Entry, Outcome, Peek,
     QuotaParams, Reserve, Settlement, SourceSnapshot,
 };
 use crate::clock::Clock;
@@ -438,7 +437,16 @@ impl Backend for RedisBackend {
             Some(a) => Ok(a),
             None => {
                 self.local
-                    .report_class(source, p, q, epoch, is_probe, reserved_tokens, outcome, class)
+                    .report_class(
+                        source,
+                        p,
+                        q,
+                        epoch,
+                        is_probe,
+                        reserved_tokens,
+                        outcome,
+                        class,
+                    )
                     .await
             }
         }

@@ -12,8 +12,8 @@ use super::script::{
 };
 use crate::backend::event::AdminOp;
 use crate::backend::{
-    Admit, Applied, ClassTag, Held, BResult, BreakerParams, Entry, Outcome, Peek, QuotaParams, Reserve, Settlement,
-    SourceSnapshot,
+    Admit, Applied, BResult, BreakerParams, ClassTag, Entry, Held, Outcome, Peek, QuotaParams,
+    Reserve, Settlement, SourceSnapshot,
 };
 
 /// Gate 4 alone: may a caller enter?
