@@ -1212,11 +1212,7 @@ pub async fn class_limit_caps_always_and_settles_back<H: Harness>(h: &H) {
     let interactive = classes(1_000_000, 0, 200_000, 0);
     let mut epochs = Vec::new();
     for (i, host) in hosts.iter().enumerate() {
-        match host
-            .admit_class(S1, &bp(), &q, 0, &batch)
-            .await
-            .unwrap()
-        {
+        match host.admit_class(S1, &bp(), &q, 0, &batch).await.unwrap() {
             Admit::Admitted { epoch, .. } => epochs.push(epoch),
             other => panic!("batch {i}: {other:?}"),
         }
