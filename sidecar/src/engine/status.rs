@@ -132,6 +132,13 @@ impl<B: Backend> Engine<B> {
             .collect()
     }
 
+    /// `true` when `owner` holds no call and no permit: its connection may be closed
+    /// by `sidecar.idle_timeout` (§12 "Bounded under abuse").
+    pub fn owner_holds_nothing(&self, owner: OwnerId) -> bool {
+        let t = self.lock();
+        !t.holds_call(owner) && !t.holds_permit(owner)
+    }
+
     /// Counts for invariant checks (tests, debugging).
     #[doc(hidden)]
     pub fn live_counts(&self) -> LiveCounts {

@@ -347,6 +347,11 @@ impl Tables {
         self.permits.values().any(|p| p.owner == owner)
     }
 
+    /// `owner` has a live call (the idle timeout leaves such a connection open).
+    pub(crate) fn holds_call(&self, owner: OwnerId) -> bool {
+        self.owner_calls.get(&owner).is_some_and(|&n| n > 0)
+    }
+
     /// Forget every call of `owner`; returns its permits.
     pub(crate) fn release_owner(&mut self, owner: OwnerId) -> Vec<PermitRec> {
         self.calls.retain(|_, c| c.owner != owner);

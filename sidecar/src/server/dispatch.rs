@@ -28,6 +28,8 @@ use super::convert;
 use super::Shared;
 use crate::backend::{Applied, Backend, Outcome};
 use crate::engine::{Engine, EngineError, OwnerId};
+use crate::limits;
+use crate::logs::{self, Kind};
 
 /// What the connection needs to run a request.
 pub(super) struct Ctx<B: Backend> {
@@ -360,7 +362,21 @@ pub(super) fn log_error(conn: OwnerId, request: u64, reply: &Reply) {
         | ErrorKind::AllSourcesExhausted
         | ErrorKind::ShuttingDown
         | ErrorKind::Cancelled => debug!(conn, request, kind = ?e.kind, "{}", e.message),
-        _ => warn!(conn, request, kind = ?e.kind, "{}", e.message),
+        kind => {
+            let family = match kind {
+                ErrorKind::PermissionDenied => Kind::PermissionDenied,
+                ErrorKind::BackendUnavailable => Kind::BackendRefused,
+                ErrorKind::ProtocolViolation => Kind::BadHandshake,
+                ErrorKind::Malformed | ErrorKind::FrameTooLarge => Kind::BadFrame,
+                ErrorKind::Overloaded => Kind::Overloaded,
+                ErrorKind::Internal => Kind::Internal,
+                _ => Kind::BadRequest,
+            };
+            if logs::allow(family) {
+                let message = limits::truncate(&e.message, 4 * limits::MAX_ECHO);
+                warn!(conn, request, kind = ?e.kind, "{message}");
+            }
+        }
     }
 }
 
