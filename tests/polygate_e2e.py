@@ -81,12 +81,14 @@ def _toml_value(v: Any) -> str:
 
 def render_config(sidecar: Dict[str, Any], scopes: Dict[str, Dict[str, Any]]) -> str:
     """A TOML config: ``[sidecar]`` keys, and per scope its scalar keys, optional
-    ``breaker`` / ``pacer`` tables and the ``sources`` list of tables."""
+    ``breaker`` / ``pacer`` tables, the ``sources`` list of tables and an optional
+    ``priorities`` list of tables (DESIGN §15)."""
     out: List[str] = ["[sidecar]"]
     out += ["%s = %s" % (k, _toml_value(v)) for k, v in sidecar.items()]
     for name, scope in scopes.items():
         scope = dict(scope)
         sources = scope.pop("sources")
+        priorities = scope.pop("priorities", [])
         tables = {k: scope.pop(k) for k in ("breaker", "pacer") if k in scope}
         out += ["", "[scopes.%s]" % name]
         out += ["%s = %s" % (k, _toml_value(v)) for k, v in scope.items()]
@@ -96,6 +98,9 @@ def render_config(sidecar: Dict[str, Any], scopes: Dict[str, Dict[str, Any]]) ->
         for src in sources:
             out += ["", "[[scopes.%s.sources]]" % name]
             out += ["%s = %s" % (k, _toml_value(v)) for k, v in src.items()]
+        for cls in priorities:
+            out += ["", "[[scopes.%s.priorities]]" % name]
+            out += ["%s = %s" % (k, _toml_value(v)) for k, v in cls.items()]
     return "\n".join(out) + "\n"
 
 

@@ -67,6 +67,28 @@ impl Harness for RedisHarness {
         tokio::time::sleep(d).await;
     }
 
+    async fn second(&self, b: &RedisBackend) -> Option<RedisBackend> {
+        // `{prefix:s1}:b` → prefix: another host on the same keys.
+        let key = b.breaker_key(SOURCES[0]);
+        let prefix = key
+            .strip_prefix('{')?
+            .strip_suffix(&format!(":{}}}:b", SOURCES[0]))?
+            .to_string();
+        let opts = RedisOptions {
+            url: self.url.clone(),
+            cluster_nodes: self.cluster_nodes.clone(),
+            key_prefix: prefix,
+            timeout: Duration::from_secs(2),
+            on_backend_error: OnBackendError::FailClosed,
+            sources: SOURCES.iter().map(|s| s.to_string()).collect(),
+        };
+        Some(
+            RedisBackend::connect(opts, Arc::new(TokioClock::new()))
+                .await
+                .expect("connect"),
+        )
+    }
+
     fn tolerance(&self) -> Duration {
         // Real time: the ops between the event and the reading, plus sleep overshoot
         // on a loaded 2-core machine.

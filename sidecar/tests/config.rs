@@ -961,3 +961,139 @@ fn the_provider_examples_parse_as_the_rules_they_name() {
         (Duration::from_millis(125), TokensCharged::Estimate)
     );
 }
+
+// ---- §15 priority classes ----
+
+const CLASSES: &str = r#"
+[scopes.chat]
+default_priority = "batch"
+saturation = 0.75
+[[scopes.chat.priorities]]
+name = "interactive"
+weight = 8
+reserve = 0.3
+[[scopes.chat.priorities]]
+name = "batch"
+weight = 1
+limit = 0.7
+[[scopes.chat.sources]]
+name = "a"
+"#;
+
+#[test]
+fn priorities_parse_with_defaults() {
+    let c = parse(CLASSES).unwrap();
+    let s = &c.scopes[0];
+    assert_eq!(s.priorities.len(), 2);
+    assert_eq!(s.priorities[0].name, "interactive");
+    assert_eq!(s.priorities[0].weight, 8.0);
+    assert_eq!(s.priorities[0].reserve, 0.3);
+    assert_eq!(s.priorities[0].limit, 1.0, "limit defaults to the whole");
+    assert_eq!(s.priorities[1].reserve, 0.0, "reserve defaults to none");
+    assert_eq!(s.priorities[1].limit, 0.7);
+    assert_eq!(s.default_priority, 1);
+    assert_eq!(s.saturation, 0.75);
+    // Without default_priority the last class listed is the default.
+    let c = parse(&CLASSES.replace("default_priority = \"batch\"\n", "")).unwrap();
+    assert_eq!(c.scopes[0].default_priority, 1);
+    // No classes: none, and the default saturation.
+    let c = parse(MINIMAL).unwrap();
+    assert!(c.scopes[0].priorities.is_empty());
+    assert_eq!(c.scopes[0].saturation, polygate::config::DEFAULT_SATURATION);
+}
+
+#[test]
+fn bad_priorities_name_the_key() {
+    err(
+        &CLASSES
+            .replace("reserve = 0.3", "reserve = 0.8\nlimit = 0.9")
+            .replace("limit = 0.7", "reserve = 0.3"),
+        &["scopes.chat.priorities[*].reserve", "sum to", "more than 1"],
+    );
+    err(
+        &CLASSES.replace("limit = 0.7", "limit = 0.2\nreserve = 0.4"),
+        &[
+            "scopes.chat.priorities[1].limit",
+            "scopes.chat.priorities[1].reserve",
+            "must not be below reserve",
+        ],
+    );
+    err(
+        &CLASSES.replace(
+            "default_priority = \"batch\"",
+            "default_priority = \"bulk\"",
+        ),
+        &[
+            "scopes.chat.default_priority",
+            "\"bulk\"",
+            "interactive, batch",
+        ],
+    );
+    err(
+        &scope_with("default_priority = \"batch\""),
+        &[
+            "scopes.chat.default_priority",
+            "declares no priority classes",
+        ],
+    );
+    err(
+        &CLASSES.replace("weight = 1\n", "weight = 0\n"),
+        &["scopes.chat.priorities[1].weight", "greater than 0"],
+    );
+    err(
+        &CLASSES.replace("weight = 8", "weight = -2"),
+        &["scopes.chat.priorities[0].weight"],
+    );
+    err(
+        &CLASSES.replace("reserve = 0.3", "reserve = 1.5"),
+        &["scopes.chat.priorities[0].reserve", "[0, 1]"],
+    );
+    err(
+        &CLASSES.replace("limit = 0.7", "limit = 0"),
+        &["scopes.chat.priorities[1].limit", "(0, 1]"],
+    );
+    err(
+        &CLASSES.replace("name = \"batch\"", "name = \"interactive\""),
+        &["scopes.chat.priorities[1].name", "already declared"],
+    );
+    err(
+        &CLASSES.replace("name = \"batch\"", "name = \"bat ch\""),
+        &["scopes.chat.priorities[1].name", "A-Z"],
+    );
+    err(
+        &CLASSES.replace("name = \"batch\"\n", ""),
+        &["scopes.chat.priorities[1].name", "needs a name"],
+    );
+    err(
+        &CLASSES.replace("saturation = 0.75", "saturation = 1.2"),
+        &["scopes.chat.saturation", "(0, 1]"],
+    );
+    err(
+        &CLASSES.replace("weight = 8", "wieght = 8"),
+        &["unknown key", "wieght"],
+    );
+}
+
+#[test]
+fn priority_scope_keys_override_from_env() {
+    let c = parse_str(
+        CLASSES,
+        env(&[
+            ("CHAT__DEFAULT_PRIORITY", "interactive"),
+            ("CHAT__SATURATION", "0.5"),
+        ]),
+    )
+    .unwrap();
+    assert_eq!(c.scopes[0].default_priority, 0);
+    assert_eq!(c.scopes[0].saturation, 0.5);
+    err_env(
+        CLASSES,
+        &[("CHAT__DEFAULT_PRIORITY", "bulk")],
+        &["CHAT__DEFAULT_PRIORITY", "interactive, batch"],
+    );
+    err_env(
+        CLASSES,
+        &[("CHAT__SATURATION", "2")],
+        &["CHAT__SATURATION", "(0, 1]"],
+    );
+}

@@ -529,3 +529,212 @@ async fn replies_fit_the_client_and_status_may_reach_16_mib() {
     })
     .await;
 }
+
+// ---- items 7, 8, 1, 2 through the server: cap, idle, memory, log volume ------------
+
+/// One frame (length prefix included) of `request` with id `id`.
+fn frame_bytes(id: u64, request: Request) -> Vec<u8> {
+    let payload = ipc_protocol::encode_client(&ipc_protocol::ClientFrame { id, request }).unwrap();
+    let mut out = (payload.len() as u32).to_be_bytes().to_vec();
+    out.extend_from_slice(&payload);
+    out
+}
+
+/// The connection ends (EOF or reset) within the reply timeout; frames before the end
+/// are returned.
+async fn until_closed(c: &mut Client) -> Vec<ipc_protocol::ServerFrame> {
+    use futures_util::StreamExt;
+    let mut frames = Vec::new();
+    loop {
+        match tokio::time::timeout(Duration::from_secs(10), c.framed.next()).await {
+            Ok(Some(Ok(f))) => frames.push(f),
+            Ok(_) => return frames,
+            Err(_) => panic!("still open after 10 s; got {frames:?}"),
+        }
+    }
+}
+
+/// Frames until one with id `id` (included) or the close.
+async fn until_closed_or(c: &mut Client, id: u64) -> Vec<ipc_protocol::ServerFrame> {
+    use futures_util::StreamExt;
+    let mut frames = Vec::new();
+    loop {
+        match tokio::time::timeout(Duration::from_secs(10), c.framed.next()).await {
+            Ok(Some(Ok(f))) => {
+                let last = f.id == id;
+                frames.push(f);
+                if last {
+                    return frames;
+                }
+            }
+            Ok(_) => return frames,
+            Err(_) => panic!("no reply {id} and no close within 10 s; got {frames:?}"),
+        }
+    }
+}
+
+fn begin_chat() -> Request {
+    Request::BeginCall {
+        scope: "chat".into(),
+        est_tokens: None,
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn past_max_connections_a_worker_is_refused_overloaded_and_a_freed_slot_admits() {
+    let d = Daemon::start("max_connections = 2\nadmin_uids = [4242]", SCOPES, &[]);
+    bounded(async {
+        let mut held = vec![
+            Client::connect(&d.socket, 2).await,
+            Client::connect(&d.socket, 2).await,
+        ];
+        for c in &mut held {
+            assert!(matches!(c.call(begin_chat()).await, Reply::CallBegun { .. }));
+        }
+        // The third lands in the reserve: Status works, a worker request is refused.
+        let mut third = Client::connect(&d.socket, 2).await;
+        assert!(matches!(third.call(Request::Status).await, Reply::Status(_)));
+        third.send(99, begin_chat()).await;
+        let frames = until_closed(&mut third).await;
+        let e = match frames.as_slice() {
+            [f] if f.id == 0 => match &f.reply {
+                Reply::Error(e) => e.clone(),
+                r => panic!("{r:?}"),
+            },
+            other => panic!("{other:?}"),
+        };
+        assert_eq!(e.kind, ErrorKind::Overloaded, "{e:?}");
+        assert!(e.message.contains("max_connections"), "{}", e.message);
+        drop(third);
+
+        // Fill the reserve; the next one is refused before its Hello.
+        let mut reserve = Vec::new();
+        for _ in 0..8 {
+            // fdlimit::RESERVED_CONNECTIONS
+            reserve.push(Client::connect(&d.socket, 2).await);
+        }
+        let mut over = Client::raw(&d.socket).await.unwrap();
+        let frames = until_closed(&mut over).await;
+        assert!(
+            matches!(frames.as_slice(), [f] if matches!(&f.reply, Reply::Error(e) if e.kind == ErrorKind::Overloaded)),
+            "{frames:?}"
+        );
+        drop(reserve);
+        drop(held.pop());
+
+        // A freed slot lets a new worker in (the close is noticed asynchronously).
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        loop {
+            // Until the closes are noticed a new connection may still be refused.
+            let mut c = Client::raw(&d.socket).await.unwrap();
+            c.send(1, support::daemon::hello(2)).await;
+            c.send(2, begin_chat()).await;
+            let frames = until_closed_or(&mut c, 2).await;
+            if frames
+                .iter()
+                .any(|f| f.id == 2 && matches!(f.reply, Reply::CallBegun { .. }))
+            {
+                break;
+            }
+            assert!(std::time::Instant::now() < deadline, "never admitted: {frames:?}");
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn idle_connections_and_stuck_partial_frames_are_closed_but_a_held_call_is_not() {
+    let d = Daemon::start("idle_timeout = \"300ms\"", SCOPES, &[]);
+    bounded(async {
+        let mut idle = Client::connect(&d.socket, 2).await;
+        let mut holder = Client::connect(&d.socket, 2).await;
+        assert!(matches!(holder.call(begin_chat()).await, Reply::CallBegun { .. }));
+        let mut partial = Client::connect(&d.socket, 2).await;
+        let bytes = frame_bytes(7, Request::Ping);
+        {
+            use tokio::io::AsyncWriteExt;
+            partial.framed.get_mut().write_all(&bytes[..3]).await.unwrap();
+        }
+        tokio::time::sleep(Duration::from_millis(1500)).await;
+        assert!(until_closed(&mut idle).await.is_empty(), "idle closed silently");
+        let frames = until_closed(&mut partial).await;
+        assert!(
+            matches!(frames.as_slice(), [f] if matches!(&f.reply, Reply::Error(e) if e.kind == ErrorKind::Overloaded && e.message.contains("partial frame"))),
+            "{frames:?}"
+        );
+        assert_eq!(holder.call(Request::Ping).await, Reply::Pong, "a call holder stays");
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn clients_that_never_read_cannot_grow_memory_and_others_are_served() {
+    let d = Daemon::start(
+        "max_buffered = 8388608",
+        &format!("{SCOPES}\n{}", many_sources(600)),
+        &[],
+    );
+    bounded(async {
+        let before = d.rss_kib();
+        let mut hogs = Vec::new();
+        for _ in 0..4 {
+            let mut c = Client::connect(&d.socket, 2).await;
+            let mut burst = Vec::new();
+            for id in 0..3000u64 {
+                burst.extend(frame_bytes(100 + id, Request::Status));
+            }
+            let stream = c.framed.get_mut();
+            let (_r, mut w) = stream.split();
+            use tokio::io::AsyncWriteExt;
+            // Writes until the sidecar stops reading (then the write blocks).
+            let _ = tokio::time::timeout(Duration::from_secs(3), w.write_all(&burst)).await;
+            hogs.push(c);
+        }
+        let mut peak = 0;
+        for _ in 0..10 {
+            peak = peak.max(d.rss_kib());
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+        let mut good = Client::connect(&d.socket, 2).await;
+        assert_eq!(good.call(Request::Ping).await, Reply::Pong);
+        assert!(
+            peak < before + 100 * 1024,
+            "RSS grew from {before} KiB to {peak} KiB"
+        );
+        drop(hogs);
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        assert!(matches!(good.call(Request::Status).await, Reply::Status(_)));
+    })
+    .await;
+    let mut d = d;
+    assert!(d.alive());
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_flood_of_bad_requests_writes_a_bounded_number_of_log_lines() {
+    let d = Daemon::start("", SCOPES, &[]);
+    bounded(async {
+        let mut c = Client::connect(&d.socket, 2).await;
+        let scope = "x".repeat(20_000);
+        for round in 0..20u64 {
+            for i in 0..100u64 {
+                let r = Request::BeginCall {
+                    scope: scope.clone(),
+                    est_tokens: None,
+                };
+                c.send(1000 + round * 100 + i, r).await;
+            }
+            for _ in 0..100 {
+                let f = c.recv().await;
+                assert!(matches!(f.reply, Reply::Error(_)), "{f:?}");
+            }
+        }
+    })
+    .await;
+    std::thread::sleep(Duration::from_millis(1500));
+    let log = d.log_text();
+    let lines = log.lines().count();
+    assert!(lines < 100, "{lines} log lines for 2000 bad requests");
+    assert!(log.len() < 64 * 1024, "{} bytes of log", log.len());
+}

@@ -13,6 +13,7 @@ use super::{BResult, Backend, SourceSnapshot};
 use crate::clock::Clock;
 use crate::config::BackendKind;
 use crate::gate::breaker::{Applied, BreakerParams, Entry, Peek};
+use crate::gate::classes::ClassTag;
 use crate::gate::quota::{QuotaParams, Reserve, Settlement, Tokens};
 use crate::gate::{Admit, Outcome};
 
@@ -196,6 +197,32 @@ impl Backend for AnyBackend {
         outcome: Outcome,
     ) -> BResult<Applied> {
         delegate!(self, b => b.report(source, p, q, epoch, is_probe, reserved_tokens, outcome).await)
+    }
+
+    async fn admit_class(
+        &self,
+        source: &str,
+        p: &BreakerParams,
+        q: &QuotaParams,
+        tokens: Tokens,
+        class: &ClassTag,
+    ) -> BResult<Admit> {
+        delegate!(self, b => b.admit_class(source, p, q, tokens, class).await)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    async fn report_class(
+        &self,
+        source: &str,
+        p: &BreakerParams,
+        q: &QuotaParams,
+        epoch: u64,
+        is_probe: bool,
+        reserved_tokens: Tokens,
+        outcome: Outcome,
+        class: &str,
+    ) -> BResult<Applied> {
+        delegate!(self, b => b.report_class(source, p, q, epoch, is_probe, reserved_tokens, outcome, class).await)
     }
 
     async fn neutral(&self, source: &str, epoch: u64, is_probe: bool) -> BResult<Applied> {

@@ -13,6 +13,7 @@ use std::time::Duration;
 use super::{BResult, Backend, BackendError, SourceSnapshot};
 use crate::clock::Clock;
 use crate::gate::breaker::{Applied, BreakerParams, Entry, Peek};
+use crate::gate::classes::ClassTag;
 use crate::gate::quota::{QuotaParams, Reserve, Settlement, Tokens};
 use crate::gate::{Admit, Gates, Outcome};
 
@@ -210,5 +211,33 @@ impl Backend for MemoryBackend {
 
     async fn neutral(&self, source: &str, epoch: u64, is_probe: bool) -> BResult<Applied> {
         self.with(source, |c, now| c.breaker.neutral(now, epoch, is_probe))
+    }
+
+    async fn admit_class(
+        &self,
+        source: &str,
+        p: &BreakerParams,
+        q: &QuotaParams,
+        tokens: Tokens,
+        class: &ClassTag,
+    ) -> BResult<Admit> {
+        self.with(source, |c, now| c.admit_class(now, p, q, tokens, class))
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    async fn report_class(
+        &self,
+        source: &str,
+        p: &BreakerParams,
+        q: &QuotaParams,
+        epoch: u64,
+        is_probe: bool,
+        reserved_tokens: Tokens,
+        outcome: Outcome,
+        class: &str,
+    ) -> BResult<Applied> {
+        self.with(source, |c, now| {
+            c.report_class(now, p, q, epoch, is_probe, reserved_tokens, outcome, class)
+        })
     }
 }

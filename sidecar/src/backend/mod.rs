@@ -103,6 +103,7 @@ pub use any::AnyBackend;
 pub use event::{AdminEvent, AdminOp};
 
 pub use crate::gate::breaker::{Applied, BreakerParams, Entry, Peek, State};
+pub use crate::gate::classes::{ClassShares, ClassTag, Held, Share};
 pub use crate::gate::quota::{QuotaParams, Reserve, Settlement, Split, Tokens};
 pub use crate::gate::{Admit, FailureKind, Outcome};
 
@@ -307,6 +308,42 @@ pub trait Backend: Send + Sync + 'static {
         reserved_tokens: impl Into<Tokens> + Send,
         outcome: Outcome,
     ) -> impl Future<Output = BResult<Applied>> + Send;
+
+    // ---- §15 priority classes (a scope without classes never calls these) ----
+
+    /// [`Backend::admit`] for a call of priority class `class`: the class's limit
+    /// and the other classes' unused reserves apply too ([`Admit::ClassHeld`]), in the
+    /// same one step. The default ignores the class (a backend without class
+    /// accounting); memory and Redis implement it.
+    fn admit_class(
+        &self,
+        source: &str,
+        p: &BreakerParams,
+        q: &QuotaParams,
+        tokens: Tokens,
+        class: &ClassTag,
+    ) -> impl Future<Output = BResult<Admit>> + Send {
+        let _ = class;
+        self.admit(source, p, q, tokens)
+    }
+
+    /// [`Backend::report`] for a permit of priority class `class`: the class's usage
+    /// settles with the buckets, in the same one step.
+    #[allow(clippy::too_many_arguments)]
+    fn report_class(
+        &self,
+        source: &str,
+        p: &BreakerParams,
+        q: &QuotaParams,
+        epoch: u64,
+        is_probe: bool,
+        reserved_tokens: Tokens,
+        outcome: Outcome,
+        class: &str,
+    ) -> impl Future<Output = BResult<Applied>> + Send {
+        let _ = class;
+        self.report(source, p, q, epoch, is_probe, reserved_tokens, outcome)
+    }
 
     /// An outcome that is no verdict (429, cancel): releases the probe lease if the
     /// permit was the probe; otherwise changes nothing. `applied` says whether the

@@ -52,7 +52,8 @@ pub fn run(socket: &Path, json: bool) -> ExitCode {
     let fetch = async { tokio::time::timeout(STATUS_TIMEOUT, fetch(socket, request)).await };
     match rt.block_on(fetch) {
         Ok(Ok(Printable::Report(report, doc))) => {
-            print!("{}", render(&report));
+            let classes = doc.as_deref().map(classes_of).unwrap_or_default();
+            print!("{}", render_with_classes(&report, &classes));
             if let Some(doc) = doc {
                 print!("{}", render_buckets(&doc));
             }
@@ -78,8 +79,9 @@ pub fn run(socket: &Path, json: bool) -> ExitCode {
 
 /// What a status request brought back.
 enum Printable {
-    /// The answer to `Status`, and the JSON document when the sidecar speaks it
-    /// (its per-bucket detail, §7a, has no place in the version-1 report).
+    /// The answer to `Status`, and the JSON document when the sidecar speaks it: it
+    /// carries what the fixed-layout version-1 report cannot (each scope's §15
+    /// classes, each bucket's §7a detail).
     Report(StatusReport, Option<String>),
     /// The answer to `StatusJson`: the document as the sidecar wrote it.
     Json(String),
@@ -128,11 +130,11 @@ async fn fetch(socket: &Path, request: Request) -> Result<Printable, String> {
         Request::StatusJson => "StatusJson",
         _ => "Status",
     };
-    let wants_buckets =
+    let wants_doc =
         matches!(request, Request::Status) && agreed >= Request::StatusJson.min_version();
-    match ask(2, request).await? {
+    match ask(2, request.clone()).await? {
         Reply::Status(report) => {
-            let doc = match wants_buckets {
+            let doc = match wants_doc {
                 true => match ask(3, Request::StatusJson).await? {
                     Reply::StatusJson(doc) => Some(doc),
                     _ => None,
@@ -145,6 +147,22 @@ async fn fetch(socket: &Path, request: Request) -> Result<Printable, String> {
         Reply::Error(e) => Err(format!("{:?}: {}", e.kind, e.message)),
         other => Err(format!("unexpected answer to {name}: {other:?}")),
     }
+}
+
+/// Scope name → its §15 classes as `status --json` shows them.
+pub type Classes = std::collections::HashMap<String, Vec<serde_json::Value>>;
+
+fn classes_of(doc: &str) -> Classes {
+    let mut out = Classes::new();
+    let Ok(v) = serde_json::from_str::<serde_json::Value>(doc) else {
+        return out;
+    };
+    for sc in v["scopes"].as_array().into_iter().flatten() {
+        if let (Some(name), Some(cl)) = (sc["name"].as_str(), sc["classes"].as_array()) {
+            out.insert(name.to_string(), cl.clone());
+        }
+    }
+    out
 }
 
 // ---------------------------------------------------------------------------------
@@ -176,6 +194,11 @@ const COLUMNS: &[(&str, Align)] = &[
 
 /// The whole report as a text table per scope, ending with a newline.
 pub fn render(report: &StatusReport) -> String {
+    render_with_classes(report, &Classes::new())
+}
+
+/// [`render`], with a table of each scope's priority classes (§15) after its sources.
+pub fn render_with_classes(report: &StatusReport, classes: &Classes) -> String {
     let mut out = String::new();
     let _ = writeln!(
         out,
@@ -188,8 +211,48 @@ pub fn render(report: &StatusReport) -> String {
     for scope in &report.scopes {
         out.push('\n');
         render_scope(&mut out, scope);
+        if let Some(cl) = classes.get(&scope.name).filter(|c| !c.is_empty()) {
+            render_classes(&mut out, cl);
+        }
     }
     out
+}
+
+/// One line per class: weight, reserve, limit, waiters, grants and their share,
+/// slots held, and the refusals that are not zero.
+fn render_classes(out: &mut String, classes: &[serde_json::Value]) {
+    let _ = writeln!(
+        out,
+        "  {:<16} {:>7} {:>7} {:>5} {:>7} {:>8} {:>6} {:>9}  REFUSED",
+        "CLASS", "WEIGHT", "RESERVE", "LIMIT", "WAITERS", "GRANTS", "SHARE", "IN-FLIGHT"
+    );
+    for c in classes {
+        let f = |k: &str| c[k].as_f64().unwrap_or(0.0);
+        let refused: Vec<String> = c["refusals"]
+            .as_object()
+            .into_iter()
+            .flatten()
+            .filter(|(_, v)| v.as_u64().unwrap_or(0) > 0)
+            .map(|(k, v)| format!("{k}={v}"))
+            .collect();
+        let _ = writeln!(
+            out,
+            "  {:<16} {:>7} {:>7} {:>5} {:>7} {:>8} {:>5.0}% {:>9}  {}",
+            c["name"].as_str().unwrap_or("?"),
+            f("weight"),
+            f("reserve"),
+            f("limit"),
+            f("waiters"),
+            f("grants"),
+            100.0 * f("grant_share"),
+            f("in_flight"),
+            if refused.is_empty() {
+                "-".to_string()
+            } else {
+                refused.join(" ")
+            }
+        );
+    }
 }
 
 fn render_scope(out: &mut String, s: &ScopeStatus) {

@@ -10,6 +10,11 @@
 //! added in one place. An override lands in the raw file before validation, and
 //! [`Origins`] remembers where it came from, so a bad value names the variable
 //! (`CHAT__CIRCUIT_OPEN=sometimes: expected one of: wait, fail_fast`).
+//!
+//! Arrays of tables have no override: `[[scopes.X.sources]]` and §15's
+//! `[[scopes.X.priorities]]` are written in the file only (an entry has no stable
+//! name to spell as a variable); the scope-level `DEFAULT_PRIORITY` and
+//! `SATURATION` are overridable like every other scope key.
 
 use std::collections::HashMap;
 use std::fmt;
@@ -131,6 +136,8 @@ const SCOPE_KEYS: &[(&str, Slot<RawScope>)] = &[
     ("PACER__MAX", Slot::Float(|s| &mut s.pacer.max)),
     ("PACER__INCREASE", Slot::Float(|s| &mut s.pacer.increase)),
     ("PACER__DECREASE", Slot::Float(|s| &mut s.pacer.decrease)),
+    ("DEFAULT_PRIORITY", Slot::Text(|s| &mut s.default_priority)),
+    ("SATURATION", Slot::Float(|s| &mut s.saturation)),
 ];
 
 /// Every `{SCOPE}__SOURCES__{i}__` key (the `i`-th source of the scope, counted

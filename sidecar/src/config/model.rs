@@ -204,6 +204,31 @@ pub struct ScopeConfig {
     pub pacer: PacerConfig,
     /// Sources in config (priority) order; never empty.
     pub sources: Vec<SourceConfig>,
+    /// §15 priority classes, config order; empty = no classes (first come, first
+    /// served, no reserves: the behaviour of a scope that never heard of them).
+    pub priorities: Vec<PriorityConfig>,
+    /// §15: index into `priorities` of the class a call naming none belongs to
+    /// (`default_priority`; unset: the last class listed, so unlabelled traffic
+    /// never jumps ahead of a class someone declared first). 0 without classes.
+    pub default_priority: usize,
+    /// §15: above this share of a source's tpm/rpm (or pacer slots) in use,
+    /// reserves apply; below it any class may use idle capacity.
+    pub saturation: f64,
+}
+
+/// `[[scopes.NAME.priorities]]`: one priority class (§15).
+#[derive(Debug, Clone, PartialEq)]
+pub struct PriorityConfig {
+    /// Class name, as calls name it (`priority=`); `[A-Za-z0-9_-]`, at most
+    /// [`MAX_PRIORITY_NAME`] bytes, because it is also a Redis hash field.
+    pub name: String,
+    /// Share of freed capacity among the classes that are waiting (> 0).
+    pub weight: f64,
+    /// Share of each source's tpm/rpm (and pacer slots) kept for this class when
+    /// the source is saturated; 0 = none.
+    pub reserve: f64,
+    /// Never more than this share of a source's tpm/rpm (and pacer slots); 1 = no cap.
+    pub limit: f64,
 }
 
 impl ScopeConfig {
@@ -408,6 +433,13 @@ pub const DEFAULT_CIRCUIT_OPEN: Mode = Mode::FailFast;
 pub const DEFAULT_SELECTOR: Selector = Selector::Priority;
 /// Default `sidecar.max_rate_limit_block` (§7).
 pub const DEFAULT_MAX_RATE_LIMIT_BLOCK: Duration = Duration::from_secs(600);
+/// Default `saturation` of a scope with priority classes (§15).
+pub const DEFAULT_SATURATION: f64 = 0.8;
+/// Most priority classes a scope may declare (the Redis script gets each as
+/// arguments of every admission).
+pub const MAX_PRIORITIES: usize = 16;
+/// Longest priority class name in bytes.
+pub const MAX_PRIORITY_NAME: usize = 64;
 /// Default source `timeout`.
 pub const DEFAULT_SOURCE_TIMEOUT: Duration = Duration::from_secs(60);
 /// Default (and largest) source `burst` (§7a): a minute's worth.

@@ -95,6 +95,27 @@ pub(super) struct RawScope {
     pub pacer: RawPacer,
     /// `[[scopes.NAME.sources]]`; required (validation says so by key).
     pub sources: Option<Vec<RawSource>>,
+    /// §15: the class of a call that names none.
+    pub default_priority: Option<String>,
+    /// §15: share in use above which reserves apply.
+    pub saturation: Option<f64>,
+    /// `[[scopes.NAME.priorities]]` (§15).
+    pub priorities: Option<Vec<RawPriority>>,
+}
+
+/// `[[scopes.NAME.priorities]]` as written; see
+/// [`PriorityConfig`](super::PriorityConfig).
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawPriority {
+    /// Required; validation says so by key.
+    pub name: Option<String>,
+    /// Share of freed capacity among waiting classes.
+    pub weight: Option<f64>,
+    /// Share kept for the class when saturated.
+    pub reserve: Option<f64>,
+    /// Share the class may never exceed.
+    pub limit: Option<f64>,
 }
 
 /// `[scopes.NAME.breaker]` as written; see [`BreakerConfig`](super::BreakerConfig).

@@ -8,7 +8,7 @@
 //! `READY=1`. The pieces: `listen` (sockets), `signals` (SIGTERM,
 //! SIGINT, SIGHUP and reload), [`systemd`] (sd_notify, socket activation, watchdog).
 
-mod fdlimit;
+pub mod fdlimit;
 mod listen;
 mod signals;
 mod sockfile;
@@ -184,7 +184,10 @@ async fn run_engine(
     let remote = backend.is_remote();
     let engine = Engine::new(config, backend, clock);
     let admin_sync = admin_events.map(|rx| tokio::spawn(apply_admin_events(rx, engine.clone())));
-    let opts = ServerOptions::from_config(&config.sidecar);
+    let opts = ServerOptions {
+        max_connections: limits.max_connections as usize,
+        ..ServerOptions::from_config(&config.sidecar)
+    };
     // /metrics reads a remote backend in the background, never per scrape.
     let shared = (remote && listeners.admin.is_some()).then(Arc::<SharedView>::default);
     let refresh = shared

@@ -23,20 +23,47 @@ use crate::gate::pacer::Signal;
 use crate::metrics::histogram::Histogram;
 
 impl<B: Backend> Engine<B> {
-    /// Start a call in `scope`; the stall clock starts now.
+    /// Start a call in `scope` (its default priority class); the stall clock
+    /// starts now.
     pub fn begin_call(
         &self,
         owner: OwnerId,
         scope: &str,
         est: impl Into<CallEst>,
     ) -> Result<u64, EngineError> {
+        self.begin_call_as(owner, scope, est, None)
+    }
+
+    /// Start a call in `scope` of priority class `priority` (§15; `None`: the
+    /// scope's `default_priority`). A class the scope does not declare is
+    /// [`EngineError::UnknownPriority`], naming the scope's classes.
+    pub fn begin_call_as(
+        &self,
+        owner: OwnerId,
+        scope: &str,
+        est: impl Into<CallEst>,
+        priority: Option<&str>,
+    ) -> Result<u64, EngineError> {
         let est = est.into();
         let si = *self
             .scope_index
             .get(scope)
             .ok_or_else(|| EngineError::UnknownScope(crate::limits::echo(scope).into_owned()))?;
+        let sc = &self.scopes[si];
+        let class = match priority {
+            None => sc.policy().cfg.default_priority,
+            Some(p) => sc
+                .class_names
+                .iter()
+                .position(|c| &**c == p)
+                .ok_or_else(|| EngineError::UnknownPriority {
+                    scope: scope.to_string(),
+                    priority: crate::limits::echo(p).into_owned(),
+                    classes: sc.class_names.iter().map(|c| c.to_string()).collect(),
+                })?,
+        };
         let now = self.clock.now();
-        self.lock().begin(owner, si, est, now)
+        self.lock().begin(owner, si, est, class, now)
     }
 
     /// Run admission for the call (§4–§5); may wait. Cancel-safe: dropping the future
@@ -56,7 +83,7 @@ impl<B: Backend> Engine<B> {
     ) -> Result<Grant, EngineError> {
         let r = self.acquire_inner(owner, call, on_wait).await;
         if let Err(e) = &r {
-            self.count_error(e);
+            self.count_error(e, call);
         }
         r
     }
@@ -71,7 +98,7 @@ impl<B: Backend> Engine<B> {
         if self.shutdown.is_cancelled() {
             return Err(EngineError::ShuttingDown);
         }
-        let si = self.lock().start_acquire(owner, call)?;
+        let (si, class) = self.lock().start_acquire(owner, call)?;
         let _acquiring = AcquireGuard { engine: self, call };
         let sc = &self.scopes[si];
         let _timer = WaitTimer {
@@ -84,6 +111,13 @@ impl<B: Backend> Engine<B> {
         let mut waiting: Option<WaiterGuard<'_>> = None;
         let mut failed = Vec::new();
         let mut first = true;
+        // §15: a classed scope's waiters take turns in fair order; this Acquire's
+        // place (it leaves, passing any turn on, however the Acquire ends). Without
+        // classes every Acquire passes whenever it wakes, as it always did.
+        let place = sc.queue.as_ref().map(|q| q.join(class));
+        let mut my_turn = place.as_ref().is_none_or(|p| p.arrive());
+        // §6 retry-after of the last pass, for a stall found between passes.
+        let mut last_retry_after: Option<Duration> = None;
         loop {
             // Register for early wake-ups before looking, so none is missed.
             let notified = sc.notify.notified();
@@ -115,8 +149,37 @@ impl<B: Backend> Engine<B> {
                     reasons: self.reasons_of(si, &reasons),
                 });
             }
+            if !my_turn {
+                // Not this waiter's turn (it went to the one fair order put first):
+                // no pass, only the stall budget, then nap on.
+                let stall = self.lock().stall(call, self.clock.now())?;
+                if stall > cfg.stall_window {
+                    return Err(EngineError::Exhausted {
+                        scope: scope_name(),
+                        reason: Exhaustion::Stalled,
+                        retry_after: last_retry_after
+                            .unwrap_or_else(|| self.known_retry_after(si, &policy, budget.est)),
+                        reasons: self.reasons_of(si, &reasons),
+                    });
+                }
+                let sleep = nap(
+                    Duration::ZERO,
+                    cfg.poll_interval,
+                    cfg.stall_window,
+                    stall,
+                    rand::random::<f64>(),
+                );
+                if waiting.is_none() {
+                    if let Some(f) = on_wait.take() {
+                        f();
+                    }
+                    waiting = Some(self.start_waiting(si, class, sleep, &reasons));
+                }
+                my_turn = self.wait_turn(place.as_ref(), sleep).await?;
+                continue;
+            }
             let refused = match self
-                .pass(si, &policy, &failed, budget.est, &mut reasons)
+                .pass(si, &policy, &failed, budget.est, class, &mut reasons)
                 .await
             {
                 Ok(hold) => {
@@ -126,9 +189,16 @@ impl<B: Backend> Engine<B> {
                         hold: Some(hold),
                     };
                     let (grant, stale) = self.record_grant(owner, call, ticket)?;
+                    if let Some(p) = place {
+                        p.granted();
+                        bump(&sc.class_counters[class].grants);
+                    }
                     // No await before returning: a Cancel now cannot strand the grant.
                     for p in stale {
-                        self.sources[p.source].pacer.release(Signal::Hold);
+                        let cls = self.class_name(p.scope, p.class);
+                        self.sources[p.source]
+                            .pacer
+                            .release_as(Signal::Hold, cls.as_deref());
                         bump(&self.sources[p.source].counters.abandoned);
                         self.detach(Abandon(p));
                     }
@@ -176,6 +246,10 @@ impl<B: Backend> Engine<B> {
                     reasons: self.reasons_of(si, &reasons),
                 });
             }
+            last_retry_after = Some(retry_after);
+            if place.as_ref().is_some_and(|p| p.retry_now()) {
+                continue; // capacity freed while this pass looked: look again
+            }
             let sleep = nap(
                 hint,
                 cfg.poll_interval,
@@ -187,17 +261,11 @@ impl<B: Backend> Engine<B> {
                 if let Some(f) = on_wait.take() {
                     f();
                 }
-                sc.waiters.fetch_add(1, Ordering::Relaxed);
-                waiting = Some(WaiterGuard(&sc.waiters));
-                bump(&sc.counters.waits);
-                if crate::logs::allow(crate::logs::Kind::WaitStarted) {
-                    tracing::info!(
-                        scope = %cfg.name,
-                        reasons = ?self.reasons_of(si, &reasons),
-                        sleep_s = sleep.as_secs_f64(),
-                        "wait started"
-                    );
-                }
+                waiting = Some(self.start_waiting(si, class, sleep, &reasons));
+            }
+            if place.is_some() {
+                my_turn = self.wait_turn(place.as_ref(), sleep).await?;
+                continue;
             }
             tokio::select! {
                 _ = tokio::time::sleep(sleep) => {}
@@ -205,6 +273,48 @@ impl<B: Backend> Engine<B> {
                 _ = self.shutdown.cancelled() => return Err(EngineError::ShuttingDown),
             }
         }
+    }
+
+    /// The Acquire starts sleeping: count it and log the one "wait started" line.
+    fn start_waiting(
+        &self,
+        si: usize,
+        class: usize,
+        sleep: Duration,
+        reasons: &[Option<SkipReason>],
+    ) -> WaiterGuard<'_> {
+        let sc = &self.scopes[si];
+        sc.waiters.fetch_add(1, Ordering::Relaxed);
+        bump(&sc.counters.waits);
+        if let Some(c) = sc.class_counters.get(class) {
+            bump(&c.waits);
+        }
+        if crate::logs::allow(crate::logs::Kind::WaitStarted) {
+            tracing::info!(
+                scope = %sc.name,
+                class = sc.class_names.get(class).map_or("", |c| &**c),
+                reasons = ?self.reasons_of(si, reasons),
+                sleep_s = sleep.as_secs_f64(),
+                "wait started"
+            );
+        }
+        WaiterGuard(&sc.waiters)
+    }
+
+    /// §15: sleep until the nap ends or another waiter hands this one its turn, then
+    /// ask for the turn: `true` = run a pass now.
+    async fn wait_turn(
+        &self,
+        place: Option<&super::queue::Place<'_>>,
+        sleep: Duration,
+    ) -> Result<bool, EngineError> {
+        let Some(p) = place else { return Ok(true) };
+        tokio::select! {
+            _ = tokio::time::sleep(sleep) => {}
+            _ = p.woken() => {}
+            _ = self.shutdown.cancelled() => return Err(EngineError::ShuttingDown),
+        }
+        Ok(p.turn())
     }
 
     /// §6 retry-after from host-local knowledge alone, for a call that ends before
@@ -251,7 +361,7 @@ impl<B: Backend> Engine<B> {
 
     /// Count an Acquire that ended in a gateway error (grants are counted in
     /// `record_grant`, which knows the source's index).
-    fn count_error(&self, e: &EngineError) {
+    fn count_error(&self, e: &EngineError, call: u64) {
         let scope = match e {
             EngineError::CircuitOpen { scope, .. }
             | EngineError::Exhausted { scope, .. }
@@ -264,6 +374,27 @@ impl<B: Backend> Engine<B> {
             return;
         };
         let c = &self.scopes[si].counters;
+        bump(match e {
+            EngineError::CircuitOpen { .. } => &c.circuit_open,
+            EngineError::Exhausted {
+                reason: Exhaustion::Stalled,
+                ..
+            } => &c.stalled,
+            EngineError::Exhausted {
+                reason: Exhaustion::QuotaExhausted,
+                ..
+            } => &c.quota_exhausted,
+            EngineError::Exhausted { .. } => &c.retry_exhausted,
+            _ => &c.backend_unavailable,
+        });
+        // §15: the same by class (a lookup only on this error path).
+        let classes = &self.scopes[si].class_counters;
+        if classes.is_empty() {
+            return;
+        }
+        let Some(c) = self.lock().class_of(call).and_then(|i| classes.get(i)) else {
+            return;
+        };
         bump(match e {
             EngineError::CircuitOpen { .. } => &c.circuit_open,
             EngineError::Exhausted {
@@ -322,7 +453,10 @@ impl<B: Backend> Engine<B> {
 
     /// Give back a hold that never became a permit: nothing was sent.
     fn give_back(&self, scope: usize, g: Hold) {
-        self.sources[g.source].pacer.release(Signal::Hold);
+        let cls = self.class_name(scope, g.class);
+        self.sources[g.source]
+            .pacer
+            .release_as(Signal::Hold, cls.as_deref());
         self.detach(GiveBack(Settle::of_hold(self, scope, &g)));
         self.wake_one(g.source);
     }

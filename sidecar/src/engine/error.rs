@@ -87,6 +87,16 @@ pub enum EngineError {
     /// A bad argument; the message names it.
     #[error("invalid argument: {0}")]
     InvalidArgument(String),
+    /// §15: a call named a priority class its scope does not declare.
+    #[error("{}", unknown_priority(scope, priority, classes))]
+    UnknownPriority {
+        /// The call's scope.
+        scope: String,
+        /// What the call named.
+        priority: String,
+        /// The scope's classes, config order (empty: none declared).
+        classes: Vec<String>,
+    },
     /// The engine is shutting down.
     #[error("sidecar is shutting down")]
     ShuttingDown,
@@ -111,4 +121,25 @@ pub enum ReloadError {
          the running configuration is kept"
     )]
     TopologyChanged,
+    /// §15: a scope's priority classes were added, removed, renamed or reordered
+    /// (their weights, reserves and limits may change on reload).
+    #[error(
+        "scope {scope:?}: priority classes were added, removed, renamed or reordered: that \
+         needs a restart; the running configuration is kept"
+    )]
+    ClassesChanged {
+        /// The scope whose classes changed.
+        scope: String,
+    },
+}
+
+fn unknown_priority(scope: &str, priority: &str, classes: &[String]) -> String {
+    if classes.is_empty() {
+        format!("scope {scope:?} has no priority classes; omit priority (got {priority:?})")
+    } else {
+        format!(
+            "scope {scope:?} has no priority class {priority:?}; its classes are: {}",
+            classes.join(", ")
+        )
+    }
 }

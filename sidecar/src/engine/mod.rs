@@ -21,13 +21,14 @@ mod admin;
 mod detach;
 mod error;
 mod pass;
+mod queue;
 mod report;
 mod runtime;
 mod status;
 mod tables;
 
 pub use error::{EngineError, Exhaustion, ReloadError, SkipReason};
-pub use runtime::{ScopeCounters, SourceCounters};
+pub use runtime::{ClassCounters, ScopeCounters, SourceCounters};
 pub use tables::{LiveCounts, OwnerId, MAX_CALLS_PER_OWNER};
 
 use crate::gate::quota::{Bucket, QuotaParams, BUCKETS};
@@ -156,6 +157,35 @@ pub struct ScopeStatus {
     pub calls: u32,
     /// Sources in config order.
     pub sources: Vec<SourceStatus>,
+    /// §15: the scope's priority classes, config order (empty: none).
+    pub classes: Vec<ClassStatus>,
+}
+
+/// Live state of one priority class of a scope on this host (§15), for status.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ClassStatus {
+    /// Class name.
+    pub name: String,
+    /// Its weight among waiting classes.
+    pub weight: f64,
+    /// Its reserve (share of each source, when saturated).
+    pub reserve: f64,
+    /// Its limit (share of each source, always).
+    pub limit: f64,
+    /// Calls of the class waiting in Acquire now.
+    pub waiters: u32,
+    /// Permits granted to the class.
+    pub grants: u64,
+    /// The class's share of the scope's grants on this host (0 before any).
+    pub grant_share: f64,
+    /// Pacer slots the class holds on this host, over the scope's sources.
+    pub in_flight: u32,
+    /// Acquires of the class that started waiting.
+    pub waits: u64,
+    /// Refusals by reason: call-ending errors (`circuit_open`, `stalled`,
+    /// `quota_exhausted`, `retry_exhausted`, `backend_unavailable`) and sources held
+    /// back for the class (`held_limit`, `held_reserve`).
+    pub refusals: Vec<(&'static str, u64)>,
 }
 
 /// The engine. Cheap to share behind an `Arc`.
@@ -279,7 +309,10 @@ impl<B: Backend> Engine<B> {
         // Whatever was freed may be quota: let the next admission ask the backend.
         self.sources[source].quota_hint.clear();
         for &s in &self.sources[source].scopes {
-            self.scopes[s].notify.notify_one();
+            match &self.scopes[s].queue {
+                Some(q) => q.wake_next(),
+                None => self.scopes[s].notify.notify_one(),
+            }
         }
     }
 
@@ -289,7 +322,15 @@ impl<B: Backend> Engine<B> {
         self.sources[source].quota_hint.clear();
         for &s in &self.sources[source].scopes {
             self.scopes[s].notify.notify_waiters();
+            if let Some(q) = &self.scopes[s].queue {
+                q.wake_all();
+            }
         }
+    }
+
+    /// §15: the name of class `class` of scope `scope` (`None`: no classes).
+    fn class_name(&self, scope: usize, class: usize) -> Option<Arc<str>> {
+        self.scopes[scope].class_names.get(class).cloned()
     }
 
     /// Keep the memo in step with a state the backend just told us.

@@ -19,6 +19,7 @@ use std::time::Duration;
 
 use super::detach::Work;
 use super::report::{GiveBack, Settle};
+use super::runtime::bump;
 use super::runtime::Policy;
 use super::tables::Hold;
 use super::CallEst;
@@ -26,6 +27,7 @@ use super::{Engine, SkipReason};
 use crate::backend::{BResult, Backend, BackendError};
 use crate::config::Selector;
 use crate::gate::breaker::{BreakerParams, Peek, State};
+use crate::gate::classes::{ClassTag, Held};
 use crate::gate::health::rank;
 use crate::gate::quota::{QuotaParams, Tokens};
 use crate::gate::Admit;
@@ -75,6 +77,7 @@ impl<B: Backend> Engine<B> {
         policy: &Policy,
         failed: &[usize],
         est: CallEst,
+        class: usize,
         reasons: &mut [Option<SkipReason>],
     ) -> Result<Hold, Refused> {
         let mut refused = Refused::default();
@@ -100,7 +103,15 @@ impl<B: Backend> Engine<B> {
             // Gate 2: pacer (check and take in one step). The slot is a guard: any
             // way out of this iteration but a grant gives it back, including a
             // cancelled Acquire dropping this future mid-round-trip.
-            let Some(slot) = src.pacer.try_slot() else {
+            let tag = policy.shares.as_ref().map(|s| ClassTag {
+                shares: s.clone(),
+                index: class,
+            });
+            let slot = match &tag {
+                None => src.pacer.try_slot(),
+                Some(t) => src.pacer.try_slot_class(t),
+            };
+            let Some(slot) = slot else {
                 reasons[pos].get_or_insert(SkipReason::Paced);
                 refused.source(Duration::ZERO);
                 continue;
@@ -121,6 +132,7 @@ impl<B: Backend> Engine<B> {
                 bp: policy.bp,
                 qp: params.qp,
                 tokens,
+                class: tag,
             };
             let answer = self
                 .detached(admission)
@@ -135,6 +147,7 @@ impl<B: Backend> Engine<B> {
                         epoch,
                         is_probe,
                         tokens,
+                        class,
                     });
                 }
                 Ok(Admit::RateLimited { retry_after }) => {
@@ -146,6 +159,18 @@ impl<B: Backend> Engine<B> {
                         retry_after,
                         tokens.total,
                     );
+                }
+                // §15: room, but not for this class. Only this class is held: the
+                // host's quota hint (shared by every class) stays as it was.
+                Ok(Admit::ClassHeld { why, retry_after }) => {
+                    reasons[pos] = Some(SkipReason::RateLimited);
+                    refused.source(retry_after);
+                    if let Some(c) = self.scopes[scope].class_counters.get(class) {
+                        bump(match why {
+                            Held::Limit => &c.held_limit,
+                            Held::Reserve => &c.held_reserve,
+                        });
+                    }
                 }
                 Ok(Admit::CircuitOpen {
                     state,
@@ -259,6 +284,8 @@ struct Admission {
     qp: QuotaParams,
     /// Tokens to reserve.
     tokens: Tokens,
+    /// §15: the call's class (`None`: the scope has none).
+    class: Option<ClassTag>,
 }
 
 impl<B: Backend> Work<B> for Admission {
@@ -266,7 +293,22 @@ impl<B: Backend> Work<B> for Admission {
 
     fn run<'a>(&'a self, engine: &'a Engine<B>) -> impl Future<Output = Self::Output> + Send + 'a {
         let name = &engine.sources[self.source].name;
-        engine.backend.admit(name, &self.bp, &self.qp, self.tokens)
+        async move {
+            match &self.class {
+                None => {
+                    engine
+                        .backend
+                        .admit(name, &self.bp, &self.qp, self.tokens)
+                        .await
+                }
+                Some(c) => {
+                    engine
+                        .backend
+                        .admit_class(name, &self.bp, &self.qp, self.tokens, c)
+                        .await
+                }
+            }
+        }
     }
 
     fn unread(&self, out: Self::Output, engine: &Engine<B>) {
@@ -279,6 +321,7 @@ impl<B: Backend> Work<B> for Admission {
                     epoch,
                     is_probe,
                     tokens: self.tokens,
+                    class: self.class.as_ref().map_or(0, |c| c.index),
                 };
                 engine.detach(GiveBack(Settle::of_hold(engine, self.scope, &g)));
             }

@@ -4,6 +4,7 @@
 //! lease released, its pacer slot freed, and no verdict reaches the breaker.
 
 use std::future::Future;
+use std::sync::Arc;
 
 use futures_util::future::join_all;
 
@@ -73,7 +74,8 @@ impl<B: Backend> Engine<B> {
             } => Signal::Decrease,
             _ => Signal::Hold,
         };
-        src.pacer.release(signal);
+        src.pacer
+            .release_as(signal, self.class_name(p.scope, p.class).as_deref());
         // §4: health counts a `count_attempt = false` success as a failure, and
         // forgets with the half-life of the scope's breaker window.
         let half_life = self.scopes[p.scope].policy().bp.window;
@@ -155,7 +157,10 @@ impl<B: Backend> Engine<B> {
     /// that finish even if the caller is dropped.
     async fn abandon_all(&self, permits: Vec<PermitRec>) {
         for p in &permits {
-            self.sources[p.source].pacer.release(Signal::Hold);
+            let cls = self.class_name(p.scope, p.class);
+            self.sources[p.source]
+                .pacer
+                .release_as(Signal::Hold, cls.as_deref());
             bump(&self.sources[p.source].counters.abandoned);
         }
         join_all(permits.into_iter().map(|p| self.detached(Abandon(p)))).await;
@@ -179,6 +184,9 @@ pub(super) struct Settle {
     tokens: Tokens,
     /// What happened.
     outcome: Outcome,
+    /// §15: the grant's priority class, whose usage settles with the buckets
+    /// (`None`: the scope has no classes).
+    class: Option<Arc<str>>,
 }
 
 impl Settle {
@@ -192,6 +200,7 @@ impl Settle {
             is_probe: p.is_probe,
             tokens: p.tokens,
             outcome,
+            class: engine.class_name(p.scope, p.class),
         }
     }
 
@@ -205,6 +214,7 @@ impl Settle {
             is_probe: g.is_probe,
             tokens: g.tokens,
             outcome: Outcome::Cancelled,
+            class: engine.class_name(scope, g.class),
         }
     }
 }
@@ -214,15 +224,39 @@ impl<B: Backend> Work<B> for Settle {
 
     fn run<'a>(&'a self, engine: &'a Engine<B>) -> impl Future<Output = Self::Output> + Send + 'a {
         let name = &engine.sources[self.source].name;
-        engine.backend.report(
-            name,
-            &self.bp,
-            &self.qp,
-            self.epoch,
-            self.is_probe,
-            self.tokens,
-            self.outcome,
-        )
+        async move {
+            match &self.class {
+                None => {
+                    engine
+                        .backend
+                        .report(
+                            name,
+                            &self.bp,
+                            &self.qp,
+                            self.epoch,
+                            self.is_probe,
+                            self.tokens,
+                            self.outcome,
+                        )
+                        .await
+                }
+                Some(class) => {
+                    engine
+                        .backend
+                        .report_class(
+                            name,
+                            &self.bp,
+                            &self.qp,
+                            self.epoch,
+                            self.is_probe,
+                            self.tokens,
+                            self.outcome,
+                            class,
+                        )
+                        .await
+                }
+            }
+        }
     }
 }
 

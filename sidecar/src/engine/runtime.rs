@@ -12,10 +12,12 @@ use std::time::Duration;
 use tokio::sync::Notify;
 
 use super::error::ReloadError;
+use super::queue::WaitQueue;
 use super::CallEst;
 use crate::config::TokensCharged;
 use crate::config::{Config, ScopeConfig, SourceConfig};
 use crate::gate::breaker::BreakerParams;
+use crate::gate::classes::{ClassShares, Share, PPM};
 use crate::gate::health::Health;
 use crate::gate::memo::{Memo, QuotaHint};
 use crate::gate::pacer::Pacer;
@@ -29,6 +31,8 @@ pub(crate) struct Policy {
     pub(crate) cfg: ScopeConfig,
     /// Breaker parameters derived from `cfg` (probe TTL included).
     pub(crate) bp: BreakerParams,
+    /// §15: the classes' shares as the quota gate reads them (`None`: no classes).
+    pub(crate) shares: Option<Arc<ClassShares>>,
 }
 
 impl Policy {
@@ -44,9 +48,34 @@ impl Policy {
                 max_cooldown: b.max_cooldown,
                 probe_ttl: sc.probe_ttl(),
             },
+            shares: shares(sc),
             cfg: sc.clone(),
         }
     }
+}
+
+/// A fraction as parts per million (validated into [0, 1]).
+fn ppm(f: f64) -> u64 {
+    (f.clamp(0.0, 1.0) * PPM as f64).round() as u64
+}
+
+/// §15: a scope's classes for the quota gate.
+fn shares(sc: &ScopeConfig) -> Option<Arc<ClassShares>> {
+    if sc.priorities.is_empty() {
+        return None;
+    }
+    Some(Arc::new(ClassShares {
+        saturation_ppm: ppm(sc.saturation),
+        classes: sc
+            .priorities
+            .iter()
+            .map(|p| Share {
+                name: Arc::from(p.name.as_str()),
+                reserve_ppm: ppm(p.reserve),
+                limit_ppm: ppm(p.limit),
+            })
+            .collect(),
+    }))
 }
 
 /// Per-source parameters SIGHUP may change.
@@ -168,6 +197,30 @@ pub struct SourceCounters {
     pub abandoned: AtomicU64,
 }
 
+/// Monotonic counters of one priority class of a scope (§15), for status and
+/// `/metrics`.
+#[derive(Debug, Default)]
+pub struct ClassCounters {
+    /// Permits granted to calls of the class.
+    pub grants: AtomicU64,
+    /// Acquires of the class that started waiting.
+    pub waits: AtomicU64,
+    /// Acquires that ended `CircuitOpen`.
+    pub circuit_open: AtomicU64,
+    /// Acquires that ended `stalled`.
+    pub stalled: AtomicU64,
+    /// Acquires that ended `quota_exhausted`.
+    pub quota_exhausted: AtomicU64,
+    /// Acquires that ended `retry_exhausted`.
+    pub retry_exhausted: AtomicU64,
+    /// Acquires refused because the shared backend is unreachable.
+    pub backend_unavailable: AtomicU64,
+    /// Sources skipped because the class reached its `limit`.
+    pub held_limit: AtomicU64,
+    /// Sources skipped because the rest is another class's unused reserve.
+    pub held_reserve: AtomicU64,
+}
+
 /// Count one event.
 pub(crate) fn bump(c: &AtomicU64) {
     c.fetch_add(1, Ordering::Relaxed);
@@ -189,6 +242,13 @@ pub(crate) struct ScopeRt {
     pub(crate) waiters: AtomicU32,
     /// Counters for `/metrics`.
     pub(crate) counters: ScopeCounters,
+    /// §15: the waiters in fair order across classes; `None` for a scope without
+    /// classes, whose waiters share `notify` (first come, first served).
+    pub(crate) queue: Option<WaitQueue>,
+    /// §15: class names, config order (fixed: changing them needs a restart).
+    pub(crate) class_names: Vec<Arc<str>>,
+    /// §15: counters per class, config order.
+    pub(crate) class_counters: Vec<ClassCounters>,
 }
 
 /// Host-local runtime state of one source (shared by every scope naming it).
@@ -280,6 +340,17 @@ impl Topology {
                 notify: Notify::new(),
                 waiters: AtomicU32::new(0),
                 counters: ScopeCounters::default(),
+                queue: (!sc.priorities.is_empty()).then(|| WaitQueue::new(&weights(sc))),
+                class_names: sc
+                    .priorities
+                    .iter()
+                    .map(|p| Arc::from(p.name.as_str()))
+                    .collect(),
+                class_counters: sc
+                    .priorities
+                    .iter()
+                    .map(|_| ClassCounters::default())
+                    .collect(),
             });
             scope_index.insert(sc.name.clone(), si);
         }
@@ -290,6 +361,11 @@ impl Topology {
             source_index,
         }
     }
+}
+
+/// The class weights of a scope, config order.
+fn weights(sc: &ScopeConfig) -> Vec<f64> {
+    sc.priorities.iter().map(|p| p.weight).collect()
 }
 
 /// Apply a new configuration to running scopes and sources (SIGHUP); see
@@ -326,6 +402,15 @@ pub(crate) fn reload(
     if names(config) != now {
         return Err(ReloadError::TopologyChanged);
     }
+    for (sc, new) in scopes.iter().zip(&config.scopes) {
+        let classes: Vec<&str> = new.priorities.iter().map(|p| p.name.as_str()).collect();
+        let running: Vec<&str> = sc.class_names.iter().map(|c| &**c).collect();
+        if classes != running {
+            return Err(ReloadError::ClassesChanged {
+                scope: sc.name.clone(),
+            });
+        }
+    }
     let mut changes = Vec::new();
     // Per-source settings follow the first scope naming the source, as at start-up
     // (scopes may disagree on est_tokens/timeout/pacer; tpm/rpm must agree).
@@ -351,6 +436,10 @@ pub(crate) fn reload(
             src.pacer.reconfigure(new.pacer);
         }
         sc.notify.notify_waiters();
+        if let Some(q) = &sc.queue {
+            q.reweigh(&weights(new));
+            q.wake_all();
+        }
     }
     Ok(changes)
 }

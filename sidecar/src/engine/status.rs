@@ -5,7 +5,7 @@ use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use super::tables::{LiveCounts, OwnerId};
-use super::{Engine, ScopeStatus, SourceStatus};
+use super::{ClassStatus, Engine, ScopeStatus, SourceStatus};
 use crate::backend::{Backend, SourceSnapshot};
 use crate::gate::quota::QuotaView;
 
@@ -70,6 +70,7 @@ impl<B: Backend> Engine<B> {
                 waiters: sc.waiters.load(Ordering::Relaxed),
                 calls: calls_per_scope[si],
                 sources,
+                classes: self.class_status(si),
             });
         }
         out
@@ -79,6 +80,64 @@ impl<B: Backend> Engine<B> {
     /// close once this holds and it has no request in progress).
     pub fn owner_is_idle(&self, owner: OwnerId) -> bool {
         !self.lock().holds_permit(owner)
+    }
+
+    /// §15: the scope's classes on this host.
+    fn class_status(&self, si: usize) -> Vec<ClassStatus> {
+        let sc = &self.scopes[si];
+        let Some(queue) = &sc.queue else {
+            return Vec::new();
+        };
+        let policy = sc.policy();
+        let view = queue.view();
+        let load = |a: &std::sync::atomic::AtomicU64| a.load(Ordering::Relaxed);
+        let total: u64 = sc.class_counters.iter().map(|c| load(&c.grants)).sum();
+        policy
+            .cfg
+            .priorities
+            .iter()
+            .zip(&sc.class_counters)
+            .zip(view)
+            .zip(&sc.class_names)
+            .map(|(((p, c), v), name)| {
+                let grants = load(&c.grants);
+                ClassStatus {
+                    name: p.name.clone(),
+                    weight: p.weight,
+                    reserve: p.reserve,
+                    limit: p.limit,
+                    waiters: v.waiting,
+                    grants,
+                    grant_share: if total == 0 {
+                        0.0
+                    } else {
+                        grants as f64 / total as f64
+                    },
+                    in_flight: sc
+                        .sources
+                        .iter()
+                        .map(|&i| self.sources[i].pacer.class_in_flight(name))
+                        .sum(),
+                    waits: load(&c.waits),
+                    refusals: vec![
+                        ("circuit_open", load(&c.circuit_open)),
+                        ("stalled", load(&c.stalled)),
+                        ("quota_exhausted", load(&c.quota_exhausted)),
+                        ("retry_exhausted", load(&c.retry_exhausted)),
+                        ("backend_unavailable", load(&c.backend_unavailable)),
+                        ("held_limit", load(&c.held_limit)),
+                        ("held_reserve", load(&c.held_reserve)),
+                    ],
+                }
+            })
+            .collect()
+    }
+
+    /// `true` when `owner` holds no call and no permit: its connection may be closed
+    /// by `sidecar.idle_timeout` (§12 "Bounded under abuse").
+    pub fn owner_holds_nothing(&self, owner: OwnerId) -> bool {
+        let t = self.lock();
+        !t.holds_call(owner) && !t.holds_permit(owner)
     }
 
     /// Counts for invariant checks (tests, debugging).

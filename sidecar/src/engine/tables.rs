@@ -39,6 +39,8 @@ pub(crate) struct CallRec {
     acquiring: bool,
     /// The call's unreported permit.
     permit: Option<u64>,
+    /// §15: index of the call's priority class in its scope (0 without classes).
+    pub(crate) class: usize,
 }
 
 impl CallRec {
@@ -68,6 +70,8 @@ pub(crate) struct PermitRec {
     pub(crate) is_probe: bool,
     /// Tokens reserved.
     pub(crate) tokens: Tokens,
+    /// §15: the call's priority class (its share of the source settles with it).
+    pub(crate) class: usize,
     /// When granted (latency for health).
     pub(crate) granted_at: Duration,
     /// When it is reclaimed if never reported.
@@ -87,6 +91,8 @@ pub(crate) struct Hold {
     pub(crate) is_probe: bool,
     /// Tokens reserved.
     pub(crate) tokens: Tokens,
+    /// §15: the call's priority class in its scope (0 without classes).
+    pub(crate) class: usize,
 }
 
 /// What an Acquire needs to know about its call before a pass.
@@ -146,6 +152,7 @@ impl Tables {
         owner: OwnerId,
         scope: usize,
         est: CallEst,
+        class: usize,
         now: Duration,
     ) -> Result<u64, EngineError> {
         let n = self.owner_calls.entry(owner).or_insert(0);
@@ -169,6 +176,7 @@ impl Tables {
                 stalled_since: Some(now),
                 acquiring: false,
                 permit: None,
+                class,
             },
         );
         Ok(id)
@@ -180,7 +188,7 @@ impl Tables {
         &mut self,
         owner: OwnerId,
         call: u64,
-    ) -> Result<usize, EngineError> {
+    ) -> Result<(usize, usize), EngineError> {
         let c = self
             .calls
             .get_mut(&call)
@@ -190,7 +198,12 @@ impl Tables {
             return Err(EngineError::Busy(call));
         }
         c.acquiring = true;
-        Ok(c.scope)
+        Ok((c.scope, c.class))
+    }
+
+    /// §15: the call's class, if the call still exists.
+    pub(crate) fn class_of(&self, call: u64) -> Option<usize> {
+        self.calls.get(&call).map(|c| c.class)
     }
 
     /// The Acquire of `call` ended (if the call still exists).
@@ -257,6 +270,7 @@ impl Tables {
                 epoch: g.epoch,
                 is_probe: g.is_probe,
                 tokens: g.tokens,
+                class: g.class,
                 granted_at: now,
                 expires: now + lease,
             },
@@ -333,6 +347,11 @@ impl Tables {
     /// `owner` holds an unreported permit.
     pub(crate) fn holds_permit(&self, owner: OwnerId) -> bool {
         self.permits.values().any(|p| p.owner == owner)
+    }
+
+    /// `owner` has a live call (the idle timeout leaves such a connection open).
+    pub(crate) fn holds_call(&self, owner: OwnerId) -> bool {
+        self.owner_calls.get(&owner).is_some_and(|&n| n > 0)
     }
 
     /// Forget every call of `owner`; returns its permits.

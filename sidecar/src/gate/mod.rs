@@ -12,6 +12,7 @@
 //! Nothing here imports a backend or the engine: they import the gates.
 
 pub mod breaker;
+pub mod classes;
 pub mod health;
 pub mod memo;
 pub mod pacer;
@@ -20,6 +21,7 @@ pub mod quota;
 use std::time::Duration;
 
 use breaker::{Applied, Breaker, BreakerParams, State};
+use classes::{ClassTag, ClassUsage, Held};
 use quota::{Quota, QuotaParams, Reserve, Settlement, Split, Tokens};
 
 /// Answer of the combined admission step (gates 3 + 4, [`Gates::admit`]).
@@ -35,6 +37,15 @@ pub enum Admit {
     /// Quota refused (gate 3); the breaker was not consulted.
     RateLimited {
         /// Estimated time until quota frees.
+        retry_after: Duration,
+    },
+    /// §15: the quota had room, but not for this call's priority class (its `limit`,
+    /// or other classes' unused reserves on a saturated source); nothing was taken.
+    ClassHeld {
+        /// Which rule held it.
+        why: Held,
+        /// §6: time until the class's share certainly frees (or the bucket's own
+        /// wait, whichever is later).
         retry_after: Duration,
     },
     /// Breaker refused (gate 4); the quota reservation was released.
@@ -166,6 +177,8 @@ pub struct Gates {
     pub breaker: Breaker,
     /// §7 buckets and 429 block (gate 3).
     pub quota: Quota,
+    /// §15 per-class usage of the buckets (reserves and limits).
+    pub classes: ClassUsage,
 }
 
 impl Gates {
@@ -174,6 +187,7 @@ impl Gates {
         Gates {
             breaker: Breaker::with_epoch(now, epoch),
             quota: Quota::new(),
+            classes: ClassUsage::default(),
         }
     }
 
@@ -239,9 +253,60 @@ impl Gates {
         }
     }
 
+    /// §15: [`Gates::admit`] for a call of priority class `class`: the bucket wait
+    /// and the class's reserves and limits first (a class held back takes nothing),
+    /// then the same reserve and enter; a grant counts in the class's usage.
+    pub fn admit_class(
+        &mut self,
+        now: Duration,
+        p: &BreakerParams,
+        q: &QuotaParams,
+        tokens: Tokens,
+        class: &ClassTag,
+    ) -> Admit {
+        let deficits = self.quota.deficits(q, now);
+        if let Some((why, wait)) = self.classes.held(q, deficits, class, tokens, now) {
+            let bucket = self.quota.wait(q, tokens, now);
+            return Admit::ClassHeld {
+                why,
+                retry_after: wait.max(bucket),
+            };
+        }
+        let a = self.admit(now, p, q, tokens);
+        if let Admit::Admitted { .. } = a {
+            self.classes.take(q, &class.share().name, tokens, now);
+        }
+        a
+    }
+
+    /// §15: [`Gates::report`] for a permit of priority class `class`: the class's
+    /// usage settles with the same credits as the buckets.
+    #[allow(clippy::too_many_arguments)]
+    pub fn report_class(
+        &mut self,
+        now: Duration,
+        p: &BreakerParams,
+        q: &QuotaParams,
+        epoch: u64,
+        is_probe: bool,
+        reserved_tokens: Tokens,
+        outcome: Outcome,
+        class: &str,
+    ) -> Applied {
+        self.classes.settle(
+            q,
+            class,
+            reserved_tokens,
+            outcome.settlement(reserved_tokens),
+            now,
+        );
+        self.report(now, p, q, epoch, is_probe, reserved_tokens, outcome)
+    }
+
     /// Admin: forget breaker and quota state (epoch bumped, never rewound).
     pub fn reset(&mut self, now: Duration) -> Applied {
         self.quota = Quota::new();
+        self.classes = ClassUsage::default();
         self.breaker.reset(now)
     }
 }

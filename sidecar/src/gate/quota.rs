@@ -228,18 +228,18 @@ pub struct Shape {
 impl Shape {
     /// Nanoseconds `amount` takes to refill, rounded up (a debit is never smaller
     /// than its amount).
-    fn refill_ns(&self, amount: u64) -> u128 {
+    pub fn refill_ns(&self, amount: u64) -> u128 {
         (amount as u128 * self.period.as_nanos()).div_ceil(self.limit.max(1) as u128)
     }
 
     /// Nanoseconds `amount` takes to refill, rounded down (a credit is never larger).
-    fn back_ns(&self, amount: u64) -> u128 {
+    pub fn back_ns(&self, amount: u64) -> u128 {
         amount as u128 * self.period.as_nanos() / self.limit.max(1) as u128
     }
 
     /// The deepest deficit: a level of −limit (§7: one absurd count delays later
     /// admissions by at most one more period of refill).
-    fn floor_ns(&self) -> u128 {
+    pub fn floor_ns(&self) -> u128 {
         self.refill_ns(self.capacity + self.limit)
     }
 
@@ -539,6 +539,22 @@ impl Quota {
             levels,
             blocked: self.blocked_until.saturating_sub(now),
         }
+    }
+}
+
+// §15: what the priority classes' reserves and limits read of the buckets
+// (gate/classes.rs keeps the per-class side).
+impl Quota {
+    /// Each configured bucket's deficit at `now` (ns of refill time; 0 = full),
+    /// `None` for a disabled bucket, in [`BUCKETS`] order.
+    pub fn deficits(&self, q: &QuotaParams, now: Duration) -> [Option<u128>; 6] {
+        let mut d = [None; 6];
+        for (i, (b, _, _)) in BUCKETS.into_iter().enumerate() {
+            if q.shape(b).is_some() {
+                d[i] = Some(self.buckets[i].map_or(0, |l| l.deficit(now)));
+            }
+        }
+        d
     }
 }
 

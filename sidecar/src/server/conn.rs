@@ -31,9 +31,10 @@ use tracing::{debug, warn};
 use super::budget::Budget;
 use super::dispatch::{self, CancelBy, Ctx, Done, Job, Step};
 use super::transport::{self, Filled, Inbox, Outbox, Socket};
-use super::{convert, Shared};
+use super::{convert, ConnSlot, RESERVED_CONNECTIONS};
 use crate::backend::Backend;
 use crate::engine::{Engine, OwnerId};
+use crate::logs::{self, Kind};
 use crate::peer::peer_of;
 
 /// While draining, how often an open connection checks whether it is idle.
@@ -47,6 +48,16 @@ const HARD_STOP_FLUSH: Duration = Duration::from_millis(100);
 const FINISH_TIMEOUT: Duration = Duration::from_secs(2);
 /// Frames answered in one run of the task before it yields to the others.
 const FRAMES_PER_RUN: usize = 256;
+
+/// Unsent reply bytes past which a connection reads no more frames (its client is
+/// not reading); held above it for [`STALL_TIMEOUT`] with no write progress, the
+/// connection is closed.
+pub(super) const MAX_UNSENT: usize = 1 << 20;
+/// How long a connection may sit above [`MAX_UNSENT`] writing nothing.
+const STALL_TIMEOUT: Duration = Duration::from_secs(2);
+/// While the sidecar-wide budget (`max_buffered`) is spent, how often a connection
+/// that stopped reading looks again.
+const BUDGET_RETRY: Duration = Duration::from_millis(20);
 
 /// A request running in a task.
 struct Pending {
@@ -122,15 +133,59 @@ struct Conn<B: Backend> {
     published: usize,
     /// The most requests this connection has had in flight.
     peak: usize,
+    /// Accepted into the reserve past `max_connections` by a non-admin peer: only
+    /// `Status`, `StatusJson` and `Ping` are served (§12 "Bounded under abuse").
+    limited: bool,
+    /// Frames decoded since the connection opened: the idle check's sign of life.
+    frames: u64,
+    /// `frames` at the last idle check.
+    frames_at_check: u64,
+    /// A partial frame sat in the inbox at the last idle check.
+    partial_at_check: bool,
+    /// Unsent reply bytes last added to [`Shared::buffered`](super::Shared).
+    published_bytes: u64,
+    /// Above [`MAX_UNSENT`] or over the global budget: when to look again (and, if
+    /// this connection is the one not reading, when it is closed). Only set off the
+    /// hot path.
+    stalled: Option<(Pin<Box<tokio::time::Sleep>>, u64)>,
 }
 
-/// Serve one accepted connection to the end, then release what it held.
+/// Refuse a connection past `max_connections` and its reserve: one `Overloaded`
+/// error (id 0: the connection is closed), written without waiting for `Hello`.
+pub(super) async fn refuse(stream: UnixStream, id: OwnerId, slot: ConnSlot) {
+    let max = slot.0.opts.max_connections;
+    if logs::allow(Kind::Overloaded) {
+        warn!(
+            conn = id,
+            max_connections = max,
+            "connection refused: the sidecar is at max_connections"
+        );
+    }
+    let mut out = Outbox::new(slot.0.opts.max_frame as usize);
+    let message = format!(
+        "the sidecar serves at most {max} connections (sidecar.max_connections) plus \
+         {RESERVED_CONNECTIONS} reserved for admin and status; retry later"
+    );
+    out.push(
+        id,
+        0,
+        Reply::Error(convert::error(ErrorKind::Overloaded, message)),
+    );
+    if let Ok(s) = transport::socket(stream) {
+        let _ = tokio::time::timeout(FLUSH_TIMEOUT, out.flush(&s)).await;
+    }
+}
+
+/// Serve one accepted connection to the end, then release what it held. `reserved`:
+/// it was accepted past `max_connections`, into the reserve for admins and status.
 pub(super) async fn serve<B: Backend>(
     stream: UnixStream,
     id: OwnerId,
     engine: Arc<Engine<B>>,
-    shared: Arc<Shared>,
+    slot: ConnSlot,
+    reserved: bool,
 ) {
+    let shared = slot.0.clone();
     let max_frame = shared.opts.max_frame as usize;
     let peer = match peer_of(&stream) {
         Ok(p) => p,
@@ -140,12 +195,14 @@ pub(super) async fn serve<B: Backend>(
         }
     };
     if !shared.opts.access.may_connect(peer.uid, peer.gid) {
-        warn!(
-            conn = id,
-            uid = peer.uid,
-            gid = peer.gid,
-            "peer may not connect; refused"
-        );
+        if logs::allow(Kind::PermissionDenied) {
+            warn!(
+                conn = id,
+                uid = peer.uid,
+                gid = peer.gid,
+                "peer may not connect; refused"
+            );
+        }
         let mut out = Outbox::new(max_frame);
         let message = format!(
             "uid {} / gid {} may not connect to this sidecar",
@@ -170,6 +227,7 @@ pub(super) async fn serve<B: Backend>(
     };
     debug!(conn = id, uid = peer.uid, gid = peer.gid, pid = ?peer.pid, "connected");
     let budget = Budget::new(shared.opts.max_in_flight);
+    let limited = reserved && !shared.opts.access.may_admin(peer.uid);
     let mut conn = Conn {
         ctx: Ctx {
             engine,
@@ -188,6 +246,12 @@ pub(super) async fn serve<B: Backend>(
         draining: false,
         published: 0,
         peak: 0,
+        limited,
+        frames: 0,
+        frames_at_check: 0,
+        partial_at_check: false,
+        published_bytes: 0,
+        stalled: None,
     };
     let end = conn.run().await;
     conn.teardown(end).await;
@@ -243,6 +307,58 @@ impl<B: Backend> Conn<B> {
         self.published = now;
     }
 
+    /// Bring the sidecar-wide count of unsent bytes up to date (no atomic operation
+    /// while nothing is left unsent between batches, the normal case).
+    fn publish_bytes(&mut self, now: u64) {
+        let total = &self.ctx.shared.buffered;
+        if now > self.published_bytes {
+            total.fetch_add(now - self.published_bytes, Ordering::Relaxed);
+        } else if now < self.published_bytes {
+            total.fetch_sub(self.published_bytes - now, Ordering::Relaxed);
+        }
+        self.published_bytes = now;
+    }
+
+    /// Reading is held back by bytes (this connection's [`MAX_UNSENT`] or the global
+    /// `max_buffered`).
+    fn over_bytes(&self) -> bool {
+        self.out.bytes() >= MAX_UNSENT
+            || self.ctx.shared.buffered.load(Ordering::Relaxed) > self.ctx.shared.opts.max_buffered
+    }
+
+    /// Held back by bytes: wake again soon (the global budget frees without waking
+    /// anyone); a connection above [`MAX_UNSENT`] that wrote nothing for
+    /// [`STALL_TIMEOUT`] is closed — its client does not read, and its memory goes.
+    fn poll_stall(&mut self, cx: &mut Context<'_>) -> Option<End> {
+        if !self.over_bytes() {
+            self.stalled = None;
+            return None;
+        }
+        let written = self.out.written();
+        let mine = self.out.bytes() >= MAX_UNSENT;
+        let wait = if mine { STALL_TIMEOUT } else { BUDGET_RETRY };
+        let progressed = self.stalled.as_ref().is_some_and(|(_, w)| *w != written);
+        if self.stalled.is_none() || progressed {
+            self.stalled = Some((Box::pin(tokio::time::sleep(wait)), written));
+        }
+        let (sleep, _) = self.stalled.as_mut().expect("set");
+        if sleep.as_mut().poll(cx).is_ready() {
+            if mine {
+                if logs::allow(Kind::Overloaded) {
+                    warn!(
+                        conn = self.id(),
+                        unsent = self.out.bytes(),
+                        "the client reads no replies; closing the connection"
+                    );
+                }
+                return Some(End::Closed);
+            }
+            self.stalled = None;
+            cx.waker().wake_by_ref();
+        }
+        None
+    }
+
     /// The request loop, handshake included.
     async fn run(&mut self) -> End {
         let shared = self.ctx.shared.clone();
@@ -253,6 +369,13 @@ impl<B: Backend> Conn<B> {
         let mut draining = std::pin::pin!(shared.draining.cancelled());
         let mut hello_by = std::pin::pin!(tokio::time::sleep(shared.opts.handshake_timeout));
         let mut drain_tick: Option<tokio::time::Interval> = None;
+        // The idle check runs every `idle_timeout` (no timer is touched per frame):
+        // a connection idle at a check with no frame since the previous one has been
+        // idle for at least `idle_timeout`, at most twice that.
+        let idle_every = shared.opts.idle_timeout.max(Duration::from_millis(1));
+        let mut idle_tick =
+            tokio::time::interval_at(tokio::time::Instant::now() + idle_every, idle_every);
+        idle_tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         let mut first = true;
         std::future::poll_fn(|cx| {
             if std::mem::take(&mut first) {
@@ -270,6 +393,11 @@ impl<B: Backend> Conn<B> {
                 self.draining = true;
                 drain_tick = Some(tokio::time::interval(DRAIN_POLL));
             }
+            while idle_tick.poll_tick(cx).is_ready() {
+                if let Some(end) = self.idle_check() {
+                    return Poll::Ready(end);
+                }
+            }
             if let Some(tick) = &mut drain_tick {
                 while tick.poll_tick(cx).is_ready() {
                     if self.idle() {
@@ -280,9 +408,60 @@ impl<B: Backend> Conn<B> {
             let r = self.poll_batch(cx);
             let now = self.in_flight();
             self.publish(now);
+            self.publish_bytes(self.out.bytes() as u64);
+            if r.is_pending() {
+                if let Some(end) = self.poll_stall(cx) {
+                    return Poll::Ready(end);
+                }
+            }
             r
         })
         .await
+    }
+
+    /// The periodic idle check (`sidecar.idle_timeout`): close a connection that held
+    /// nothing since the previous check, or whose partial frame has not completed
+    /// since then.
+    fn idle_check(&mut self) -> Option<End> {
+        let quiet = self.frames == self.frames_at_check;
+        let partial = self.inbox.buffered() > 0;
+        let stuck = quiet && partial && self.partial_at_check;
+        self.frames_at_check = self.frames;
+        self.partial_at_check = partial;
+        let timeout = self.ctx.shared.opts.idle_timeout;
+        if stuck {
+            self.overloaded(format!(
+                "a partial frame did not complete within {timeout:?} (sidecar.idle_timeout)"
+            ));
+            return Some(End::Violation);
+        }
+        if quiet
+            && self.version.is_some()
+            && !partial
+            && self.pending.is_empty()
+            && self.overflow.is_empty()
+            && self.out.bytes() == 0
+            && self.ctx.engine.owner_holds_nothing(self.id())
+        {
+            debug!(conn = self.id(), ?timeout, "closing an idle connection");
+            return Some(End::Closed);
+        }
+        None
+    }
+
+    /// Close the connection for a sidecar-wide limit: an `Overloaded` error (id 0),
+    /// `Busy` on a version-1 connection, logged summarised.
+    fn overloaded(&mut self, message: String) {
+        if logs::allow(Kind::Overloaded) {
+            warn!(conn = self.id(), "{}; closing the connection", message);
+        }
+        let kind = if self.version.unwrap_or(2) >= 2 {
+            ErrorKind::Overloaded
+        } else {
+            ErrorKind::Busy
+        };
+        self.out
+            .push(self.id(), 0, Reply::Error(convert::error(kind, message)));
     }
 
     /// No request running and no unreported permit: a draining connection may close.
@@ -328,7 +507,7 @@ impl<B: Backend> Conn<B> {
             }
             match stopped {
                 // Writing freed the slots the reader was waiting for: read on.
-                Read::NoRoom if self.out.replies() < had => continue,
+                Read::NoRoom if self.out.replies() < had && !self.over_bytes() => continue,
                 Read::Yield => cx.waker().wake_by_ref(),
                 _ => {}
             }
@@ -340,7 +519,7 @@ impl<B: Backend> Conn<B> {
     /// holds no complete frame.
     fn read_frames(&mut self, cx: &mut Context<'_>, answered: &mut usize) -> Read {
         loop {
-            if !self.overflow.is_empty() || !self.room() {
+            if !self.overflow.is_empty() || !self.room() || self.over_bytes() {
                 return Read::NoRoom;
             }
             if *answered >= FRAMES_PER_RUN {
@@ -349,6 +528,7 @@ impl<B: Backend> Conn<B> {
             match self.inbox.next_frame() {
                 Ok(Some(frame)) => {
                     *answered += 1;
+                    self.frames += 1;
                     if let Some(end) = self.on_frame(frame, cx) {
                         return Read::End(end);
                     }
@@ -379,7 +559,9 @@ impl<B: Backend> Conn<B> {
                 return End::Closed;
             }
         };
-        warn!(conn = self.id(), error = %e, "bad frame; closing the connection");
+        if logs::allow(Kind::BadFrame) {
+            warn!(conn = self.id(), error = %e, "bad frame; closing the connection");
+        }
         self.reply(id, Reply::Error(convert::error(kind, e.to_string())));
         End::Violation
     }
@@ -408,6 +590,20 @@ impl<B: Backend> Conn<B> {
                 Reply::Error(convert::error(ErrorKind::InvalidArgument, message)),
             );
             return None;
+        }
+        if self.limited
+            && !matches!(
+                request,
+                Request::Status | Request::StatusJson | Request::Ping | Request::Cancel { .. }
+            )
+        {
+            let max = self.ctx.shared.opts.max_connections;
+            self.overloaded(format!(
+                "the sidecar serves at most {max} connections (sidecar.max_connections); \
+                 this one is in the reserve for admin and status and may only send \
+                 Status or Ping; retry later"
+            ));
+            return Some(End::Violation);
         }
         match request {
             Request::Hello { .. } => {
@@ -603,6 +799,7 @@ impl<B: Backend> Conn<B> {
             let _ = tokio::time::timeout(limit, self.out.flush(&self.stream)).await;
         }
         self.publish(0);
+        self.publish_bytes(0);
         let why = match end {
             End::Closed => "closed by peer",
             End::Violation => "closed after a protocol error",

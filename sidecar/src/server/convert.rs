@@ -30,14 +30,6 @@ pub enum ArgumentError {
         /// What the client sent.
         value: u64,
     },
-    /// A priority class named where the scope has none (DESIGN §15 not configured).
-    #[error("scope {scope:?} has no priority classes; omit priority (got {priority:?})")]
-    Priority {
-        /// The call's scope.
-        scope: String,
-        /// What the client sent.
-        priority: String,
-    },
     /// A split token count whose sum does not fit.
     #[error("est_input_tokens + est_output_tokens must be at most {max}", max = MAX_TOKENS)]
     SplitSum,
@@ -51,10 +43,13 @@ pub struct CallArgs {
     /// The call's estimates (§7a): the total is `est_tokens`, else the split's sum
     /// (the engine then fills the parts the call leaves out from the source).
     pub est: engine::CallEst,
+    /// §15: the priority class named, if any (the engine checks it against the
+    /// scope's classes).
+    pub priority: Option<String>,
 }
 
 /// A version-2 `CallSpec` → engine arguments, validating every count and the
-/// priority (no scope has classes yet, so any named class is refused).
+/// priority's presence (whether the scope has that class is the engine's check).
 pub fn call_spec(spec: wire::CallSpec) -> Result<CallArgs, ArgumentError> {
     let est = spec
         .est_tokens
@@ -68,12 +63,6 @@ pub fn call_spec(spec: wire::CallSpec) -> Result<CallArgs, ArgumentError> {
         .est_output_tokens
         .map(|t| tokens("est_output_tokens", t))
         .transpose()?;
-    if let Some(priority) = spec.priority {
-        return Err(ArgumentError::Priority {
-            scope: spec.scope,
-            priority,
-        });
-    }
     split_sum(input, output).ok_or(ArgumentError::SplitSum)?;
     Ok(CallArgs {
         scope: spec.scope,
@@ -82,6 +71,7 @@ pub fn call_spec(spec: wire::CallSpec) -> Result<CallArgs, ArgumentError> {
             input,
             output,
         },
+        priority: spec.priority,
     })
 }
 
@@ -299,6 +289,10 @@ pub fn engine_error(e: &EngineError) -> wire::ErrorReply {
         EngineError::UnknownSource(_) | EngineError::InvalidArgument(_) => {
             error(K::InvalidArgument, "")
         }
+        EngineError::UnknownPriority { scope, .. } => wire::ErrorReply {
+            scope: Some(scope.clone()),
+            ..error(K::InvalidArgument, "")
+        },
         EngineError::Busy(_) => error(K::Busy, ""),
         EngineError::ShuttingDown => error(K::ShuttingDown, ""),
     };
@@ -386,14 +380,19 @@ pub fn status_json(backend: &str, scopes: &[engine::ScopeStatus]) -> String {
                     })
                 })
                 .collect();
-            json!({
+            let mut doc = json!({
                 "name": sc.name,
                 "circuit_open": sc.circuit_open,
                 "quota_full": sc.quota_full,
                 "waiters": sc.waiters,
                 "calls": sc.calls,
                 "sources": sources,
-            })
+            });
+            // §15: only a scope that declares classes shows them.
+            if !sc.classes.is_empty() {
+                doc["classes"] = sc.classes.iter().map(class_json).collect();
+            }
+            doc
         })
         .collect();
     json!({
@@ -403,6 +402,27 @@ pub fn status_json(backend: &str, scopes: &[engine::ScopeStatus]) -> String {
         "scopes": scopes,
     })
     .to_string()
+}
+
+/// One priority class in `status --json` (§15).
+fn class_json(c: &engine::ClassStatus) -> serde_json::Value {
+    let refusals: serde_json::Map<String, serde_json::Value> = c
+        .refusals
+        .iter()
+        .map(|(k, v)| (k.to_string(), serde_json::json!(v)))
+        .collect();
+    serde_json::json!({
+        "name": c.name,
+        "weight": c.weight,
+        "reserve": c.reserve,
+        "limit": c.limit,
+        "waiters": c.waiters,
+        "grants": c.grants,
+        "grant_share": c.grant_share,
+        "in_flight": c.in_flight,
+        "waits": c.waits,
+        "refusals": refusals,
+    })
 }
 
 /// Engine status → wire status report.

@@ -28,6 +28,8 @@ use super::convert;
 use super::Shared;
 use crate::backend::{Applied, Backend, Outcome};
 use crate::engine::{Engine, EngineError, OwnerId};
+use crate::limits;
+use crate::logs::{self, Kind};
 
 /// What the connection needs to run a request.
 pub(super) struct Ctx<B: Backend> {
@@ -166,7 +168,7 @@ pub(super) fn dispatch<B: Backend>(cx: &Ctx<B>, request: Request) -> Step {
         }
         Request::Begin(spec) => Step::Now(match convert::call_spec(spec) {
             Err(e) => invalid(e),
-            Ok(a) => match engine.begin_call(owner, &a.scope, a.est) {
+            Ok(a) => match engine.begin_call_as(owner, &a.scope, a.est, a.priority.as_deref()) {
                 Ok(call) => Reply::CallBegun { call },
                 Err(e) => fail(&e),
             },
@@ -182,7 +184,12 @@ pub(super) fn dispatch<B: Backend>(cx: &Ctx<B>, request: Request) -> Step {
                 Ok(a) => a,
                 Err(e) => return Step::Now(invalid(e)),
             };
-            let call = match engine.begin_call(owner, &args.scope, args.est) {
+            let call = match engine.begin_call_as(
+                owner,
+                &args.scope,
+                args.est,
+                args.priority.as_deref(),
+            ) {
                 Ok(call) => call,
                 Err(e) => return Step::Now(fail(&e)),
             };
@@ -353,7 +360,21 @@ pub(super) fn log_error(conn: OwnerId, request: u64, reply: &Reply) {
         | ErrorKind::AllSourcesExhausted
         | ErrorKind::ShuttingDown
         | ErrorKind::Cancelled => debug!(conn, request, kind = ?e.kind, "{}", e.message),
-        _ => warn!(conn, request, kind = ?e.kind, "{}", e.message),
+        kind => {
+            let family = match kind {
+                ErrorKind::PermissionDenied => Kind::PermissionDenied,
+                ErrorKind::BackendUnavailable => Kind::BackendRefused,
+                ErrorKind::ProtocolViolation => Kind::BadHandshake,
+                ErrorKind::Malformed | ErrorKind::FrameTooLarge => Kind::BadFrame,
+                ErrorKind::Overloaded => Kind::Overloaded,
+                ErrorKind::Internal => Kind::Internal,
+                _ => Kind::BadRequest,
+            };
+            if logs::allow(family) {
+                let message = limits::truncate(&e.message, 4 * limits::MAX_ECHO);
+                warn!(conn, request, kind = ?e.kind, "{message}");
+            }
+        }
     }
 }
 

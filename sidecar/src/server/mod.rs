@@ -68,6 +68,16 @@ pub struct ServerOptions {
     /// before the server stops reading its frames (an Acquire waiting for a source
     /// does not count while it waits). At least 1.
     pub max_in_flight: usize,
+    /// Worker connections served at once (`sidecar.max_connections`). Up to
+    /// [`RESERVED_CONNECTIONS`] more are accepted for admins (full service) and for
+    /// `Status`/`StatusJson`/`Ping`; past that a connection is refused `Overloaded`.
+    pub max_connections: usize,
+    /// A connection that holds no call, no permit and no request for this long is
+    /// closed; so is one whose partial frame does not complete within it.
+    pub idle_timeout: Duration,
+    /// Sidecar-wide bytes of unsent replies (`sidecar.max_buffered`): past it no
+    /// connection's frames are read until replies drain.
+    pub max_buffered: u64,
     /// Counters the server keeps (tests, debugging); shared by clones of the options.
     #[doc(hidden)]
     pub stats: Arc<ServerStats>,
@@ -106,6 +116,9 @@ impl ServerOptions {
             handshake_timeout: Duration::from_secs(10),
             reclaim_interval: Duration::from_secs(1),
             max_in_flight: MAX_IN_FLIGHT,
+            max_connections: crate::daemon::fdlimit::DEFAULT_MAX_CONNECTIONS as usize,
+            idle_timeout: crate::config::DEFAULT_IDLE_TIMEOUT,
+            max_buffered: crate::config::DEFAULT_MAX_BUFFERED,
             stats: Arc::default(),
             metrics: Arc::default(),
         }
@@ -115,6 +128,12 @@ impl ServerOptions {
     pub fn from_config(c: &SidecarConfig) -> Self {
         ServerOptions {
             shutdown_grace: c.shutdown_grace,
+            max_connections: c
+                .max_connections
+                .map_or(crate::daemon::fdlimit::DEFAULT_MAX_CONNECTIONS, |n| n)
+                as usize,
+            idle_timeout: c.idle_timeout,
+            max_buffered: c.max_buffered,
             ..Self::new(c.max_frame, AccessPolicy::from_config(c))
         }
     }
@@ -131,7 +150,24 @@ pub(crate) struct Shared {
     /// run (`CancellationToken::is_cancelled` takes a lock every connection shares);
     /// the tokens are only there to wake them.
     phase: AtomicU8,
+    /// Worker connections open (counted from accept until the connection is gone).
+    pub connections: AtomicUsize,
+    /// Bytes of unsent replies over every connection (each connection brings its
+    /// share up to date every time it has run): the global budget `max_buffered`.
+    pub buffered: AtomicU64,
 }
+
+/// One accepted connection in [`Shared::connections`]; counts down when dropped.
+pub(crate) struct ConnSlot(pub Arc<Shared>);
+
+impl Drop for ConnSlot {
+    fn drop(&mut self) {
+        self.0.connections.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+/// Connections accepted beyond `max_connections` for admins and `Status`/`Ping`.
+pub use crate::daemon::fdlimit::RESERVED_CONNECTIONS;
 
 impl Shared {
     pub fn new(opts: ServerOptions) -> Shared {
@@ -140,6 +176,8 @@ impl Shared {
             draining: CancellationToken::new(),
             hard_stop: CancellationToken::new(),
             phase: AtomicU8::new(0),
+            connections: AtomicUsize::new(0),
+            buffered: AtomicU64::new(0),
         }
     }
 
@@ -200,7 +238,15 @@ where
             accepted = listener.accept() => match accepted {
                 Ok((stream, _)) => {
                     let id = next_id.fetch_add(1, Ordering::Relaxed);
-                    tracker.spawn(conn::serve(stream, id, engine.clone(), shared.clone()));
+                    let open = shared.connections.fetch_add(1, Ordering::AcqRel) + 1;
+                    let slot = ConnSlot(shared.clone());
+                    let max = shared.opts.max_connections.max(1);
+                    if open > max + RESERVED_CONNECTIONS as usize {
+                        tracker.spawn(conn::refuse(stream, id, slot));
+                    } else {
+                        let reserved = open > max;
+                        tracker.spawn(conn::serve(stream, id, engine.clone(), slot, reserved));
+                    }
                 }
                 Err(e) if is_transient(&e) => {
                     warn!(error = %e, "accept failed; retrying");

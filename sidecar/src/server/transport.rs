@@ -66,6 +66,11 @@ impl Inbox {
         }
     }
 
+    /// Bytes read and not decoded yet (a partial frame, between batches).
+    pub fn buffered(&self) -> usize {
+        self.end - self.start
+    }
+
     /// The next complete frame, decoded, if the buffer holds one. After the end of
     /// the stream, a partial frame is an error.
     pub fn next_frame(&mut self) -> Result<Option<ClientFrame>, FrameError> {
@@ -176,6 +181,11 @@ impl Outbox {
         self.ends.len()
     }
 
+    /// Bytes written since the connection opened (progress of a slow reader).
+    pub fn written(&self) -> u64 {
+        self.written
+    }
+
     /// Bytes buffered.
     pub fn bytes(&self) -> usize {
         self.buf.len()
@@ -225,8 +235,12 @@ impl Outbox {
                 Err(_would_block) => {}
             }
         }
-        // Empty: the space before the cursor is reused by the next push.
+        // Empty: the space before the cursor is reused by the next push; a buffer a
+        // client that did not read blew up is given back (off the hot path).
         self.buf.clear();
+        if self.buf.capacity() > 1 << 16 {
+            self.buf = BytesMut::with_capacity(4096);
+        }
         Poll::Ready(Ok(()))
     }
 

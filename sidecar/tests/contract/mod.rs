@@ -18,9 +18,11 @@ pub use provider::*;
 use std::future::Future;
 use std::time::Duration;
 
+use std::sync::Arc;
+
 use polygate::backend::{
-    Admit, Applied, Backend, BreakerParams, Entry, FailureKind, Outcome, QuotaParams, Reserve,
-    Settlement, State,
+    Admit, Applied, Backend, BreakerParams, ClassShares, ClassTag, Entry, FailureKind, Held,
+    Outcome, QuotaParams, Reserve, Settlement, Share, State,
 };
 
 /// What a backend test file provides.
@@ -36,6 +38,13 @@ pub trait Harness: Sync {
     /// The backend after its shared state was lost (§10: FLUSHALL, a restart without
     /// persistence, failover to an empty replica); for memory, a restarted process.
     fn lose_state(&self, b: Self::B) -> impl Future<Output = Self::B> + Send;
+    /// A second host's backend on `b`'s shared state (§15's cross-host cases), or
+    /// `None` where one process is the whole deployment (memory: the cases then run
+    /// both "hosts" on `b`).
+    fn second(&self, b: &Self::B) -> impl Future<Output = Option<Self::B>> + Send {
+        let _ = b;
+        async { None }
+    }
 }
 
 pub const S1: &str = "s1";
@@ -1094,6 +1103,172 @@ pub async fn a_429_block_is_bounded_alike<H: Harness>(h: &H) {
     }
 }
 
+// ---------------------------------------------------------------- §15 priority classes
+
+/// Ten requests a minute (one per 6 s: a real-time run refills nothing that matters).
+fn qp_rpm10() -> QuotaParams {
+    QuotaParams {
+        rpm: Some(10),
+        ..QuotaParams::default()
+    }
+}
+
+/// interactive (reserve `r`), batch (limit `l`), saturation `sat`; the tag of class
+/// `index`.
+fn classes(sat: u64, r: u64, l: u64, index: usize) -> ClassTag {
+    ClassTag {
+        shares: Arc::new(ClassShares {
+            saturation_ppm: sat,
+            classes: vec![
+                Share {
+                    name: "interactive".into(),
+                    reserve_ppm: r,
+                    limit_ppm: 1_000_000,
+                },
+                Share {
+                    name: "batch".into(),
+                    reserve_ppm: 0,
+                    limit_ppm: l,
+                },
+            ],
+        }),
+        index,
+    }
+}
+
+/// §15 across two hosts: below saturation batch uses idle capacity; above it, batch
+/// cannot take what interactive's unused reserve holds — wherever it asks — and is
+/// told when that certainly frees (§6); interactive still gets its reserve, then the
+/// bucket itself refuses.
+pub async fn class_reserve_holds_capacity_across_hosts<H: Harness>(h: &H) {
+    let one = h.fresh().await;
+    let two = h.second(&one).await;
+    let hosts: [&H::B; 2] = [&one, two.as_ref().unwrap_or(&one)];
+    let q = qp_rpm10();
+    // saturation 50 %, interactive reserve 30 % (3 of 10).
+    let batch = classes(500_000, 300_000, 1_000_000, 1);
+    let interactive = classes(500_000, 300_000, 1_000_000, 0);
+    for i in 0..7 {
+        let a = hosts[i % 2]
+            .admit_class(S1, &bp(), &q, 0.into(), &batch)
+            .await
+            .unwrap();
+        assert!(matches!(a, Admit::Admitted { .. }), "batch {i}: {a:?}");
+    }
+    match hosts[1]
+        .admit_class(S1, &bp(), &q, 0.into(), &batch)
+        .await
+        .unwrap()
+    {
+        Admit::ClassHeld { why, retry_after } => {
+            assert_eq!(why, Held::Reserve);
+            // 8 of 10 in use would leave 2 < 3 reserved: certainly free once the
+            // bucket holds the whole reserve after this one (8 + 3 − 10 = 1 request,
+            // 6 s) — sooner than draining to saturation (3 requests, 18 s).
+            assert_dur(h, retry_after, Duration::from_secs(6), "reserve wait");
+        }
+        other => panic!("batch past saturation must be held: {other:?}"),
+    }
+    for i in 0..3 {
+        let a = hosts[(i + 1) % 2]
+            .admit_class(S1, &bp(), &q, 0.into(), &interactive)
+            .await
+            .unwrap();
+        assert!(
+            matches!(a, Admit::Admitted { .. }),
+            "interactive {i}: {a:?}"
+        );
+    }
+    match hosts[0]
+        .admit_class(S1, &bp(), &q, 0.into(), &interactive)
+        .await
+        .unwrap()
+    {
+        Admit::RateLimited { retry_after } => {
+            assert_dur(h, retry_after, Duration::from_secs(6), "bucket wait")
+        }
+        other => panic!("the bucket is empty: {other:?}"),
+    }
+    // A scope without classes on the same source sees the bucket only.
+    assert!(matches!(
+        hosts[1].admit(S1, &bp(), &q, 0).await.unwrap(),
+        Admit::RateLimited { .. }
+    ));
+}
+
+/// §15: `limit` caps a class always (saturated or not), on every host; what the
+/// class settles back (a cancellation refunds the request) is its to use again; the
+/// other class is not capped by it.
+pub async fn class_limit_caps_always_and_settles_back<H: Harness>(h: &H) {
+    let one = h.fresh().await;
+    let two = h.second(&one).await;
+    let hosts: [&H::B; 2] = [&one, two.as_ref().unwrap_or(&one)];
+    let q = qp_rpm10();
+    // batch limit 20 % (2 of 10); saturation 100 % so no reserve applies.
+    let batch = classes(1_000_000, 0, 200_000, 1);
+    let interactive = classes(1_000_000, 0, 200_000, 0);
+    let mut epochs = Vec::new();
+    for (i, host) in hosts.iter().enumerate() {
+        match host
+            .admit_class(S1, &bp(), &q, 0.into(), &batch)
+            .await
+            .unwrap()
+        {
+            Admit::Admitted { epoch, .. } => epochs.push(epoch),
+            other => panic!("batch {i}: {other:?}"),
+        }
+    }
+    match hosts[0]
+        .admit_class(S1, &bp(), &q, 0.into(), &batch)
+        .await
+        .unwrap()
+    {
+        Admit::ClassHeld { why, retry_after } => {
+            assert_eq!(why, Held::Limit);
+            assert_dur(h, retry_after, Duration::from_secs(6), "limit wait");
+        }
+        other => panic!("batch at its limit must be held: {other:?}"),
+    }
+    assert!(matches!(
+        hosts[1]
+            .admit_class(S1, &bp(), &q, 0.into(), &interactive)
+            .await
+            .unwrap(),
+        Admit::Admitted { .. }
+    ));
+    // One batch permit cancelled before sending: its request comes back to batch.
+    hosts[1]
+        .report_class(
+            S1,
+            &bp(),
+            &q,
+            epochs[0],
+            false,
+            0.into(),
+            Outcome::Cancelled,
+            "batch",
+        )
+        .await
+        .unwrap();
+    assert!(matches!(
+        hosts[0]
+            .admit_class(S1, &bp(), &q, 0.into(), &batch)
+            .await
+            .unwrap(),
+        Admit::Admitted { .. }
+    ));
+    assert!(matches!(
+        hosts[1]
+            .admit_class(S1, &bp(), &q, 0.into(), &batch)
+            .await
+            .unwrap(),
+        Admit::ClassHeld {
+            why: Held::Limit,
+            ..
+        }
+    ));
+}
+
 /// Expands to one `#[tokio::test]` per contract case. `$harness` is an expression
 /// (it may `.await`) producing the harness.
 #[macro_export]
@@ -1140,6 +1315,8 @@ macro_rules! contract_tests {
             estimate_charging_keeps_the_reservation_whatever_is_reported,
             per_day_buckets_hold_a_day_and_ignore_burst,
             quota_retry_after_is_the_longest_wait_over_the_buckets,
+            class_reserve_holds_capacity_across_hosts,
+            class_limit_caps_always_and_settles_back,
         );
     };
     (@cases $harness:expr; $($case:ident),* $(,)?) => {

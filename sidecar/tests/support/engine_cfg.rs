@@ -51,6 +51,9 @@ pub fn scope(name: &str, sources: Vec<SourceConfig>) -> ScopeConfig {
         },
         pacer: PacerConfig::default(),
         sources,
+        priorities: Vec::new(),
+        default_priority: 0,
+        saturation: polygate::config::DEFAULT_SATURATION,
     }
 }
 

@@ -31,16 +31,20 @@
 -- ARGV[21] open_us : force_open: how long the breaker stays open (-1)
 -- ARGV[22] channel : admin ops: the pub/sub channel they announce on ('')
 -- ARGV[23] source : admin ops: the source named in the announcement ('')
--- ARGV[24] burst_us : §7a: a per-minute bucket holds limit x burst / 1 min, at least 1
+-- ARGV[24] class : §15 admit, report: the call's priority class name ('' = none)
+-- ARGV[25] saturation_ppm : §15 admit: share in use above which reserves apply (0)
+-- ARGV[26] classes : §15 admit: every class of the scope, 'name reserve_ppm limit_ppm'
+--              triples separated by spaces ('')
+-- ARGV[27] burst_us : §7a: a per-minute bucket holds limit x burst / 1 min, at least 1
 --              (0 = a minute's worth: exactly §7)
--- ARGV[25] itpm : input token bucket limit per minute (-1 = disabled)
--- ARGV[26] otpm : output token bucket limit per minute (-1 = disabled)
--- ARGV[27] tpd : token bucket limit per day (-1 = disabled)
--- ARGV[28] rpd : request bucket limit per day (-1 = disabled)
--- ARGV[29] in_tokens : the reservation's input tokens (reserve, admit) (0)
--- ARGV[30] out_tokens : the reservation's output tokens (reserve, admit) (0)
--- ARGV[31] in_credit : settle, report: input tokens given back; negative = debit (0)
--- ARGV[32] out_credit : settle, report: output tokens given back; negative = debit (0)
+-- ARGV[28] itpm : input token bucket limit per minute (-1 = disabled)
+-- ARGV[29] otpm : output token bucket limit per minute (-1 = disabled)
+-- ARGV[30] tpd : token bucket limit per day (-1 = disabled)
+-- ARGV[31] rpd : request bucket limit per day (-1 = disabled)
+-- ARGV[32] in_tokens : the reservation's input tokens (reserve, admit) (0)
+-- ARGV[33] out_tokens : the reservation's output tokens (reserve, admit) (0)
+-- ARGV[34] in_credit : settle, report: input tokens given back; negative = debit (0)
+-- ARGV[35] out_credit : settle, report: output tokens given back; negative = debit (0)
 --
 -- Cost (§10, §16): one TIME per call; every stored number is an integer (µs or a
 -- count) written with '%d' (never '%.17g' float text, never strtod of one); each hash
@@ -327,10 +331,10 @@ end
 local QB = {
   { f = 'tt', lim = 11, n = 't', per = MIN, at = 1 },
   { f = 'rt', lim = 12, n = 'r', per = MIN, at = 2 },
-  { f = 'it', lim = 25, n = 'i', per = MIN, at = 5 },
-  { f = 'ot', lim = 26, n = 'o', per = MIN, at = 6 },
-  { f = 'td', lim = 27, n = 't', per = DAY, at = 7 },
-  { f = 'rd', lim = 28, n = 'r', per = DAY, at = 8 },
+  { f = 'it', lim = 28, n = 'i', per = MIN, at = 5 },
+  { f = 'ot', lim = 29, n = 'o', per = MIN, at = 6 },
+  { f = 'td', lim = 30, n = 't', per = DAY, at = 7 },
+  { f = 'rd', lim = 31, n = 'r', per = DAY, at = 8 },
 }
 
 -- A bucket is stored as the µs at which it is full again (`full_at`); absent or past
@@ -339,14 +343,14 @@ local QB = {
 -- q.caps[i] what a full one holds (§7a: a per-minute bucket limit × burst / 1 min,
 -- at least 1; a per-day one its limit).
 local function qload()
-  local extra = arg(25, -1) > 0 or arg(26, -1) > 0 or arg(27, -1) > 0 or arg(28, -1) > 0
+  local extra = arg(28, -1) > 0 or arg(29, -1) > 0 or arg(30, -1) > 0 or arg(31, -1) > 0
   local v
   if extra then
     v = redis.call('HMGET', K[2], 'tt', 'rt', 'bu', 'x', 'it', 'ot', 'td', 'rd')
   else
     v = redis.call('HMGET', K[2], 'tt', 'rt', 'bu', 'x')
   end
-  local burst = arg(24, 0)
+  local burst = arg(27, 0)
   local q = { bu = tonumber(v[3]) or 0, x = tonumber(v[4]), w = {}, caps = {}, lim = {} }
   for i = 1, #QB do
     local b = QB[i]
@@ -366,13 +370,13 @@ local function refill(q, i, n)
   return math.ceil(n * QB[i].per / q.lim[i])
 end
 
--- Bucket i's share of the reservation (slots 13, 29, 30).
+-- Bucket i's share of the reservation (slots 13, 32, 33).
 local function amount(i)
   local n = QB[i].n
   if n == 't' then return arg(13, 0) end
   if n == 'r' then return 1 end
-  if n == 'i' then return arg(29, 0) end
-  return arg(30, 0)
+  if n == 'i' then return arg(32, 0) end
+  return arg(33, 0)
 end
 
 -- µs until the reservation fits (every bucket holds its share, a share larger than
@@ -413,8 +417,8 @@ local function qdebit(q)
 end
 
 -- Give back the settlement's credits (computed by the caller): slots 18 (tokens),
--- 19 (requests), 31 (input), 32 (output).
-local CREDIT = { t = 18, r = 19, i = 31, o = 32 }
+-- 19 (requests), 34 (input), 35 (output).
+local CREDIT = { t = 18, r = 19, i = 34, o = 35 }
 local function qcredit(q)
   for i = 1, #QB do qadd(q, i, arg(CREDIT[QB[i].n], 0)) end
 end
@@ -461,6 +465,133 @@ local function qlevel(q, i)
   return string.format('%.17g', cap - (q[QB[i].f] - now) * q.lim[i] / QB[i].per)
 end
 
+-- ------------------------------------------------------------------ priority classes
+-- §15 reserves and limits (gate/classes.rs holds the same rules). Each class's use of
+-- each enabled bucket is a field '<bucket field>:<class>' ('tt:batch') holding the µs at
+-- which its share would have drained, like the bucket's own full_at; usage at now is
+-- drain_at − now, in the bucket's refill-time unit, and a share s (ppm) of a bucket is s
+-- millionths of a full bucket's refill time (a minute for a §7 bucket, `burst` for a
+-- §7a one, a day for a per-day one). Scopes without classes never reach this block.
+
+-- The scope's classes from slot 26, and the index of the call's (slot 24) among them.
+local function cparse()
+  local me = A[24]
+  if me == nil or me == '' then return nil end
+  local cl, mi = {}, nil
+  for n, r, l in string.gmatch(A[26] or '', '(%S+) (%d+) (%d+)') do
+    cl[#cl + 1] = { n = n, r = tonumber(r), l = tonumber(l) }
+    if n == me then mi = #cl end
+  end
+  if mi == nil then return nil end
+  return cl, mi
+end
+
+-- Read every class's drain_at of every enabled bucket (one HMGET).
+local function cload(q, cl)
+  local f = {}
+  for i = 1, #QB do
+    if q.caps[i] > 0 then
+      for j = 1, #cl do f[#f + 1] = QB[i].f .. ':' .. cl[j].n end
+    end
+  end
+  if #f == 0 then return end
+  local v = redis.call('HMGET', K[2], unpack(f))
+  local k = 0
+  for i = 1, #QB do
+    if q.caps[i] > 0 then
+      for j = 1, #cl do
+        k = k + 1
+        cl[j][i] = math.max(tonumber(v[k]) or now, now)
+      end
+    end
+  end
+end
+
+-- `ppm` millionths of bucket i's full refill time (µs).
+local function cshare(q, i, ppm)
+  return ppm * refill(q, i, q.caps[i]) / 1000000
+end
+
+-- µs until class `mi` may take its share of the reservation (0 = now) and the rule that
+-- holds it: 1 = its limit, 2 = other classes' unused reserves on a saturated bucket.
+local function cwait(q, cl, mi)
+  local me = cl[mi]
+  local w, why = 0, 0
+  for i = 1, #QB do
+    local cap = q.caps[i]
+    if cap > 0 then
+      local whole = refill(q, i, cap)
+      local sat = cshare(q, i, arg(25, 0))
+      local a = refill(q, i, amount(i))
+      local used = me[i] - now
+      local lim = cshare(q, i, me.l)
+      if me.l < 1000000 and used > 0 and used + a > lim then
+        local x = used + a - lim
+        if x > w then w, why = x, 1 end
+      end
+      local d = q[QB[i].f] - now
+      if d + a > sat then
+        local held, reserved = 0, 0
+        for j = 1, #cl do
+          local o = cl[j]
+          if j ~= mi and o.r > 0 then
+            local r = cshare(q, i, o.r)
+            reserved = reserved + r
+            held = held + math.max(0, r - (o[i] - now))
+          end
+        end
+        if held > 0 and whole - d - a < held then
+          local x = math.max(math.min(d + a - sat, d + a + reserved - whole), 1)
+          if x > w then w, why = x, 2 end
+        end
+      end
+    end
+  end
+  return math.ceil(w), why
+end
+
+-- Move class `name`'s drain_at of bucket `i` by `n` (negative: take), within
+-- [now, the bucket's debt floor], queued for qsave like a bucket field.
+local function cadd(q, name, i, cur, n)
+  local cap = q.caps[i]
+  if cap <= 0 or n == 0 then return end
+  local v
+  if n < 0 then
+    v = math.min(cur + refill(q, i, -n), now + refill(q, i, cap + q.lim[i]))
+  else
+    v = math.max(cur - math.floor(n * QB[i].per / q.lim[i]), now)
+  end
+  if v ~= cur then
+    local f = QB[i].f .. ':' .. name
+    q[f] = v
+    q.w[#q.w + 1] = f
+  end
+end
+
+-- A granted class's usage: its share of the reservation in every bucket.
+local function ctake(q, me)
+  for i = 1, #QB do
+    if q.caps[i] > 0 then cadd(q, me.n, i, me[i], -amount(i)) end
+  end
+end
+
+-- A settlement's credits (slots 18, 19, 34, 35) on the class's usage (report).
+local function csettle(q, name)
+  local f, at = {}, {}
+  for i = 1, #QB do
+    if q.caps[i] > 0 and arg(CREDIT[QB[i].n], 0) ~= 0 then
+      f[#f + 1] = QB[i].f .. ':' .. name
+      at[#at + 1] = i
+    end
+  end
+  if #f == 0 then return end
+  local v = redis.call('HMGET', K[2], unpack(f))
+  for k = 1, #at do
+    local i = at[k]
+    cadd(q, name, i, math.max(tonumber(v[k]) or now, now), arg(CREDIT[QB[i].n], 0))
+  end
+end
+
 -- ------------------------------------------------------------------ dispatch
 
 local function gate(keys, args)
@@ -473,12 +604,20 @@ local function gate(keys, args)
     -- Gate 3 then gate 4; a breaker refusal takes nothing.
     local q = qload()
     local wait = qwait(q)
+    -- §15: a class held back by its limit or others' reserves takes nothing either.
+    local cl, mi = cparse()
+    if cl then
+      cload(q, cl)
+      local cw, why = cwait(q, cl, mi)
+      if cw > 0 then return { 3, why, 0, 0, math.max(cw, wait) } end
+    end
     if wait > 0 then return { 1, 0, 0, 0, wait } end
     local b = bload(false)
     local g, p = try_enter(b)
     bsave_p(b)
     if not g then return { 2, b.e, 0, b.st, bra(b) } end
     qdebit(q)
+    if cl then ctake(q, cl[mi]) end
     qsave(q)
     if p then return { 0, b.e, 1, b.st, 0 } end
     return { 0, b.e, 0, b.st, 0 }
@@ -486,10 +625,12 @@ local function gate(keys, args)
   elseif op == 'report' then
     -- Settle (the caller computed the credits), then the verdict.
     local block = arg(20, -1)
-    if arg(18, 0) ~= 0 or arg(19, 0) ~= 0 or block >= 0 or arg(31, 0) ~= 0
-        or arg(32, 0) ~= 0 then
+    if arg(18, 0) ~= 0 or arg(19, 0) ~= 0 or block >= 0 or arg(34, 0) ~= 0
+        or arg(35, 0) ~= 0 then
       local q = qload()
       qcredit(q)
+      local class = A[24]
+      if class ~= nil and class ~= '' then csettle(q, class) end
       if block >= 0 then qblock(q, block) end
       qsave(q)
     end

@@ -33,7 +33,7 @@ use tokio::sync::broadcast;
 use super::event::AdminEvent;
 use super::memory::MemoryBackend;
 use super::{
-    Admit, Applied, BResult, Backend, BackendError, BreakerParams, Entry, Outcome, Peek,
+    Admit, Applied, BResult, Backend, BackendError, BreakerParams, ClassTag, Entry, Outcome, Peek,
     QuotaParams, Reserve, Settlement, SourceSnapshot, Tokens,
 };
 use crate::clock::Clock;
@@ -388,9 +388,75 @@ impl Backend for RedisBackend {
         tokens: impl Into<Tokens> + Send,
     ) -> BResult<Admit> {
         let tokens = tokens.into();
-        match self.exec(source, AdmitArgs { p, q, tokens }).await? {
+        let op = AdmitArgs {
+            p,
+            q,
+            tokens,
+            class: None,
+        };
+        match self.exec(source, op).await? {
             Some(a) => Ok(a),
             None => self.local.admit(source, p, q, tokens).await,
+        }
+    }
+
+    async fn admit_class(
+        &self,
+        source: &str,
+        p: &BreakerParams,
+        q: &QuotaParams,
+        tokens: Tokens,
+        class: &ClassTag,
+    ) -> BResult<Admit> {
+        let op = AdmitArgs {
+            p,
+            q,
+            tokens,
+            class: Some(class),
+        };
+        match self.exec(source, op).await? {
+            Some(a) => Ok(a),
+            None => self.local.admit_class(source, p, q, tokens, class).await,
+        }
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    async fn report_class(
+        &self,
+        source: &str,
+        p: &BreakerParams,
+        q: &QuotaParams,
+        epoch: u64,
+        is_probe: bool,
+        reserved_tokens: Tokens,
+        outcome: Outcome,
+        class: &str,
+    ) -> BResult<Applied> {
+        let op = ReportArgs {
+            p,
+            q,
+            epoch,
+            is_probe,
+            reserved: reserved_tokens,
+            outcome,
+            class: Some(class),
+        };
+        match self.exec(source, op).await? {
+            Some(a) => Ok(a),
+            None => {
+                self.local
+                    .report_class(
+                        source,
+                        p,
+                        q,
+                        epoch,
+                        is_probe,
+                        reserved_tokens,
+                        outcome,
+                        class,
+                    )
+                    .await
+            }
         }
     }
 
@@ -413,6 +479,7 @@ impl Backend for RedisBackend {
             is_probe,
             reserved: reserved_tokens,
             outcome,
+            class: None,
         };
         match self.exec(source, op).await? {
             Some(a) => Ok(a),

@@ -12,8 +12,8 @@ use super::script::{
 };
 use crate::backend::event::AdminOp;
 use crate::backend::{
-    Admit, Applied, BResult, BreakerParams, Entry, Outcome, Peek, QuotaParams, Reserve, Settlement,
-    SourceSnapshot, Tokens,
+    Admit, Applied, BResult, BreakerParams, ClassTag, Entry, Held, Outcome, Peek, QuotaParams,
+    Reserve, Settlement, SourceSnapshot, Tokens,
 };
 
 /// Gate 4 alone: may a caller enter?
@@ -297,6 +297,8 @@ pub(super) struct AdmitArgs<'a> {
     pub q: &'a QuotaParams,
     /// Tokens to reserve.
     pub tokens: Tokens,
+    /// §15: the call's priority class (`None`: the scope has none).
+    pub class: Option<&'a ClassTag>,
 }
 
 impl Op for AdmitArgs<'_> {
@@ -307,6 +309,8 @@ impl Op for AdmitArgs<'_> {
             breaker: Some(self.p),
             quota: Some(self.q),
             tokens: self.tokens,
+            class: self.class.map(|c| &*c.share().name),
+            shares: self.class.map(|c| &*c.shares),
             ..Argv::default()
         }
     }
@@ -322,6 +326,14 @@ impl Op for AdmitArgs<'_> {
             2 => Ok(Admit::CircuitOpen {
                 state: state_at(v, 3)?,
                 epoch: u64_at(v, 1)?,
+                retry_after: dur_at(v, 4)?,
+            }),
+            3 => Ok(Admit::ClassHeld {
+                why: match int_at(v, 1)? {
+                    1 => Held::Limit,
+                    2 => Held::Reserve,
+                    _ => return Err(proto("admit", v)),
+                },
                 retry_after: dur_at(v, 4)?,
             }),
             _ => Err(proto("admit", v)),
@@ -344,6 +356,8 @@ pub(super) struct ReportArgs<'a> {
     pub reserved: Tokens,
     /// What happened.
     pub outcome: Outcome,
+    /// §15: the permit's priority class (`None`: the scope has none).
+    pub class: Option<&'a str>,
 }
 
 impl Op for ReportArgs<'_> {
@@ -367,6 +381,7 @@ impl Op for ReportArgs<'_> {
                 .q
                 .credits(self.reserved, self.outcome.settlement(self.reserved)),
             block,
+            class: self.class,
             ..Argv::default()
         }
     }
@@ -471,6 +486,7 @@ mod tests {
                 split: None,
                 count_attempt: true,
             },
+            class: None,
         };
         let announce = Announce {
             channel: "chan",
@@ -542,6 +558,7 @@ mod tests {
             outcome: Outcome::RateLimited {
                 retry_after: Some(Duration::from_secs(2)),
             },
+            class: None,
         };
         assert_eq!(slot(&report, "is_probe"), "1");
         assert_eq!(slot(&report, "count_attempt"), "0");
@@ -581,6 +598,7 @@ mod tests {
             p: &p,
             q: &q,
             tokens: 12.into(),
+            class: None,
         };
         assert_eq!(slot(&admit, "tokens"), "12");
         assert_eq!(
@@ -605,6 +623,7 @@ mod tests {
                 tokens,
                 split: None,
             },
+            class: None,
         };
         let credit = |r: &ReportArgs| slot(r, "token_credit");
         assert_eq!(credit(&report(FailureKind::Timeout, Some(40))), "100");

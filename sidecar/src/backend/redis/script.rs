@@ -52,7 +52,9 @@ use std::time::Duration;
 
 use ::redis::{Cmd, Script, Value};
 
-use crate::backend::{Applied, BResult, BackendError, BreakerParams, QuotaParams, State, Tokens};
+use crate::backend::{
+    Applied, BResult, BackendError, BreakerParams, ClassShares, QuotaParams, State, Tokens,
+};
 use crate::gate::quota::{Credits, MINUTE};
 
 /// `gate.lua`, ready to run either way.
@@ -134,7 +136,7 @@ pub(super) fn invocation<O: Op>(prefix: &str, source: &str, op: &O) -> Call {
 
 /// The names of `gate.lua`'s ARGV slots, `ARGV[1]` first; its header documents each
 /// under the same name.
-pub(super) const SLOTS: [&str; 32] = [
+pub(super) const SLOTS: [&str; 35] = [
     "op",
     "failure_threshold",
     "failure_rate",
@@ -158,6 +160,9 @@ pub(super) const SLOTS: [&str; 32] = [
     "open_us",
     "channel",
     "source",
+    "class",
+    "saturation_ppm",
+    "classes",
     "burst_us",
     "itpm",
     "otpm",
@@ -174,7 +179,7 @@ pub(super) const SLOTS: [&str; 32] = [
 /// slot as its neutral value.
 const NEUTRAL: [&str; SLOTS.len()] = [
     "", "0", "0", "0", "0", "0", "0", "0", "0", "0", "-1", "-1", "0", "0", "0", "0", "", "0", "0",
-    "-1", "-1", "", "", "0", "-1", "-1", "-1", "-1", "0", "0", "0", "0",
+    "-1", "-1", "", "", "", "0", "", "0", "-1", "-1", "-1", "-1", "0", "0", "0", "0",
 ];
 
 /// Largest duration handed to the script, in µs (2^52 µs ≈ 142 years): `TIME` + it
@@ -213,10 +218,10 @@ pub(super) fn ttl_basis(p: &BreakerParams) -> Duration {
 pub(super) struct Argv<'a> {
     /// Slots 2–10: the scope's breaker parameters (all 0 when absent).
     pub breaker: Option<&'a BreakerParams>,
-    /// Slots 11–12 and 24–28: the source's buckets (`-1` = bucket disabled, also
+    /// Slots 11–12 and 27–31: the source's buckets (`-1` = bucket disabled, also
     /// when absent) and its burst (`0` = a minute's worth, §7a).
     pub quota: Option<&'a QuotaParams>,
-    /// Slots 13, 29–30: the reservation to take (reserve, admit): its total, input
+    /// Slots 13, 32–33: the reservation to take (reserve, admit): its total, input
     /// and output tokens.
     pub tokens: Tokens,
     /// Slot 14: the epoch the reporting permit was granted under.
@@ -228,7 +233,7 @@ pub(super) struct Argv<'a> {
     /// Slot 17: the report's verdict (`S` success, `F` failure, `N` none: a 429 or a
     /// cancellation).
     pub verdict: &'static str,
-    /// Slots 18–19, 31–32: what a settlement gives back to the buckets (tokens,
+    /// Slots 18–19, 34–35: what a settlement gives back to the buckets (tokens,
     /// may be negative: an extra debit; requests, 0 or 1; input and output tokens),
     /// from [`QuotaParams::credits`].
     pub credit: Credits,
@@ -238,6 +243,22 @@ pub(super) struct Argv<'a> {
     pub open_for: Option<Duration>,
     /// Slots 22–23: where an admin script announces itself (empty otherwise).
     pub announce: Option<Announce<'a>>,
+    /// Slot 24 (§15): the call's priority class (admit, report).
+    pub class: Option<&'a str>,
+    /// Slots 25–26 (§15): the scope's classes (admit only).
+    pub shares: Option<&'a ClassShares>,
+}
+
+/// Slot 26: every class as `name reserve_ppm limit_ppm`, space-separated.
+fn class_spec(c: &ClassShares) -> String {
+    let mut s = String::new();
+    for (i, x) in c.classes.iter().enumerate() {
+        if i > 0 {
+            s.push(' ');
+        }
+        s.push_str(&format!("{} {} {}", x.name, x.reserve_ppm, x.limit_ppm));
+    }
+    s
 }
 
 /// A credit as the script takes it: within ±2^53 (exact in a double).
@@ -318,6 +339,9 @@ impl Argv<'_> {
             micros_or_none(self.open_for).to_string(),
             channel.to_string(),
             source.to_string(),
+            self.class.unwrap_or("").to_string(),
+            self.shares.map_or(0, |c| c.saturation_ppm).to_string(),
+            self.shares.map_or_else(String::new, class_spec),
             burst.to_string(),
             itpm.to_string(),
             otpm.to_string(),
