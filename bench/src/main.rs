@@ -10,6 +10,7 @@ mod echo;
 mod engine;
 mod frames;
 mod load;
+mod priorities;
 mod procs;
 mod scenarios;
 mod target;
@@ -149,13 +150,16 @@ pub enum Scenario {
     Go,
     /// The engine alone, in process (not part of --all's socket figures, but run by it).
     Engine,
+    /// DESIGN §15: interactive latency behind a saturating batch load, with and
+    /// without priority classes (in process, like `engine`).
+    Priorities,
     /// DESIGN §7a: upstream 429s of N sidecars against a fake provider (not in --all:
     /// it measures counts over minutes, not the cost budget).
     Fleet,
 }
 
 impl Scenario {
-    const ALL: [Scenario; 8] = [
+    const ALL: [Scenario; 9] = [
         Scenario::Latency,
         Scenario::Throughput,
         Scenario::Redis,
@@ -164,6 +168,7 @@ impl Scenario {
         Scenario::Node,
         Scenario::Go,
         Scenario::Engine,
+        Scenario::Priorities,
     ];
 
     pub fn name(self) -> &'static str {
@@ -176,6 +181,7 @@ impl Scenario {
             Scenario::Node => "node",
             Scenario::Go => "go",
             Scenario::Engine => "engine",
+            Scenario::Priorities => "priorities",
             Scenario::Fleet => "fleet",
         }
     }
@@ -225,6 +231,13 @@ impl Scenario {
                 "utilisation",
                 "calls_ok",
                 "calls_failed",
+            ],
+            Scenario::Priorities => &[
+                "interactive_p50_ms",
+                "interactive_p99_ms",
+                "interactive_p50_ms_without_classes",
+                "interactive_p99_ms_without_classes",
+                "batch_calls_per_s",
             ],
             Scenario::Engine => &[
                 "calls_per_s_1_task",

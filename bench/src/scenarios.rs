@@ -38,6 +38,7 @@ impl<'a> Ctx<'a> {
             Scenario::Redis => redis(self),
             Scenario::Waiters => waiters(self),
             Scenario::Engine => crate::engine::run(&self.rt, self.opts),
+            Scenario::Priorities => crate::priorities::run(&self.rt, self.opts),
             Scenario::Fleet => Ok(vec![fleet(self.opts)]),
             Scenario::Python | Scenario::Node | Scenario::Go => crate::drivers::run(self, s),
         };

@@ -47,6 +47,13 @@ fn keys(scenario: &str) -> &'static [&'static str] {
             "metrics_hook_ns",
             "clock_reads_ns",
         ],
+        "priorities" => &[
+            "interactive_p50_ms",
+            "interactive_p99_ms",
+            "interactive_p50_ms_without_classes",
+            "interactive_p99_ms_without_classes",
+            "batch_calls_per_s",
+        ],
         other => panic!("unexpected scenario {other:?}"),
     }
 }
@@ -105,6 +112,7 @@ fn every_scenario_prints_its_keys() {
         "node",
         "go",
         "engine",
+        "priorities",
     ] {
         assert!(
             seen.iter().any(|x| x == s),
