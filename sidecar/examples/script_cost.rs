@@ -20,7 +20,9 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use polygate::backend::redis::{RedisBackend, RedisOptions};
-use polygate::backend::{Admit, Backend, BreakerParams, FailureKind, Outcome, QuotaParams};
+use polygate::backend::{
+    Admit, AdmitRequest, Backend, BreakerParams, FailureKind, Outcome, QuotaParams, ReportRequest,
+};
 use polygate::clock::TokioClock;
 use polygate::config::OnBackendError;
 
@@ -169,14 +171,16 @@ async fn main() {
         .expect("connect for INFO");
     // Warm up: loads the script, creates the keys.
     for s in &sources {
-        if let Ok(Admit::Admitted { epoch, is_probe }) = backend.admit(s, &bp(), &qp(), 10).await {
+        if let Ok(Admit::Admitted { epoch, is_probe }) =
+            backend.admit(s, AdmitRequest::new(&bp(), &qp(), 10)).await
+        {
             let ok = Outcome::Success {
                 tokens: Some(10),
                 split: None,
                 count_attempt: true,
             };
             let _ = backend
-                .report(s, &bp(), &qp(), epoch, is_probe, 10, ok)
+                .report(s, ReportRequest::new(&bp(), &qp(), epoch, is_probe, 10, ok))
                 .await;
         }
     }
@@ -202,7 +206,8 @@ async fn main() {
             while !stop.load(Ordering::Relaxed) {
                 let s = &sources[i % sources.len()];
                 i += 1;
-                let Ok(Admit::Admitted { epoch, is_probe }) = b.admit(s, &bp(), &qp(), 10).await
+                let Ok(Admit::Admitted { epoch, is_probe }) =
+                    b.admit(s, AdmitRequest::new(&bp(), &qp(), 10)).await
                 else {
                     continue;
                 };
@@ -215,7 +220,10 @@ async fn main() {
                     },
                 };
                 let _ = b
-                    .report(s, &bp(), &qp(), epoch, is_probe, 10, outcome)
+                    .report(
+                        s,
+                        ReportRequest::new(&bp(), &qp(), epoch, is_probe, 10, outcome),
+                    )
                     .await;
                 calls.fetch_add(1, Ordering::Relaxed);
             }

@@ -12,7 +12,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use polygate::backend::redis::{RedisBackend, RedisOptions};
-use polygate::backend::{AdminEvent, AdminOp};
+use polygate::backend::{AdminEvent, AdminOp, AdmitRequest, ReportRequest};
 use polygate::backend::{
     Admit, AnyBackend, Backend, BackendError, BreakerParams, Outcome, QuotaParams, State,
 };
@@ -81,23 +81,28 @@ async fn backend(
 }
 
 async fn admit_report<B: Backend>(b: &B, source: &str) {
-    let Admit::Admitted { epoch, is_probe } = b.admit(source, &bp(), &qp(), 10).await.unwrap()
+    let Admit::Admitted { epoch, is_probe } = b
+        .admit(source, AdmitRequest::new(&bp(), &qp(), 10))
+        .await
+        .unwrap()
     else {
         panic!("admit refused")
     };
     let a = b
         .report(
             source,
-            &bp(),
-            &qp(),
-            epoch,
-            is_probe,
-            10,
-            Outcome::Success {
-                tokens: Some(7),
-                split: None,
-                count_attempt: true,
-            },
+            ReportRequest::new(
+                &bp(),
+                &qp(),
+                epoch,
+                is_probe,
+                10,
+                Outcome::Success {
+                    tokens: Some(7),
+                    split: None,
+                    count_attempt: true,
+                },
+            ),
         )
         .await
         .unwrap();
@@ -292,7 +297,9 @@ async fn huge_counts_and_durations_keep_sane_ttls() {
     let qk = b.quota_key("s1");
     let q = qp();
     assert!(matches!(
-        b.admit("s1", &bp(), &q, u64::MAX).await.unwrap(),
+        b.admit("s1", AdmitRequest::new(&bp(), &q, u64::MAX))
+            .await
+            .unwrap(),
         Admit::Admitted { .. }
     ));
     let pttl = |k: &str| -> i64 { srv.cli(&["PTTL", k]).trim().parse().unwrap() };
@@ -332,14 +339,16 @@ async fn huge_counts_and_durations_keep_sane_ttls() {
     let report = b
         .report(
             "s1",
-            &bp(),
-            &q,
-            0,
-            false,
-            u64::MAX,
-            Outcome::RateLimited {
-                retry_after: Some(Duration::MAX),
-            },
+            ReportRequest::new(
+                &bp(),
+                &q,
+                0,
+                false,
+                u64::MAX,
+                Outcome::RateLimited {
+                    retry_after: Some(Duration::MAX),
+                },
+            ),
         )
         .await
         .unwrap();
@@ -537,7 +546,7 @@ async fn redis_restart_reconnects_and_reloads_script() {
     srv.restart(); // empty server: no script cached, no keys
     let deadline = Instant::now() + Duration::from_secs(4);
     loop {
-        match b.admit("s1", &bp(), &qp(), 10).await {
+        match b.admit("s1", AdmitRequest::new(&bp(), &qp(), 10)).await {
             Ok(Admit::Admitted { .. }) => break,
             Ok(a) => panic!("unexpected {a:?}"),
             Err(e) => {
@@ -613,7 +622,10 @@ async fn stalled_redis_costs_at_most_the_timeout() {
     admit_report(&b, "s1").await;
     srv.pause(); // accepts, never answers
     let t0 = Instant::now();
-    let r = b.admit("s1", &bp(), &qp(), 10).await.unwrap();
+    let r = b
+        .admit("s1", AdmitRequest::new(&bp(), &qp(), 10))
+        .await
+        .unwrap();
     let took = t0.elapsed();
     srv.resume();
     assert!(matches!(r, Admit::Admitted { .. }), "served locally: {r:?}");
@@ -659,7 +671,10 @@ async fn fail_closed_refuses_with_a_clear_error() {
     admit_report(&b, "s1").await;
     srv.kill();
     let t0 = Instant::now();
-    let err = b.admit("s1", &bp(), &qp(), 10).await.unwrap_err();
+    let err = b
+        .admit("s1", AdmitRequest::new(&bp(), &qp(), 10))
+        .await
+        .unwrap_err();
     assert!(t0.elapsed() < ms(400));
     let BackendError::Unavailable(msg) = &err else {
         panic!("expected Unavailable: {err:?}")
@@ -672,7 +687,10 @@ async fn fail_closed_refuses_with_a_clear_error() {
     // Within the retry interval the refusal is immediate.
     let t0 = Instant::now();
     assert!(b
-        .report("s1", &bp(), &qp(), 0, false, 10, Outcome::Cancelled)
+        .report(
+            "s1",
+            ReportRequest::new(&bp(), &qp(), 0, false, 10, Outcome::Cancelled)
+        )
         .await
         .is_err());
     assert!(t0.elapsed() < ms(50));
@@ -874,16 +892,18 @@ async fn local_permits_are_fenced_on_redis_after_restore() {
     let a = b
         .report(
             "s1",
-            &bp(),
-            &qp(),
-            local_epoch,
-            true,
-            10,
-            Outcome::Success {
-                tokens: Some(10),
-                split: None,
-                count_attempt: true,
-            },
+            ReportRequest::new(
+                &bp(),
+                &qp(),
+                local_epoch,
+                true,
+                10,
+                Outcome::Success {
+                    tokens: Some(10),
+                    split: None,
+                    count_attempt: true,
+                },
+            ),
         )
         .await
         .unwrap();
@@ -916,7 +936,10 @@ async fn script_errors_are_protocol_errors_not_outages() {
         let b = backend(&srv, &p, ms(500), on).await;
         srv.cli(&["SET", &b.breaker_key("s1"), "not a hash"]);
         for _ in 0..3 {
-            let err = b.admit("s1", &bp(), &qp(), 10).await.unwrap_err();
+            let err = b
+                .admit("s1", AdmitRequest::new(&bp(), &qp(), 10))
+                .await
+                .unwrap_err();
             let BackendError::Protocol(msg) = &err else {
                 panic!("{on:?}: expected a protocol error: {err:?}")
             };

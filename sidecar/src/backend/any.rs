@@ -13,9 +13,8 @@ use super::{BResult, Backend, SourceSnapshot};
 use crate::clock::Clock;
 use crate::config::BackendKind;
 use crate::gate::breaker::{Applied, BreakerParams, Entry, Peek};
-use crate::gate::classes::ClassTag;
 use crate::gate::quota::{QuotaParams, Reserve, Settlement, Tokens};
-use crate::gate::{Admit, Outcome};
+use crate::gate::{Admit, AdmitRequest, ReportRequest};
 
 /// Either backend; every [`Backend`] method delegates.
 // One per process, built once and never moved on a hot path: the size gap between the
@@ -175,54 +174,12 @@ impl Backend for AnyBackend {
         delegate!(self, b => b.snapshot(source, p, q).await)
     }
 
-    async fn admit(
-        &self,
-        source: &str,
-        p: &BreakerParams,
-        q: &QuotaParams,
-        tokens: impl Into<Tokens> + Send,
-    ) -> BResult<Admit> {
-        delegate!(self, b => b.admit(source, p, q, tokens).await)
+    async fn admit(&self, source: &str, r: AdmitRequest<'_>) -> BResult<Admit> {
+        delegate!(self, b => b.admit(source, r).await)
     }
 
-    #[allow(clippy::too_many_arguments)]
-    async fn report(
-        &self,
-        source: &str,
-        p: &BreakerParams,
-        q: &QuotaParams,
-        epoch: u64,
-        is_probe: bool,
-        reserved_tokens: impl Into<Tokens> + Send,
-        outcome: Outcome,
-    ) -> BResult<Applied> {
-        delegate!(self, b => b.report(source, p, q, epoch, is_probe, reserved_tokens, outcome).await)
-    }
-
-    async fn admit_class(
-        &self,
-        source: &str,
-        p: &BreakerParams,
-        q: &QuotaParams,
-        tokens: Tokens,
-        class: &ClassTag,
-    ) -> BResult<Admit> {
-        delegate!(self, b => b.admit_class(source, p, q, tokens, class).await)
-    }
-
-    #[allow(clippy::too_many_arguments)]
-    async fn report_class(
-        &self,
-        source: &str,
-        p: &BreakerParams,
-        q: &QuotaParams,
-        epoch: u64,
-        is_probe: bool,
-        reserved_tokens: Tokens,
-        outcome: Outcome,
-        class: &str,
-    ) -> BResult<Applied> {
-        delegate!(self, b => b.report_class(source, p, q, epoch, is_probe, reserved_tokens, outcome, class).await)
+    async fn report(&self, source: &str, r: ReportRequest<'_>) -> BResult<Applied> {
+        delegate!(self, b => b.report(source, r).await)
     }
 
     async fn neutral(&self, source: &str, epoch: u64, is_probe: bool) -> BResult<Applied> {

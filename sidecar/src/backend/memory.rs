@@ -13,9 +13,8 @@ use std::time::Duration;
 use super::{BResult, Backend, BackendError, SourceSnapshot};
 use crate::clock::Clock;
 use crate::gate::breaker::{Applied, BreakerParams, Entry, Peek};
-use crate::gate::classes::ClassTag;
 use crate::gate::quota::{QuotaParams, Reserve, Settlement, Tokens};
-use crate::gate::{Admit, Gates, Outcome};
+use crate::gate::{Admit, AdmitRequest, Gates, ReportRequest};
 
 /// The memory backend.
 pub struct MemoryBackend {
@@ -183,61 +182,15 @@ impl Backend for MemoryBackend {
         })
     }
 
-    async fn admit(
-        &self,
-        source: &str,
-        p: &BreakerParams,
-        q: &QuotaParams,
-        tokens: impl Into<Tokens> + Send,
-    ) -> BResult<Admit> {
-        self.with(source, |c, now| c.admit(now, p, q, tokens))
+    async fn admit(&self, source: &str, r: AdmitRequest<'_>) -> BResult<Admit> {
+        self.with(source, |c, now| c.admit(now, r))
     }
 
-    #[allow(clippy::too_many_arguments)]
-    async fn report(
-        &self,
-        source: &str,
-        p: &BreakerParams,
-        q: &QuotaParams,
-        epoch: u64,
-        is_probe: bool,
-        reserved_tokens: impl Into<Tokens> + Send,
-        outcome: Outcome,
-    ) -> BResult<Applied> {
-        self.with(source, |c, now| {
-            c.report(now, p, q, epoch, is_probe, reserved_tokens, outcome)
-        })
+    async fn report(&self, source: &str, r: ReportRequest<'_>) -> BResult<Applied> {
+        self.with(source, |c, now| c.report(now, r))
     }
 
     async fn neutral(&self, source: &str, epoch: u64, is_probe: bool) -> BResult<Applied> {
         self.with(source, |c, now| c.breaker.neutral(now, epoch, is_probe))
-    }
-
-    async fn admit_class(
-        &self,
-        source: &str,
-        p: &BreakerParams,
-        q: &QuotaParams,
-        tokens: Tokens,
-        class: &ClassTag,
-    ) -> BResult<Admit> {
-        self.with(source, |c, now| c.admit_class(now, p, q, tokens, class))
-    }
-
-    #[allow(clippy::too_many_arguments)]
-    async fn report_class(
-        &self,
-        source: &str,
-        p: &BreakerParams,
-        q: &QuotaParams,
-        epoch: u64,
-        is_probe: bool,
-        reserved_tokens: Tokens,
-        outcome: Outcome,
-        class: &str,
-    ) -> BResult<Applied> {
-        self.with(source, |c, now| {
-            c.report_class(now, p, q, epoch, is_probe, reserved_tokens, outcome, class)
-        })
     }
 }

@@ -105,7 +105,7 @@ pub use event::{AdminEvent, AdminOp};
 pub use crate::gate::breaker::{Applied, BreakerParams, Entry, Peek, State};
 pub use crate::gate::classes::{ClassShares, ClassTag, Held, Share};
 pub use crate::gate::quota::{QuotaParams, Reserve, Settlement, Split, Tokens};
-pub use crate::gate::{Admit, FailureKind, Outcome};
+pub use crate::gate::{Admit, AdmitRequest, FailureKind, Outcome, ReportRequest};
 
 use std::future::Future;
 use std::time::Duration;
@@ -284,66 +284,23 @@ pub trait Backend: Send + Sync + 'static {
 
     // ---- combined hot-path operations ----
 
-    /// Gates 3 and 4 for one source, atomically: reserve quota, then `try_enter`; a
-    /// breaker refusal releases the reservation. Remote backends do this in one round
-    /// trip.
+    /// Gates 3 and 4 for one source, atomically: for a class, its limit and the
+    /// other classes' unused reserves (§15, [`Admit::ClassHeld`]); then reserve quota
+    /// and `try_enter`; a breaker refusal releases the reservation. Remote backends do
+    /// this in one round trip.
     fn admit(
         &self,
         source: &str,
-        p: &BreakerParams,
-        q: &QuotaParams,
-        tokens: impl Into<Tokens> + Send,
+        r: AdmitRequest<'_>,
     ) -> impl Future<Output = BResult<Admit>> + Send;
 
-    /// Settle the permit's reservation and feed the outcome to the breaker,
-    /// atomically. Remote backends do this in one round trip.
-    #[allow(clippy::too_many_arguments)]
+    /// Settle the permit's reservation (and its class's usage) and feed the outcome
+    /// to the breaker, atomically. Remote backends do this in one round trip.
     fn report(
         &self,
         source: &str,
-        p: &BreakerParams,
-        q: &QuotaParams,
-        epoch: u64,
-        is_probe: bool,
-        reserved_tokens: impl Into<Tokens> + Send,
-        outcome: Outcome,
+        r: ReportRequest<'_>,
     ) -> impl Future<Output = BResult<Applied>> + Send;
-
-    // ---- §15 priority classes (a scope without classes never calls these) ----
-
-    /// [`Backend::admit`] for a call of priority class `class`: the class's limit
-    /// and the other classes' unused reserves apply too ([`Admit::ClassHeld`]), in the
-    /// same one step. The default ignores the class (a backend without class
-    /// accounting); memory and Redis implement it.
-    fn admit_class(
-        &self,
-        source: &str,
-        p: &BreakerParams,
-        q: &QuotaParams,
-        tokens: Tokens,
-        class: &ClassTag,
-    ) -> impl Future<Output = BResult<Admit>> + Send {
-        let _ = class;
-        self.admit(source, p, q, tokens)
-    }
-
-    /// [`Backend::report`] for a permit of priority class `class`: the class's usage
-    /// settles with the buckets, in the same one step.
-    #[allow(clippy::too_many_arguments)]
-    fn report_class(
-        &self,
-        source: &str,
-        p: &BreakerParams,
-        q: &QuotaParams,
-        epoch: u64,
-        is_probe: bool,
-        reserved_tokens: Tokens,
-        outcome: Outcome,
-        class: &str,
-    ) -> impl Future<Output = BResult<Applied>> + Send {
-        let _ = class;
-        self.report(source, p, q, epoch, is_probe, reserved_tokens, outcome)
-    }
 
     /// An outcome that is no verdict (429, cancel): releases the probe lease if the
     /// permit was the probe; otherwise changes nothing. `applied` says whether the

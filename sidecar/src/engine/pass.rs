@@ -24,7 +24,7 @@ use super::runtime::Policy;
 use super::tables::Hold;
 use super::CallEst;
 use super::{Engine, SkipReason};
-use crate::backend::{BResult, Backend, BackendError};
+use crate::backend::{AdmitRequest, BResult, Backend, BackendError};
 use crate::config::Selector;
 use crate::gate::breaker::{BreakerParams, Peek, State};
 use crate::gate::classes::{ClassTag, Held};
@@ -294,20 +294,11 @@ impl<B: Backend> Work<B> for Admission {
     fn run<'a>(&'a self, engine: &'a Engine<B>) -> impl Future<Output = Self::Output> + Send + 'a {
         let name = &engine.sources[self.source].name;
         async move {
-            match &self.class {
-                None => {
-                    engine
-                        .backend
-                        .admit(name, &self.bp, &self.qp, self.tokens)
-                        .await
-                }
-                Some(c) => {
-                    engine
-                        .backend
-                        .admit_class(name, &self.bp, &self.qp, self.tokens, c)
-                        .await
-                }
+            let mut r = AdmitRequest::new(&self.bp, &self.qp, self.tokens);
+            if let Some(c) = &self.class {
+                r = r.class(c);
             }
+            engine.backend.admit(name, r).await
         }
     }
 

@@ -13,7 +13,7 @@ use super::error::EngineError;
 use super::runtime::bump;
 use super::tables::{Hold, OwnerId, PermitRec};
 use super::Engine;
-use crate::backend::{BResult, Backend, BackendError};
+use crate::backend::{BResult, Backend, BackendError, ReportRequest};
 use crate::gate::breaker::{Applied, BreakerParams, State};
 use crate::gate::pacer::Signal;
 use crate::gate::quota::{QuotaParams, Tokens};
@@ -225,37 +225,18 @@ impl<B: Backend> Work<B> for Settle {
     fn run<'a>(&'a self, engine: &'a Engine<B>) -> impl Future<Output = Self::Output> + Send + 'a {
         let name = &engine.sources[self.source].name;
         async move {
-            match &self.class {
-                None => {
-                    engine
-                        .backend
-                        .report(
-                            name,
-                            &self.bp,
-                            &self.qp,
-                            self.epoch,
-                            self.is_probe,
-                            self.tokens,
-                            self.outcome,
-                        )
-                        .await
-                }
-                Some(class) => {
-                    engine
-                        .backend
-                        .report_class(
-                            name,
-                            &self.bp,
-                            &self.qp,
-                            self.epoch,
-                            self.is_probe,
-                            self.tokens,
-                            self.outcome,
-                            class,
-                        )
-                        .await
-                }
+            let mut r = ReportRequest::new(
+                &self.bp,
+                &self.qp,
+                self.epoch,
+                self.is_probe,
+                self.tokens,
+                self.outcome,
+            );
+            if let Some(class) = &self.class {
+                r = r.class(class);
             }
+            engine.backend.report(name, r).await
         }
     }
 }

@@ -170,6 +170,89 @@ impl Outcome {
     }
 }
 
+/// One admission's arguments: what [`Gates::admit`] and every backend's `admit`
+/// take (one struct, so a new dimension is one more field, not a twin method).
+#[derive(Debug, Clone, Copy)]
+pub struct AdmitRequest<'a> {
+    /// The scope's breaker parameters (gate 4).
+    pub p: &'a BreakerParams,
+    /// The source's buckets (gate 3).
+    pub q: &'a QuotaParams,
+    /// The reservation: total tokens and their input/output parts (§7a).
+    pub tokens: Tokens,
+    /// §15: the call's priority class (`None`: the scope has none).
+    pub class: Option<&'a ClassTag>,
+}
+
+impl<'a> AdmitRequest<'a> {
+    /// An admission of `tokens` without a class.
+    pub fn new(p: &'a BreakerParams, q: &'a QuotaParams, tokens: impl Into<Tokens>) -> Self {
+        AdmitRequest {
+            p,
+            q,
+            tokens: tokens.into(),
+            class: None,
+        }
+    }
+
+    /// The same for a call of priority class `class`.
+    pub fn class(self, class: &'a ClassTag) -> Self {
+        AdmitRequest {
+            class: Some(class),
+            ..self
+        }
+    }
+}
+
+/// One report's arguments: what [`Gates::report`] and every backend's `report` take.
+#[derive(Debug, Clone, Copy)]
+pub struct ReportRequest<'a> {
+    /// The scope's breaker parameters.
+    pub p: &'a BreakerParams,
+    /// The source's buckets.
+    pub q: &'a QuotaParams,
+    /// The epoch the permit was granted under (§6: a stale verdict is ignored).
+    pub epoch: u64,
+    /// The permit is the half-open probe (its lease is released).
+    pub is_probe: bool,
+    /// What the permit's admission reserved.
+    pub reserved: Tokens,
+    /// What happened.
+    pub outcome: Outcome,
+    /// §15: the permit's priority class (`None`: the scope has none).
+    pub class: Option<&'a str>,
+}
+
+impl<'a> ReportRequest<'a> {
+    /// A report without a class.
+    pub fn new(
+        p: &'a BreakerParams,
+        q: &'a QuotaParams,
+        epoch: u64,
+        is_probe: bool,
+        reserved: impl Into<Tokens>,
+        outcome: Outcome,
+    ) -> Self {
+        ReportRequest {
+            p,
+            q,
+            epoch,
+            is_probe,
+            reserved: reserved.into(),
+            outcome,
+            class: None,
+        }
+    }
+
+    /// The same for a permit of priority class `class`.
+    pub fn class(self, class: &'a str) -> Self {
+        ReportRequest {
+            class: Some(class),
+            ..self
+        }
+    }
+}
+
 /// The cross-host gates of one source: what a backend stores for it.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Gates {
@@ -191,53 +274,67 @@ impl Gates {
         }
     }
 
-    /// Gates 3 and 4 in one step: reserve `tokens` and one request, then enter the
-    /// breaker; a breaker refusal releases the reservation.
-    pub fn admit(
-        &mut self,
-        now: Duration,
-        p: &BreakerParams,
-        q: &QuotaParams,
-        tokens: impl Into<Tokens>,
-    ) -> Admit {
-        let tokens = tokens.into();
+    /// Gates 3 and 4 in one step: for a call of a priority class, the class's limit
+    /// and the other classes' unused reserves first (§15: a class held back takes
+    /// nothing); then reserve the tokens and one request and enter the breaker; a
+    /// breaker refusal releases the reservation; a grant counts in the class's usage.
+    pub fn admit(&mut self, now: Duration, r: AdmitRequest<'_>) -> Admit {
+        let AdmitRequest {
+            p,
+            q,
+            tokens,
+            class,
+        } = r;
+        if let Some(class) = class {
+            let deficits = self.quota.deficits(q, now);
+            if let Some((why, wait)) = self.classes.held(q, deficits, class, tokens, now) {
+                let bucket = self.quota.wait(q, tokens, now);
+                return Admit::ClassHeld {
+                    why,
+                    retry_after: wait.max(bucket),
+                };
+            }
+        }
         if let Reserve::Denied { retry_after } = self.quota.reserve(q, tokens, now) {
             return Admit::RateLimited { retry_after };
         }
         let e = self.breaker.try_enter(now, p);
-        if e.granted {
-            Admit::Admitted {
-                epoch: e.epoch,
-                is_probe: e.is_probe,
-            }
-        } else {
+        if !e.granted {
             self.quota.settle(q, tokens, Settlement::RefundAll, now);
-            Admit::CircuitOpen {
+            return Admit::CircuitOpen {
                 state: e.state,
                 epoch: e.epoch,
                 retry_after: e.retry_after,
-            }
+            };
+        }
+        if let Some(class) = class {
+            self.classes.take(q, &class.share().name, tokens, now);
+        }
+        Admit::Admitted {
+            epoch: e.epoch,
+            is_probe: e.is_probe,
         }
     }
 
-    /// Settle a permit's reservation of `reserved_tokens` for `outcome` (§7) and feed
-    /// the outcome to the breaker under the permit's `epoch` (§6): a success or
-    /// failure is a verdict; a 429 (which may block the quota) or a cancellation only
-    /// releases a probe lease.
-    #[allow(clippy::too_many_arguments)]
-    pub fn report(
-        &mut self,
-        now: Duration,
-        p: &BreakerParams,
-        q: &QuotaParams,
-        epoch: u64,
-        is_probe: bool,
-        reserved_tokens: impl Into<Tokens>,
-        outcome: Outcome,
-    ) -> Applied {
-        let reserved_tokens = reserved_tokens.into();
-        self.quota
-            .settle(q, reserved_tokens, outcome.settlement(reserved_tokens), now);
+    /// Settle a permit's reservation for its outcome (§7; a class's usage settles with
+    /// the same credits, §15) and feed the outcome to the breaker under the permit's
+    /// epoch (§6): a success or failure is a verdict; a 429 (which may block the
+    /// quota) or a cancellation only releases a probe lease.
+    pub fn report(&mut self, now: Duration, r: ReportRequest<'_>) -> Applied {
+        let ReportRequest {
+            p,
+            q,
+            epoch,
+            is_probe,
+            reserved,
+            outcome,
+            class,
+        } = r;
+        let how = outcome.settlement(reserved);
+        if let Some(class) = class {
+            self.classes.settle(q, class, reserved, how, now);
+        }
+        self.quota.settle(q, reserved, how, now);
         match outcome {
             Outcome::Success { count_attempt, .. } => {
                 self.breaker.record_success(now, epoch, count_attempt, p)
@@ -251,56 +348,6 @@ impl Gates {
             }
             Outcome::Cancelled => self.breaker.neutral(now, epoch, is_probe),
         }
-    }
-
-    /// §15: [`Gates::admit`] for a call of priority class `class`: the bucket wait
-    /// and the class's reserves and limits first (a class held back takes nothing),
-    /// then the same reserve and enter; a grant counts in the class's usage.
-    pub fn admit_class(
-        &mut self,
-        now: Duration,
-        p: &BreakerParams,
-        q: &QuotaParams,
-        tokens: Tokens,
-        class: &ClassTag,
-    ) -> Admit {
-        let deficits = self.quota.deficits(q, now);
-        if let Some((why, wait)) = self.classes.held(q, deficits, class, tokens, now) {
-            let bucket = self.quota.wait(q, tokens, now);
-            return Admit::ClassHeld {
-                why,
-                retry_after: wait.max(bucket),
-            };
-        }
-        let a = self.admit(now, p, q, tokens);
-        if let Admit::Admitted { .. } = a {
-            self.classes.take(q, &class.share().name, tokens, now);
-        }
-        a
-    }
-
-    /// §15: [`Gates::report`] for a permit of priority class `class`: the class's
-    /// usage settles with the same credits as the buckets.
-    #[allow(clippy::too_many_arguments)]
-    pub fn report_class(
-        &mut self,
-        now: Duration,
-        p: &BreakerParams,
-        q: &QuotaParams,
-        epoch: u64,
-        is_probe: bool,
-        reserved_tokens: Tokens,
-        outcome: Outcome,
-        class: &str,
-    ) -> Applied {
-        self.classes.settle(
-            q,
-            class,
-            reserved_tokens,
-            outcome.settlement(reserved_tokens),
-            now,
-        );
-        self.report(now, p, q, epoch, is_probe, reserved_tokens, outcome)
     }
 
     /// Admin: forget breaker and quota state (epoch bumped, never rewound).

@@ -21,8 +21,8 @@ use std::time::Duration;
 use std::sync::Arc;
 
 use polygate::backend::{
-    Admit, Applied, Backend, BreakerParams, ClassShares, ClassTag, Entry, FailureKind, Held,
-    Outcome, QuotaParams, Reserve, Settlement, Share, State,
+    Admit, AdmitRequest, Applied, Backend, BreakerParams, ClassShares, ClassTag, Entry,
+    FailureKind, Held, Outcome, QuotaParams, ReportRequest, Reserve, Settlement, Share, State,
 };
 
 /// What a backend test file provides.
@@ -398,12 +398,14 @@ pub async fn rate_limited_probe_releases_lease<H: Harness>(h: &H) {
     let a = b
         .report(
             S1,
-            &bp(),
-            &QuotaParams::default(),
-            probe.epoch,
-            true,
-            0,
-            Outcome::RateLimited { retry_after: None },
+            ReportRequest::new(
+                &bp(),
+                &QuotaParams::default(),
+                probe.epoch,
+                true,
+                0,
+                Outcome::RateLimited { retry_after: None },
+            ),
         )
         .await
         .unwrap();
@@ -432,12 +434,14 @@ pub async fn cancelled_probe_releases_lease<H: Harness>(h: &H) {
     let a = b
         .report(
             S1,
-            &bp(),
-            &QuotaParams::default(),
-            next.epoch,
-            true,
-            0,
-            Outcome::Cancelled,
+            ReportRequest::new(
+                &bp(),
+                &QuotaParams::default(),
+                next.epoch,
+                true,
+                0,
+                Outcome::Cancelled,
+            ),
         )
         .await
         .unwrap();
@@ -454,12 +458,14 @@ pub async fn rate_limited_is_not_failure<H: Harness>(h: &H) {
         let a = b
             .report(
                 S1,
-                &bp(),
-                &q,
-                e.epoch,
-                false,
-                0,
-                Outcome::RateLimited { retry_after: None },
+                ReportRequest::new(
+                    &bp(),
+                    &q,
+                    e.epoch,
+                    false,
+                    0,
+                    Outcome::RateLimited { retry_after: None },
+                ),
             )
             .await
             .unwrap();
@@ -725,14 +731,16 @@ pub async fn quota_block_from_429<H: Harness>(h: &H) {
     let a = b
         .report(
             S1,
-            &bp(),
-            &q,
-            e.epoch,
-            false,
-            5,
-            Outcome::RateLimited {
-                retry_after: Some(ms(120)),
-            },
+            ReportRequest::new(
+                &bp(),
+                &q,
+                e.epoch,
+                false,
+                5,
+                Outcome::RateLimited {
+                    retry_after: Some(ms(120)),
+                },
+            ),
         )
         .await
         .unwrap();
@@ -756,7 +764,7 @@ pub async fn admit_releases_reservation_when_breaker_refuses<H: Harness>(h: &H) 
     let b = h.fresh().await;
     let q = qp_tokens_only();
     b.force_open(S1, ms(300)).await.unwrap();
-    match b.admit(S1, &bp(), &q, 25).await.unwrap() {
+    match b.admit(S1, AdmitRequest::new(&bp(), &q, 25)).await.unwrap() {
         Admit::CircuitOpen {
             state, retry_after, ..
         } => {
@@ -772,9 +780,9 @@ pub async fn admit_releases_reservation_when_breaker_refuses<H: Harness>(h: &H) 
         rpm: Some(2),
         ..QuotaParams::default()
     };
-    b.admit(S2, &bp(), &q2, 0).await.unwrap();
+    b.admit(S2, AdmitRequest::new(&bp(), &q2, 0)).await.unwrap();
     b.force_open(S2, ms(300)).await.unwrap();
-    b.admit(S2, &bp(), &q2, 0).await.unwrap();
+    b.admit(S2, AdmitRequest::new(&bp(), &q2, 0)).await.unwrap();
     let snap = b.snapshot(S2, &bp(), &q2).await.unwrap();
     assert_level(snap.requests_available, 1.0, "request released too");
 }
@@ -785,7 +793,7 @@ pub async fn admit_quota_refusal_does_not_touch_breaker<H: Harness>(h: &H) {
     fail_n(&b, S1, 3).await;
     h.advance(ms(110)).await; // cooldown over: a try_enter would take the probe
     b.block_quota(S1, ms(500)).await.unwrap();
-    match b.admit(S1, &bp(), &q, 5).await.unwrap() {
+    match b.admit(S1, AdmitRequest::new(&bp(), &q, 5)).await.unwrap() {
         Admit::RateLimited { .. } => {}
         a => panic!("expected RateLimited: {a:?}"),
     }
@@ -800,23 +808,27 @@ pub async fn admit_quota_refusal_does_not_touch_breaker<H: Harness>(h: &H) {
 pub async fn admit_grants_probe_and_report_settles<H: Harness>(h: &H) {
     let b = h.fresh().await;
     let q = qp_tokens_only();
-    let Admit::Admitted { epoch, is_probe } = b.admit(S1, &bp(), &q, 20).await.unwrap() else {
+    let Admit::Admitted { epoch, is_probe } =
+        b.admit(S1, AdmitRequest::new(&bp(), &q, 20)).await.unwrap()
+    else {
         panic!("fresh source must admit")
     };
     assert!(!is_probe);
     let a = b
         .report(
             S1,
-            &bp(),
-            &q,
-            epoch,
-            false,
-            20,
-            Outcome::Success {
-                tokens: Some(12),
-                split: None,
-                count_attempt: true,
-            },
+            ReportRequest::new(
+                &bp(),
+                &q,
+                epoch,
+                false,
+                20,
+                Outcome::Success {
+                    tokens: Some(12),
+                    split: None,
+                    count_attempt: true,
+                },
+            ),
         )
         .await
         .unwrap();
@@ -824,18 +836,22 @@ pub async fn admit_grants_probe_and_report_settles<H: Harness>(h: &H) {
     let snap = b.snapshot(S1, &bp(), &q).await.unwrap();
     assert_level(snap.tokens_available, 48.0, "charged the actual tokens");
     assert_eq!(snap.window_successes, 1);
-    let Admit::Admitted { epoch, .. } = b.admit(S1, &bp(), &q, 20).await.unwrap() else {
+    let Admit::Admitted { epoch, .. } =
+        b.admit(S1, AdmitRequest::new(&bp(), &q, 20)).await.unwrap()
+    else {
         panic!()
     };
     let a = b
         .report(
             S1,
-            &bp(),
-            &q,
-            epoch,
-            false,
-            20,
-            Outcome::failure(FailureKind::ServerError),
+            ReportRequest::new(
+                &bp(),
+                &q,
+                epoch,
+                false,
+                20,
+                Outcome::failure(FailureKind::ServerError),
+            ),
         )
         .await
         .unwrap();
@@ -874,9 +890,13 @@ pub async fn quota_refusal_reports_the_later_of_refill_and_block<H: Harness>(h: 
         Admit::RateLimited { retry_after } => retry_after,
         a => panic!("expected a quota refusal: {a:?}"),
     };
-    let wait = refused(b.admit(S1, &bp(), &q, 10).await.unwrap());
+    let wait = refused(b.admit(S1, AdmitRequest::new(&bp(), &q, 10)).await.unwrap());
     assert_dur(h, wait, Duration::from_secs(40), "debt 30 + estimate 10");
-    let wait = refused(b.admit(S1, &bp(), &q, 1_000).await.unwrap());
+    let wait = refused(
+        b.admit(S1, AdmitRequest::new(&bp(), &q, 1_000))
+            .await
+            .unwrap(),
+    );
     assert_dur(
         h,
         wait,
@@ -884,7 +904,7 @@ pub async fn quota_refusal_reports_the_later_of_refill_and_block<H: Harness>(h: 
         "an oversized estimate needs a full bucket",
     );
     b.block_quota(S1, ms(300)).await.unwrap();
-    let wait = refused(b.admit(S1, &bp(), &q, 10).await.unwrap());
+    let wait = refused(b.admit(S1, AdmitRequest::new(&bp(), &q, 10)).await.unwrap());
     assert_dur(
         h,
         wait,
@@ -892,7 +912,7 @@ pub async fn quota_refusal_reports_the_later_of_refill_and_block<H: Harness>(h: 
         "refill is later than the block",
     );
     b.block_quota(S1, Duration::from_secs(120)).await.unwrap();
-    let wait = refused(b.admit(S1, &bp(), &q, 10).await.unwrap());
+    let wait = refused(b.admit(S1, AdmitRequest::new(&bp(), &q, 10)).await.unwrap());
     assert_dur(
         h,
         wait,
@@ -939,22 +959,26 @@ pub async fn failures_are_charged_or_refunded_by_kind<H: Harness>(h: &H) {
         (FailureKind::ServerError, Some(15), 0.0),
     ];
     for (i, (kind, tokens, charged)) in cases.into_iter().enumerate() {
-        let Admit::Admitted { epoch, .. } = b.admit(S1, &p, &q, 20).await.unwrap() else {
+        let Admit::Admitted { epoch, .. } =
+            b.admit(S1, AdmitRequest::new(&p, &q, 20)).await.unwrap()
+        else {
             panic!("admit {i}")
         };
         let a = b
             .report(
                 S1,
-                &p,
-                &q,
-                epoch,
-                false,
-                20,
-                Outcome::Failure {
-                    kind,
-                    tokens,
-                    split: None,
-                },
+                ReportRequest::new(
+                    &p,
+                    &q,
+                    epoch,
+                    false,
+                    20,
+                    Outcome::Failure {
+                        kind,
+                        tokens,
+                        split: None,
+                    },
+                ),
             )
             .await
             .unwrap();
@@ -1086,7 +1110,7 @@ pub async fn a_429_block_is_bounded_alike<H: Harness>(h: &H) {
         retry_after: Some(Duration::from_secs(30 * 86_400)),
     };
     let a = b
-        .report(S1, &bp(), &q, e.epoch, false, 5, month)
+        .report(S1, ReportRequest::new(&bp(), &q, e.epoch, false, 5, month))
         .await
         .unwrap();
     assert_eq!(
@@ -1097,7 +1121,7 @@ pub async fn a_429_block_is_bounded_alike<H: Harness>(h: &H) {
     let week = polygate::gate::quota::MAX_QUOTA_BLOCK;
     let snap = b.snapshot(S1, &bp(), &q).await.unwrap();
     assert_dur(h, snap.quota_blocked, week, "capped block");
-    match b.admit(S1, &bp(), &q, 1).await.unwrap() {
+    match b.admit(S1, AdmitRequest::new(&bp(), &q, 1)).await.unwrap() {
         Admit::RateLimited { retry_after } => assert_dur(h, retry_after, week, "admit"),
         a => panic!("blocked: {a:?}"),
     }
@@ -1150,13 +1174,13 @@ pub async fn class_reserve_holds_capacity_across_hosts<H: Harness>(h: &H) {
     let interactive = classes(500_000, 300_000, 1_000_000, 0);
     for i in 0..7 {
         let a = hosts[i % 2]
-            .admit_class(S1, &bp(), &q, 0.into(), &batch)
+            .admit(S1, AdmitRequest::new(&bp(), &q, 0).class(&batch))
             .await
             .unwrap();
         assert!(matches!(a, Admit::Admitted { .. }), "batch {i}: {a:?}");
     }
     match hosts[1]
-        .admit_class(S1, &bp(), &q, 0.into(), &batch)
+        .admit(S1, AdmitRequest::new(&bp(), &q, 0).class(&batch))
         .await
         .unwrap()
     {
@@ -1171,7 +1195,7 @@ pub async fn class_reserve_holds_capacity_across_hosts<H: Harness>(h: &H) {
     }
     for i in 0..3 {
         let a = hosts[(i + 1) % 2]
-            .admit_class(S1, &bp(), &q, 0.into(), &interactive)
+            .admit(S1, AdmitRequest::new(&bp(), &q, 0).class(&interactive))
             .await
             .unwrap();
         assert!(
@@ -1180,7 +1204,7 @@ pub async fn class_reserve_holds_capacity_across_hosts<H: Harness>(h: &H) {
         );
     }
     match hosts[0]
-        .admit_class(S1, &bp(), &q, 0.into(), &interactive)
+        .admit(S1, AdmitRequest::new(&bp(), &q, 0).class(&interactive))
         .await
         .unwrap()
     {
@@ -1191,7 +1215,10 @@ pub async fn class_reserve_holds_capacity_across_hosts<H: Harness>(h: &H) {
     }
     // A scope without classes on the same source sees the bucket only.
     assert!(matches!(
-        hosts[1].admit(S1, &bp(), &q, 0).await.unwrap(),
+        hosts[1]
+            .admit(S1, AdmitRequest::new(&bp(), &q, 0))
+            .await
+            .unwrap(),
         Admit::RateLimited { .. }
     ));
 }
@@ -1210,7 +1237,7 @@ pub async fn class_limit_caps_always_and_settles_back<H: Harness>(h: &H) {
     let mut epochs = Vec::new();
     for (i, host) in hosts.iter().enumerate() {
         match host
-            .admit_class(S1, &bp(), &q, 0.into(), &batch)
+            .admit(S1, AdmitRequest::new(&bp(), &q, 0).class(&batch))
             .await
             .unwrap()
         {
@@ -1219,7 +1246,7 @@ pub async fn class_limit_caps_always_and_settles_back<H: Harness>(h: &H) {
         }
     }
     match hosts[0]
-        .admit_class(S1, &bp(), &q, 0.into(), &batch)
+        .admit(S1, AdmitRequest::new(&bp(), &q, 0).class(&batch))
         .await
         .unwrap()
     {
@@ -1231,35 +1258,29 @@ pub async fn class_limit_caps_always_and_settles_back<H: Harness>(h: &H) {
     }
     assert!(matches!(
         hosts[1]
-            .admit_class(S1, &bp(), &q, 0.into(), &interactive)
+            .admit(S1, AdmitRequest::new(&bp(), &q, 0).class(&interactive))
             .await
             .unwrap(),
         Admit::Admitted { .. }
     ));
     // One batch permit cancelled before sending: its request comes back to batch.
     hosts[1]
-        .report_class(
+        .report(
             S1,
-            &bp(),
-            &q,
-            epochs[0],
-            false,
-            0.into(),
-            Outcome::Cancelled,
-            "batch",
+            ReportRequest::new(&bp(), &q, epochs[0], false, 0, Outcome::Cancelled).class("batch"),
         )
         .await
         .unwrap();
     assert!(matches!(
         hosts[0]
-            .admit_class(S1, &bp(), &q, 0.into(), &batch)
+            .admit(S1, AdmitRequest::new(&bp(), &q, 0).class(&batch))
             .await
             .unwrap(),
         Admit::Admitted { .. }
     ));
     assert!(matches!(
         hosts[1]
-            .admit_class(S1, &bp(), &q, 0.into(), &batch)
+            .admit(S1, AdmitRequest::new(&bp(), &q, 0).class(&batch))
             .await
             .unwrap(),
         Admit::ClassHeld {

@@ -7,7 +7,9 @@
 
 use std::time::Duration;
 
-use polygate::backend::{Backend, Outcome, QuotaParams, Reserve, Settlement, Split, Tokens};
+use polygate::backend::{
+    Backend, Outcome, QuotaParams, ReportRequest, Reserve, Settlement, Split, Tokens,
+};
 
 use super::{assert_dur, assert_level, bp, ms, Harness, S1};
 
@@ -168,7 +170,7 @@ pub async fn input_and_output_buckets_settle_the_split_or_in_proportion<H: Harne
         }),
         count_attempt: true,
     };
-    b.report(S1, &bp(), &q, e.epoch, false, r, ok)
+    b.report(S1, ReportRequest::new(&bp(), &q, e.epoch, false, r, ok))
         .await
         .unwrap();
     let l = levels(&b, &q).await;
@@ -198,7 +200,7 @@ pub async fn estimate_charging_keeps_the_reservation_whatever_is_reported<H: Har
     };
     let r2 = tok(10, 5, 5);
     assert_eq!(b.reserve(S1, &q, r2).await.unwrap(), Reserve::Reserved);
-    b.report(S1, &bp(), &q, e.epoch, false, r2, big)
+    b.report(S1, ReportRequest::new(&bp(), &q, e.epoch, false, r2, big))
         .await
         .unwrap();
     assert_level(

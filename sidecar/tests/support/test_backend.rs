@@ -151,42 +151,25 @@ impl Backend for TestBackend {
         self.snapshots.fetch_add(1, Ordering::SeqCst);
         self.inner.snapshot(s, p, q).await
     }
-    async fn admit(
-        &self,
-        s: &str,
-        p: &BreakerParams,
-        q: &QuotaParams,
-        t: impl Into<Tokens> + Send,
-    ) -> BResult<Admit> {
-        let t = t.into();
+    async fn admit(&self, s: &str, r: AdmitRequest<'_>) -> BResult<Admit> {
         self.trip().await;
         self.admits.fetch_add(1, Ordering::SeqCst);
         if self.rejects.lock().unwrap().as_deref() == Some(s) {
             return Err(BackendError::Protocol(format!("test: store rejected {s}")));
         }
-        let r = self.inner.admit(s, p, q, t).await;
-        if let Ok(Admit::Admitted { .. }) = r {
-            self.tokens.fetch_add(t.total as i64, Ordering::SeqCst);
+        let a = self.inner.admit(s, r).await;
+        if let Ok(Admit::Admitted { .. }) = a {
+            self.tokens
+                .fetch_add(r.tokens.total as i64, Ordering::SeqCst);
             self.requests.fetch_add(1, Ordering::SeqCst);
         }
-        r
+        a
     }
-    #[allow(clippy::too_many_arguments)]
-    async fn report(
-        &self,
-        s: &str,
-        p: &BreakerParams,
-        q: &QuotaParams,
-        e: u64,
-        probe: bool,
-        t: impl Into<Tokens> + Send,
-        o: Outcome,
-    ) -> BResult<Applied> {
-        let t = t.into();
+    async fn report(&self, s: &str, r: ReportRequest<'_>) -> BResult<Applied> {
         self.trip().await;
         self.check()?;
-        self.release(t.total);
-        self.inner.report(s, p, q, e, probe, t, o).await
+        self.release(r.reserved.total);
+        self.inner.report(s, r).await
     }
     async fn neutral(&self, s: &str, e: u64, probe: bool) -> BResult<Applied> {
         self.inner.neutral(s, e, probe).await

@@ -33,8 +33,8 @@ use tokio::sync::broadcast;
 use super::event::AdminEvent;
 use super::memory::MemoryBackend;
 use super::{
-    Admit, Applied, BResult, Backend, BackendError, BreakerParams, ClassTag, Entry, Outcome, Peek,
-    QuotaParams, Reserve, Settlement, SourceSnapshot, Tokens,
+    Admit, AdmitRequest, Applied, BResult, Backend, BackendError, BreakerParams, Entry, Peek,
+    QuotaParams, ReportRequest, Reserve, Settlement, SourceSnapshot, Tokens,
 };
 use crate::clock::Clock;
 use crate::config::{BackendKind, OnBackendError};
@@ -380,114 +380,32 @@ impl Backend for RedisBackend {
         }
     }
 
-    async fn admit(
-        &self,
-        source: &str,
-        p: &BreakerParams,
-        q: &QuotaParams,
-        tokens: impl Into<Tokens> + Send,
-    ) -> BResult<Admit> {
-        let tokens = tokens.into();
+    async fn admit(&self, source: &str, r: AdmitRequest<'_>) -> BResult<Admit> {
         let op = AdmitArgs {
-            p,
-            q,
-            tokens,
-            class: None,
+            p: r.p,
+            q: r.q,
+            tokens: r.tokens,
+            class: r.class,
         };
         match self.exec(source, op).await? {
             Some(a) => Ok(a),
-            None => self.local.admit(source, p, q, tokens).await,
+            None => self.local.admit(source, r).await,
         }
     }
 
-    async fn admit_class(
-        &self,
-        source: &str,
-        p: &BreakerParams,
-        q: &QuotaParams,
-        tokens: Tokens,
-        class: &ClassTag,
-    ) -> BResult<Admit> {
-        let op = AdmitArgs {
-            p,
-            q,
-            tokens,
-            class: Some(class),
-        };
-        match self.exec(source, op).await? {
-            Some(a) => Ok(a),
-            None => self.local.admit_class(source, p, q, tokens, class).await,
-        }
-    }
-
-    #[allow(clippy::too_many_arguments)]
-    async fn report_class(
-        &self,
-        source: &str,
-        p: &BreakerParams,
-        q: &QuotaParams,
-        epoch: u64,
-        is_probe: bool,
-        reserved_tokens: Tokens,
-        outcome: Outcome,
-        class: &str,
-    ) -> BResult<Applied> {
+    async fn report(&self, source: &str, r: ReportRequest<'_>) -> BResult<Applied> {
         let op = ReportArgs {
-            p,
-            q,
-            epoch,
-            is_probe,
-            reserved: reserved_tokens,
-            outcome,
-            class: Some(class),
+            p: r.p,
+            q: r.q,
+            epoch: r.epoch,
+            is_probe: r.is_probe,
+            reserved: r.reserved,
+            outcome: r.outcome,
+            class: r.class,
         };
         match self.exec(source, op).await? {
             Some(a) => Ok(a),
-            None => {
-                self.local
-                    .report_class(
-                        source,
-                        p,
-                        q,
-                        epoch,
-                        is_probe,
-                        reserved_tokens,
-                        outcome,
-                        class,
-                    )
-                    .await
-            }
-        }
-    }
-
-    #[allow(clippy::too_many_arguments)]
-    async fn report(
-        &self,
-        source: &str,
-        p: &BreakerParams,
-        q: &QuotaParams,
-        epoch: u64,
-        is_probe: bool,
-        reserved_tokens: impl Into<Tokens> + Send,
-        outcome: Outcome,
-    ) -> BResult<Applied> {
-        let reserved_tokens = reserved_tokens.into();
-        let op = ReportArgs {
-            p,
-            q,
-            epoch,
-            is_probe,
-            reserved: reserved_tokens,
-            outcome,
-            class: None,
-        };
-        match self.exec(source, op).await? {
-            Some(a) => Ok(a),
-            None => {
-                self.local
-                    .report(source, p, q, epoch, is_probe, reserved_tokens, outcome)
-                    .await
-            }
+            None => self.local.report(source, r).await,
         }
     }
 
