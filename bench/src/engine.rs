@@ -37,15 +37,21 @@ max = 4
 name = "n"
 "#;
 
-fn engine() -> Result<Arc<Engine<MemoryBackend>>, String> {
-    let cfg = parse_str(CONFIG, std::iter::empty()).map_err(|e| e.to_string())?;
+/// An engine on the memory backend and the real clock, configured by `config`
+/// (sources named `sources`): every in-process scenario starts here.
+pub fn in_process(config: &str, sources: &[&str]) -> Result<Arc<Engine<MemoryBackend>>, String> {
+    let cfg = parse_str(config, std::iter::empty()).map_err(|e| e.to_string())?;
     let clock: Arc<dyn Clock> = Arc::new(TokioClock::new());
-    let names = vec!["a".to_string(), "n".to_string()];
+    let names: Vec<String> = sources.iter().map(|s| s.to_string()).collect();
     Ok(Engine::new(
         &cfg,
         MemoryBackend::new(clock.clone(), names),
         clock,
     ))
+}
+
+fn engine() -> Result<Arc<Engine<MemoryBackend>>, String> {
+    in_process(CONFIG, &["a", "n"])
 }
 
 async fn cycle(e: &Engine<MemoryBackend>, owner: u64, scope: &str) -> Result<(), String> {

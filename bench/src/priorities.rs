@@ -14,8 +14,6 @@ use std::time::{Duration, Instant};
 
 use polygate::backend::memory::MemoryBackend;
 use polygate::backend::Outcome;
-use polygate::clock::{Clock, TokioClock};
-use polygate::config::parse_str;
 use polygate::engine::Engine;
 
 use crate::{Line, Opts, Scenario};
@@ -47,13 +45,7 @@ fn config(classes: bool) -> String {
 }
 
 fn engine(classes: bool) -> Result<Arc<Engine<MemoryBackend>>, String> {
-    let cfg = parse_str(&config(classes), std::iter::empty()).map_err(|e| e.to_string())?;
-    let clock: Arc<dyn Clock> = Arc::new(TokioClock::new());
-    Ok(Engine::new(
-        &cfg,
-        MemoryBackend::new(clock.clone(), vec!["up".to_string()]),
-        clock,
-    ))
+    crate::engine::in_process(&config(classes), &["up"])
 }
 
 /// One call of class `priority` (`None`: the scope's default); returns the wait for
