@@ -16,22 +16,21 @@
 use std::collections::{HashMap, VecDeque};
 use std::future::Future;
 use std::panic::AssertUnwindSafe;
-use std::pin::Pin;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
-use futures_util::FutureExt;
 use ipc_protocol::{ClientFrame, ErrorKind, FrameError, Reply, Request};
 use tokio::net::UnixStream;
-use tokio::task::{AbortHandle, JoinError, JoinSet};
+use tokio::task::{JoinError, JoinSet};
 use tracing::{debug, warn};
 
 use super::budget::Budget;
-use super::dispatch::{self, CancelBy, Ctx, Done, Job, Step};
+use super::dispatch::{self, panicked, run_job, Ctx, Done, Job, Pending, Step, Timer};
+use super::guard::{self, Idle, IdleWatch, Unsent};
 use super::transport::{self, Filled, Inbox, Outbox, Socket};
-use super::{convert, ConnSlot, RESERVED_CONNECTIONS};
+use super::{convert, ConnSlot};
 use crate::backend::Backend;
 use crate::engine::{Engine, OwnerId};
 use crate::logs::{self, Kind};
@@ -48,44 +47,6 @@ const HARD_STOP_FLUSH: Duration = Duration::from_millis(100);
 const FINISH_TIMEOUT: Duration = Duration::from_secs(2);
 /// Frames answered in one run of the task before it yields to the others.
 const FRAMES_PER_RUN: usize = 256;
-
-/// Unsent reply bytes past which a connection reads no more frames (its client is
-/// not reading); held above it for [`STALL_TIMEOUT`] with no write progress, the
-/// connection is closed.
-pub(super) const MAX_UNSENT: usize = 1 << 20;
-/// How long a connection may sit above [`MAX_UNSENT`] writing nothing.
-const STALL_TIMEOUT: Duration = Duration::from_secs(2);
-/// While the sidecar-wide budget (`max_buffered`) is spent, how often a connection
-/// that stopped reading looks again.
-const BUDGET_RETRY: Duration = Duration::from_millis(20);
-
-/// A request running in a task.
-struct Pending {
-    task: AbortHandle,
-    cancel: CancelBy,
-    /// Its `/metrics` timer, observed when its reply is ready.
-    timer: Timer,
-}
-
-/// A request's type ([`crate::metrics::request_type`]) and when it was read: the
-/// `polygate_request_duration_seconds{request}` observation made with its reply.
-#[derive(Clone, Copy)]
-struct Timer {
-    /// Index of the request type.
-    ty: usize,
-    /// When the frame was decoded.
-    started: Instant,
-}
-
-impl Pending {
-    fn cancel(&self) {
-        match &self.cancel {
-            CancelBy::Abort => self.task.abort(),
-            CancelBy::Token(t) => t.cancel(),
-            CancelBy::Never => {}
-        }
-    }
-}
 
 /// Why the request loop stopped.
 enum End {
@@ -136,44 +97,10 @@ struct Conn<B: Backend> {
     /// Accepted into the reserve past `max_connections` by a non-admin peer: only
     /// `Status`, `StatusJson` and `Ping` are served (§12 "Bounded under abuse").
     limited: bool,
-    /// Frames decoded since the connection opened: the idle check's sign of life.
-    frames: u64,
-    /// `frames` at the last idle check.
-    frames_at_check: u64,
-    /// A partial frame sat in the inbox at the last idle check.
-    partial_at_check: bool,
-    /// Unsent reply bytes last added to [`Shared::buffered`](super::Shared).
-    published_bytes: u64,
-    /// Above [`MAX_UNSENT`] or over the global budget: when to look again (and, if
-    /// this connection is the one not reading, when it is closed). Only set off the
-    /// hot path.
-    stalled: Option<(Pin<Box<tokio::time::Sleep>>, u64)>,
-}
-
-/// Refuse a connection past `max_connections` and its reserve: one `Overloaded`
-/// error (id 0: the connection is closed), written without waiting for `Hello`.
-pub(super) async fn refuse(stream: UnixStream, id: OwnerId, slot: ConnSlot) {
-    let max = slot.0.opts.max_connections;
-    if logs::allow(Kind::Overloaded) {
-        warn!(
-            conn = id,
-            max_connections = max,
-            "connection refused: the sidecar is at max_connections"
-        );
-    }
-    let mut out = Outbox::new(slot.0.opts.max_frame as usize);
-    let message = format!(
-        "the sidecar serves at most {max} connections (sidecar.max_connections) plus \
-         {RESERVED_CONNECTIONS} reserved for admin and status; retry later"
-    );
-    out.push(
-        id,
-        0,
-        Reply::Error(convert::error(ErrorKind::Overloaded, message)),
-    );
-    if let Ok(s) = transport::socket(stream) {
-        let _ = tokio::time::timeout(FLUSH_TIMEOUT, out.flush(&s)).await;
-    }
+    /// The idle check's memory (`sidecar.idle_timeout`, [`guard::IdleWatch`]).
+    idle: IdleWatch,
+    /// Unsent reply bytes against [`guard::MAX_UNSENT`] and `max_buffered`.
+    unsent: Unsent,
 }
 
 /// Serve one accepted connection to the end, then release what it held. `reserved`:
@@ -203,19 +130,11 @@ pub(super) async fn serve<B: Backend>(
                 "peer may not connect; refused"
             );
         }
-        let mut out = Outbox::new(max_frame);
         let message = format!(
             "uid {} / gid {} may not connect to this sidecar",
             peer.uid, peer.gid
         );
-        out.push(
-            id,
-            0,
-            Reply::Error(convert::error(ErrorKind::PermissionDenied, message)),
-        );
-        if let Ok(s) = transport::socket(stream) {
-            let _ = tokio::time::timeout(FLUSH_TIMEOUT, out.flush(&s)).await;
-        }
+        guard::write_refusal(stream, id, max_frame, ErrorKind::PermissionDenied, message).await;
         return;
     }
     let stream = match transport::socket(stream) {
@@ -247,11 +166,8 @@ pub(super) async fn serve<B: Backend>(
         published: 0,
         peak: 0,
         limited,
-        frames: 0,
-        frames_at_check: 0,
-        partial_at_check: false,
-        published_bytes: 0,
-        stalled: None,
+        idle: IdleWatch::default(),
+        unsent: Unsent::default(),
     };
     let end = conn.run().await;
     conn.teardown(end).await;
@@ -307,56 +223,14 @@ impl<B: Backend> Conn<B> {
         self.published = now;
     }
 
-    /// Bring the sidecar-wide count of unsent bytes up to date (no atomic operation
-    /// while nothing is left unsent between batches, the normal case).
+    /// Bring the sidecar-wide count of unsent bytes up to date.
     fn publish_bytes(&mut self, now: u64) {
-        let total = &self.ctx.shared.buffered;
-        if now > self.published_bytes {
-            total.fetch_add(now - self.published_bytes, Ordering::Relaxed);
-        } else if now < self.published_bytes {
-            total.fetch_sub(self.published_bytes - now, Ordering::Relaxed);
-        }
-        self.published_bytes = now;
+        self.unsent.publish(&self.ctx.shared.buffered, now);
     }
 
-    /// Reading is held back by bytes (this connection's [`MAX_UNSENT`] or the global
-    /// `max_buffered`).
+    /// Reading is held back by bytes ([`Unsent::over`]).
     fn over_bytes(&self) -> bool {
-        self.out.bytes() >= MAX_UNSENT
-            || self.ctx.shared.buffered.load(Ordering::Relaxed) > self.ctx.shared.opts.max_buffered
-    }
-
-    /// Held back by bytes: wake again soon (the global budget frees without waking
-    /// anyone); a connection above [`MAX_UNSENT`] that wrote nothing for
-    /// [`STALL_TIMEOUT`] is closed — its client does not read, and its memory goes.
-    fn poll_stall(&mut self, cx: &mut Context<'_>) -> Option<End> {
-        if !self.over_bytes() {
-            self.stalled = None;
-            return None;
-        }
-        let written = self.out.written();
-        let mine = self.out.bytes() >= MAX_UNSENT;
-        let wait = if mine { STALL_TIMEOUT } else { BUDGET_RETRY };
-        let progressed = self.stalled.as_ref().is_some_and(|(_, w)| *w != written);
-        if self.stalled.is_none() || progressed {
-            self.stalled = Some((Box::pin(tokio::time::sleep(wait)), written));
-        }
-        let (sleep, _) = self.stalled.as_mut().expect("set");
-        if sleep.as_mut().poll(cx).is_ready() {
-            if mine {
-                if logs::allow(Kind::Overloaded) {
-                    warn!(
-                        conn = self.id(),
-                        unsent = self.out.bytes(),
-                        "the client reads no replies; closing the connection"
-                    );
-                }
-                return Some(End::Closed);
-            }
-            self.stalled = None;
-            cx.waker().wake_by_ref();
-        }
-        None
+        Unsent::over(&self.out, &self.ctx.shared)
     }
 
     /// The request loop, handshake included.
@@ -410,8 +284,12 @@ impl<B: Backend> Conn<B> {
             self.publish(now);
             self.publish_bytes(self.out.bytes() as u64);
             if r.is_pending() {
-                if let Some(end) = self.poll_stall(cx) {
-                    return Poll::Ready(end);
+                let shared = &self.ctx.shared;
+                if self
+                    .unsent
+                    .poll_stall(cx, self.ctx.owner, &self.out, shared)
+                {
+                    return Poll::Ready(End::Closed);
                 }
             }
             r
@@ -423,21 +301,17 @@ impl<B: Backend> Conn<B> {
     /// nothing since the previous check, or whose partial frame has not completed
     /// since then.
     fn idle_check(&mut self) -> Option<End> {
-        let quiet = self.frames == self.frames_at_check;
         let partial = self.inbox.buffered() > 0;
-        let stuck = quiet && partial && self.partial_at_check;
-        self.frames_at_check = self.frames;
-        self.partial_at_check = partial;
         let timeout = self.ctx.shared.opts.idle_timeout;
-        if stuck {
+        let verdict = self.idle.check(partial);
+        if let Idle::Stuck = verdict {
             self.overloaded(format!(
                 "a partial frame did not complete within {timeout:?} (sidecar.idle_timeout)"
             ));
             return Some(End::Violation);
         }
-        if quiet
+        if matches!(verdict, Idle::Quiet)
             && self.version.is_some()
-            && !partial
             && self.pending.is_empty()
             && self.overflow.is_empty()
             && self.out.bytes() == 0
@@ -455,13 +329,8 @@ impl<B: Backend> Conn<B> {
         if logs::allow(Kind::Overloaded) {
             warn!(conn = self.id(), "{}; closing the connection", message);
         }
-        let kind = if self.version.unwrap_or(2) >= 2 {
-            ErrorKind::Overloaded
-        } else {
-            ErrorKind::Busy
-        };
-        self.out
-            .push(self.id(), 0, Reply::Error(convert::error(kind, message)));
+        let reply = guard::overloaded_reply(self.version, message);
+        self.out.push(self.id(), 0, reply);
     }
 
     /// No request running and no unreported permit: a draining connection may close.
@@ -528,7 +397,7 @@ impl<B: Backend> Conn<B> {
             match self.inbox.next_frame() {
                 Ok(Some(frame)) => {
                     *answered += 1;
-                    self.frames += 1;
+                    self.idle.frame();
                     if let Some(end) = self.on_frame(frame, cx) {
                         return Read::End(end);
                     }
@@ -591,18 +460,9 @@ impl<B: Backend> Conn<B> {
             );
             return None;
         }
-        if self.limited
-            && !matches!(
-                request,
-                Request::Status | Request::StatusJson | Request::Ping | Request::Cancel { .. }
-            )
-        {
+        if self.limited && !guard::reserve_allows(&request) {
             let max = self.ctx.shared.opts.max_connections;
-            self.overloaded(format!(
-                "the sidecar serves at most {max} connections (sidecar.max_connections); \
-                 this one is in the reserve for admin and status and may only send \
-                 Status or Ping; retry later"
-            ));
+            self.overloaded(guard::reserve_message(max));
             return Some(End::Violation);
         }
         match request {
@@ -641,37 +501,15 @@ impl<B: Backend> Conn<B> {
 
     /// The first frame: it must be a `Hello` of a version this sidecar speaks.
     fn hello(&mut self, id: u64, request: Request) -> Option<End> {
-        let Request::Hello {
-            protocol_version,
-            client_name,
-            pid,
-        } = request
-        else {
-            let message = format!(
-                "the first frame must be Hello, got {}",
-                dispatch::request_name(&request)
-            );
-            return Some(self.violation(id, message));
-        };
-        let supported = ipc_protocol::MIN_PROTOCOL_VERSION..=ipc_protocol::PROTOCOL_VERSION;
-        if !supported.contains(&protocol_version) {
-            let message = format!(
-                "protocol version mismatch: client {client_name:?} speaks version \
-                 {protocol_version}, this sidecar speaks versions {} to {}",
-                supported.start(),
-                supported.end()
-            );
-            return Some(self.violation(id, message));
+        let max_frame = self.ctx.shared.opts.max_frame;
+        match dispatch::handshake(self.id(), request, max_frame) {
+            Ok((version, welcome)) => {
+                self.version = Some(version);
+                self.reply(id, welcome);
+                None
+            }
+            Err(message) => Some(self.violation(id, message)),
         }
-        self.version = Some(protocol_version);
-        debug!(conn = self.id(), client = %client_name, client_pid = pid, protocol_version, "hello");
-        let welcome = Reply::Welcome {
-            protocol_version,
-            sidecar_version: env!("CARGO_PKG_VERSION").to_string(),
-            max_frame: self.ctx.shared.opts.max_frame,
-        };
-        self.reply(id, welcome);
-        None
     }
 
     /// Record a request's time in the sidecar (`/metrics`).
@@ -807,29 +645,4 @@ impl<B: Backend> Conn<B> {
         };
         debug!(conn = self.id(), "disconnected: {why}");
     }
-}
-
-/// A spawned job: its id and answer (an `Internal` error if it panicked).
-async fn run_job(
-    conn: OwnerId,
-    id: u64,
-    fut: Pin<Box<dyn Future<Output = Done> + Send>>,
-) -> (u64, Done) {
-    let done = AssertUnwindSafe(fut)
-        .catch_unwind()
-        .await
-        .unwrap_or_else(|_| Done {
-            reply: panicked(conn, id),
-            holds_slot: false,
-            ends_call: false,
-        });
-    (id, done)
-}
-
-fn panicked(conn: OwnerId, id: u64) -> Reply {
-    warn!(conn, request = id, "request handler panicked");
-    Reply::Error(convert::error(
-        ErrorKind::Internal,
-        "internal error while handling the request",
-    ))
 }

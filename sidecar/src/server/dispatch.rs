@@ -16,10 +16,14 @@
 //! it finishes.
 
 use std::future::Future;
+use std::panic::AssertUnwindSafe;
 use std::pin::Pin;
 use std::sync::Arc;
+use std::time::Instant;
 
+use futures_util::FutureExt;
 use ipc_protocol::{ErrorKind, Reply, Request};
+use tokio::task::AbortHandle;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
 
@@ -398,4 +402,97 @@ pub(super) fn request_name(r: &Request) -> &'static str {
         Request::Begin(_) => "Begin",
         Request::StatusJson => "StatusJson",
     }
+}
+
+/// A request running in a task.
+pub(super) struct Pending {
+    /// The task, aborted by a `Cancel` or teardown.
+    pub task: AbortHandle,
+    /// How a `Cancel` stops it.
+    pub cancel: CancelBy,
+    /// Its `/metrics` timer, observed when its reply is ready.
+    pub timer: Timer,
+}
+
+/// A request's type ([`crate::metrics::request_type`]) and when it was read: the
+/// `polygate_request_duration_seconds{request}` observation made with its reply.
+#[derive(Clone, Copy)]
+pub(super) struct Timer {
+    /// Index of the request type.
+    pub ty: usize,
+    /// When the frame was decoded.
+    pub started: Instant,
+}
+
+impl Pending {
+    /// Stop it the way its request may be stopped.
+    pub fn cancel(&self) {
+        match &self.cancel {
+            CancelBy::Abort => self.task.abort(),
+            CancelBy::Token(t) => t.cancel(),
+            CancelBy::Never => {}
+        }
+    }
+}
+
+/// A spawned job: its id and answer (an `Internal` error if it panicked).
+pub(super) async fn run_job(
+    conn: OwnerId,
+    id: u64,
+    fut: Pin<Box<dyn Future<Output = Done> + Send>>,
+) -> (u64, Done) {
+    let done = AssertUnwindSafe(fut)
+        .catch_unwind()
+        .await
+        .unwrap_or_else(|_| Done {
+            reply: panicked(conn, id),
+            holds_slot: false,
+            ends_call: false,
+        });
+    (id, done)
+}
+
+/// The reply of a request whose handler panicked (logged).
+pub(super) fn panicked(conn: OwnerId, id: u64) -> Reply {
+    warn!(conn, request = id, "request handler panicked");
+    Reply::Error(convert::error(
+        ErrorKind::Internal,
+        "internal error while handling the request",
+    ))
+}
+
+/// Check the first frame of a connection: a `Hello` of a version this sidecar
+/// speaks. Its version and `Welcome`, or why the connection is closed.
+pub(super) fn handshake(
+    conn: OwnerId,
+    request: Request,
+    max_frame: u32,
+) -> Result<(u32, Reply), String> {
+    let Request::Hello {
+        protocol_version,
+        client_name,
+        pid,
+    } = request
+    else {
+        return Err(format!(
+            "the first frame must be Hello, got {}",
+            request_name(&request)
+        ));
+    };
+    let supported = ipc_protocol::MIN_PROTOCOL_VERSION..=ipc_protocol::PROTOCOL_VERSION;
+    if !supported.contains(&protocol_version) {
+        return Err(format!(
+            "protocol version mismatch: client {client_name:?} speaks version \
+             {protocol_version}, this sidecar speaks versions {} to {}",
+            supported.start(),
+            supported.end()
+        ));
+    }
+    debug!(conn, client = %client_name, client_pid = pid, protocol_version, "hello");
+    let welcome = Reply::Welcome {
+        protocol_version,
+        sidecar_version: env!("CARGO_PKG_VERSION").to_string(),
+        max_frame,
+    };
+    Ok((protocol_version, welcome))
 }

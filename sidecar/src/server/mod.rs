@@ -30,6 +30,7 @@ mod budget;
 mod conn;
 pub mod convert;
 mod dispatch;
+mod guard;
 mod transport;
 
 use std::future::Future;
@@ -242,7 +243,7 @@ where
                     let slot = ConnSlot(shared.clone());
                     let max = shared.opts.max_connections.max(1);
                     if open > max + RESERVED_CONNECTIONS as usize {
-                        tracker.spawn(conn::refuse(stream, id, slot));
+                        tracker.spawn(guard::refuse(stream, id, slot));
                     } else {
                         let reserved = open > max;
                         tracker.spawn(conn::serve(stream, id, engine.clone(), slot, reserved));
