@@ -531,7 +531,7 @@ class Call(_core.CallBase[Permit]):
         return "<Call %s scope=%r>" % (self.id, self.scope)
 
 
-class Client:
+class Client(_core.WelcomeInfo[_Connection]):
     """A connection to the sidecar. Thread-safe: any number of threads may run
     calls over it concurrently. Use :func:`connect` to create one.
 
@@ -550,23 +550,6 @@ class Client:
         self._dials = 0  # reconnect attempts finished: a thread that waited for one takes its result
         self._dial_error: Optional[SidecarError] = None  # why the last attempt failed
         self._opening: Optional[_Connection] = None  # a reconnect's connection, until its handshake is done
-
-    @property
-    def protocol_version(self) -> int:
-        """The protocol version of the current connection (from ``Welcome``)."""
-        v: int = self._conn.welcome["protocol_version"]
-        return v
-
-    @property
-    def sidecar_version(self) -> str:
-        """The sidecar's version (from the current connection's ``Welcome``)."""
-        v: str = self._conn.welcome["sidecar_version"]
-        return v
-
-    @property
-    def max_frame(self) -> int:
-        """The sidecar's frame size limit (from the current connection's ``Welcome``)."""
-        return self._conn.max_frame
 
     def _reconnect(self, lost: _Connection) -> _Connection:
         """The live connection, after ``lost`` was found dead: a new one (socket

@@ -343,7 +343,7 @@ class Call(_core.CallBase[Permit]):
         return "<aio.Call %s scope=%r>" % (self.id, self.scope)
 
 
-class Client:
+class Client(_core.WelcomeInfo[_Connection]):
     """An asyncio connection to the sidecar, shared by every task of the loop.
 
     A lost connection (the sidecar closed it — idle timeout, restart — or it
@@ -358,23 +358,6 @@ class Client:
         self._closed = False  # close() was called: no reconnect, ever
         self._dialing: "Optional[asyncio.Task[_Connection]]" = None  # the reconnect every task awaits
         self._opening: Optional[_Connection] = None  # its connection, before the handshake is done
-
-    @property
-    def protocol_version(self) -> int:
-        """The protocol version of the current connection (from ``Welcome``)."""
-        v: int = self._conn.welcome["protocol_version"]
-        return v
-
-    @property
-    def sidecar_version(self) -> str:
-        """The sidecar's version (from the current connection's ``Welcome``)."""
-        v: str = self._conn.welcome["sidecar_version"]
-        return v
-
-    @property
-    def max_frame(self) -> int:
-        """The sidecar's frame size limit (from the current connection's ``Welcome``)."""
-        return self._conn.max_frame
 
     async def _reconnect(self) -> _Connection:
         """The live connection, the current one being lost: a new one (socket +

@@ -1,6 +1,7 @@
 """The sans-I/O core shared by the sync and asyncio clients.
 
-* :mod:`.protocol` – building requests and outcomes (validated), the handshake,
+* :mod:`.protocol` – building requests and outcomes (validated), the handshake
+  (and ``WelcomeInfo``, the clients' Welcome-derived properties),
   reading replies;
 * :mod:`.status`   – typed models: :class:`ReportResult`, the status TypedDicts;
 * :mod:`.errmap`   – wire errors and socket trouble → :mod:`polygate.errors`;
@@ -34,6 +35,8 @@ from .protocol import (
     OUTCOME_CANCELLED,
     PING,
     STATUS_JSON,
+    WelcomeInfo,
+    WelcomeSource,
     MAX_COUNT,
     Reply,
     Request,
@@ -64,6 +67,8 @@ from .run import Classifier, Outcome, classify_exception, retry_after_seconds, u
 from .status import ReportResult, ScopeStatus, SourceStatus, Status, report_result, status_from_json
 
 __all__ = [
+    "WelcomeInfo",
+    "WelcomeSource",
     "acquire",
     "Acquisition",
     "begin",

@@ -10,7 +10,7 @@ from __future__ import annotations
 import functools
 import os
 import re
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, Generic, Optional, Protocol, Tuple, TypeVar
 
 from .. import _frames, _wire
 from .._version import __version__
@@ -213,6 +213,41 @@ def expect(reply: Reply, *names: str) -> Any:
     if name == "Error":
         raise error_from_reply(body)
     raise protocol_error("unexpected reply %s from the sidecar (expected %s)" % (name, " or ".join(names)))
+
+
+class WelcomeSource(Protocol):
+    """What a connection keeps of its handshake (both clients' ``_Connection``)."""
+
+    welcome: Dict[str, Any]
+    max_frame: int
+
+
+C = TypeVar("C", bound=WelcomeSource)
+
+
+class WelcomeInfo(Generic[C]):
+    """The ``Welcome``-derived properties of a client, shared by the sync and
+    asyncio ``Client``: read from the current connection (``_conn``), so a
+    reconnect shows the new handshake."""
+
+    _conn: C
+
+    @property
+    def protocol_version(self) -> int:
+        """The protocol version of the current connection (from ``Welcome``)."""
+        v: int = self._conn.welcome["protocol_version"]
+        return v
+
+    @property
+    def sidecar_version(self) -> str:
+        """The sidecar's version (from the current connection's ``Welcome``)."""
+        v: str = self._conn.welcome["sidecar_version"]
+        return v
+
+    @property
+    def max_frame(self) -> int:
+        """The sidecar's frame size limit (from the current connection's ``Welcome``)."""
+        return self._conn.max_frame
 
 
 def check_welcome(reply: Reply) -> Dict[str, Any]:
