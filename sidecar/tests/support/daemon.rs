@@ -10,7 +10,7 @@ use std::process::{Child, Command, ExitStatus, Stdio};
 use std::time::{Duration, Instant};
 
 use futures_util::{SinkExt, StreamExt};
-use ipc_protocol::{ClientCodec, ClientFrame, Reply, Request, ServerFrame};
+use ipc_protocol::{ClientCodec, ClientFrame, FrameError, Reply, Request, ServerFrame};
 use tokio::net::UnixStream;
 use tokio_util::codec::Framed;
 
@@ -189,6 +189,11 @@ impl Client {
             Reply::Welcome { .. } => c,
             other => panic!("expected Welcome, got {other:?}"),
         }
+    }
+
+    /// Send one frame; the error if the sidecar already closed (a refused connection).
+    pub async fn try_send(&mut self, id: u64, request: Request) -> Result<(), FrameError> {
+        self.framed.send(ClientFrame { id, request }).await
     }
 
     /// Send one frame.
