@@ -10,12 +10,16 @@
 //!
 //! Counters keep the names they always had on the wire (`polygate_grants_total`);
 //! as OpenMetrics wants, their family (`# TYPE`) is the name without `_total`.
+//!
+//! This module holds the exposition, the scope and server families and the shared
+//! encoding helpers; the per-source families live in `sources`, §15's per-class
+//! families in `classes`.
 
+mod classes;
 pub mod histogram;
 mod shared;
+mod sources;
 
-use crate::engine::BucketView;
-use std::collections::HashSet;
 use std::fmt;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -26,7 +30,7 @@ use prometheus_client::encoding::{DescriptorEncoder, EncodeLabelSet, MetricEncod
 use prometheus_client::metrics::MetricType;
 use prometheus_client::registry::{Registry, Unit};
 
-use crate::backend::{Backend, SourceSnapshot, State};
+use crate::backend::Backend;
 use crate::engine::{Engine, ScopeStatus};
 pub use histogram::Histogram;
 pub use shared::{spawn_refresh, SharedView};
@@ -209,93 +213,7 @@ fn counter(m: &mut MetricEncoder<'_>, labels: &impl EncodeLabelSet, v: &AtomicU6
         .encode_counter::<NoLabelSet, u64, u64>(&v.load(Ordering::Relaxed), None)
 }
 
-/// A gauge's value: integers print as integers (an epoch may pass 2^53).
-#[derive(Clone, Copy)]
-enum Num {
-    /// A count, an epoch, a flag.
-    Int(u64),
-    /// Seconds, a ceiling, a bucket level.
-    Float(f64),
-}
-
-impl prometheus_client::encoding::EncodeGaugeValue for Num {
-    fn encode(
-        &self,
-        encoder: &mut prometheus_client::encoding::GaugeValueEncoder<'_>,
-    ) -> fmt::Result {
-        match *self {
-            Num::Int(v) => v.encode(encoder),
-            Num::Float(v) => v.encode(encoder),
-        }
-    }
-}
-
-/// Per-source gauges read from the backend's view.
-type SharedGauge = (
-    &'static str,
-    &'static str,
-    Option<Unit>,
-    fn(&SourceSnapshot) -> Num,
-);
-
-const SHARED_GAUGES: &[SharedGauge] = &[
-    (
-        "polygate_breaker_epoch",
-        "Breaker epoch (bumped by every transition).",
-        None,
-        |s| Num::Int(s.epoch),
-    ),
-    (
-        "polygate_breaker_retry_after",
-        "Seconds until a retry is certainly worth attempting (0 = now).",
-        Some(Unit::Seconds),
-        |s| Num::Float(s.retry_after.as_secs_f64()),
-    ),
-    (
-        "polygate_breaker_cooldown_level",
-        "Cooldown exponent k.",
-        None,
-        |s| Num::Int(s.cooldown_level.into()),
-    ),
-    (
-        "polygate_breaker_window_successes",
-        "Successes in the breaker window.",
-        None,
-        |s| Num::Int(s.window_successes),
-    ),
-    (
-        "polygate_breaker_window_failures",
-        "Failures in the breaker window.",
-        None,
-        |s| Num::Int(s.window_failures),
-    ),
-    (
-        "polygate_breaker_streak",
-        "Consecutive failures.",
-        None,
-        |s| Num::Int(s.streak.into()),
-    ),
-    (
-        "polygate_quota_blocked",
-        "Seconds the quota stays blocked by a 429.",
-        Some(Unit::Seconds),
-        |s| Num::Float(s.quota_blocked.as_secs_f64()),
-    ),
-];
-
 impl<B: Backend> Scrape<B> {
-    /// Every source once (a source named by several scopes is one source), with
-    /// whether its shared state is known.
-    fn sources(&self) -> Vec<(&crate::engine::SourceStatus, bool)> {
-        let mut seen = HashSet::new();
-        self.status
-            .iter()
-            .zip(&self.known)
-            .flat_map(|(sc, k)| sc.sources.iter().zip(k.iter().copied()))
-            .filter(|(s, _)| seen.insert(s.name.as_str()))
-            .collect()
-    }
-
     fn encode_scopes(&self, enc: &mut DescriptorEncoder<'_>) -> fmt::Result {
         let engine = &self.exp.engine;
         let mut m = family(
@@ -363,266 +281,6 @@ impl<B: Backend> Scrape<B> {
         self.encode_classes(enc)
     }
 
-    /// §15: per priority class, labelled {scope, class}; scopes without classes add
-    /// no series.
-    fn encode_classes(&self, enc: &mut DescriptorEncoder<'_>) -> fmt::Result {
-        let classes = || {
-            self.status
-                .iter()
-                .flat_map(|sc| sc.classes.iter().map(move |c| (sc.name.as_str(), c)))
-        };
-        let mut m = family(
-            enc,
-            "polygate_class_waiters",
-            "Acquires of the priority class currently waiting.",
-            None,
-            MetricType::Gauge,
-        )?;
-        for (scope, c) in classes() {
-            gauge(
-                &mut m,
-                &[("scope", scope), ("class", c.name.as_str())],
-                c.waiters,
-            )?;
-        }
-        let mut m = family(
-            enc,
-            "polygate_class_grant_share",
-            "The class's share of the scope's grants on this host.",
-            None,
-            MetricType::Gauge,
-        )?;
-        for (scope, c) in classes() {
-            gauge(
-                &mut m,
-                &[("scope", scope), ("class", c.name.as_str())],
-                c.grant_share,
-            )?;
-        }
-        let mut m = family(
-            enc,
-            "polygate_class_in_flight",
-            "Pacer slots the class holds on this host.",
-            None,
-            MetricType::Gauge,
-        )?;
-        for (scope, c) in classes() {
-            gauge(
-                &mut m,
-                &[("scope", scope), ("class", c.name.as_str())],
-                c.in_flight,
-            )?;
-        }
-        let mut m = family(
-            enc,
-            "polygate_class_grants",
-            "Permits granted to calls of the class.",
-            None,
-            MetricType::Counter,
-        )?;
-        for (scope, c) in classes() {
-            let labels = [("scope", scope), ("class", c.name.as_str())];
-            m.encode_family(&labels)?
-                .encode_counter::<NoLabelSet, u64, u64>(&c.grants, None)?;
-        }
-        let mut m = family(
-            enc,
-            "polygate_class_refusals",
-            "Refusals of the class by reason: call-ending errors, and sources held back \
-             by its limit or another class's reserve.",
-            None,
-            MetricType::Counter,
-        )?;
-        for (scope, c) in classes() {
-            for (reason, v) in &c.refusals {
-                let labels = [
-                    ("scope", scope),
-                    ("class", c.name.as_str()),
-                    ("reason", reason),
-                ];
-                m.encode_family(&labels)?
-                    .encode_counter::<NoLabelSet, u64, u64>(v, None)?;
-            }
-        }
-        Ok(())
-    }
-
-    fn encode_sources(&self, enc: &mut DescriptorEncoder<'_>) -> fmt::Result {
-        let sources = self.sources();
-        for (name, help, unit, read) in SHARED_GAUGES {
-            let mut m = family(enc, name, help, unit.as_ref(), MetricType::Gauge)?;
-            for (s, known) in &sources {
-                if *known {
-                    gauge(&mut m, &[("source", s.name.as_str())], read(&s.shared))?;
-                }
-            }
-        }
-        let mut m = family(
-            enc,
-            "polygate_breaker_state",
-            "1 for the breaker's current state, 0 for the others.",
-            None,
-            MetricType::Gauge,
-        )?;
-        for (s, known) in &sources {
-            if !known {
-                continue;
-            }
-            for (label, st) in [
-                ("closed", State::Closed),
-                ("open", State::Open),
-                ("half_open", State::HalfOpen),
-            ] {
-                let labels = [("source", s.name.as_str()), ("state", label)];
-                gauge(&mut m, &labels, u32::from(s.shared.state == st))?;
-            }
-        }
-        let mut m = family(
-            enc,
-            "polygate_quota_tokens_available",
-            "Tokens left in the tpm bucket (negative: debt).",
-            None,
-            MetricType::Gauge,
-        )?;
-        for (s, known) in &sources {
-            if let (true, Some(v)) = (known, s.shared.tokens_available) {
-                gauge(&mut m, &[("source", s.name.as_str())], v)?;
-            }
-        }
-        let mut m = family(
-            enc,
-            "polygate_quota_requests_available",
-            "Requests left in the rpm bucket.",
-            None,
-            MetricType::Gauge,
-        )?;
-        for (s, known) in &sources {
-            if let (true, Some(v)) = (known, s.shared.requests_available) {
-                gauge(&mut m, &[("source", s.name.as_str())], v)?;
-            }
-        }
-        // §7a: every configured bucket, labelled by its config key.
-        let bucket_families: [(&str, &str, BucketRead); 4] = [
-            (
-                "polygate_quota_bucket_level",
-                "Level of each quota bucket (negative: debt).",
-                |v| v.level,
-            ),
-            (
-                "polygate_quota_bucket_capacity",
-                "What each quota bucket holds when full (limit x burst / 60 s per minute).",
-                |v| Some(v.capacity as f64),
-            ),
-            (
-                "polygate_quota_bucket_refill_per_second",
-                "Refill rate of each quota bucket.",
-                |v| Some(v.refill_per_s),
-            ),
-            (
-                "polygate_quota_bucket_debt",
-                "How far each quota bucket is below zero.",
-                |v| v.debt,
-            ),
-        ];
-        for (name, help, read) in bucket_families {
-            let mut m = family(enc, name, help, None, MetricType::Gauge)?;
-            for (s, known) in &sources {
-                // Capacity and refill come from the config; level and debt only from
-                // a backend view this refresh could read.
-                for v in s.buckets() {
-                    let v = if *known {
-                        v
-                    } else {
-                        BucketView {
-                            level: None,
-                            debt: None,
-                            ..v
-                        }
-                    };
-                    if let Some(x) = read(&v) {
-                        let labels = [("source", s.name.as_str()), ("bucket", v.bucket.as_str())];
-                        gauge(&mut m, &labels, x)?;
-                    }
-                }
-            }
-        }
-        // Host-local, always live.
-        let local: [(&str, &str, Option<Unit>, LocalRead); 4] = [
-            (
-                "polygate_memo_remaining",
-                "Seconds this host still skips the source.",
-                Some(Unit::Seconds),
-                |s| Num::Float(s.memo_remaining.as_secs_f64()),
-            ),
-            (
-                "polygate_pacer_ceiling",
-                "AIMD concurrency ceiling on this host.",
-                None,
-                |s| Num::Float(s.pacer_ceiling),
-            ),
-            (
-                "polygate_pacer_in_flight",
-                "Permits in flight on this host.",
-                None,
-                |s| Num::Int(s.in_flight.into()),
-            ),
-            (
-                "polygate_source_degraded",
-                "1 while the source is served from local state (shared backend down).",
-                None,
-                |s| Num::Int(s.degraded.into()),
-            ),
-        ];
-        for (name, help, unit, read) in &local {
-            let mut m = family(enc, name, help, unit.as_ref(), MetricType::Gauge)?;
-            for (s, _) in &sources {
-                gauge(&mut m, &[("source", s.name.as_str())], read(s))?;
-            }
-        }
-        Ok(())
-    }
-
-    fn encode_source_counters(&self, enc: &mut DescriptorEncoder<'_>) -> fmt::Result {
-        let engine = &self.exp.engine;
-        type Pick = fn(&crate::engine::SourceCounters) -> &AtomicU64;
-        let counters: [(&str, &str, Pick); 3] = [
-            ("polygate_grants", "Permits granted.", |c| &c.grants),
-            ("polygate_probes", "Half-open probes granted.", |c| {
-                &c.probes
-            }),
-            (
-                "polygate_abandoned",
-                "Permits never reported (connection closed, call ended, lease expired).",
-                |c| &c.abandoned,
-            ),
-        ];
-        for (name, help, pick) in counters {
-            let mut m = family(enc, name, help, None, MetricType::Counter)?;
-            for src in &engine.sources {
-                counter(&mut m, &[("source", &*src.name)], pick(&src.counters))?;
-            }
-        }
-        let mut m = family(
-            enc,
-            "polygate_reports",
-            "Reported outcomes, by outcome.",
-            None,
-            MetricType::Counter,
-        )?;
-        for src in &engine.sources {
-            let c = &src.counters;
-            for (outcome, v) in [
-                ("success", &c.successes),
-                ("failure", &c.failures),
-                ("rate_limited", &c.rate_limited),
-                ("cancelled", &c.cancelled),
-            ] {
-                counter(&mut m, &[("source", &*src.name), ("outcome", outcome)], v)?;
-            }
-        }
-        Ok(())
-    }
-
     fn encode_server(&self, enc: &mut DescriptorEncoder<'_>) -> fmt::Result {
         let mut m = family(
             enc,
@@ -651,12 +309,6 @@ impl<B: Backend> Scrape<B> {
         Ok(())
     }
 }
-
-/// Reads one host-local gauge of a source.
-type LocalRead = fn(&crate::engine::SourceStatus) -> Num;
-
-/// How one bucket family reads its value from a bucket (`None`: no sample).
-type BucketRead = fn(&BucketView) -> Option<f64>;
 
 impl<B: Backend> prometheus_client::collector::Collector for Scrape<B> {
     fn encode(&self, mut enc: DescriptorEncoder<'_>) -> fmt::Result {

@@ -1,0 +1,124 @@
+//! One `[[scopes.NAME.sources]]` entry (§12a) with §7a's quota keys (`burst`,
+//! `tokens_charged`, `itpm`, `otpm`, `rpd`, `tpd`), and §2's rule that every scope
+//! naming a source configures its one quota alike.
+
+use std::collections::HashMap;
+
+use super::{choice, duration, positive};
+use crate::config::env::Origins;
+use crate::config::raw::RawSource;
+use crate::config::{
+    ConfigError, ScopeConfig, SourceConfig, DEFAULT_BURST, DEFAULT_SOURCE_TIMEOUT,
+    DEFAULT_TOKENS_CHARGED,
+};
+use crate::limits::{MAX_NAME, MAX_RATE, MAX_TOKENS};
+
+pub(super) fn validate_source(
+    prefix: &str,
+    raw: RawSource,
+    ctx: &Origins,
+) -> Result<SourceConfig, ConfigError> {
+    let k = |key: &str| format!("{prefix}.{key}");
+    let name = match raw.name {
+        Some(n) if n.len() > MAX_NAME => {
+            return Err(ctx.err(
+                &k("name"),
+                format_args!("{:?}", crate::limits::echo(&n)),
+                format!("must be at most {MAX_NAME} bytes"),
+            ))
+        }
+        Some(n) if !n.trim().is_empty() => n,
+        Some(_) => return Err(ctx.err(&k("name"), "\"\"", "must not be empty")),
+        None => {
+            return Err(ConfigError::Invalid {
+                key: k("name"),
+                reason: "every source needs a name".into(),
+            })
+        }
+    };
+    let burst = duration(ctx, &k("burst"), raw.burst.clone(), DEFAULT_BURST)?;
+    if burst > DEFAULT_BURST {
+        return Err(ctx.err(
+            &k("burst"),
+            format_args!("{:?}", raw.burst.unwrap_or_default()),
+            "must be at most 60s: a per-minute bucket never holds more than a minute's worth",
+        ));
+    }
+    Ok(SourceConfig {
+        tpm: positive(ctx, &k("tpm"), raw.tpm, MAX_RATE)?,
+        rpm: positive(ctx, &k("rpm"), raw.rpm, MAX_RATE)?,
+        est_tokens: positive(ctx, &k("est_tokens"), raw.est_tokens, MAX_TOKENS)?,
+        timeout: duration(ctx, &k("timeout"), raw.timeout, DEFAULT_SOURCE_TIMEOUT)?,
+        burst,
+        tokens_charged: choice(
+            ctx,
+            &k("tokens_charged"),
+            raw.tokens_charged,
+            DEFAULT_TOKENS_CHARGED,
+        )?,
+        itpm: positive(ctx, &k("itpm"), raw.itpm, MAX_RATE)?,
+        otpm: positive(ctx, &k("otpm"), raw.otpm, MAX_RATE)?,
+        rpd: positive(ctx, &k("rpd"), raw.rpd, MAX_RATE)?,
+        tpd: positive(ctx, &k("tpd"), raw.tpd, MAX_RATE)?,
+        est_output_tokens: positive(
+            ctx,
+            &k("est_output_tokens"),
+            raw.est_output_tokens,
+            MAX_TOKENS,
+        )?,
+        name,
+    })
+}
+
+/// §2: a source is one breaker and one quota by its name, so every scope naming it
+/// must configure the same quota keys (`tpm`, `rpm` and §7a's `burst`,
+/// `tokens_charged`, `itpm`, `otpm`, `rpd`, `tpd`).
+pub(super) fn check_shared_sources(scopes: &[ScopeConfig]) -> Result<(), ConfigError> {
+    let mut seen: HashMap<&str, (&str, &SourceConfig)> = HashMap::new();
+    for scope in scopes {
+        for src in &scope.sources {
+            let Some((first_scope, first)) = seen.get(src.name.as_str()).copied() else {
+                seen.insert(&src.name, (&scope.name, src));
+                continue;
+            };
+            for (field, a, b) in quota_keys(first)
+                .into_iter()
+                .zip(quota_keys(src))
+                .map(|((field, a), (_, b))| (field, a, b))
+            {
+                if a != b {
+                    return Err(ConfigError::SourceConflict {
+                        source_name: src.name.clone(),
+                        field,
+                        first_scope: first_scope.into(),
+                        first_value: a,
+                        second_scope: scope.name.clone(),
+                        second_value: b,
+                    });
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+/// The keys of a source that make up its one global quota, each as its value shows.
+pub(super) fn quota_keys(s: &SourceConfig) -> [(&'static str, Box<str>); 8] {
+    let n = |v: Option<u64>| v.map_or_else(|| "unset".into(), |v| v.to_string().into());
+    [
+        ("tpm", n(s.tpm)),
+        ("rpm", n(s.rpm)),
+        ("itpm", n(s.itpm)),
+        ("otpm", n(s.otpm)),
+        ("rpd", n(s.rpd)),
+        ("tpd", n(s.tpd)),
+        (
+            "burst",
+            format!("{:?}", humantime::format_duration(s.burst).to_string()).into(),
+        ),
+        (
+            "tokens_charged",
+            format!("{:?}", s.tokens_charged.as_str()).into(),
+        ),
+    ]
+}
