@@ -781,3 +781,118 @@ async fn every_quota_bucket_is_a_labelled_sample() {
     .await
     .unwrap();
 }
+
+/// §15: the per-class families and the per-scope error counters, pinned to the
+/// letter (integer gauges without a decimal point, the float share with one, every
+/// refusal reason in order), so a refactor of their encoding cannot change a byte.
+#[tokio::test(start_paused = true)]
+async fn class_families_and_acquire_errors_render_exactly() {
+    timeout(LIMIT, async {
+        let class = |name: &str, weight: f64| polygate::config::PriorityConfig {
+            name: name.into(),
+            weight,
+            reserve: 0.0,
+            limit: 1.0,
+        };
+        // `chat`: three pacer slots, so a fourth Acquire waits.
+        let mut chat = scope("chat", vec![source("a")]);
+        chat.pacer.initial = 3.0;
+        chat.pacer.min = 3.0;
+        chat.pacer.max = 3.0;
+        chat.priorities = vec![class("interactive", 2.0), class("batch", 1.0)];
+        chat.default_priority = 1;
+        // `bg`: its only source forced open, so its Acquires end `circuit_open`.
+        let mut bg = scope("bg", vec![source("b")]);
+        bg.priorities = vec![class("low", 1.0)];
+        let e = engine(&config(vec![chat, bg]));
+        let acquire = |cls: &str| {
+            let call = e.begin_call_as(1, "chat", None, Some(cls)).unwrap();
+            let e = e.clone();
+            async move { e.acquire(1, call).await }
+        };
+        let _i = acquire("interactive").await.unwrap();
+        let _b1 = acquire("batch").await.unwrap();
+        let _b2 = acquire("batch").await.unwrap();
+        let waiter = tokio::spawn(acquire("interactive"));
+        tokio::time::sleep(ms(1)).await;
+        e.force_open("b", secs(60)).await.unwrap();
+        for _ in 0..2 {
+            let call = e.begin_call(1, "bg", None).unwrap();
+            assert!(e.acquire(1, call).await.is_err());
+        }
+
+        let m = metrics::render(&exposition(&e)).await;
+        let families = [
+            "polygate_class_",
+            "# TYPE polygate_class_",
+            "# HELP polygate_class_",
+            "polygate_acquire_errors",
+            "# TYPE polygate_acquire_errors",
+            "# HELP polygate_acquire_errors",
+        ];
+        let got: Vec<&str> = m
+            .lines()
+            .filter(|l| families.iter().any(|f| l.starts_with(f)))
+            .collect();
+        let want = r#"# HELP polygate_acquire_errors Acquires that ended in a gateway error, by kind.
+# TYPE polygate_acquire_errors counter
+polygate_acquire_errors_total{scope="chat",kind="circuit_open"} 0
+polygate_acquire_errors_total{scope="chat",kind="stalled"} 0
+polygate_acquire_errors_total{scope="chat",kind="quota_exhausted"} 0
+polygate_acquire_errors_total{scope="chat",kind="retry_exhausted"} 0
+polygate_acquire_errors_total{scope="chat",kind="backend_unavailable"} 0
+polygate_acquire_errors_total{scope="bg",kind="circuit_open"} 2
+polygate_acquire_errors_total{scope="bg",kind="stalled"} 0
+polygate_acquire_errors_total{scope="bg",kind="quota_exhausted"} 0
+polygate_acquire_errors_total{scope="bg",kind="retry_exhausted"} 0
+polygate_acquire_errors_total{scope="bg",kind="backend_unavailable"} 0
+# HELP polygate_class_waiters Acquires of the priority class currently waiting.
+# TYPE polygate_class_waiters gauge
+polygate_class_waiters{scope="chat",class="interactive"} 1
+polygate_class_waiters{scope="chat",class="batch"} 0
+polygate_class_waiters{scope="bg",class="low"} 0
+# HELP polygate_class_grant_share The class's share of the scope's grants on this host.
+# TYPE polygate_class_grant_share gauge
+polygate_class_grant_share{scope="chat",class="interactive"} 0.3333333333333333
+polygate_class_grant_share{scope="chat",class="batch"} 0.6666666666666666
+polygate_class_grant_share{scope="bg",class="low"} 0.0
+# HELP polygate_class_in_flight Pacer slots the class holds on this host.
+# TYPE polygate_class_in_flight gauge
+polygate_class_in_flight{scope="chat",class="interactive"} 1
+polygate_class_in_flight{scope="chat",class="batch"} 2
+polygate_class_in_flight{scope="bg",class="low"} 0
+# HELP polygate_class_grants Permits granted to calls of the class.
+# TYPE polygate_class_grants counter
+polygate_class_grants_total{scope="chat",class="interactive"} 1
+polygate_class_grants_total{scope="chat",class="batch"} 2
+polygate_class_grants_total{scope="bg",class="low"} 0
+# HELP polygate_class_refusals Refusals of the class by reason: call-ending errors, and sources held back by its limit or another class's reserve.
+# TYPE polygate_class_refusals counter
+polygate_class_refusals_total{scope="chat",class="interactive",reason="circuit_open"} 0
+polygate_class_refusals_total{scope="chat",class="interactive",reason="stalled"} 0
+polygate_class_refusals_total{scope="chat",class="interactive",reason="quota_exhausted"} 0
+polygate_class_refusals_total{scope="chat",class="interactive",reason="retry_exhausted"} 0
+polygate_class_refusals_total{scope="chat",class="interactive",reason="backend_unavailable"} 0
+polygate_class_refusals_total{scope="chat",class="interactive",reason="held_limit"} 0
+polygate_class_refusals_total{scope="chat",class="interactive",reason="held_reserve"} 0
+polygate_class_refusals_total{scope="chat",class="batch",reason="circuit_open"} 0
+polygate_class_refusals_total{scope="chat",class="batch",reason="stalled"} 0
+polygate_class_refusals_total{scope="chat",class="batch",reason="quota_exhausted"} 0
+polygate_class_refusals_total{scope="chat",class="batch",reason="retry_exhausted"} 0
+polygate_class_refusals_total{scope="chat",class="batch",reason="backend_unavailable"} 0
+polygate_class_refusals_total{scope="chat",class="batch",reason="held_limit"} 0
+polygate_class_refusals_total{scope="chat",class="batch",reason="held_reserve"} 0
+polygate_class_refusals_total{scope="bg",class="low",reason="circuit_open"} 2
+polygate_class_refusals_total{scope="bg",class="low",reason="stalled"} 0
+polygate_class_refusals_total{scope="bg",class="low",reason="quota_exhausted"} 0
+polygate_class_refusals_total{scope="bg",class="low",reason="retry_exhausted"} 0
+polygate_class_refusals_total{scope="bg",class="low",reason="backend_unavailable"} 0
+polygate_class_refusals_total{scope="bg",class="low",reason="held_limit"} 0
+polygate_class_refusals_total{scope="bg",class="low",reason="held_reserve"} 0
+"#;
+        assert_eq!(got.join("\n") + "\n", want, "in:\n{m}");
+        waiter.abort();
+    })
+    .await
+    .unwrap();
+}
