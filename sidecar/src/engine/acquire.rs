@@ -374,19 +374,7 @@ impl<B: Backend> Engine<B> {
             return;
         };
         let c = &self.scopes[si].counters;
-        bump(match e {
-            EngineError::CircuitOpen { .. } => &c.circuit_open,
-            EngineError::Exhausted {
-                reason: Exhaustion::Stalled,
-                ..
-            } => &c.stalled,
-            EngineError::Exhausted {
-                reason: Exhaustion::QuotaExhausted,
-                ..
-            } => &c.quota_exhausted,
-            EngineError::Exhausted { .. } => &c.retry_exhausted,
-            _ => &c.backend_unavailable,
-        });
+        bump(c.errors.of(e));
         // §15: the same by class (a lookup only on this error path).
         let classes = &self.scopes[si].class_counters;
         if classes.is_empty() {
@@ -395,19 +383,7 @@ impl<B: Backend> Engine<B> {
         let Some(c) = self.lock().class_of(call).and_then(|i| classes.get(i)) else {
             return;
         };
-        bump(match e {
-            EngineError::CircuitOpen { .. } => &c.circuit_open,
-            EngineError::Exhausted {
-                reason: Exhaustion::Stalled,
-                ..
-            } => &c.stalled,
-            EngineError::Exhausted {
-                reason: Exhaustion::QuotaExhausted,
-                ..
-            } => &c.quota_exhausted,
-            EngineError::Exhausted { .. } => &c.retry_exhausted,
-            _ => &c.backend_unavailable,
-        });
+        bump(c.errors.of(e));
     }
 
     /// Turn a pass's hold into a permit of the call (or give it back if the call

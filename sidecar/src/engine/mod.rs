@@ -28,7 +28,7 @@ mod status;
 mod tables;
 
 pub use error::{EngineError, Exhaustion, ReloadError, SkipReason};
-pub use runtime::{ClassCounters, ScopeCounters, SourceCounters};
+pub use runtime::{ClassCounters, ErrorCounts, ScopeCounters, SourceCounters};
 pub use tables::{LiveCounts, OwnerId, MAX_CALLS_PER_OWNER};
 
 use crate::gate::quota::{Bucket, QuotaParams, BUCKETS};

@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use tokio::sync::Notify;
 
-use super::error::ReloadError;
+use super::error::{EngineError, Exhaustion, ReloadError};
 use super::queue::WaitQueue;
 use super::CallEst;
 use crate::config::TokensCharged;
@@ -152,6 +152,25 @@ pub struct ScopeCounters {
     pub wait: Histogram,
     /// Acquires that started waiting (one per Acquire, not per wake-up).
     pub waits: AtomicU64,
+    /// Acquires that ended in a gateway error, by kind.
+    pub errors: ErrorCounts,
+}
+
+impl Default for ScopeCounters {
+    fn default() -> Self {
+        ScopeCounters {
+            wait: Histogram::new(WAIT_BUCKETS),
+            waits: AtomicU64::default(),
+            errors: ErrorCounts::default(),
+        }
+    }
+}
+
+/// Acquires that ended in a gateway error, by kind: one set per scope
+/// (`polygate_acquire_errors`) and one per priority class (§15 refusals), so both
+/// are counted by the same match.
+#[derive(Debug, Default)]
+pub struct ErrorCounts {
     /// Acquires that ended `CircuitOpen`.
     pub circuit_open: AtomicU64,
     /// Acquires that ended `stalled`.
@@ -164,17 +183,35 @@ pub struct ScopeCounters {
     pub backend_unavailable: AtomicU64,
 }
 
-impl Default for ScopeCounters {
-    fn default() -> Self {
-        ScopeCounters {
-            wait: Histogram::new(WAIT_BUCKETS),
-            waits: AtomicU64::default(),
-            circuit_open: AtomicU64::default(),
-            stalled: AtomicU64::default(),
-            quota_exhausted: AtomicU64::default(),
-            retry_exhausted: AtomicU64::default(),
-            backend_unavailable: AtomicU64::default(),
+impl ErrorCounts {
+    /// The counter of `e`, one of the call-ending errors (`CircuitOpen`,
+    /// `Exhausted`, `BackendUnavailable`); any other error falls to
+    /// `backend_unavailable`, so callers pass only those three.
+    pub fn of(&self, e: &EngineError) -> &AtomicU64 {
+        match e {
+            EngineError::CircuitOpen { .. } => &self.circuit_open,
+            EngineError::Exhausted {
+                reason: Exhaustion::Stalled,
+                ..
+            } => &self.stalled,
+            EngineError::Exhausted {
+                reason: Exhaustion::QuotaExhausted,
+                ..
+            } => &self.quota_exhausted,
+            EngineError::Exhausted { .. } => &self.retry_exhausted,
+            _ => &self.backend_unavailable,
         }
+    }
+
+    /// Every counter with its kind label, in exposition order (`/metrics`, status).
+    pub fn by_kind(&self) -> [(&'static str, &AtomicU64); 5] {
+        [
+            ("circuit_open", &self.circuit_open),
+            ("stalled", &self.stalled),
+            ("quota_exhausted", &self.quota_exhausted),
+            ("retry_exhausted", &self.retry_exhausted),
+            ("backend_unavailable", &self.backend_unavailable),
+        ]
     }
 }
 
@@ -205,16 +242,8 @@ pub struct ClassCounters {
     pub grants: AtomicU64,
     /// Acquires of the class that started waiting.
     pub waits: AtomicU64,
-    /// Acquires that ended `CircuitOpen`.
-    pub circuit_open: AtomicU64,
-    /// Acquires that ended `stalled`.
-    pub stalled: AtomicU64,
-    /// Acquires that ended `quota_exhausted`.
-    pub quota_exhausted: AtomicU64,
-    /// Acquires that ended `retry_exhausted`.
-    pub retry_exhausted: AtomicU64,
-    /// Acquires refused because the shared backend is unreachable.
-    pub backend_unavailable: AtomicU64,
+    /// Acquires of the class that ended in a gateway error, by kind.
+    pub errors: ErrorCounts,
     /// Sources skipped because the class reached its `limit`.
     pub held_limit: AtomicU64,
     /// Sources skipped because the rest is another class's unused reserve.

@@ -119,15 +119,16 @@ impl<B: Backend> Engine<B> {
                         .map(|&i| self.sources[i].pacer.class_in_flight(name))
                         .sum(),
                     waits: load(&c.waits),
-                    refusals: vec![
-                        ("circuit_open", load(&c.circuit_open)),
-                        ("stalled", load(&c.stalled)),
-                        ("quota_exhausted", load(&c.quota_exhausted)),
-                        ("retry_exhausted", load(&c.retry_exhausted)),
-                        ("backend_unavailable", load(&c.backend_unavailable)),
-                        ("held_limit", load(&c.held_limit)),
-                        ("held_reserve", load(&c.held_reserve)),
-                    ],
+                    refusals: c
+                        .errors
+                        .by_kind()
+                        .into_iter()
+                        .chain([
+                            ("held_limit", &c.held_limit),
+                            ("held_reserve", &c.held_reserve),
+                        ])
+                        .map(|(reason, v)| (reason, load(v)))
+                        .collect(),
                 }
             })
             .collect()

@@ -254,14 +254,7 @@ impl<B: Backend> Scrape<B> {
             MetricType::Counter,
         )?;
         for sc in &engine.scopes {
-            let c = &sc.counters;
-            for (kind, v) in [
-                ("circuit_open", &c.circuit_open),
-                ("stalled", &c.stalled),
-                ("quota_exhausted", &c.quota_exhausted),
-                ("retry_exhausted", &c.retry_exhausted),
-                ("backend_unavailable", &c.backend_unavailable),
-            ] {
+            for (kind, v) in sc.counters.errors.by_kind() {
                 counter(&mut m, &[("scope", sc.name.as_str()), ("kind", kind)], v)?;
             }
         }
