@@ -75,6 +75,24 @@ fn encode<T: Serialize>(value: &T) -> Result<Vec<u8>, CodecError> {
     })
 }
 
+/// Appends a value's encoding to `dst` (no intermediate buffer: the hot path's
+/// replies go straight into the connection's write buffer, §16).
+fn encode_onto<T: Serialize>(value: &T, dst: &mut bytes::BytesMut) -> Result<(), CodecError> {
+    /// bincode's writer over the caller's buffer.
+    struct Onto<'a>(&'a mut bytes::BytesMut);
+    impl bincode::enc::write::Writer for Onto<'_> {
+        fn write(&mut self, bytes: &[u8]) -> Result<(), bincode::error::EncodeError> {
+            self.0.extend_from_slice(bytes);
+            Ok(())
+        }
+    }
+    bincode::serde::encode_into_writer(value, Onto(dst), wire_config()).map_err(|e| {
+        CodecError::Encode {
+            reason: e.to_string(),
+        }
+    })
+}
+
 fn decode<T: DeserializeOwned>(payload: &[u8]) -> Result<T, CodecError> {
     if payload.len() > DECODE_LIMIT {
         return Err(CodecError::TooLarge {
@@ -110,6 +128,15 @@ pub fn decode_client(payload: &[u8]) -> Result<ClientFrame, CodecError> {
 /// Encodes a server frame into its payload (no length prefix).
 pub fn encode_server(frame: &ServerFrame) -> Result<Vec<u8>, CodecError> {
     encode(frame)
+}
+
+/// Appends a server frame's payload (no length prefix) to `dst`; on an error `dst`
+/// may hold part of it (the caller truncates).
+pub fn encode_server_onto(
+    frame: &ServerFrame,
+    dst: &mut bytes::BytesMut,
+) -> Result<(), CodecError> {
+    encode_onto(frame, dst)
 }
 
 /// Decodes a whole payload (no length prefix) into a server frame.

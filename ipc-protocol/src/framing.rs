@@ -197,6 +197,17 @@ fn encode_server_frame(
         let max = frames.max_frame.max(crate::MAX_STATUS_FRAME);
         return frames.encode_within(codec::encode_server(&frame), max, dst);
     }
+    // The common case: encoded in place behind its length prefix, no copy.
+    let start = dst.len();
+    dst.put_u32(0);
+    match codec::encode_server_onto(&frame, dst) {
+        Ok(()) if dst.len() - start - HEADER_LEN <= frames.max_frame => {
+            let len = (dst.len() - start - HEADER_LEN) as u32;
+            dst[start..start + HEADER_LEN].copy_from_slice(&len.to_be_bytes());
+            return Ok(());
+        }
+        _ => dst.truncate(start),
+    }
     let payload = codec::encode_server(&frame);
     let fits = matches!(&payload, Ok(p) if p.len() <= frames.max_frame);
     let ServerFrame { id, reply } = frame;
@@ -690,6 +701,36 @@ mod tests {
             ClientCodec::new(65536).decode(&mut out).unwrap(),
             Some(small)
         );
+    }
+
+    #[test]
+    fn server_frames_encoded_in_place_match_the_payload_encoding() {
+        // Replies are encoded straight into the write buffer behind a patched length
+        // prefix, after whatever the buffer already holds: the bytes must be exactly
+        // the prefix + `codec::encode_server` of each frame, in order.
+        let frames = [
+            ServerFrame {
+                id: 1,
+                reply: Reply::Pong,
+            },
+            ServerFrame {
+                id: u64::MAX,
+                reply: Reply::CallBegun { call: 7 },
+            },
+            error_reply("no source".into(), 3, "scope".into()),
+            ServerFrame {
+                id: 2,
+                reply: Reply::Pong,
+            },
+        ];
+        let mut codec = ServerCodec::new(4096);
+        let mut dst = BytesMut::from(&b"earlier bytes"[..]);
+        let mut want = b"earlier bytes".to_vec();
+        for f in frames {
+            want.extend(framed_bytes(&crate::codec::encode_server(&f).unwrap()));
+            codec.encode(f, &mut dst).unwrap();
+        }
+        assert_eq!(&dst[..], &want[..]);
     }
 
     #[test]
