@@ -860,3 +860,56 @@ async fn status_shows_every_bucket_with_capacity_refill_and_debt() {
     stop.send(()).unwrap();
     task.await.unwrap().unwrap();
 }
+
+/// `sidecar.worker_threads`: with 1 the daemon serves calls on a single thread (the
+/// current-thread runtime), with 2 it runs two runtime workers.
+#[tokio::test(flavor = "multi_thread")]
+async fn worker_threads_sets_the_runtime_threads() {
+    for (threads, want) in [(1usize, 1usize), (2, 2)] {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("sidecar.sock");
+        let file = dir.path().join("polygate.toml");
+        let cfg = config(&path).replace(
+            "shutdown_grace = \"1s\"",
+            &format!("shutdown_grace = \"1s\"\nworker_threads = {threads}"),
+        );
+        std::fs::write(&file, cfg).unwrap();
+        let mut child = sidecar()
+            .arg("--config")
+            .arg(&file)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap();
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while UnixStream::connect(&path).await.is_err() {
+            assert!(Instant::now() < deadline, "daemon never listened");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        // A whole call is served (begin, acquire; the permit is given back on close).
+        let (framed, permit) = client_with_a_permit(&path).await;
+        assert_ne!(permit, 0);
+        drop(framed);
+        let runtime_threads = std::fs::read_dir(format!("/proc/{}/task", child.id()))
+            .unwrap()
+            .filter_map(|t| std::fs::read_to_string(t.ok()?.path().join("comm")).ok())
+            .filter(|name| {
+                let name = name.trim();
+                name == "tokio-rt-worker" || name == "polygate-sideca"
+            })
+            .count();
+        // The main thread blocks in `block_on` (it runs the runtime itself only when
+        // there is one thread); the workers are named tokio-rt-worker.
+        let expected = if threads == 1 { 1 } else { want + 1 };
+        assert_eq!(runtime_threads, expected, "worker_threads = {threads}");
+        nix::sys::signal::kill(
+            nix::unistd::Pid::from_raw(child.id() as i32),
+            nix::sys::signal::Signal::SIGTERM,
+        )
+        .unwrap();
+        let status = tokio::task::spawn_blocking(move || child.wait().unwrap())
+            .await
+            .unwrap();
+        assert!(status.success(), "{status:?}");
+    }
+}

@@ -103,6 +103,7 @@ const SIDECAR_KEYS: &[(&str, Slot<RawSidecar>)] = &[
     ("MAX_CONNECTIONS", Slot::Int(|s| &mut s.max_connections)),
     ("IDLE_TIMEOUT", Slot::Text(|s| &mut s.idle_timeout)),
     ("MAX_BUFFERED", Slot::Int(|s| &mut s.max_buffered)),
+    ("WORKER_THREADS", Slot::Int(|s| &mut s.worker_threads)),
 ];
 
 /// Every `{SCOPE}__` key, in the order an unknown-key error lists them.

@@ -179,6 +179,11 @@ pub struct SidecarConfig {
     /// Sidecar-wide bytes of unsent replies plus requests in progress, over every
     /// connection: past it no connection's frames are read until replies drain.
     pub max_buffered: u64,
+    /// Threads that run connections, requests and timers (§16): `1` is a
+    /// single-threaded runtime (no cross-thread wake-ups: the cheapest per frame);
+    /// `None` = one per available core. A per-host sidecar shares the host with the
+    /// workers it serves, so an operator may want it to take fewer than all cores.
+    pub worker_threads: Option<usize>,
 }
 
 /// `[scopes.NAME]`.
@@ -380,6 +385,7 @@ impl Default for SidecarConfig {
             max_connections: None,
             idle_timeout: DEFAULT_IDLE_TIMEOUT,
             max_buffered: DEFAULT_MAX_BUFFERED,
+            worker_threads: DEFAULT_WORKER_THREADS,
         }
     }
 }
@@ -417,6 +423,8 @@ impl Default for PacerConfig {
 pub const DEFAULT_SOCKET: &str = "/run/polygate/sidecar.sock";
 /// Default `sidecar.idle_timeout`.
 pub const DEFAULT_IDLE_TIMEOUT: Duration = Duration::from_secs(600);
+/// Default `sidecar.worker_threads`: one per available core.
+pub const DEFAULT_WORKER_THREADS: Option<usize> = None;
 /// Default `sidecar.max_buffered` (64 MiB).
 pub const DEFAULT_MAX_BUFFERED: u64 = 64 * 1024 * 1024;
 /// Default `max_attempts` of a scope.

@@ -69,6 +69,8 @@ pub(super) struct RawSidecar {
     pub idle_timeout: Option<String>,
     /// Global buffer budget in bytes; signed so a negative value is reported by key.
     pub max_buffered: Option<i64>,
+    /// Runtime threads; signed so a negative value is reported by key.
+    pub worker_threads: Option<i64>,
 }
 
 /// `[scopes.NAME]` as written; see [`ScopeConfig`](super::ScopeConfig).

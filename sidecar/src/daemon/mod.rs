@@ -41,10 +41,7 @@ const EXIT_SLACK: Duration = Duration::from_secs(2);
 /// embedded example) until it is stopped; the process's exit status.
 pub fn run(config: Config, path: Option<PathBuf>) -> ExitCode {
     init_tracing(config.sidecar.log_format);
-    let rt = match tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()
-    {
+    let rt = match runtime(config.sidecar.worker_threads) {
         Ok(rt) => rt,
         Err(e) => {
             error!(error = %e, "cannot start the runtime");
@@ -55,6 +52,22 @@ pub fn run(config: Config, path: Option<PathBuf>) -> ExitCode {
     // Request tasks still stuck (e.g. on a dead backend) must not hold up the exit.
     rt.shutdown_timeout(Duration::from_millis(200));
     code
+}
+
+/// The runtime of `sidecar.worker_threads`: one thread is tokio's current-thread
+/// scheduler (what linkerd2-proxy does for one core too: no work stealing, no
+/// cross-thread wake-ups), more is the work-stealing one with that many workers.
+fn runtime(threads: Option<usize>) -> io::Result<tokio::runtime::Runtime> {
+    let mut b = match threads {
+        Some(1) => tokio::runtime::Builder::new_current_thread(),
+        Some(n) => {
+            let mut b = tokio::runtime::Builder::new_multi_thread();
+            b.worker_threads(n);
+            b
+        }
+        None => tokio::runtime::Builder::new_multi_thread(),
+    };
+    b.enable_all().build()
 }
 
 /// Logging to stderr at `RUST_LOG` (default `info`): human lines, or with

@@ -14,6 +14,8 @@ const MAX_MAX_FRAME: u64 = 16 * 1024 * 1024;
 /// Largest accepted `sidecar.max_connections` (fds are the real bound, checked at
 /// start-up against `RLIMIT_NOFILE`).
 const MAX_MAX_CONNECTIONS: i64 = 1_000_000;
+/// Largest accepted `sidecar.worker_threads`.
+const MAX_WORKER_THREADS: i64 = 1024;
 /// Accepted `sidecar.max_buffered`: 1 MiB ..= 64 GiB.
 const MAX_BUFFERED_RANGE: std::ops::RangeInclusive<i64> = (1 << 20)..=(64 << 30);
 
@@ -167,8 +169,20 @@ pub(super) fn validate_sidecar(
             ))
         }
     };
+    let worker_threads = match raw.worker_threads {
+        None => d.worker_threads,
+        Some(v) if (1..=MAX_WORKER_THREADS).contains(&v) => Some(v as usize),
+        Some(v) => {
+            return Err(ctx.err(
+                "sidecar.worker_threads",
+                v,
+                format!("must be between 1 and {MAX_WORKER_THREADS} (or unset: one per core)"),
+            ))
+        }
+    };
 
     Ok(SidecarConfig {
+        worker_threads,
         max_connections,
         idle_timeout,
         max_buffered,
