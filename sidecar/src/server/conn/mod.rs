@@ -36,15 +36,10 @@ use crate::engine::{Engine, OwnerId};
 use crate::logs::{self, Kind};
 use crate::peer::peer_of;
 
+mod teardown;
+
 /// While draining, how often an open connection checks whether it is idle.
 const DRAIN_POLL: Duration = Duration::from_millis(50);
-/// How long teardown waits for the last replies to be written (after a protocol
-/// violation too: a peer that does not read cannot hold the connection open).
-const FLUSH_TIMEOUT: Duration = Duration::from_secs(1);
-/// The same after the shutdown grace ran out: the peer had its chance.
-const HARD_STOP_FLUSH: Duration = Duration::from_millis(100);
-/// How long teardown lets non-abortable requests (Report, EndCall, admin) finish.
-const FINISH_TIMEOUT: Duration = Duration::from_secs(2);
 /// Frames answered in one run of the task before it yields to the others.
 const FRAMES_PER_RUN: usize = 256;
 
@@ -590,59 +585,5 @@ impl<B: Backend> Conn<B> {
             format!("request {target} was cancelled"),
         );
         self.reply_when_room(target, Reply::Error(e));
-    }
-
-    /// Abort the waits (dropping their engine futures ends them), let the short
-    /// state-changing requests finish (bounded), release everything the connection
-    /// held, and write what is left to write (bounded).
-    async fn teardown(&mut self, end: End) {
-        for p in self.pending.values() {
-            p.cancel();
-        }
-        let finish = async {
-            while let Some(r) = self.tasks.join_next().await {
-                let Ok((id, done)) = r else { continue };
-                if self.pending.remove(&id).is_some() {
-                    if done.holds_slot {
-                        self.ctx.budget.slot_done();
-                    }
-                    self.out.push(self.ctx.owner, id, done.reply);
-                } else {
-                    if done.holds_slot {
-                        self.ctx.budget.slot_done();
-                    }
-                    dispatch::give_back(&self.ctx.engine, self.ctx.owner, done);
-                }
-            }
-        };
-        if tokio::time::timeout(FINISH_TIMEOUT, finish).await.is_err() {
-            warn!(
-                conn = self.id(),
-                "requests still running at close; aborting them"
-            );
-            self.tasks.abort_all();
-            while self.tasks.join_next().await.is_some() {}
-        }
-        self.pending.clear();
-        while let Some((id, reply)) = self.overflow.pop_front() {
-            self.out.push(self.ctx.owner, id, reply);
-        }
-        self.ctx.engine.release_owner(self.id()).await;
-        let limit = if self.ctx.shared.is_stopped() {
-            HARD_STOP_FLUSH
-        } else {
-            FLUSH_TIMEOUT
-        };
-        if self.out.bytes() > 0 {
-            let _ = tokio::time::timeout(limit, self.out.flush(&self.stream)).await;
-        }
-        self.publish(0);
-        self.publish_bytes(0);
-        let why = match end {
-            End::Closed => "closed by peer",
-            End::Violation => "closed after a protocol error",
-            End::Shutdown => "closed for shutdown",
-        };
-        debug!(conn = self.id(), "disconnected: {why}");
     }
 }
