@@ -11,8 +11,9 @@ closed breaker and quotas far above the rate, every replay does the work the
 sidecar's call did (the report's epoch stays valid).
 
 `--script` is `sidecar/src/backend/redis/gate.lua`: it is loaded (SCRIPT LOAD) so an
-EVALSHA replay finds it even on a fresh server, and its SHA1 is checked against the
-captured one, so a baseline that replays anything but the source tree's script says so.
+EVALSHA replay finds it even on a fresh server (an FCALL replay finds the library the
+sidecar loaded), and its SHA1 is checked against the captured script hash or function
+name, so a baseline that replays anything but the source tree's script says so.
 
     redis_py_baseline.py --redis-url URL --capture FILE --script gate.lua
                          --mode sync|asyncio --concurrency N --seconds S
@@ -56,8 +57,11 @@ def main():
     sha = hashlib.sha1(source).hexdigest()
     r = redis.Redis.from_url(a.redis_url)
     r.script_load(source)
-    shas = [c[1] for c in commands if c[0].upper() == "EVALSHA"]
-    script_matches = all(s == sha for s in shas) if shas else None
+    # The sidecar calls gate.lua as the Redis Function `polygate_<SHA-1 prefix>`
+    # (FCALL; it loaded the library itself), or as a script (EVALSHA) on Redis < 7.
+    names = [c[1] for c in commands if c[0].upper() in ("EVALSHA", "FCALL")]
+    wanted = {sha, "polygate_" + sha[:16]}
+    script_matches = all(n in wanted for n in names) if names else None
     r.close()
 
     lat = []
