@@ -87,6 +87,17 @@ local QSLACK = MIN -- a quota hash's expiry moves this far past its need at a ti
 -- locals, so the same text also loads as a Redis Function library).
 local K, A, now
 
+-- Scratch tables reused across calls (module locals: a call allocates none of them):
+-- the breaker's and the quota's changed-field lists (each call loads at most one of
+-- each), and the HSET argument list (sent with an explicit length, so stale entries
+-- past it are never read).
+local BW, QW, HARGS = {}, {}, {}
+
+local function clear(t)
+  for k = #t, 1, -1 do t[k] = nil end
+  return t
+end
+
 local function fmt(x)
   return format('%d', x)
 end
@@ -118,7 +129,7 @@ local function bload(window)
     cs = tonumber(v[7]) or now,   -- closed_since (absent: now, but written when set)
     fresh_cs = v[7] == false,
     x = tonumber(v[8]),           -- expiry deadline set on the key; -1 = none; nil = unknown
-    w = {},                       -- changed fields, in order
+    w = clear(BW),                -- changed fields, in order
   }
   if window then
     b.bi = tonumber(v[9]) or 0    -- current window bucket index
@@ -168,13 +179,13 @@ local function bsave(b, basis, mcd)
   end
   local n = #b.w
   if n > 0 then
-    local args = {}
+    local args = HARGS
     for i = 1, n do
       local f = b.w[i]
       args[2 * i - 1] = f
       args[2 * i] = fmt(b[f])
     end
-    redis.call('HSET', K[1], unpack(args))
+    redis.call('HSET', K[1], unpack(args, 1, 2 * n))
   end
   if expire == 'persist' then
     redis.call('PERSIST', K[1])
@@ -331,6 +342,10 @@ end
 -- takes from it (t total tokens, r one request, i input, o output tokens), refill
 -- period, and where HMGET returns it. tt and rt are always read (§7's two); the §7a
 -- ones only when some of them is configured.
+-- Scratch arrays of the one quota a call loads (module locals reused across calls,
+-- so a call allocates no table for them; qload resets what it does not overwrite).
+local QCAPS, QLIM, QON, QAMT = {}, {}, {}, {}
+
 local QB = {
   { f = 'tt', lim = 11, n = 't', per = MIN, at = 1 },
   { f = 'rt', lim = 12, n = 'r', per = MIN, at = 2 },
@@ -361,8 +376,8 @@ local function qload()
   local burst = arg(27, 0)
   -- on: the enabled buckets' indices; amt[i]: bucket i's share of the reservation
   -- (slots 13, 32, 33), parsed once.
-  local q = { bu = tonumber(v[3]) or 0, x = tonumber(v[4]), w = {}, caps = {}, lim = {},
-    on = {}, amt = {} }
+  local q = { bu = tonumber(v[3]) or 0, x = tonumber(v[4]), w = clear(QW), caps = QCAPS,
+    lim = QLIM, on = clear(QON), amt = QAMT }
   local tok, tin, tout = arg(13, 0), 0, 0
   if top > 2 then tin, tout = arg(32, 0), arg(33, 0) end
   for i = 1, #QB do
@@ -472,13 +487,13 @@ local function qsave(q)
     n = n + 1
     expire = true
   end
-  local args = {}
+  local args = HARGS
   for i = 1, n do
     local f = q.w[i]
     args[2 * i - 1] = f
     args[2 * i] = fmt(q[f])
   end
-  redis.call('HSET', K[2], unpack(args))
+  redis.call('HSET', K[2], unpack(args, 1, 2 * n))
   if expire then redis.call('PEXPIREAT', K[2], fmt(ceil(q.x / 1000))) end
 end
 
