@@ -7,18 +7,21 @@
 //! - on a **local** backend (`is_remote() == false`, whose futures finish in their
 //!   first poll) it runs inline, borrowing the engine: no task, no allocation, its
 //!   effects visible on return;
-//! - on a **remote** backend it runs in a task of its own, so a caller dropped
-//!   mid-round-trip cannot leave it half-done: the task finishes, and an answer
-//!   nobody reads any more goes to [`Work::unread`] (an admission gives its grant
-//!   back there).
+//! - on a **remote** backend it is polled by its caller too (no task per round
+//!   trip: a spawn, a wake-up of another worker and a join cost more than the work's
+//!   own CPU), but from a box it owns ([`Finish`]): a caller dropped mid-round-trip
+//!   hands the box to a task of its own, so the work is never left half-done; the
+//!   task finishes, and an answer nobody reads any more goes to [`Work::unread`] (an
+//!   admission gives its grant back there).
 //!
 //! [`Engine::detach`] is the same for callers that cannot await (a `Drop`, or the
 //! no-await stretch after a grant): it starts the work and forgets it.
 
 use std::future::Future;
-use std::pin::pin;
+use std::panic::AssertUnwindSafe;
+use std::pin::{pin, Pin};
 use std::sync::Arc;
-use std::task::{Context, Waker};
+use std::task::{Context, Poll, Waker};
 
 use super::Engine;
 use crate::backend::Backend;
@@ -56,17 +59,74 @@ impl<B: Backend, W: Work<B>> Drop for Answer<B, W> {
     }
 }
 
+/// A remote work's future, polled by whoever awaits it; dropped before it finished
+/// (its caller was cancelled), it is moved into a task of its own and runs to the
+/// end there. Never polled, it is dropped with nothing started.
+struct Finish<F: Future + Send + 'static>
+where
+    F::Output: Send + 'static,
+{
+    /// The work's future; `None` once it finished.
+    fut: Option<Pin<Box<F>>>,
+    /// Whether it was polled (an unpolled work has started nothing: no task for it).
+    started: bool,
+}
+
+impl<F: Future + Send + 'static> Future for Finish<F>
+where
+    F::Output: Send + 'static,
+{
+    /// `None` when the work panicked (as a task's `JoinError` would say).
+    type Output = Option<F::Output>;
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let this = &mut *self;
+        let Some(f) = this.fut.as_mut() else {
+            return Poll::Ready(None);
+        };
+        this.started = true;
+        let polled = std::panic::catch_unwind(AssertUnwindSafe(|| f.as_mut().poll(cx)));
+        match polled {
+            Ok(Poll::Pending) => Poll::Pending,
+            Ok(Poll::Ready(out)) => {
+                this.fut = None;
+                Poll::Ready(Some(out))
+            }
+            Err(_) => {
+                this.fut = None;
+                Poll::Ready(None)
+            }
+        }
+    }
+}
+
+impl<F: Future + Send + 'static> Drop for Finish<F>
+where
+    F::Output: Send + 'static,
+{
+    fn drop(&mut self) {
+        if let Some(f) = self.fut.take() {
+            // Outside a runtime (its teardown) nothing could run it any more.
+            if self.started {
+                if let Ok(rt) = tokio::runtime::Handle::try_current() {
+                    drop(rt.spawn(f));
+                }
+            }
+        }
+    }
+}
+
 impl<B: Backend> Engine<B> {
-    /// Run `work` inline on a local backend, in its own task on a remote one (see
-    /// the module docs). `None` when the task failed (it panicked or the runtime
-    /// is shutting down). Dropping the returned future never stops the work once it
-    /// has been polled.
+    /// Run `work` inline on a local backend; on a remote one polled by the caller
+    /// but finished in a task of its own if the caller goes away (see the module
+    /// docs). `None` when the work panicked. Dropping the returned future never
+    /// stops the work once it has been polled.
     pub(super) async fn detached<W: Work<B>>(&self, work: W) -> Option<W::Output> {
         if !self.backend.is_remote() {
             return Some(work.run(self).await);
         }
         let engine = self.arc();
-        let task = tokio::spawn(async move {
+        let fut = Box::pin(async move {
             let out = work.run(&engine).await;
             Answer {
                 work,
@@ -74,9 +134,11 @@ impl<B: Backend> Engine<B> {
                 engine,
             }
         });
-        task.await
-            .ok()
-            .map(|mut a| a.out.take().expect("filled once"))
+        let finish = Finish {
+            fut: Some(fut),
+            started: false,
+        };
+        finish.await.map(|mut a| a.out.take().expect("filled once"))
     }
 
     /// Start `work` now, as [`Engine::detached`] would, and forget its answer: a

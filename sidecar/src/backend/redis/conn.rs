@@ -124,7 +124,7 @@ impl Connection {
     /// Run one call of `gate.lua`, within the timeout (loading it on first use). A
     /// failure is already sorted: [`Fault::Unreachable`] (no answer in time
     /// included) or [`Fault::Rejected`].
-    pub(super) async fn run(&self, call: &Call) -> Result<Vec<Value>, Fault> {
+    pub(super) async fn run(&self, call: &Call<'_>) -> Result<Vec<Value>, Fault> {
         match tokio::time::timeout(self.timeout, self.invoke(call)).await {
             Ok(Ok(v)) => Ok(v),
             Ok(Err(e)) => Err(classify(&e)),
@@ -135,7 +135,7 @@ impl Connection {
         }
     }
 
-    async fn invoke(&self, call: &Call) -> Result<Vec<Value>, RedisError> {
+    async fn invoke(&self, call: &Call<'_>) -> Result<Vec<Value>, RedisError> {
         match &mut self.get().await? {
             Conn::Single(m) => self.invoke_on(m, call).await,
             Conn::Cluster(cl) => self.invoke_on(cl, call).await,
@@ -147,7 +147,7 @@ impl Connection {
     async fn invoke_on<C: ConnectionLike>(
         &self,
         con: &mut C,
-        call: &Call,
+        call: &Call<'_>,
     ) -> Result<Vec<Value>, RedisError> {
         if !self.scripts_only.load(Ordering::Relaxed) {
             match call.fcall().query_async(con).await {

@@ -73,6 +73,9 @@
 --   429 block is over; it expires then (plus a minute, moved a minute at a time).
 
 local CLOSED, OPEN, HALF = 0, 1, 2
+-- Library functions as locals (a global lookup and a field lookup less per use), set
+-- by `gate` on its first call (a Function library sees no globals while it loads).
+local max, min, floor, ceil, tonumber, format, unpack
 local MIN = 60000000 -- one minute in µs: the refill period of a per-minute bucket
 local DAY = 86400000000 -- one day in µs: the refill period of a per-day bucket (§7a)
 -- A 429 block lasts at most this long here (the engine caps it at
@@ -84,8 +87,19 @@ local QSLACK = MIN -- a quota hash's expiry moves this far past its need at a ti
 -- locals, so the same text also loads as a Redis Function library).
 local K, A, now
 
+-- Scratch tables reused across calls (module locals: a call allocates none of them):
+-- the breaker's and the quota's changed-field lists (each call loads at most one of
+-- each), and the HSET argument list (sent with an explicit length, so stale entries
+-- past it are never read).
+local BW, QW, HARGS = {}, {}, {}
+
+local function clear(t)
+  for k = #t, 1, -1 do t[k] = nil end
+  return t
+end
+
 local function fmt(x)
-  return string.format('%d', x)
+  return format('%d', x)
 end
 
 -- Slot `i` as a number, `d` when it was not sent.
@@ -115,7 +129,7 @@ local function bload(window)
     cs = tonumber(v[7]) or now,   -- closed_since (absent: now, but written when set)
     fresh_cs = v[7] == false,
     x = tonumber(v[8]),           -- expiry deadline set on the key; -1 = none; nil = unknown
-    w = {},                       -- changed fields, in order
+    w = clear(BW),                -- changed fields, in order
   }
   if window then
     b.bi = tonumber(v[9]) or 0    -- current window bucket index
@@ -146,7 +160,7 @@ local function bneed(b, basis, mcd)
     return nil
   end
   local decayed = now
-  if b.k > 0 then decayed = math.max(now, b.cs + b.k * mcd) end
+  if b.k > 0 then decayed = max(now, b.cs + b.k * mcd) end
   return decayed + basis
 end
 
@@ -165,18 +179,18 @@ local function bsave(b, basis, mcd)
   end
   local n = #b.w
   if n > 0 then
-    local args = {}
+    local args = HARGS
     for i = 1, n do
       local f = b.w[i]
       args[2 * i - 1] = f
       args[2 * i] = fmt(b[f])
     end
-    redis.call('HSET', K[1], unpack(args))
+    redis.call('HSET', K[1], unpack(args, 1, 2 * n))
   end
   if expire == 'persist' then
     redis.call('PERSIST', K[1])
   elseif expire == 'at' then
-    redis.call('PEXPIREAT', K[1], fmt(math.ceil(b.x / 1000)))
+    redis.call('PEXPIREAT', K[1], fmt(ceil(b.x / 1000)))
   end
 end
 
@@ -205,16 +219,16 @@ local function decay(b)
   local p = params()
   if b.k > p.kmax then set(b, 'k', p.kmax) end
   if b.st ~= CLOSED or b.k == 0 or p.mcd <= 0 then return end
-  local n = math.floor((now - b.cs) / p.mcd)
+  local n = floor((now - b.cs) / p.mcd)
   if n > 0 then
-    set(b, 'k', math.max(0, b.k - n))
+    set(b, 'k', max(0, b.k - n))
     set(b, 'cs', b.cs + n * p.mcd)
   end
 end
 
 -- Move the window so the current bucket contains now.
 local function roll(b)
-  local idx = math.floor(now / math.max(params().win / 2, 1))
+  local idx = floor(now / max(params().win / 2, 1))
   if idx == b.bi then return end
   if idx == b.bi + 1 then
     set(b, 'po', b.co); set(b, 'pf', b.cf)
@@ -231,8 +245,8 @@ end
 
 local function bopen(b, grow)
   local p = params()
-  if grow then set(b, 'k', math.min(b.k + 1, p.kmax)) end
-  local d = math.min(p.cd * (2 ^ math.min(b.k, 64)), p.mcd)
+  if grow then set(b, 'k', min(b.k + 1, p.kmax)) end
+  local d = min(p.cd * (2 ^ min(b.k, 64)), p.mcd)
   set(b, 'st', OPEN); set(b, 'e', b.e + 1); set(b, 'u', now + d); set(b, 'l', -1)
   clear_counts(b)
 end
@@ -328,6 +342,10 @@ end
 -- takes from it (t total tokens, r one request, i input, o output tokens), refill
 -- period, and where HMGET returns it. tt and rt are always read (§7's two); the §7a
 -- ones only when some of them is configured.
+-- Scratch arrays of the one quota a call loads (module locals reused across calls,
+-- so a call allocates no table for them; qload resets what it does not overwrite).
+local QCAPS, QLIM, QON, QAMT = {}, {}, {}, {}
+
 local QB = {
   { f = 'tt', lim = 11, n = 't', per = MIN, at = 1 },
   { f = 'rt', lim = 12, n = 'r', per = MIN, at = 2 },
@@ -343,7 +361,12 @@ local QB = {
 -- q.caps[i] what a full one holds (§7a: a per-minute bucket limit × burst / 1 min,
 -- at least 1; a per-day one its limit).
 local function qload()
-  local extra = arg(28, -1) > 0 or arg(29, -1) > 0 or arg(30, -1) > 0 or arg(31, -1) > 0
+  -- Slots 28..31 (the §7a buckets) are sent only when some is set (trailing neutral
+  -- slots are not sent): without them, buckets 3..6 are disabled (-1).
+  local top = 2
+  if #A >= 28 then top = #QB end
+  local extra = top > 2 and (arg(28, -1) > 0 or arg(29, -1) > 0 or arg(30, -1) > 0
+    or arg(31, -1) > 0)
   local v
   if extra then
     v = redis.call('HMGET', K[2], 'tt', 'rt', 'bu', 'x', 'it', 'ot', 'td', 'rd')
@@ -351,46 +374,56 @@ local function qload()
     v = redis.call('HMGET', K[2], 'tt', 'rt', 'bu', 'x')
   end
   local burst = arg(27, 0)
-  local q = { bu = tonumber(v[3]) or 0, x = tonumber(v[4]), w = {}, caps = {}, lim = {} }
+  -- on: the enabled buckets' indices; amt[i]: bucket i's share of the reservation
+  -- (slots 13, 32, 33), parsed once.
+  local q = { bu = tonumber(v[3]) or 0, x = tonumber(v[4]), w = clear(QW), caps = QCAPS,
+    lim = QLIM, on = clear(QON), amt = QAMT }
+  local tok, tin, tout = arg(13, 0), 0, 0
+  if top > 2 then tin, tout = arg(32, 0), arg(33, 0) end
   for i = 1, #QB do
     local b = QB[i]
-    local l = arg(b.lim, -1)
+    local l = -1
+    if i <= top then l = arg(b.lim, -1) end
     local c = l
     if l > 0 and b.per == MIN and burst > 0 and burst < MIN then
-      c = math.max(1, math.floor(l * burst / MIN))
+      c = max(1, floor(l * burst / MIN))
     end
     q.lim[i], q.caps[i] = l, c
-    if l > 0 then q[b.f] = math.max(tonumber(v[b.at]) or now, now) end
+    if l > 0 then
+      q[b.f] = max(tonumber(v[b.at]) or now, now)
+      q.on[#q.on + 1] = i
+      local n = b.n
+      if n == 't' then
+        q.amt[i] = tok
+      elseif n == 'r' then
+        q.amt[i] = 1
+      elseif n == 'i' then
+        q.amt[i] = tin
+      else
+        q.amt[i] = tout
+      end
+    end
   end
   return q
 end
 
 -- Refill time of `n` in bucket `i` (µs, rounded up).
 local function refill(q, i, n)
-  return math.ceil(n * QB[i].per / q.lim[i])
-end
-
--- Bucket i's share of the reservation (slots 13, 32, 33).
-local function amount(i)
-  local n = QB[i].n
-  if n == 't' then return arg(13, 0) end
-  if n == 'r' then return 1 end
-  if n == 'i' then return arg(32, 0) end
-  return arg(33, 0)
+  return ceil(n * QB[i].per / q.lim[i])
 end
 
 -- µs until the reservation fits (every bucket holds its share, a share larger than
 -- the bucket needing a full one) and the 429 block is over; 0 = now. §7a: the
 -- longest wait over all the buckets.
 local function qwait(q)
-  local w = math.max(q.bu - now, 0)
-  for i = 1, #QB do
+  local w = max(q.bu - now, 0)
+  local on = q.on
+  for k = 1, #on do
+    local i = on[k]
     local cap = q.caps[i]
-    if cap > 0 then
-      local need = math.min(amount(i), cap)
-      local room = refill(q, i, cap - need)
-      w = math.max(w, q[QB[i].f] - now - room)
-    end
+    local need = min(q.amt[i], cap)
+    local room = refill(q, i, cap - need)
+    w = max(w, q[QB[i].f] - now - room)
   end
   return w
 end
@@ -402,9 +435,9 @@ local function qadd(q, i, n)
   local f = QB[i].f
   local full_at
   if n < 0 then
-    full_at = math.min(q[f] + refill(q, i, -n), now + refill(q, i, cap + q.lim[i]))
+    full_at = min(q[f] + refill(q, i, -n), now + refill(q, i, cap + q.lim[i]))
   else
-    full_at = math.max(q[f] - math.floor(n * QB[i].per / q.lim[i]), now)
+    full_at = max(q[f] - floor(n * QB[i].per / q.lim[i]), now)
   end
   if full_at ~= q[f] then
     q[f] = full_at
@@ -413,18 +446,26 @@ local function qadd(q, i, n)
 end
 
 local function qdebit(q)
-  for i = 1, #QB do qadd(q, i, -amount(i)) end
+  local on = q.on
+  for k = 1, #on do
+    local i = on[k]
+    qadd(q, i, -q.amt[i])
+  end
 end
 
 -- Give back the settlement's credits (computed by the caller): slots 18 (tokens),
 -- 19 (requests), 34 (input), 35 (output).
 local CREDIT = { t = 18, r = 19, i = 34, o = 35 }
 local function qcredit(q)
-  for i = 1, #QB do qadd(q, i, arg(CREDIT[QB[i].n], 0)) end
+  local on = q.on
+  for k = 1, #on do
+    local i = on[k]
+    qadd(q, i, arg(CREDIT[QB[i].n], 0))
+  end
 end
 
 local function qblock(q, d)
-  local nb = math.max(q.bu, now + math.min(d, QMAX_BLOCK))
+  local nb = max(q.bu, now + min(d, QMAX_BLOCK))
   if nb ~= q.bu then
     q.bu = nb
     q.w[#q.w + 1] = 'bu'
@@ -436,10 +477,9 @@ end
 local function qsave(q)
   local n = #q.w
   if n == 0 then return end
-  local need = math.max(q.bu, now)
-  for i = 1, #QB do
-    if q.caps[i] > 0 then need = math.max(need, q[QB[i].f]) end
-  end
+  local need = max(q.bu, now)
+  local on = q.on
+  for k = 1, #on do need = max(need, q[QB[on[k]].f]) end
   local expire = false
   if q.x == nil or q.x < need then
     q.x = need + QSLACK
@@ -447,14 +487,14 @@ local function qsave(q)
     n = n + 1
     expire = true
   end
-  local args = {}
+  local args = HARGS
   for i = 1, n do
     local f = q.w[i]
     args[2 * i - 1] = f
     args[2 * i] = fmt(q[f])
   end
-  redis.call('HSET', K[2], unpack(args))
-  if expire then redis.call('PEXPIREAT', K[2], fmt(math.ceil(q.x / 1000))) end
+  redis.call('HSET', K[2], unpack(args, 1, 2 * n))
+  if expire then redis.call('PEXPIREAT', K[2], fmt(ceil(q.x / 1000))) end
 end
 
 -- A bucket's level at now (a fraction), as text for status; '' when disabled.
@@ -462,7 +502,7 @@ local function qlevel(q, i)
   local cap = q.caps[i]
   if cap < 0 then return '' end
   if cap == 0 then return '0' end
-  return string.format('%.17g', cap - (q[QB[i].f] - now) * q.lim[i] / QB[i].per)
+  return format('%.17g', cap - (q[QB[i].f] - now) * q.lim[i] / QB[i].per)
 end
 
 -- ------------------------------------------------------------------ priority classes
@@ -501,7 +541,7 @@ local function cload(q, cl)
     if q.caps[i] > 0 then
       for j = 1, #cl do
         k = k + 1
-        cl[j][i] = math.max(tonumber(v[k]) or now, now)
+        cl[j][i] = max(tonumber(v[k]) or now, now)
       end
     end
   end
@@ -522,7 +562,7 @@ local function cwait(q, cl, mi)
     if cap > 0 then
       local whole = refill(q, i, cap)
       local sat = cshare(q, i, arg(25, 0))
-      local a = refill(q, i, amount(i))
+      local a = refill(q, i, q.amt[i])
       local used = me[i] - now
       local lim = cshare(q, i, me.l)
       if me.l < 1000000 and used > 0 and used + a > lim then
@@ -537,17 +577,17 @@ local function cwait(q, cl, mi)
           if j ~= mi and o.r > 0 then
             local r = cshare(q, i, o.r)
             reserved = reserved + r
-            held = held + math.max(0, r - (o[i] - now))
+            held = held + max(0, r - (o[i] - now))
           end
         end
         if held > 0 and whole - d - a < held then
-          local x = math.max(math.min(d + a - sat, d + a + reserved - whole), 1)
+          local x = max(min(d + a - sat, d + a + reserved - whole), 1)
           if x > w then w, why = x, 2 end
         end
       end
     end
   end
-  return math.ceil(w), why
+  return ceil(w), why
 end
 
 -- Move class `name`'s drain_at of bucket `i` by `n` (negative: take), within
@@ -557,9 +597,9 @@ local function cadd(q, name, i, cur, n)
   if cap <= 0 or n == 0 then return end
   local v
   if n < 0 then
-    v = math.min(cur + refill(q, i, -n), now + refill(q, i, cap + q.lim[i]))
+    v = min(cur + refill(q, i, -n), now + refill(q, i, cap + q.lim[i]))
   else
-    v = math.max(cur - math.floor(n * QB[i].per / q.lim[i]), now)
+    v = max(cur - floor(n * QB[i].per / q.lim[i]), now)
   end
   if v ~= cur then
     local f = QB[i].f .. ':' .. name
@@ -571,7 +611,7 @@ end
 -- A granted class's usage: its share of the reservation in every bucket.
 local function ctake(q, me)
   for i = 1, #QB do
-    if q.caps[i] > 0 then cadd(q, me.n, i, me[i], -amount(i)) end
+    if q.caps[i] > 0 then cadd(q, me.n, i, me[i], -q.amt[i]) end
   end
 end
 
@@ -588,13 +628,17 @@ local function csettle(q, name)
   local v = redis.call('HMGET', K[2], unpack(f))
   for k = 1, #at do
     local i = at[k]
-    cadd(q, name, i, math.max(tonumber(v[k]) or now, now), arg(CREDIT[QB[i].n], 0))
+    cadd(q, name, i, max(tonumber(v[k]) or now, now), arg(CREDIT[QB[i].n], 0))
   end
 end
 
 -- ------------------------------------------------------------------ dispatch
 
 local function gate(keys, args)
+  if max == nil then
+    max, min, floor, ceil = math.max, math.min, math.floor, math.ceil
+    tonumber, format, unpack = _G.tonumber, string.format, _G.unpack
+  end
   K, A, P = keys, args, setmetatable({}, PMETA)
   local t = redis.call('TIME')
   now = tonumber(t[1]) * 1000000 + tonumber(t[2])
@@ -609,7 +653,7 @@ local function gate(keys, args)
     if cl then
       cload(q, cl)
       local cw, why = cwait(q, cl, mi)
-      if cw > 0 then return { 3, why, 0, 0, math.max(cw, wait) } end
+      if cw > 0 then return { 3, why, 0, 0, max(cw, wait) } end
     end
     if wait > 0 then return { 1, 0, 0, 0, wait } end
     local b = bload(false)
@@ -732,7 +776,7 @@ local function gate(keys, args)
     roll(b)
     local q = qload()
     return { b.st, b.e, bra(b), b.k, b.co + b.po, b.cf + b.pf, b.s, qlevel(q, 1), qlevel(q, 2),
-      math.max(q.bu - now, 0), qlevel(q, 3), qlevel(q, 4), qlevel(q, 5), qlevel(q, 6) }
+      max(q.bu - now, 0), qlevel(q, 3), qlevel(q, 4), qlevel(q, 5), qlevel(q, 6) }
   end
 
   return redis.error_reply('polygate: unknown op ' .. tostring(op))

@@ -25,6 +25,7 @@ mod pubsub;
 mod reach;
 mod script;
 
+use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -94,6 +95,8 @@ pub struct RedisBackend {
     conn: Connection,
     /// Key prefix inside the hash tag.
     prefix: String,
+    /// Every configured source's two keys, built once (a call borrows them).
+    keys: HashMap<String, [String; 2]>,
     /// Degrade or refuse when Redis is unreachable.
     on_error: OnBackendError,
     /// Configured sources and whether Redis can be reached for each.
@@ -123,8 +126,14 @@ impl RedisBackend {
         let (conn, sub_urls) = Connection::new(&opts.url, &opts.cluster_nodes, opts.timeout)?;
         let reach = Reach::new(&opts.sources, opts.on_backend_error, conn.describe());
         let admin = AdminFeed::start(sub_urls, &opts.key_prefix, opts.timeout);
+        let keys = opts
+            .sources
+            .iter()
+            .map(|s| (s.clone(), script::keys(&opts.key_prefix, s)))
+            .collect();
         Ok(RedisBackend {
             conn,
+            keys,
             prefix: opts.key_prefix,
             on_error: opts.on_backend_error,
             reach,
@@ -178,7 +187,15 @@ impl RedisBackend {
         if let Route::Local = self.reach.route(source, admin)? {
             return Ok(None);
         }
-        let inv = script::invocation(&self.prefix, source, &op);
+        let built;
+        let keys = match self.keys.get(source) {
+            Some(k) => k,
+            None => {
+                built = script::keys(&self.prefix, source);
+                &built
+            }
+        };
+        let inv = script::invocation(keys, &op);
         match self.conn.run(&inv).await {
             Ok(v) => {
                 self.reach.answered(source);

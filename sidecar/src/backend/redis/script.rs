@@ -50,7 +50,7 @@
 use std::sync::LazyLock;
 use std::time::Duration;
 
-use ::redis::{Cmd, Script, Value};
+use ::redis::{Cmd, RedisWrite, Script, ToRedisArgs, Value};
 
 use crate::backend::{
     Applied, BResult, BackendError, BreakerParams, ClassShares, QuotaParams, State, Tokens,
@@ -100,35 +100,109 @@ pub(super) fn quota_key(prefix: &str, source: &str) -> String {
     format!("{{{prefix}:{source}}}:q")
 }
 
-/// One call of `gate.lua`: its two keys and its arguments.
-pub(super) struct Call {
-    /// Breaker key, then quota key (one slot).
-    pub keys: [String; 2],
-    /// ARGV, `op` first.
-    pub args: Vec<String>,
+/// A source's two keys (breaker, quota), built once per configured source: a call
+/// borrows them instead of formatting them again.
+pub(super) fn keys(prefix: &str, source: &str) -> [String; 2] {
+    [breaker_key(prefix, source), quota_key(prefix, source)]
 }
 
-impl Call {
-    /// `FCALL polygate_<hash> 2 <keys> <args>`.
+/// One call of `gate.lua`: its two keys and its arguments.
+pub(super) struct Call<'a> {
+    /// Breaker key, then quota key (one slot).
+    pub keys: &'a [String; 2],
+    /// ARGV, `op` first, written into the command as they are (integers as decimal
+    /// text, with no string of their own).
+    pub args: Vec<Slot<'a>>,
+}
+
+impl Call<'_> {
+    /// `FCALL polygate_<hash> 2 <keys> <args>`, in one buffer sized up front.
     pub(super) fn fcall(&self) -> Cmd {
-        let mut c = ::redis::cmd("FCALL");
-        c.arg(&GATE.function).arg(2).arg(&self.keys).arg(&self.args);
+        let mut c = Cmd::with_capacity(5 + self.args.len(), 128 + 12 * self.args.len());
+        c.arg("FCALL")
+            .arg(GATE.function.as_str())
+            .arg(2)
+            .arg(self.keys[0].as_str())
+            .arg(self.keys[1].as_str());
+        for a in &self.args {
+            c.arg(a);
+        }
         c
     }
 
     /// The same as an `EVALSHA` invocation.
     pub(super) fn script(&self) -> ::redis::ScriptInvocation<'static> {
         let mut inv = GATE.script.prepare_invoke();
-        inv.key(&self.keys).arg(&self.args);
+        inv.key(self.keys[0].as_str()).key(self.keys[1].as_str());
+        for a in &self.args {
+            inv.arg(a);
+        }
         inv
     }
 }
 
-/// One call of `op` on `source`'s keys, ready to send.
-pub(super) fn invocation<O: Op>(prefix: &str, source: &str, op: &O) -> Call {
+/// One call of `op` on a source whose keys are `keys`, ready to send.
+pub(super) fn invocation<'a, O: Op>(keys: &'a [String; 2], op: &'a O) -> Call<'a> {
     Call {
-        keys: [breaker_key(prefix, source), quota_key(prefix, source)],
-        args: op.argv().strings(O::NAME),
+        keys,
+        args: op.argv().slots(O::NAME),
+    }
+}
+
+/// One ARGV slot's value as it goes on the wire. Numbers are written as decimal text
+/// straight into the command buffer (no `String` per slot).
+#[derive(Debug, Clone, PartialEq)]
+pub(super) enum Slot<'a> {
+    /// A signed integer (µs, counts, credits, `-1` = none).
+    Int(i64),
+    /// An epoch (compared, never computed with: the whole `u64` range).
+    Epoch(u64),
+    /// `failure_rate`, the one fraction (Rust's shortest round-trip text).
+    Rate(f64),
+    /// Text borrowed from the operation (op name, verdict, channel, source, class).
+    Text(&'a str),
+    /// Text built for the call (§15: the class list).
+    Owned(String),
+}
+
+impl ToRedisArgs for Slot<'_> {
+    fn write_redis_args<W>(&self, out: &mut W)
+    where
+        W: ?Sized + RedisWrite,
+    {
+        match self {
+            Slot::Int(n) => n.write_redis_args(out),
+            Slot::Epoch(n) => n.write_redis_args(out),
+            Slot::Rate(f) => out.write_arg_fmt(f),
+            Slot::Text(t) => out.write_arg(t.as_bytes()),
+            Slot::Owned(t) => out.write_arg(t.as_bytes()),
+        }
+    }
+}
+
+impl std::fmt::Display for Slot<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Slot::Int(n) => n.fmt(f),
+            Slot::Epoch(n) => n.fmt(f),
+            Slot::Rate(r) => r.fmt(f),
+            Slot::Text(t) => t.fmt(f),
+            Slot::Owned(t) => t.fmt(f),
+        }
+    }
+}
+
+impl Slot<'_> {
+    /// Whether this is slot `i`'s neutral value (the text the script reads as it).
+    fn is_neutral(&self, i: usize) -> bool {
+        let n = NEUTRAL[i];
+        match self {
+            Slot::Int(v) => n.parse::<i64>() == Ok(*v),
+            Slot::Epoch(v) => n.parse::<u64>() == Ok(*v),
+            Slot::Rate(r) => *r == 0.0 && n == "0",
+            Slot::Text(t) => *t == n,
+            Slot::Owned(t) => t == n,
+        }
     }
 }
 
@@ -275,10 +349,16 @@ fn burst_us(q: &QuotaParams) -> u64 {
     }
 }
 
-impl Argv<'_> {
+impl<'a> Argv<'a> {
+    /// The slots as text (what [`Argv::slots`] writes), for tests and messages.
+    #[cfg(test)]
+    pub(super) fn strings(&self, op: &'static str) -> Vec<String> {
+        self.slots(op).iter().map(ToString::to_string).collect()
+    }
+
     /// The slots as `gate.lua` reads them, `op` first, in [`SLOTS`] order, without
     /// the trailing ones that hold their neutral value.
-    pub(super) fn strings(&self, op: &str) -> Vec<String> {
+    pub(super) fn slots(&self, op: &'static str) -> Vec<Slot<'a>> {
         let (fth, frate, minc, win, cd, mcd, pttl, kmax, basis) = match self.breaker {
             Some(p) => (
                 p.failure_threshold,
@@ -315,44 +395,52 @@ impl Argv<'_> {
         // A NaN or infinite rate would not parse as a Lua number; configs never hold one.
         let frate = if frate.is_finite() { frate } else { 1.0 };
         let (channel, source) = self.announce.map_or(("", ""), |a| (a.channel, a.source));
-        let mut v = vec![
-            op.to_string(),
-            fth.to_string(),
-            frate.to_string(),
-            minc.to_string(),
-            win.to_string(),
-            cd.to_string(),
-            mcd.to_string(),
-            pttl.to_string(),
-            kmax.to_string(),
-            basis.to_string(),
-            tpm.to_string(),
-            rpm.to_string(),
-            count(self.tokens.total).to_string(),
-            self.epoch.to_string(),
-            u8::from(self.count_attempt).to_string(),
-            u8::from(self.is_probe).to_string(),
-            self.verdict.to_string(),
-            credit(self.credit.total).to_string(),
-            self.credit.requests.to_string(),
-            micros_or_none(self.block).to_string(),
-            micros_or_none(self.open_for).to_string(),
-            channel.to_string(),
-            source.to_string(),
-            self.class.unwrap_or("").to_string(),
-            self.shares.map_or(0, |c| c.saturation_ppm).to_string(),
-            self.shares.map_or_else(String::new, class_spec),
-            burst.to_string(),
-            itpm.to_string(),
-            otpm.to_string(),
-            tpd.to_string(),
-            rpd.to_string(),
-            part(has_in, self.tokens.input).to_string(),
-            part(has_out, self.tokens.output).to_string(),
-            part_credit(has_in, self.credit.input).to_string(),
-            part_credit(has_out, self.credit.output).to_string(),
-        ];
-        while v.len() > 1 && v.last().map(String::as_str) == Some(NEUTRAL[v.len() - 1]) {
+        let mut v = Vec::with_capacity(SLOTS.len());
+        let int = |n: u64| Slot::Int(n as i64);
+        v.extend([
+            Slot::Text(op),
+            int(u64::from(fth)),
+            Slot::Rate(frate),
+            int(u64::from(minc)),
+            int(win),
+            int(cd),
+            int(mcd),
+            int(pttl),
+            int(u64::from(kmax)),
+            int(basis),
+            Slot::Int(tpm),
+            Slot::Int(rpm),
+            int(count(self.tokens.total)),
+            Slot::Epoch(self.epoch),
+            Slot::Int(i64::from(self.count_attempt)),
+            Slot::Int(i64::from(self.is_probe)),
+            Slot::Text(self.verdict),
+            Slot::Int(credit(self.credit.total)),
+            Slot::Int(i64::from(self.credit.requests)),
+            Slot::Int(micros_or_none(self.block)),
+            Slot::Int(micros_or_none(self.open_for)),
+            Slot::Text(channel),
+            Slot::Text(source),
+            Slot::Text(self.class.unwrap_or("")),
+            Slot::Int(
+                self.shares
+                    .map_or(0, |c| i64::try_from(c.saturation_ppm).unwrap_or(i64::MAX)),
+            ),
+            match self.shares {
+                Some(c) => Slot::Owned(class_spec(c)),
+                None => Slot::Text(""),
+            },
+            int(burst),
+            Slot::Int(itpm),
+            Slot::Int(otpm),
+            Slot::Int(tpd),
+            Slot::Int(rpd),
+            int(part(has_in, self.tokens.input)),
+            int(part(has_out, self.tokens.output)),
+            Slot::Int(part_credit(has_in, self.credit.input)),
+            Slot::Int(part_credit(has_out, self.credit.output)),
+        ]);
+        while v.len() > 1 && v.last().is_some_and(|s| s.is_neutral(v.len() - 1)) {
             v.pop();
         }
         v
