@@ -11,8 +11,8 @@
 //! Slots live in two places:
 //! - the connection's [`Outbox`](super::transport::Outbox): one per reply encoded and not
 //!   yet written (the connection task owns it, so no atomics);
-//! - [`SlotGuard`]s: one per request running in a spawned task (or being polled
-//!   for the first time), counted in [`Budget::tasks`]. The guard gives its slot back
+//! - [`SlotGuard`]s: one per request still running after its first poll (or being
+//!   polled for the first time), counted in [`Budget::tasks`]. The guard gives its slot back
 //!   when its Acquire starts waiting, or when the request is dropped unfinished
 //!   (aborted by `Cancel` or teardown), and wakes the connection so it can read
 //!   again. A request that finishes still holding its slot hands it to its reply.
@@ -71,8 +71,8 @@ impl Budget {
     }
 }
 
-/// The slot of one request that runs as a future (a spawned task after its first
-/// poll). See the module docs.
+/// The slot of one request that runs as a future (kept running by its connection
+/// after its first poll). See the module docs.
 pub(super) struct SlotGuard {
     budget: Arc<Budget>,
     /// Still holding the slot.

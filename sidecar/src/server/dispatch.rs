@@ -4,9 +4,10 @@
 //! `BeginCall`, argument and permission errors) and turns everything else into a
 //! [`Job`]: a boxed future the connection polls once, right where it read the frame.
 //! On the memory backend that first poll finishes every request but an Acquire that
-//! has to wait; only a future still pending after it is spawned (waiting Acquires,
-//! `Start`s and `Retry`s, and on a remote backend the round trips). Moving a polled
-//! future into a task is what the engine's futures are built for: they are
+//! has to wait; only a future still pending after it is kept running ([`Running`]:
+//! waiting Acquires, `Start`s and `Retry`s, and on a remote backend the round trips),
+//! polled by the connection's task from then on. Moving a polled future, and
+//! dropping it at any point, is what the engine's futures are built for: they are
 //! cancel-safe at every await (a dropped Acquire leaves nothing reserved: see
 //! `Ticket`, `AdmitResult` and the pass's slot guard in the engine) and keep no
 //! state on the stack of whoever polled them.
@@ -21,9 +22,8 @@ use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Instant;
 
-use futures_util::FutureExt;
+use futures_util::future::{AbortHandle, AbortRegistration, Abortable};
 use ipc_protocol::{ErrorKind, Reply, Request};
-use tokio::task::AbortHandle;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
 
@@ -404,9 +404,10 @@ pub(super) fn request_name(r: &Request) -> &'static str {
     }
 }
 
-/// A request running in a task.
+/// A request still running after its first poll ([`Running`]).
 pub(super) struct Pending {
-    /// The task, aborted by a `Cancel` or teardown.
+    /// Aborts its [`Running`] (a `Cancel`, teardown): the future is dropped at the
+    /// connection task's next poll of its running set.
     pub task: AbortHandle,
     /// How a `Cancel` stops it.
     pub cancel: CancelBy,
@@ -435,21 +436,53 @@ impl Pending {
     }
 }
 
-/// A spawned job: its id and answer (an `Internal` error if it panicked).
-pub(super) async fn run_job(
+/// A job still pending after its first poll, polled from then on by its
+/// connection's own task (a `FuturesUnordered` there), not spawned: its wake-ups
+/// (a Redis reply, a freed source) wake that task directly, and no task is spawned,
+/// scheduled and joined per remote round trip (§16). It yields its request id and
+/// its answer: `None` when aborted, an `Internal` error if the handler panicked.
+pub(super) struct Running {
     conn: OwnerId,
     id: u64,
-    fut: Pin<Box<dyn Future<Output = Done> + Send>>,
-) -> (u64, Done) {
-    let done = AssertUnwindSafe(fut)
-        .catch_unwind()
-        .await
-        .unwrap_or_else(|_| Done {
-            reply: panicked(conn, id),
-            holds_slot: false,
-            ends_call: false,
-        });
-    (id, done)
+    fut: Abortable<Pin<Box<dyn Future<Output = Done> + Send>>>,
+}
+
+impl Running {
+    /// `fut` as a running request, and the handle that aborts it.
+    pub fn new(
+        conn: OwnerId,
+        id: u64,
+        fut: Pin<Box<dyn Future<Output = Done> + Send>>,
+    ) -> (Running, AbortHandle) {
+        let (handle, reg): (AbortHandle, AbortRegistration) = AbortHandle::new_pair();
+        let fut = Abortable::new(fut, reg);
+        (Running { conn, id, fut }, handle)
+    }
+}
+
+impl Future for Running {
+    type Output = (u64, Option<Done>);
+
+    fn poll(
+        mut self: Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Self::Output> {
+        use std::task::Poll;
+        let this = &mut *self;
+        match std::panic::catch_unwind(AssertUnwindSafe(|| Pin::new(&mut this.fut).poll(cx))) {
+            Ok(Poll::Pending) => Poll::Pending,
+            Ok(Poll::Ready(Ok(done))) => Poll::Ready((this.id, Some(done))),
+            Ok(Poll::Ready(Err(_aborted))) => Poll::Ready((this.id, None)),
+            Err(_) => Poll::Ready((
+                this.id,
+                Some(Done {
+                    reply: panicked(this.conn, this.id),
+                    holds_slot: false,
+                    ends_call: false,
+                }),
+            )),
+        }
+    }
 }
 
 /// The reply of a request whose handler panicked (logged).

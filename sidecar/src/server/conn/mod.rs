@@ -3,14 +3,16 @@
 //! The connection is one task that owns its socket. Each time it runs it reads
 //! everything the socket has (as far as its in-flight budget allows), answers every
 //! frame it can right there — decode, one poll of the engine, encode into the write
-//! buffer — and writes all the replies of the batch with one `write`. Only requests
-//! still pending after that first poll are spawned ([`dispatch`]); their replies come
-//! back through the connection's `JoinSet` and go out with the next batch. So a call
-//! on the memory backend costs no task, no channel and no allocation for framing; the
-//! shutdown signals are registered once and read as flags.
+//! buffer — and writes all the replies of the batch with one `write`. Requests still
+//! pending after that first poll (waiting Acquires; on Redis, every round trip) go
+//! into the connection's set of running requests ([`dispatch::Running`]), which this
+//! same task polls whenever one of them is woken; their replies go out with the next
+//! batch. So a call costs no task and no channel, on the memory backend no
+//! allocation for framing either; the shutdown signals are registered once and read
+//! as flags.
 //!
 //! `Cancel` (bindings/PROTOCOL.md §7, §14) reaches requests that are still running,
-//! which are exactly the spawned ones: one answered inline was answered before the
+//! which are exactly those in the set: one answered inline was answered before the
 //! next frame was even decoded, so its normal reply is the one the client gets.
 
 use std::collections::{HashMap, VecDeque};
@@ -21,13 +23,13 @@ use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
+use futures_util::stream::{FuturesUnordered, StreamExt};
 use ipc_protocol::{ClientFrame, ErrorKind, FrameError, Reply, Request};
 use tokio::net::UnixStream;
-use tokio::task::{JoinError, JoinSet};
 use tracing::{debug, warn};
 
 use super::budget::Budget;
-use super::dispatch::{self, panicked, run_job, Ctx, Done, Job, Pending, Step, Timer};
+use super::dispatch::{self, panicked, Ctx, Done, Job, Pending, Running, Step, Timer};
 use super::guard::{self, Idle, IdleWatch, Unsent};
 use super::transport::{self, Filled, Inbox, Outbox, Socket};
 use super::{convert, ConnSlot};
@@ -73,11 +75,12 @@ struct Conn<B: Backend> {
     inbox: Inbox,
     /// Replies not yet written.
     out: Outbox,
-    /// Requests running in tasks, by request id. Whoever removes an entry (the task's
+    /// Requests still running, by request id. Whoever removes an entry (the future's
     /// completion, a `Cancel`) owns the request's reply.
     pending: HashMap<u64, Pending>,
-    /// Those tasks; each yields its request id and what it answered.
-    tasks: JoinSet<(u64, Done)>,
+    /// Those requests' futures, polled by this task (no spawn per request, §16);
+    /// each yields its request id and what it answered (`None`: aborted).
+    tasks: FuturesUnordered<Running>,
     /// Replies waiting for an in-flight slot (a waiting Acquire's answer, a
     /// `Cancelled`): the connection reads nothing while this is not empty.
     overflow: VecDeque<(u64, Reply)>,
@@ -154,7 +157,7 @@ pub(super) async fn serve<B: Backend>(
         inbox: Inbox::new(max_frame),
         out: Outbox::new(max_frame),
         pending: HashMap::new(),
-        tasks: JoinSet::new(),
+        tasks: FuturesUnordered::new(),
         overflow: VecDeque::new(),
         version: None,
         draining: false,
@@ -341,7 +344,7 @@ impl<B: Backend> Conn<B> {
                 self.ctx.budget.register(cx);
             }
             while !self.tasks.is_empty() {
-                match self.tasks.poll_join_next(cx) {
+                match self.tasks.poll_next_unpin(cx) {
                     Poll::Ready(Some(r)) => self.task_done(r),
                     _ => break,
                 }
@@ -361,10 +364,10 @@ impl<B: Backend> Conn<B> {
                 debug!(conn = self.id(), error = %e, "write failed");
                 return Poll::Ready(End::Closed);
             }
-            // Jobs spawned in this batch: be woken when they finish (JoinSet registers
-            // the waker only when polled), or take what already finished.
+            // Jobs that began running in this batch: be woken when they finish (the
+            // set registers its waker only when polled), or take what finished.
             if !self.tasks.is_empty() {
-                if let Poll::Ready(Some(r)) = self.tasks.poll_join_next(cx) {
+                if let Poll::Ready(Some(r)) = self.tasks.poll_next_unpin(cx) {
                     self.task_done(r);
                     continue;
                 }
@@ -513,7 +516,7 @@ impl<B: Backend> Conn<B> {
         metrics.observe(timer.ty, timer.started.elapsed());
     }
 
-    /// Poll a job once here; spawn it only if it has to wait.
+    /// Poll a job once here; keep it running (in `tasks`) only if it has to wait.
     fn start(&mut self, id: u64, mut job: Job, cx: &mut Context<'_>, timer: Timer) {
         match std::panic::catch_unwind(AssertUnwindSafe(|| job.fut.as_mut().poll(cx))) {
             Ok(Poll::Ready(done)) => {
@@ -521,8 +524,8 @@ impl<B: Backend> Conn<B> {
                 self.finished(id, done)
             }
             Ok(Poll::Pending) => {
-                let fut = job.fut;
-                let task = self.tasks.spawn(run_job(self.id(), id, fut));
+                let (running, task) = Running::new(self.id(), id, job.fut);
+                self.tasks.push(running);
                 let cancel = job.cancel;
                 self.pending.insert(
                     id,
@@ -551,10 +554,10 @@ impl<B: Backend> Conn<B> {
         }
     }
 
-    fn task_done(&mut self, r: Result<(u64, Done), JoinError>) {
-        // Aborted tasks (cancelled, teardown) answer nothing; their slot guard gave
-        // the slot back when the future was dropped.
-        let Ok((id, done)) = r else { return };
+    fn task_done(&mut self, r: (u64, Option<Done>)) {
+        // Aborted requests (cancelled, teardown) answer nothing; their slot guard
+        // gave the slot back when the future was dropped.
+        let (id, Some(done)) = r else { return };
         if let Some(p) = self.pending.remove(&id) {
             self.observe(p.timer);
             self.finished(id, done);

@@ -6,6 +6,7 @@
 
 use std::time::Duration;
 
+use futures_util::StreamExt;
 use tracing::{debug, warn};
 
 use super::{dispatch, Conn, End};
@@ -28,8 +29,8 @@ impl<B: Backend> Conn<B> {
             p.cancel();
         }
         let finish = async {
-            while let Some(r) = self.tasks.join_next().await {
-                let Ok((id, done)) = r else { continue };
+            while let Some(r) = self.tasks.next().await {
+                let (id, Some(done)) = r else { continue };
                 if self.pending.remove(&id).is_some() {
                     if done.holds_slot {
                         self.ctx.budget.slot_done();
@@ -48,8 +49,9 @@ impl<B: Backend> Conn<B> {
                 conn = self.id(),
                 "requests still running at close; aborting them"
             );
-            self.tasks.abort_all();
-            while self.tasks.join_next().await.is_some() {}
+            // Dropping a request's future ends it (the engine's futures are
+            // cancel-safe; a dropped remote Work finishes in a task of its own).
+            self.tasks.clear();
         }
         self.pending.clear();
         while let Some((id, reply)) = self.overflow.pop_front() {
