@@ -30,6 +30,7 @@
 //! - Cross-host (Redis): another host may free or take tokens unannounced; the
 //!   pollers see it within one `poll_interval`, so some polling remains, bounded by
 //!   (scopes naming the source) × (size lines), not by waiters.
+//!
 //! The trade-off chosen for sizes: within a size line a smaller call may wait
 //! behind a bigger one (less than 2× bigger) that does not fit yet, which keeps a big
 //! call from being starved by a stream of small ones; across size lines a much
