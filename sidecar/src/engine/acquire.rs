@@ -34,8 +34,15 @@
 //! The trade-off chosen for sizes: within a size line a smaller call may wait
 //! behind a bigger one (less than 2× bigger) that does not fit yet, which keeps a big
 //! call from being starved by a stream of small ones; across size lines a much
-//! smaller call goes ahead when it fits. Scopes with classes keep the §15 queue
-//! ([`super::queue::WaitQueue`]): its turns already order their passes.
+//! smaller call goes ahead when it fits.
+//!
+//! Scopes with classes keep the §15 queue ([`super::queue::WaitQueue`]), whose turns
+//! already order the passes, under the same cost rule: one waiter, the queue's
+//! **napper**, keeps the §5 nap (with its hint) and asks for a turn when it ends;
+//! every other waiter sleeps until handed a turn or to its stall edge. A waiter
+//! leaving after a turn (granted or not) hands a turn on, and so does a leaving
+//! napper, so the queue always has someone to look, and a wake-all (closed breaker,
+//! reset) releases its waiters one hand-off after another in fair order.
 //!
 //! Cancel-safety: dropping the Acquire future at any await ends the wait and leaves
 //! nothing reserved. The guards here carry that: [`AcquireGuard`] clears the call's
@@ -207,8 +214,15 @@ impl<B: Backend> Engine<B> {
                         reasons: self.reasons_of(si, &reasons),
                     });
                 }
+                // One waiter naps and asks again for everyone; the others sleep
+                // until handed a turn or to the edge of their stall window.
+                let napper = place.as_ref().is_some_and(|p| p.napping());
                 let sleep = nap(
-                    Duration::ZERO,
+                    if napper {
+                        Duration::ZERO
+                    } else {
+                        cfg.stall_window.saturating_sub(stall)
+                    },
                     cfg.poll_interval,
                     cfg.stall_window,
                     stall,
@@ -309,7 +323,20 @@ impl<B: Backend> Engine<B> {
                 }
                 waiting = Some(self.start_waiting(si, class, sleep, &reasons));
             }
-            if place.is_some() {
+            if let Some(p) = &place {
+                // §15 queue: only its napper keeps the §5 nap; the others sleep
+                // until handed a turn or to their stall edge (see the header).
+                let sleep = if p.napping() {
+                    sleep
+                } else {
+                    nap(
+                        cfg.stall_window.saturating_sub(stall),
+                        cfg.poll_interval,
+                        cfg.stall_window,
+                        stall,
+                        rand::random::<f64>(),
+                    )
+                };
                 my_turn = self.wait_turn(place.as_ref(), sleep).await?;
                 continue;
             }

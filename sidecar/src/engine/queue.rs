@@ -91,6 +91,11 @@ struct State {
     pending: u32,
     /// Entries `WOKEN`.
     woken: u32,
+    /// §5 (issue 8): the one waiter that naps `poll_interval` on the queue's behalf
+    /// and asks for a turn when its nap ends; every other waiter sleeps until it is
+    /// given a turn (or to its stall edge), so a saturated scope's waiting costs one
+    /// nap per poll interval, not one per waiter. `None`: nobody has it yet.
+    napper: Option<Arc<Waiter>>,
 }
 
 /// A classed scope's waiters in fair order.
@@ -128,6 +133,7 @@ impl WaitQueue {
                 vtime: 0.0,
                 pending: 0,
                 woken: 0,
+                napper: None,
             }),
         }
     }
@@ -320,6 +326,20 @@ impl Place<'_> {
         false
     }
 
+    /// Take the queue's nap duty if nobody holds it (`true`: this waiter holds it
+    /// and naps `poll_interval`; `false`: another does, sleep until given a turn).
+    pub(crate) fn napping(&self) -> bool {
+        let mut st = self.queue.lock();
+        match &st.napper {
+            Some(n) if Arc::ptr_eq(n, &self.waiter) => true,
+            Some(n) if n.state() != GONE => false,
+            _ => {
+                st.napper = Some(self.waiter.clone());
+                true
+            }
+        }
+    }
+
     /// Woken by another waiter's hand-off or a freed unit.
     pub(crate) async fn woken(&self) {
         self.waiter.notify.notified().await
@@ -337,7 +357,18 @@ impl Place<'_> {
             return;
         }
         self.waiter.set(GONE);
-        let pass_on = was == WOKEN && !granted;
+        // A grant passes the turn on too: the next waiter looks at once (capacity may
+        // be left, as after a wake-all), and a napper's leaving must not leave the
+        // queue without anyone to look.
+        let napper = st
+            .napper
+            .as_ref()
+            .is_some_and(|n| Arc::ptr_eq(n, &self.waiter));
+        if napper {
+            st.napper = None;
+        }
+        let pass_on = was == WOKEN || napper;
+        let uncharge = was == WOKEN && !granted;
         if was == WOKEN {
             st.woken -= 1;
             st.pending = st.pending.min(st.woken);
@@ -347,7 +378,7 @@ impl Place<'_> {
         if was == QUEUED {
             c.queued -= 1;
         }
-        if pass_on {
+        if uncharge {
             // Refused or cancelled mid-turn: the turn was not used, hand it on.
             c.turns -= 1;
             c.pass -= c.stride;
@@ -559,7 +590,8 @@ impl Drop for Spot<'_> {
 mod tests {
     use super::*;
 
-    /// Who gets each of `n` turns when every class always has a waiter queued.
+    /// Who gets each of `n` turns when every class always has a waiter queued (a
+    /// grant passes the turn on: the next is the one it woke).
     fn shares(weights: &[f64], n: usize) -> Vec<usize> {
         let q = WaitQueue::new(weights);
         let mut places: Vec<VecDeque<Place<'_>>> =
@@ -570,15 +602,22 @@ mod tests {
             }
         }
         let mut got = vec![0; weights.len()];
+        let first = pick(&mut q.lock()).expect("someone queued");
+        let mut class = first.class;
         for _ in 0..n {
-            let mut st = q.lock();
-            let w = pick(&mut st).expect("someone queued");
-            drop(st);
-            got[w.class] += 1;
-            let p = places[w.class].pop_front().unwrap();
-            assert!(Arc::ptr_eq(&p.waiter, &w), "FIFO within the class");
+            got[class] += 1;
+            let p = places[class].pop_front().unwrap();
+            assert_eq!(p.waiter.state(), WOKEN, "FIFO within the class");
             p.granted();
-            places[w.class].push_back(q.join(w.class));
+            places[class].push_back(q.join(class));
+            let woken: Vec<usize> = places
+                .iter()
+                .enumerate()
+                .filter(|(_, p)| p.front().is_some_and(|w| w.waiter.state() == WOKEN))
+                .map(|(c, _)| c)
+                .collect();
+            assert_eq!(woken.len(), 1, "one turn handed on");
+            class = woken[0];
         }
         got
     }
