@@ -1,6 +1,9 @@
-//! §15 waiter order on one host: weighted fair queueing across a scope's priority
-//! classes, FIFO within a class. Only scopes that declare classes have a queue; the
-//! others keep their plain wake-up channel (today's behaviour exactly).
+//! Waiter order on one host: for a scope with priority classes, §15's weighted fair
+//! queueing across classes, FIFO within a class ([`WaitQueue`]); for a scope without,
+//! the §5 quota line ([`QuotaLine`]): FIFO per size of estimate, only the front of
+//! each size polls. Both keep waiting cheap with many waiters: one waiter per scope
+//! (per size line) naps `poll_interval`, the others sleep until handed a turn or to
+//! their stall edge (the rule is written in `acquire.rs`'s header).
 //!
 //! Every Acquire of a classed scope joins its class's queue and then asks for a
 //! **turn** before each admission pass. A turn goes to the next waiter in fair order
