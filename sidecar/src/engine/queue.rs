@@ -31,7 +31,7 @@
 //! waiter neither keeps its place nor swallows the wake-up meant for the next one.
 
 use std::collections::VecDeque;
-use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use tokio::sync::Notify;
@@ -53,6 +53,12 @@ pub(crate) struct Waiter {
     /// Woken when the waiter is given a turn by someone else (a stored permit if it
     /// is not sleeping yet, so no turn is lost).
     notify: Notify,
+    /// The current turn is part of a **chain**: given when an unknown amount of
+    /// capacity may be free (a nap ended, a wake-all, a previous chain grant), so a
+    /// grant on it hands a turn on at once. A turn for one freed unit
+    /// ([`WaitQueue::wake_next`]) or a newcomer's own is not: its grant used the unit.
+    /// Written only under the queue lock.
+    chain: AtomicBool,
 }
 
 impl Waiter {
@@ -159,6 +165,7 @@ impl WaitQueue {
             class,
             state: AtomicU8::new(QUEUED),
             notify: Notify::new(),
+            chain: AtomicBool::new(false),
         });
         let mut st = self.lock();
         let vtime = st.vtime;
@@ -182,7 +189,10 @@ impl WaitQueue {
     pub(crate) fn wake_next(&self) {
         let mut st = self.lock();
         match pick(&mut st) {
-            Some(w) => w.notify.notify_one(),
+            Some(w) => {
+                w.chain.store(false, Ordering::Relaxed);
+                w.notify.notify_one()
+            }
             None => st.pending = (st.pending + 1).min(st.woken),
         }
     }
@@ -280,6 +290,7 @@ impl Place<'_> {
         let vtime = st.vtime;
         let c = &mut st.classes[self.waiter.class];
         self.waiter.set(WOKEN);
+        self.waiter.chain.store(false, Ordering::Relaxed);
         c.queued -= 1;
         c.turns += 1;
         let start = c.pass;
@@ -298,9 +309,15 @@ impl Place<'_> {
             GONE => return false,
             _ => {}
         }
+        // Asked after a nap or a wake-all: how much is free is unknown, so the
+        // turn starts a chain.
         match pick(&mut st) {
-            Some(w) if Arc::ptr_eq(&w, &self.waiter) => true,
+            Some(w) if Arc::ptr_eq(&w, &self.waiter) => {
+                w.chain.store(true, Ordering::Relaxed);
+                true
+            }
             Some(w) => {
+                w.chain.store(true, Ordering::Relaxed);
                 w.notify.notify_one();
                 false
             }
@@ -360,8 +377,9 @@ impl Place<'_> {
             return;
         }
         self.waiter.set(GONE);
-        // A grant passes the turn on too: the next waiter looks at once (capacity may
-        // be left, as after a wake-all), and a napper's leaving must not leave the
+        // A grant on a chain turn passes the turn on too: the next waiter looks at
+        // once (capacity may be left: a refill, a wake-all); a grant for one freed
+        // unit does not (it used the unit). A napper's leaving must not leave the
         // queue without anyone to look.
         let napper = st
             .napper
@@ -370,7 +388,8 @@ impl Place<'_> {
         if napper {
             st.napper = None;
         }
-        let pass_on = was == WOKEN || napper;
+        let chain = self.waiter.chain.load(Ordering::Relaxed);
+        let pass_on = (was == WOKEN && (!granted || chain)) || napper;
         let uncharge = was == WOKEN && !granted;
         if was == WOKEN {
             st.woken -= 1;
@@ -394,6 +413,7 @@ impl Place<'_> {
         }
         if pass_on {
             if let Some(w) = pick(&mut st) {
+                w.chain.store(chain || napper, Ordering::Relaxed);
                 w.notify.notify_one();
             }
         }
@@ -605,22 +625,25 @@ mod tests {
             }
         }
         let mut got = vec![0; weights.len()];
-        let first = pick(&mut q.lock()).expect("someone queued");
-        let mut class = first.class;
+        // A napper's ask (a chain: every grant hands the turn on).
+        places[0][0].turn();
         for _ in 0..n {
-            got[class] += 1;
-            let p = places[class].pop_front().unwrap();
-            assert_eq!(p.waiter.state(), WOKEN, "FIFO within the class");
-            p.granted();
-            places[class].push_back(q.join(class));
             let woken: Vec<usize> = places
                 .iter()
                 .enumerate()
                 .filter(|(_, p)| p.front().is_some_and(|w| w.waiter.state() == WOKEN))
                 .map(|(c, _)| c)
                 .collect();
-            assert_eq!(woken.len(), 1, "one turn handed on");
-            class = woken[0];
+            assert_eq!(
+                woken.len(),
+                1,
+                "one turn handed on, to a class's head (FIFO)"
+            );
+            let class = woken[0];
+            got[class] += 1;
+            let p = places[class].pop_front().unwrap();
+            p.granted();
+            places[class].push_back(q.join(class));
         }
         got
     }
@@ -720,6 +743,39 @@ mod tests {
             "gone entries are dropped"
         );
         assert!(head.is_poller());
+    }
+
+    #[test]
+    fn a_grant_for_one_freed_unit_does_not_hand_on_but_a_chain_grant_does() {
+        let q = WaitQueue::new(&[1.0]);
+        let a = q.join(0);
+        let b = q.join(0);
+        let c = q.join(0);
+        q.wake_next(); // one unit: a's turn, not a chain
+        assert_eq!(a.waiter.state(), WOKEN);
+        a.granted();
+        assert_eq!(
+            b.waiter.state(),
+            QUEUED,
+            "the unit is used: nobody else looks"
+        );
+        // b asks (as a napper does when its nap ends): a chain; its grant hands
+        // the turn on to c.
+        assert!(b.turn());
+        b.granted();
+        assert_eq!(c.waiter.state(), WOKEN, "a chain grant hands the turn on");
+    }
+
+    #[test]
+    fn a_leaving_napper_hands_a_turn_on() {
+        let q = WaitQueue::new(&[1.0]);
+        let a = q.join(0);
+        let b = q.join(0);
+        assert!(a.napping(), "the first to ask naps");
+        assert!(!b.napping(), "one napper per queue");
+        drop(a); // cancelled while napping (queued, no turn)
+        assert_eq!(b.waiter.state(), WOKEN, "someone must look");
+        assert!(b.napping(), "and the duty is free again");
     }
 
     /// Poll a future once: `true` if it was ready.
