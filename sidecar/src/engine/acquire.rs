@@ -40,9 +40,12 @@
 //! already order the passes, under the same cost rule: one waiter, the queue's
 //! **napper**, keeps the §5 nap (with its hint) and asks for a turn when it ends;
 //! every other waiter sleeps until handed a turn or to its stall edge. A waiter
-//! leaving after a turn (granted or not) hands a turn on, and so does a leaving
-//! napper, so the queue always has someone to look, and a wake-all (closed breaker,
-//! reset) releases its waiters one hand-off after another in fair order.
+//! leaving a turn unused (refused by an error, cancelled) hands it on, and so does a
+//! leaving napper, so the queue always has someone to look. A turn asked after a nap
+//! or a wake-all starts a **chain** (an unknown amount may be free): a grant on it
+//! hands the next turn on at once, so a refill or a wake-all (closed breaker, reset)
+//! releases waiters one hand-off after another in fair order until one is refused; a
+//! turn for one freed unit (`wake_one`) is not a chain, as its grant used the unit.
 //!
 //! Cancel-safety: dropping the Acquire future at any await ends the wait and leaves
 //! nothing reserved. The guards here carry that: [`AcquireGuard`] clears the call's
