@@ -1,16 +1,64 @@
 //! A call's start and its Acquire (§3, §5): the budget checks, the loop of passes,
 //! the §5 dispatch after a pass that granted nothing, and the cancellable wait.
 //!
+//! **The quota wait is polled per scope, not per waiter** (a §5 change, issue 8).
+//! §5 had every waiter refused by quota or pacer (`hint = 0`) nap
+//! `poll_interval × [0.5, 1]` and run a full pass again: 10,000 waiters cost ~25
+//! passes per second each, ~1.4 cores on an idle host. Now, in a scope without
+//! priority classes:
+//! - An Acquire whose pass is refused on the quota branch joins the scope's **quota
+//!   line** ([`super::queue::QuotaLine`]), FIFO within the size class of its
+//!   estimate (estimates within 2× of each other share a class; the estimate is the
+//!   largest over the scope's sources). A new Acquire always checks its budgets and
+//!   runs its first pass as before (so `fail_fast` dispatch is unchanged); the line
+//!   orders only calls that already wait.
+//! - The front of each size line is its **poller**: it naps and passes exactly as
+//!   §5 says (`nap(hint)`; the quota hint still answers most passes without a
+//!   backend round trip). The others, **followers**, run no pass and set no timer
+//!   but their stall edge: they sleep until made poller, nudged, or
+//!   `stall_window − stall + jitter` (the pass run then ends them as `stalled`, so
+//!   §5's `stall_window + poll_interval` bound holds for every waiter).
+//! - A poller that leaves — granted, refused, stalled, cancelled, disconnected —
+//!   hands the turn to the next of its size line, which runs a pass at once: when
+//!   tokens return, waiters are granted in arrival order, one hand-off each, as far
+//!   as the capacity goes; a cancelled poller never strands the line.
+//! - A freed unit (`wake_one`: a report, a refund, a freed pacer slot or lease)
+//!   wakes every size line's poller at once; "many may proceed" (`wake_all`: a
+//!   closed breaker, reset, force_close, an admin event from another host, a
+//!   reload) nudges every member to run one pass, then the refused go back to their
+//!   place. Shutdown ends every wait at once.
+//! - Cross-host (Redis): another host may free or take tokens unannounced; the
+//!   pollers see it within one `poll_interval`, so some polling remains, bounded by
+//!   (scopes naming the source) × (size lines), not by waiters.
+//!
+//! The trade-off chosen for sizes: within a size line a smaller call may wait
+//! behind a bigger one (less than 2× bigger) that does not fit yet, which keeps a big
+//! call from being starved by a stream of small ones; across size lines a much
+//! smaller call goes ahead when it fits.
+//!
+//! Scopes with classes keep the §15 queue ([`super::queue::WaitQueue`]), whose turns
+//! already order the passes, under the same cost rule: one waiter, the queue's
+//! **napper**, keeps the §5 nap (with its hint) and asks for a turn when it ends;
+//! every other waiter sleeps until handed a turn or to its stall edge. A waiter
+//! leaving a turn unused (refused by an error, cancelled) hands it on, and so does a
+//! leaving napper, so the queue always has someone to look. A turn asked after a nap
+//! or a wake-all starts a **chain** (an unknown amount may be free): a grant on it
+//! hands the next turn on at once, so a refill or a wake-all (closed breaker, reset)
+//! releases waiters one hand-off after another in fair order until one is refused; a
+//! turn for one freed unit (`wake_one`) is not a chain, as its grant used the unit.
+//!
 //! Cancel-safety: dropping the Acquire future at any await ends the wait and leaves
 //! nothing reserved. The guards here carry that: [`AcquireGuard`] clears the call's
 //! `acquiring` flag, [`WaiterGuard`] the scope's waiter count, and a [`Ticket`] gives
 //! a pass's hold back unless it became a permit (no await between the two).
 
+use std::pin::pin;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Duration;
 
 use super::error::{EngineError, Exhaustion, SkipReason};
 use super::pass::nap;
+use super::queue::{size_class, Spot};
 use super::report::{Abandon, GiveBack, Settle};
 use super::runtime::bump;
 use super::tables::{Hold, OwnerId, PermitRec};
@@ -118,11 +166,18 @@ impl<B: Backend> Engine<B> {
         let mut my_turn = place.as_ref().is_none_or(|p| p.arrive());
         // §6 retry-after of the last pass, for a stall found between passes.
         let mut last_retry_after: Option<Duration> = None;
+        // §5 quota line (scopes without classes): this Acquire's spot once a pass
+        // of it was refused by quota or pacer; it leaves (handing any poller turn
+        // on) however the Acquire ends.
+        let mut spot: Option<Spot<'_>> = None;
         loop {
-            // Register for early wake-ups before looking, so none is missed.
-            let notified = sc.notify.notified();
-            tokio::pin!(notified);
-            notified.as_mut().enable();
+            // Register for early wake-ups before looking, so none is missed. An
+            // Option, so a quota follower can leave the scope's channel (a wake-up
+            // it would sit on is passed on to the next registered waiter).
+            let mut notified = pin!(Some(sc.notify.notified()));
+            if let Some(n) = notified.as_mut().as_pin_mut() {
+                n.enable();
+            }
             // Read per pass: a SIGHUP reload applies to calls already waiting.
             let policy = sc.policy();
             let cfg = &policy.cfg;
@@ -162,8 +217,15 @@ impl<B: Backend> Engine<B> {
                         reasons: self.reasons_of(si, &reasons),
                     });
                 }
+                // One waiter naps and asks again for everyone; the others sleep
+                // until handed a turn or to the edge of their stall window.
+                let napper = place.as_ref().is_some_and(|p| p.napping());
                 let sleep = nap(
-                    Duration::ZERO,
+                    if napper {
+                        Duration::ZERO
+                    } else {
+                        cfg.stall_window.saturating_sub(stall)
+                    },
                     cfg.poll_interval,
                     cfg.stall_window,
                     stall,
@@ -216,7 +278,8 @@ impl<B: Backend> Engine<B> {
             // §5 dispatch. `retry_after` is §6's for whichever error ends the call
             // here: the min over the sources of when each would certainly pass.
             let retry_after = refused.retry_after();
-            let hint = if refused.gate_rejections == sc.sources.len() {
+            let quota_wait = refused.gate_rejections != sc.sources.len();
+            let hint = if !quota_wait {
                 // Every source refused for circuit reasons: the min is the breakers'.
                 if cfg.circuit_open == Mode::FailFast {
                     return Err(EngineError::CircuitOpen {
@@ -263,16 +326,80 @@ impl<B: Backend> Engine<B> {
                 }
                 waiting = Some(self.start_waiting(si, class, sleep, &reasons));
             }
-            if place.is_some() {
+            if let Some(p) = &place {
+                // §15 queue: only its napper keeps the §5 nap; the others sleep
+                // until handed a turn or to their stall edge (see the header).
+                let sleep = if p.napping() {
+                    sleep
+                } else {
+                    nap(
+                        cfg.stall_window.saturating_sub(stall),
+                        cfg.poll_interval,
+                        cfg.stall_window,
+                        stall,
+                        rand::random::<f64>(),
+                    )
+                };
                 my_turn = self.wait_turn(place.as_ref(), sleep).await?;
                 continue;
             }
-            tokio::select! {
-                _ = tokio::time::sleep(sleep) => {}
-                _ = notified => {}
-                _ = self.shutdown.cancelled() => return Err(EngineError::ShuttingDown),
+            if quota_wait && spot.is_none() {
+                let size = self.size_class_of(si, budget.est);
+                spot = Some(self.quota_lines[si].join(size));
+            }
+            match &spot {
+                // A follower: no polling. It sleeps until it is made poller or
+                // nudged, or to the edge of its stall window (the pass then run
+                // ends it as stalled, §5's bound kept).
+                Some(s) if !s.is_poller() => {
+                    notified.set(None);
+                    let edge = nap(
+                        cfg.stall_window.saturating_sub(stall),
+                        cfg.poll_interval,
+                        cfg.stall_window,
+                        stall,
+                        rand::random::<f64>(),
+                    );
+                    tokio::select! {
+                        _ = s.woken() => {}
+                        _ = tokio::time::sleep(edge) => {}
+                        _ = self.shutdown.cancelled() => return Err(EngineError::ShuttingDown),
+                    }
+                }
+                // The poller (or a call not in the quota wait): nap as §5 says.
+                _ => {
+                    let turn = async {
+                        match &spot {
+                            Some(s) => s.woken().await,
+                            None => std::future::pending().await,
+                        }
+                    };
+                    let notified = async {
+                        if let Some(n) = notified.as_mut().as_pin_mut() {
+                            n.await
+                        }
+                    };
+                    tokio::select! {
+                        _ = tokio::time::sleep(sleep) => {}
+                        _ = notified => {}
+                        _ = turn => {}
+                        _ = self.shutdown.cancelled() => return Err(EngineError::ShuttingDown),
+                    }
+                }
             }
         }
+    }
+
+    /// §5 quota line: the size class of a call's estimate, the largest over the
+    /// scope's sources (their defaults may differ when the call gives none).
+    fn size_class_of(&self, scope: usize, est: CallEst) -> u32 {
+        let tokens = self.scopes[scope]
+            .sources
+            .iter()
+            .map(|&i| self.sources[i].params().estimate(est).total)
+            .max()
+            .unwrap_or(0);
+        size_class(tokens)
     }
 
     /// The Acquire starts sleeping: count it and log the one "wait started" line.

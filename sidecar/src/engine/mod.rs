@@ -213,6 +213,12 @@ pub struct Engine<B: Backend> {
     max_rate_limit_block: Duration,
     /// Cancelled on shutdown: ends every wait.
     shutdown: CancellationToken,
+    /// §5 quota lines, one per scope (config order): who of a scope's quota
+    /// waiters polls, so their cost is per scope and size, not per waiter.
+    quota_lines: Vec<queue::QuotaLine>,
+    /// Admission passes run (§4), for tests and debugging: a waiter's cost is its
+    /// passes, which the backend's counters do not see (the quota hint answers most).
+    passes: std::sync::atomic::AtomicU64,
 }
 
 impl<B: Backend> Engine<B> {
@@ -224,6 +230,7 @@ impl<B: Backend> Engine<B> {
             sources,
             source_index,
         } = Topology::build(config);
+        let quota_lines = scopes.iter().map(|_| queue::QuotaLine::default()).collect();
         Arc::new_cyclic(|me| Engine {
             me: me.clone(),
             backend,
@@ -235,6 +242,8 @@ impl<B: Backend> Engine<B> {
             tables: Mutex::new(Tables::default()),
             max_rate_limit_block: config.sidecar.max_rate_limit_block,
             shutdown: CancellationToken::new(),
+            quota_lines,
+            passes: std::sync::atomic::AtomicU64::new(0),
         })
     }
 
@@ -245,7 +254,19 @@ impl<B: Backend> Engine<B> {
     /// removing, renaming or reordering them needs a restart): such a config is refused
     /// whole and nothing changes. Returns what changed, one line each.
     pub fn reload(&self, config: &Config) -> Result<Vec<String>, ReloadError> {
-        runtime::reload(&self.scopes, &self.sources, config)
+        let changes = runtime::reload(&self.scopes, &self.sources, config)?;
+        // Quota waiters re-read the policy too (a new quota, poll interval or
+        // stall window): each runs one pass now.
+        for line in &self.quota_lines {
+            line.wake_all();
+        }
+        Ok(changes)
+    }
+
+    /// Admission passes run since start (every Acquire's, granted or not). Tests
+    /// use it to check that waiting costs passes per scope, not per waiter.
+    pub fn passes_run(&self) -> u64 {
+        self.passes.load(Ordering::Relaxed)
     }
 
     /// End every wait with [`EngineError::ShuttingDown`] and refuse new acquires.
@@ -253,6 +274,9 @@ impl<B: Backend> Engine<B> {
         self.shutdown.cancel();
         for sc in &self.scopes {
             sc.notify.notify_waiters();
+        }
+        for line in &self.quota_lines {
+            line.wake_all();
         }
     }
 
@@ -304,16 +328,20 @@ impl<B: Backend> Engine<B> {
     }
 
     /// One resource of `source` freed (a pacer slot, a reservation, a probe lease):
-    /// wake one waiter per scope naming it. Only one can use it, and waking them all
-    /// would cost a pass per waiter for every freed slot; if the woken one cannot use
-    /// it, the others' next nap (at most `poll_interval` away) picks it up.
+    /// wake one waiter per scope naming it, and the pollers of its quota line (§5).
+    /// Only one can use it, and waking them all would cost a pass per waiter for
+    /// every freed slot; if the woken one cannot use it, the pollers' next nap (at
+    /// most `poll_interval` away) picks it up.
     fn wake_one(&self, source: usize) {
         // Whatever was freed may be quota: let the next admission ask the backend.
         self.sources[source].quota_hint.clear();
         for &s in &self.sources[source].scopes {
             match &self.scopes[s].queue {
                 Some(q) => q.wake_next(),
-                None => self.scopes[s].notify.notify_one(),
+                None => {
+                    self.scopes[s].notify.notify_one();
+                    self.quota_lines[s].wake_pollers();
+                }
             }
         }
     }
@@ -324,6 +352,7 @@ impl<B: Backend> Engine<B> {
         self.sources[source].quota_hint.clear();
         for &s in &self.sources[source].scopes {
             self.scopes[s].notify.notify_waiters();
+            self.quota_lines[s].wake_all();
             if let Some(q) = &self.scopes[s].queue {
                 q.wake_all();
             }

@@ -80,6 +80,8 @@ impl<B: Backend> Engine<B> {
         class: usize,
         reasons: &mut [Option<SkipReason>],
     ) -> Result<Hold, Refused> {
+        self.passes
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let mut refused = Refused::default();
         for (pos, idx) in self.candidates(scope, policy, failed) {
             let src = &self.sources[idx];
