@@ -1100,15 +1100,17 @@ fn priority_scope_keys_override_from_env() {
 
 #[test]
 fn worker_threads_is_a_thread_count_or_one_per_core() {
-    assert_eq!(parse(MINIMAL).unwrap().sidecar.worker_threads, None);
+    assert_eq!(parse(MINIMAL).unwrap().sidecar.worker_threads, Some(1));
+    let per_core = parse(&sidecar_with("worker_threads = 0")).unwrap();
+    assert_eq!(per_core.sidecar.worker_threads, None);
     let one = parse(&sidecar_with("worker_threads = 1")).unwrap();
     assert_eq!(one.sidecar.worker_threads, Some(1));
     let by_env = parse_str(MINIMAL, env(&[("SIDECAR__WORKER_THREADS", "3")])).unwrap();
     assert_eq!(by_env.sidecar.worker_threads, Some(3));
-    for bad in ["0", "-2", "1025"] {
+    for bad in ["-2", "1025"] {
         err(
             &sidecar_with(&format!("worker_threads = {bad}")),
-            &["sidecar.worker_threads", bad, "between 1 and 1024"],
+            &["sidecar.worker_threads", bad, "between 1 and 1024, or 0"],
         );
     }
     err(

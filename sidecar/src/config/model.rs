@@ -179,10 +179,12 @@ pub struct SidecarConfig {
     /// Sidecar-wide bytes of unsent replies plus requests in progress, over every
     /// connection: past it no connection's frames are read until replies drain.
     pub max_buffered: u64,
-    /// Threads that run connections, requests and timers (§16): `1` is a
-    /// single-threaded runtime (no cross-thread wake-ups: the cheapest per frame);
-    /// `None` = one per available core. A per-host sidecar shares the host with the
-    /// workers it serves, so an operator may want it to take fewer than all cores.
+    /// Threads that run connections, requests and timers (§16): `Some(1)` (the
+    /// default) is a single-threaded runtime — no work stealing, no cross-thread
+    /// wake-ups, the least CPU per request and the most calls per second measured
+    /// (docs/benchmarks.md), and it leaves the host's other cores to the workers it
+    /// serves; `Some(n)` a work-stealing runtime of n workers; `None` (written `0`)
+    /// one worker per available core.
     pub worker_threads: Option<usize>,
 }
 
@@ -423,8 +425,8 @@ impl Default for PacerConfig {
 pub const DEFAULT_SOCKET: &str = "/run/polygate/sidecar.sock";
 /// Default `sidecar.idle_timeout`.
 pub const DEFAULT_IDLE_TIMEOUT: Duration = Duration::from_secs(600);
-/// Default `sidecar.worker_threads`: one per available core.
-pub const DEFAULT_WORKER_THREADS: Option<usize> = None;
+/// Default `sidecar.worker_threads`: one thread (a current-thread runtime).
+pub const DEFAULT_WORKER_THREADS: Option<usize> = Some(1);
 /// Default `sidecar.max_buffered` (64 MiB).
 pub const DEFAULT_MAX_BUFFERED: u64 = 64 * 1024 * 1024;
 /// Default `max_attempts` of a scope.

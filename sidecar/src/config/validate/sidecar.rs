@@ -171,12 +171,13 @@ pub(super) fn validate_sidecar(
     };
     let worker_threads = match raw.worker_threads {
         None => d.worker_threads,
+        Some(0) => None,
         Some(v) if (1..=MAX_WORKER_THREADS).contains(&v) => Some(v as usize),
         Some(v) => {
             return Err(ctx.err(
                 "sidecar.worker_threads",
                 v,
-                format!("must be between 1 and {MAX_WORKER_THREADS} (or unset: one per core)"),
+                format!("must be between 1 and {MAX_WORKER_THREADS}, or 0 for one per core"),
             ))
         }
     };
