@@ -82,6 +82,21 @@ macro_rules! delegate {
     };
 }
 
+/// An async method: the Redis future is boxed, because an `async fn` over the enum
+/// otherwise holds the largest variant's future inline — the Redis round trip's
+/// (client, retry and fault state) — and every engine future above it (a whole
+/// call's, boxed per request) carried those kilobytes on the memory backend too,
+/// where they are never used (§16: ~3 KB copied per request). One allocation per
+/// Redis round trip is noise next to the round trip.
+macro_rules! delegate_async {
+    ($self:ident, $b:ident => $e:expr) => {
+        match $self {
+            AnyBackend::Memory($b) => $e.await,
+            AnyBackend::Redis($b) => Box::pin($e).await,
+        }
+    };
+}
+
 impl Backend for AnyBackend {
     fn name(&self) -> &'static str {
         delegate!(self, b => b.name())
@@ -96,7 +111,7 @@ impl Backend for AnyBackend {
     }
 
     async fn try_enter(&self, source: &str, p: &BreakerParams) -> BResult<Entry> {
-        delegate!(self, b => b.try_enter(source, p).await)
+        delegate_async!(self, b => b.try_enter(source, p))
     }
 
     async fn record_success(
@@ -106,7 +121,7 @@ impl Backend for AnyBackend {
         count_attempt: bool,
         p: &BreakerParams,
     ) -> BResult<Applied> {
-        delegate!(self, b => b.record_success(source, epoch, count_attempt, p).await)
+        delegate_async!(self, b => b.record_success(source, epoch, count_attempt, p))
     }
 
     async fn record_failure(
@@ -115,31 +130,31 @@ impl Backend for AnyBackend {
         epoch: u64,
         p: &BreakerParams,
     ) -> BResult<Applied> {
-        delegate!(self, b => b.record_failure(source, epoch, p).await)
+        delegate_async!(self, b => b.record_failure(source, epoch, p))
     }
 
     async fn release_probe(&self, source: &str, epoch: u64) -> BResult<Applied> {
-        delegate!(self, b => b.release_probe(source, epoch).await)
+        delegate_async!(self, b => b.release_probe(source, epoch))
     }
 
     async fn peek(&self, source: &str) -> BResult<Peek> {
-        delegate!(self, b => b.peek(source).await)
+        delegate_async!(self, b => b.peek(source))
     }
 
     async fn retry_after(&self, sources: &[&str]) -> BResult<Duration> {
-        delegate!(self, b => b.retry_after(sources).await)
+        delegate_async!(self, b => b.retry_after(sources))
     }
 
     async fn force_open(&self, source: &str, duration: Duration) -> BResult<Applied> {
-        delegate!(self, b => b.force_open(source, duration).await)
+        delegate_async!(self, b => b.force_open(source, duration))
     }
 
     async fn force_close(&self, source: &str) -> BResult<Applied> {
-        delegate!(self, b => b.force_close(source).await)
+        delegate_async!(self, b => b.force_close(source))
     }
 
     async fn reset(&self, source: &str) -> BResult<Applied> {
-        delegate!(self, b => b.reset(source).await)
+        delegate_async!(self, b => b.reset(source))
     }
 
     async fn reserve(
@@ -148,7 +163,7 @@ impl Backend for AnyBackend {
         q: &QuotaParams,
         tokens: impl Into<Tokens> + Send,
     ) -> BResult<Reserve> {
-        delegate!(self, b => b.reserve(source, q, tokens).await)
+        delegate_async!(self, b => b.reserve(source, q, tokens))
     }
 
     async fn settle(
@@ -158,11 +173,11 @@ impl Backend for AnyBackend {
         reserved_tokens: impl Into<Tokens> + Send,
         how: Settlement,
     ) -> BResult<()> {
-        delegate!(self, b => b.settle(source, q, reserved_tokens, how).await)
+        delegate_async!(self, b => b.settle(source, q, reserved_tokens, how))
     }
 
     async fn block_quota(&self, source: &str, for_: Duration) -> BResult<()> {
-        delegate!(self, b => b.block_quota(source, for_).await)
+        delegate_async!(self, b => b.block_quota(source, for_))
     }
 
     async fn snapshot(
@@ -171,18 +186,18 @@ impl Backend for AnyBackend {
         p: &BreakerParams,
         q: &QuotaParams,
     ) -> BResult<SourceSnapshot> {
-        delegate!(self, b => b.snapshot(source, p, q).await)
+        delegate_async!(self, b => b.snapshot(source, p, q))
     }
 
     async fn admit(&self, source: &str, r: AdmitRequest<'_>) -> BResult<Admit> {
-        delegate!(self, b => b.admit(source, r).await)
+        delegate_async!(self, b => b.admit(source, r))
     }
 
     async fn report(&self, source: &str, r: ReportRequest<'_>) -> BResult<Applied> {
-        delegate!(self, b => b.report(source, r).await)
+        delegate_async!(self, b => b.report(source, r))
     }
 
     async fn neutral(&self, source: &str, epoch: u64, is_probe: bool) -> BResult<Applied> {
-        delegate!(self, b => b.neutral(source, epoch, is_probe).await)
+        delegate_async!(self, b => b.neutral(source, epoch, is_probe))
     }
 }
