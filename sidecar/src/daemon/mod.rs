@@ -26,7 +26,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::{error, info, warn};
 
 use crate::backend::{AdminEvent, AnyBackend, Backend};
-use crate::clock::{Clock, TokioClock};
+use crate::clock::{Clock, MonotonicClock};
 use crate::config::{Config, LogFormat};
 use crate::engine::Engine;
 use crate::metrics::{self, Exposition, SharedView};
@@ -101,7 +101,7 @@ async fn serve(config: Config, path: Option<PathBuf>) -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    let clock: Arc<dyn Clock> = Arc::new(TokioClock::new());
+    let clock: Arc<dyn Clock> = Arc::new(MonotonicClock::new());
     // Redis is connected lazily: this succeeds while it is down.
     let backend = match AnyBackend::from_config(&config, clock.clone()).await {
         Ok(b) => b,

@@ -20,7 +20,6 @@ use std::future::Future;
 use std::panic::AssertUnwindSafe;
 use std::pin::Pin;
 use std::sync::Arc;
-use std::time::Instant;
 
 use futures_util::future::{AbortHandle, AbortRegistration, Abortable};
 use ipc_protocol::{ErrorKind, Reply, Request};
@@ -421,8 +420,9 @@ pub(super) struct Pending {
 pub(super) struct Timer {
     /// Index of the request type.
     pub ty: usize,
-    /// When the frame was decoded.
-    pub started: Instant,
+    /// When the frame was decoded (`CLOCK_MONOTONIC` ns: [`crate::clock::monotonic_nanos`],
+    /// the cheapest reading of the clock `Instant` uses).
+    pub started: u64,
 }
 
 impl Pending {

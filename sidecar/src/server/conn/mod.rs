@@ -21,7 +21,7 @@ use std::panic::AssertUnwindSafe;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::task::{Context, Poll};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use futures_util::stream::{FuturesUnordered, StreamExt};
 use ipc_protocol::{ClientFrame, ErrorKind, FrameError, Reply, Request};
@@ -483,7 +483,7 @@ impl<B: Backend> Conn<B> {
             request => {
                 let timer = Timer {
                     ty: crate::metrics::request_type(&request),
-                    started: Instant::now(),
+                    started: crate::clock::monotonic_nanos(),
                 };
                 match dispatch::dispatch(&self.ctx, request) {
                     Step::Now(reply) => {
@@ -513,7 +513,8 @@ impl<B: Backend> Conn<B> {
     /// Record a request's time in the sidecar (`/metrics`).
     fn observe(&self, timer: Timer) {
         let metrics = &self.ctx.shared.opts.metrics;
-        metrics.observe(timer.ty, timer.started.elapsed());
+        let ns = crate::clock::monotonic_nanos().saturating_sub(timer.started);
+        metrics.observe(timer.ty, Duration::from_nanos(ns));
     }
 
     /// Poll a job once here; keep it running (in `tasks`) only if it has to wait.
