@@ -114,3 +114,25 @@ impl Clock for ManualClock {
         Duration::from_nanos(self.nanos.load(Ordering::SeqCst))
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn monotonic_clock_follows_the_clock_instant_reads() {
+        let c = MonotonicClock::new();
+        let t0 = std::time::Instant::now();
+        let a = c.now();
+        std::thread::sleep(Duration::from_millis(20));
+        let b = c.now();
+        let real = t0.elapsed();
+        assert!(b >= a + Duration::from_millis(20), "{a:?} -> {b:?}");
+        // The same clock as Instant: the two elapsed times agree closely.
+        let diff = if b > real { b - real } else { real - b };
+        assert!(diff < Duration::from_millis(5), "clock {b:?} vs Instant {real:?}");
+        // Starts near zero and never goes back.
+        assert!(a < Duration::from_millis(5), "{a:?}");
+        assert!(c.now() >= b);
+    }
+}
