@@ -129,8 +129,11 @@ mod tests {
         let real = t0.elapsed();
         assert!(b >= a + Duration::from_millis(20), "{a:?} -> {b:?}");
         // The same clock as Instant: the two elapsed times agree closely.
-        let diff = if b > real { b - real } else { real - b };
-        assert!(diff < Duration::from_millis(5), "clock {b:?} vs Instant {real:?}");
+        let diff = b.abs_diff(real);
+        assert!(
+            diff < Duration::from_millis(5),
+            "clock {b:?} vs Instant {real:?}"
+        );
         // Starts near zero and never goes back.
         assert!(a < Duration::from_millis(5), "{a:?}");
         assert!(c.now() >= b);
