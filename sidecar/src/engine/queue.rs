@@ -415,6 +415,14 @@ impl Place<'_> {
             if let Some(w) = pick(&mut st) {
                 w.chain.store(chain || napper, Ordering::Relaxed);
                 w.notify.notify_one();
+            } else if napper {
+                // The head is mid-turn: make its turn a chain, so a grant on it hands
+                // on (a refusal claims the nap duty), and the queue keeps a looker.
+                for c in &st.classes {
+                    if let Some(h) = c.entries.front().filter(|h| h.state() == WOKEN) {
+                        h.chain.store(true, Ordering::Relaxed);
+                    }
+                }
             }
         }
     }
