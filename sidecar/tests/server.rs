@@ -1476,3 +1476,57 @@ async fn on_a_remote_backend_waiting_requests_run_in_tasks_and_others_pass_them(
     nothing_held_eventually(&server).await;
     server.shutdown().await.unwrap();
 }
+
+/// PROTOCOL §7: an id may be reused once its reply arrived, even while a Retry
+/// cancelled by token still runs its report: the new request gets its own answer
+/// (found by review: it got the old Retry's, and its grant was refunded).
+#[tokio::test]
+async fn an_id_reused_after_a_cancelled_retry_gets_its_own_reply() {
+    let server = Setup::new()
+        .remote(true, Duration::from_millis(300))
+        .start()
+        .await;
+    let mut c = server.client().await;
+    let (_call, permit, _, _) = started(c.call(Request::Start(spec("chat"))).await);
+    // The Retry's report takes a 300 ms round trip; cancel it meanwhile.
+    c.send(
+        10,
+        Request::Retry {
+            permit,
+            outcome: timeout(),
+        },
+    )
+    .await;
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    c.send(11, Request::Cancel { target: 10 }).await;
+    let mut got_cancelled = false;
+    for _ in 0..2 {
+        let f = c.recv().await;
+        if f.id == 10 {
+            assert_eq!(error_of(f.reply).kind, ErrorKind::Cancelled);
+            got_cancelled = true;
+        }
+    }
+    assert!(got_cancelled);
+    // Request 10 was answered: the id may be reused (PROTOCOL.md §7).
+    c.send(
+        12,
+        Request::BeginCall {
+            scope: "chat".into(),
+            est_tokens: None,
+        },
+    )
+    .await;
+    let call2 = match c.recv().await.reply {
+        Reply::CallBegun { call } => call,
+        other => panic!("{other:?}"),
+    };
+    c.send(10, Request::Acquire { call: call2 }).await;
+    let f = c.recv().await;
+    assert_eq!(f.id, 10);
+    assert!(
+        matches!(f.reply, Reply::Granted { .. }),
+        "the new request 10 got {:?}",
+        f.reply
+    );
+}

@@ -405,6 +405,9 @@ pub(super) fn request_name(r: &Request) -> &'static str {
 
 /// A request still running after its first poll ([`Running`]).
 pub(super) struct Pending {
+    /// Which running future answers it (an id may be reused once answered, while a
+    /// token-cancelled future of the old request still runs).
+    pub seq: u64,
     /// Aborts its [`Running`] (a `Cancel`, teardown): the future is dropped at the
     /// connection task's next poll of its running set.
     pub task: AbortHandle,
@@ -444,6 +447,7 @@ impl Pending {
 pub(super) struct Running {
     conn: OwnerId,
     id: u64,
+    seq: u64,
     fut: Abortable<Pin<Box<dyn Future<Output = Done> + Send>>>,
 }
 
@@ -452,16 +456,17 @@ impl Running {
     pub fn new(
         conn: OwnerId,
         id: u64,
+        seq: u64,
         fut: Pin<Box<dyn Future<Output = Done> + Send>>,
     ) -> (Running, AbortHandle) {
         let (handle, reg): (AbortHandle, AbortRegistration) = AbortHandle::new_pair();
         let fut = Abortable::new(fut, reg);
-        (Running { conn, id, fut }, handle)
+        (Running { conn, id, seq, fut }, handle)
     }
 }
 
 impl Future for Running {
-    type Output = (u64, Option<Done>);
+    type Output = (u64, u64, Option<Done>);
 
     fn poll(
         mut self: Pin<&mut Self>,
@@ -471,10 +476,11 @@ impl Future for Running {
         let this = &mut *self;
         match std::panic::catch_unwind(AssertUnwindSafe(|| Pin::new(&mut this.fut).poll(cx))) {
             Ok(Poll::Pending) => Poll::Pending,
-            Ok(Poll::Ready(Ok(done))) => Poll::Ready((this.id, Some(done))),
-            Ok(Poll::Ready(Err(_aborted))) => Poll::Ready((this.id, None)),
+            Ok(Poll::Ready(Ok(done))) => Poll::Ready((this.id, this.seq, Some(done))),
+            Ok(Poll::Ready(Err(_aborted))) => Poll::Ready((this.id, this.seq, None)),
             Err(_) => Poll::Ready((
                 this.id,
+                this.seq,
                 Some(Done {
                     reply: panicked(this.conn, this.id),
                     holds_slot: false,

@@ -99,6 +99,8 @@ struct Conn<B: Backend> {
     idle: IdleWatch,
     /// Unsent reply bytes against [`guard::MAX_UNSENT`] and `max_buffered`.
     unsent: Unsent,
+    /// Sequence number of the last request kept running.
+    seq: u64,
 }
 
 /// Serve one accepted connection to the end, then release what it held. `reserved`:
@@ -166,6 +168,7 @@ pub(super) async fn serve<B: Backend>(
         limited,
         idle: IdleWatch::default(),
         unsent: Unsent::default(),
+        seq: 0,
     };
     let end = conn.run().await;
     conn.teardown(end).await;
@@ -541,12 +544,15 @@ impl<B: Backend> Conn<B> {
                 self.finished(id, done)
             }
             Ok(Poll::Pending) => {
-                let (running, task) = Running::new(self.id(), id, job.fut);
+                self.seq += 1;
+                let seq = self.seq;
+                let (running, task) = Running::new(self.id(), id, seq, job.fut);
                 self.tasks.push(running);
                 let cancel = job.cancel;
                 self.pending.insert(
                     id,
                     Pending {
+                        seq,
                         task,
                         cancel,
                         timer,
@@ -571,11 +577,12 @@ impl<B: Backend> Conn<B> {
         }
     }
 
-    fn task_done(&mut self, r: (u64, Option<Done>)) {
+    fn task_done(&mut self, r: (u64, u64, Option<Done>)) {
         // Aborted requests (cancelled, teardown) answer nothing; their slot guard
         // gave the slot back when the future was dropped.
-        let (id, Some(done)) = r else { return };
-        if let Some(p) = self.pending.remove(&id) {
+        let (id, seq, Some(done)) = r else { return };
+        if self.pending.get(&id).is_some_and(|p| p.seq == seq) {
+            let p = self.pending.remove(&id).expect("checked");
             self.observe(p.timer);
             self.finished(id, done);
             return;

@@ -30,8 +30,9 @@ impl<B: Backend> Conn<B> {
         }
         let finish = async {
             while let Some(r) = self.tasks.next().await {
-                let (id, Some(done)) = r else { continue };
-                if self.pending.remove(&id).is_some() {
+                let (id, seq, Some(done)) = r else { continue };
+                if self.pending.get(&id).is_some_and(|p| p.seq == seq) {
+                    self.pending.remove(&id);
                     if done.holds_slot {
                         self.ctx.budget.slot_done();
                     }
