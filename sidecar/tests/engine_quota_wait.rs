@@ -1,8 +1,8 @@
 //! §5 quota wait at scale: many calls waiting on an exhausted quota (quota_full =
 //! wait) cost passes per scope and size line, not per waiter; they are granted in
 //! arrival order as tokens return; a small call is not held behind a much bigger
-//! one; a cancelled poller hands its turn on; and stall still ends every waiter on
-//! time. Memory backend, tokio's paused clock: deterministic, no real time spent.
+//! one; a cancelled poller hands its turn on; stall still ends every waiter on
+//! time; and a §15 queue keeps someone looking when its napper leaves mid-turn. Memory backend, tokio's paused clock: deterministic, no real time spent.
 //! Every case runs under a (virtual) timeout, so a lost wake-up fails it instead of
 //! hanging.
 
@@ -66,6 +66,26 @@ async fn drain(e: &Engine<MemoryBackend>, est: Option<u64>) -> Vec<u64> {
         }
         assert!(held.len() < 100_000, "the quota never refused");
     }
+}
+
+/// §5: the call ended `stalled`, after its stall window and within it +
+/// `poll_interval` (50 ms here).
+fn assert_stalled_on_time<T: std::fmt::Debug>(
+    r: Result<T, EngineError>,
+    took: Duration,
+    stall: Duration,
+) {
+    assert!(
+        matches!(
+            r,
+            Err(EngineError::Exhausted {
+                reason: Exhaustion::Stalled,
+                ..
+            })
+        ),
+        "{r:?}"
+    );
+    assert!(took > stall && took <= stall + ms(50), "{took:?}");
 }
 
 /// Start `n` waiting Acquires in scope "w", one after another (each has run its
@@ -243,19 +263,7 @@ async fn stall_still_ends_every_quota_waiter_on_time() {
         }
         for t in tasks {
             let (r, at) = t.await.unwrap();
-            assert!(
-                matches!(
-                    r,
-                    Err(EngineError::Exhausted {
-                        reason: Exhaustion::Stalled,
-                        ..
-                    })
-                ),
-                "{r:?}"
-            );
-            let took = at - t0;
-            // §5: ≤ stall_window + poll_interval (and not before the window).
-            assert!(took > stall && took <= stall + ms(50), "{took:?}");
+            assert_stalled_on_time(r, at - t0, stall);
         }
     })
     .await;
@@ -375,19 +383,39 @@ async fn classed_waiters_that_never_nap_still_stall_on_time() {
         }
         for t in tasks {
             let (r, at) = t.await.unwrap();
-            assert!(
-                matches!(
-                    r,
-                    Err(EngineError::Exhausted {
-                        reason: Exhaustion::Stalled,
-                        ..
-                    })
-                ),
-                "{r:?}"
-            );
-            let took = at - t0;
-            assert!(took > stall && took <= stall + ms(50), "{took:?}");
+            assert_stalled_on_time(r, at - t0, stall);
         }
+    })
+    .await;
+}
+
+/// Found by review: the napper (batch) leaves while the head (interactive) is
+/// mid-turn on one freed unit; that turn must become a chain, or nobody naps any
+/// more and the rest sleep to their stall edge while rpm refills.
+#[tokio::test(start_paused = true)]
+async fn a_napper_leaving_while_the_head_is_mid_turn_leaves_a_looker() {
+    within(secs(60), async {
+        let e = engine(&config(classed(limited("q", Some(60), None), secs(20))));
+        let held = drain(&e, None).await;
+        let order = Arc::new(Mutex::new(Vec::new()));
+        let napper = class_waiters(&e, 1, "batch", &order).await;
+        let others = class_waiters(&e, 2, "interactive", &order).await;
+        let t0 = Instant::now();
+        // In the same instant: the napper is cancelled and one unit is freed (a
+        // refund gives the head a turn that is not a chain).
+        napper[0].abort();
+        e.report(OWNER, held[0], Outcome::Cancelled).await.unwrap();
+        for t in others {
+            t.await.unwrap().unwrap();
+        }
+        // rpm = 60 refills one request a second: both within a few seconds, not at
+        // the 20 s stall edge.
+        assert!(
+            t0.elapsed() < secs(5),
+            "granted only after {:?}",
+            t0.elapsed()
+        );
+        assert_eq!(*order.lock().unwrap(), ["interactive", "interactive"]);
     })
     .await;
 }

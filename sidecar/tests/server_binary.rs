@@ -410,14 +410,7 @@ async fn daemon_serves_then_exits_cleanly_on_sigterm() {
         .stderr(Stdio::null())
         .spawn()
         .unwrap();
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while UnixStream::connect(&path).await.is_err() {
-        assert!(
-            Instant::now() < deadline,
-            "daemon did not replace the stale socket"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    listening(&path, "daemon did not replace the stale socket").await;
     nix::sys::signal::kill(
         nix::unistd::Pid::from_raw(child.id() as i32),
         nix::sys::signal::Signal::SIGINT,
@@ -427,6 +420,16 @@ async fn daemon_serves_then_exits_cleanly_on_sigterm() {
         .await
         .unwrap();
     assert!(status.success(), "{status:?}");
+}
+
+/// Wait (at most 10 s) until a daemon accepts connections on `path`; `what` is
+/// the failure.
+async fn listening(path: &Path, what: &str) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while UnixStream::connect(path).await.is_err() {
+        assert!(Instant::now() < deadline, "{what}: {path:?}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
 }
 
 /// Say Hello on `stream` as `name`; the framed connection, welcomed.
@@ -681,11 +684,7 @@ async fn a_second_signal_during_the_drain_exits_at_once() {
     )
     .unwrap();
     let mut daemon = Daemon::spawn(sidecar().arg("--config").arg(&file));
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while UnixStream::connect(&path).await.is_err() {
-        assert!(Instant::now() < deadline, "daemon never listened");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    listening(&path, "daemon never listened").await;
     let (_framed, _permit) = client_with_a_permit(&path).await;
 
     daemon.signal(nix::sys::signal::Signal::SIGTERM);
@@ -875,23 +874,13 @@ async fn worker_threads_sets_the_runtime_threads() {
             &format!("shutdown_grace = \"1s\"\n{line}"),
         );
         std::fs::write(&file, cfg).unwrap();
-        let mut child = sidecar()
-            .arg("--config")
-            .arg(&file)
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap();
-        let deadline = Instant::now() + Duration::from_secs(10);
-        while UnixStream::connect(&path).await.is_err() {
-            assert!(Instant::now() < deadline, "daemon never listened");
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
+        let mut daemon = Daemon::spawn(sidecar().arg("--config").arg(&file));
+        listening(&path, "daemon never listened").await;
         // A whole call is served (begin, acquire; the permit is given back on close).
         let (framed, permit) = client_with_a_permit(&path).await;
         assert_ne!(permit, 0);
         drop(framed);
-        let runtime_threads = std::fs::read_dir(format!("/proc/{}/task", child.id()))
+        let runtime_threads = std::fs::read_dir(format!("/proc/{}/task", daemon.child.id()))
             .unwrap()
             .filter_map(|t| std::fs::read_to_string(t.ok()?.path().join("comm")).ok())
             .filter(|name| {
@@ -902,14 +891,12 @@ async fn worker_threads_sets_the_runtime_threads() {
         // The main thread runs a current-thread runtime itself; with workers it
         // blocks in `block_on` beside them (named tokio-rt-worker).
         assert_eq!(runtime_threads, expected, "config line {line:?}");
-        nix::sys::signal::kill(
-            nix::unistd::Pid::from_raw(child.id() as i32),
-            nix::sys::signal::Signal::SIGTERM,
-        )
-        .unwrap();
-        let status = tokio::task::spawn_blocking(move || child.wait().unwrap())
-            .await
-            .unwrap();
-        assert!(status.success(), "{status:?}");
+        daemon.signal(nix::sys::signal::Signal::SIGTERM);
+        let status = daemon.exit_within(Duration::from_secs(5)).await;
+        assert!(
+            status.is_some_and(|s| s.success()),
+            "{status:?}: {}",
+            daemon.stderr()
+        );
     }
 }
