@@ -229,12 +229,28 @@ impl Shape {
     /// Nanoseconds `amount` takes to refill, rounded up (a debit is never smaller
     /// than its amount).
     pub fn refill_ns(&self, amount: u64) -> u128 {
-        (amount as u128 * self.period.as_nanos()).div_ceil(self.limit.max(1) as u128)
+        let limit = self.limit.max(1);
+        match self.product_ns(amount) {
+            Some(x) => x.div_ceil(limit) as u128,
+            None => (amount as u128 * self.period.as_nanos()).div_ceil(limit as u128),
+        }
+    }
+
+    /// `amount × period` in u64 nanoseconds when it fits (the common case: a u128
+    /// division is a library call, and the hot path makes several per call, §16).
+    fn product_ns(&self, amount: u64) -> Option<u64> {
+        u64::try_from(self.period.as_nanos())
+            .ok()
+            .and_then(|p| amount.checked_mul(p))
     }
 
     /// Nanoseconds `amount` takes to refill, rounded down (a credit is never larger).
     pub fn back_ns(&self, amount: u64) -> u128 {
-        amount as u128 * self.period.as_nanos() / self.limit.max(1) as u128
+        let limit = self.limit.max(1);
+        match self.product_ns(amount) {
+            Some(x) => (x / limit) as u128,
+            None => amount as u128 * self.period.as_nanos() / limit as u128,
+        }
     }
 
     /// The deepest deficit: a level of −limit (§7: one absurd count delays later
@@ -618,6 +634,46 @@ mod tests {
 
 #[cfg(test)]
 mod provider_tests {
+
+    #[test]
+    fn refill_arithmetic_takes_the_u64_path_only_when_it_is_exact() {
+        // The u64 fast path must give the u128 formula's answer, at both edges of
+        // u64 and past them (huge limits, day periods, absurd amounts).
+        let periods = [
+            Duration::from_secs(60),
+            Duration::from_secs(86_400),
+            Duration::from_nanos(1),
+        ];
+        let limits = [1u64, 7, 60, 1_000_000, 1 << 40, u64::MAX];
+        let amounts = [
+            0u64,
+            1,
+            3,
+            59,
+            1_000_000_007,
+            u64::MAX / 86_400_000_000_000,
+            u64::MAX,
+        ];
+        for &period in &periods {
+            for &limit in &limits {
+                for &amount in &amounts {
+                    let s = Shape {
+                        limit,
+                        period,
+                        capacity: limit,
+                    };
+                    let wide = amount as u128 * period.as_nanos();
+                    assert_eq!(
+                        s.refill_ns(amount),
+                        wide.div_ceil(limit as u128),
+                        "{s:?} {amount}"
+                    );
+                    assert_eq!(s.back_ns(amount), wide / limit as u128, "{s:?} {amount}");
+                }
+            }
+        }
+    }
+
     use super::*;
 
     #[test]
