@@ -99,7 +99,7 @@ impl<B: Backend> Engine<B> {
             .ok_or_else(|| EngineError::UnknownScope(crate::limits::echo(scope).into_owned()))?;
         let sc = &self.scopes[si];
         let class = match priority {
-            None => sc.policy().cfg.default_priority,
+            None => sc.with_policy(|p| p.cfg.default_priority),
             Some(p) => sc
                 .class_names
                 .iter()

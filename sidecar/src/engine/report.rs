@@ -78,7 +78,7 @@ impl<B: Backend> Engine<B> {
             .release_as(signal, self.class_name(p.scope, p.class).as_deref());
         // §4: health counts a `count_attempt = false` success as a failure, and
         // forgets with the half-life of the scope's breaker window.
-        let half_life = self.scopes[p.scope].policy().bp.window;
+        let half_life = self.scopes[p.scope].with_policy(|pol| pol.bp.window);
         let latency = now.saturating_sub(p.granted_at);
         match outcome {
             Outcome::Success { count_attempt, .. } => {
@@ -194,7 +194,7 @@ impl Settle {
     fn of_permit<B: Backend>(engine: &Engine<B>, p: &PermitRec, outcome: Outcome) -> Self {
         Settle {
             source: p.source,
-            bp: engine.scopes[p.scope].policy().bp,
+            bp: engine.scopes[p.scope].with_policy(|pol| pol.bp),
             qp: engine.sources[p.source].params().qp,
             epoch: p.epoch,
             is_probe: p.is_probe,
@@ -208,7 +208,7 @@ impl Settle {
     pub(super) fn of_hold<B: Backend>(engine: &Engine<B>, scope: usize, g: &Hold) -> Self {
         Settle {
             source: g.source,
-            bp: engine.scopes[scope].policy().bp,
+            bp: engine.scopes[scope].with_policy(|pol| pol.bp),
             qp: engine.sources[g.source].params().qp,
             epoch: g.epoch,
             is_probe: g.is_probe,

@@ -313,6 +313,12 @@ impl ScopeRt {
             .unwrap_or_else(|e| e.into_inner())
             .clone()
     }
+
+    /// Read one thing of the policy without cloning its `Arc` (the hot path reads a
+    /// field or two per call: no refcount traffic for that).
+    pub(crate) fn with_policy<R>(&self, f: impl FnOnce(&Policy) -> R) -> R {
+        f(&self.policy.read().unwrap_or_else(|e| e.into_inner()))
+    }
 }
 
 impl SourceRt {
