@@ -505,6 +505,24 @@ mod tests {
         bad_utf8.extend_from_slice(&2u64.to_le_bytes());
         bad_utf8.extend_from_slice(&[0xc3, 0x28]);
         assert!(decode_client(&bad_utf8).is_err());
+
+        // The hot-path names (`Start`'s scope, decoded from a borrowed `&str`): a
+        // bad one is refused, a good one decodes to the same string, a length
+        // past the payload is an error, not an allocation.
+        let start = |name: &[u8], len: u64| {
+            let mut b = 1u64.to_le_bytes().to_vec();
+            b.extend_from_slice(&11u32.to_le_bytes()); // Start
+            b.extend_from_slice(&len.to_le_bytes());
+            b.extend_from_slice(name);
+            b.extend_from_slice(&[0, 0, 0, 0]); // four `None`s
+            b
+        };
+        assert!(decode_client(&start(&[0xc3, 0x28], 2)).is_err());
+        assert!(decode_client(&start(b"ab", 1 << 62)).is_err());
+        match decode_client(&start("sé".as_bytes(), 3)).unwrap().request {
+            Request::Start(spec) => assert_eq!(spec.scope, "sé"),
+            other => panic!("decoded {other:?}"),
+        }
     }
 
     #[test]
