@@ -187,6 +187,8 @@ pub struct Run {
     pub latencies: Vec<u32>,
     /// Server CPU over the window, if its pid was given.
     pub server_cpu: Option<Duration>,
+    /// The system (kernel) part of `server_cpu`.
+    pub server_sys: Option<Duration>,
     /// Round trips per call.
     pub frames_per_call: usize,
 }
@@ -205,6 +207,12 @@ impl Run {
     pub fn cpu_per_frame_us(&self) -> Option<f64> {
         let frames = (self.calls * self.frames_per_call as u64).max(1) as f64;
         self.server_cpu.map(|c| c.as_secs_f64() * 1e6 / frames)
+    }
+
+    /// The kernel's part of [`Run::cpu_per_frame_us`], µs.
+    pub fn sys_per_frame_us(&self) -> Option<f64> {
+        let frames = (self.calls * self.frames_per_call as u64).max(1) as f64;
+        self.server_sys.map(|c| c.as_secs_f64() * 1e6 / frames)
     }
 }
 
@@ -257,13 +265,13 @@ pub async fn run(
         }));
     }
     tokio::time::sleep(warmup).await;
-    let cpu0 = server.map(crate::procs::cpu_time).transpose()?;
+    let cpu0 = server.map(crate::procs::cpu_times).transpose()?;
     let t0 = Instant::now();
     measuring.store(true, Ordering::Relaxed);
     tokio::time::sleep(seconds).await;
     measuring.store(false, Ordering::Relaxed);
     let wall = t0.elapsed();
-    let cpu1 = server.map(crate::procs::cpu_time).transpose()?;
+    let cpu1 = server.map(crate::procs::cpu_times).transpose()?;
     stop.store(true, Ordering::Relaxed);
     let (mut calls, mut total_calls) = (0, 0);
     let mut latencies = Vec::new();
@@ -279,7 +287,10 @@ pub async fn run(
         total_calls,
         wall,
         latencies,
-        server_cpu: cpu0.zip(cpu1).map(|(a, b)| b.saturating_sub(a)),
+        server_cpu: cpu0
+            .zip(cpu1)
+            .map(|(a, b)| (b.0 + b.1).saturating_sub(a.0 + a.1)),
+        server_sys: cpu0.zip(cpu1).map(|(a, b)| b.1.saturating_sub(a.1)),
         frames_per_call: shape.frames(),
     })
 }

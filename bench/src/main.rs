@@ -199,7 +199,9 @@ impl Scenario {
                 "ratio",
                 "calls_per_s_v1",
                 "sidecar_cpu_per_frame_us",
+                "sidecar_sys_per_frame_us",
                 "floor_cpu_per_frame_us",
+                "floor_sys_per_frame_us",
             ],
             Scenario::Redis => &[
                 "clients",

@@ -102,6 +102,14 @@ pub fn wait_for_socket(path: &Path, proc: &mut Proc) -> Result<(), String> {
 
 /// CPU time (user + system, all threads) of `pid` so far.
 pub fn cpu_time(pid: u32) -> Result<Duration, String> {
+    cpu_times(pid).map(|(user, system)| user + system)
+}
+
+/// CPU time of `pid` so far, split: (user, system). The system part is the
+/// kernel's work on the process's behalf — for a socket server, mostly its
+/// syscalls — which the sidecar and an echo server doing the same syscalls share;
+/// the user part is what the server's own code costs.
+pub fn cpu_times(pid: u32) -> Result<(Duration, Duration), String> {
     let stat = fs::read_to_string(format!("/proc/{pid}/stat"))
         .map_err(|e| format!("/proc/{pid}/stat: {e}"))?;
     // Fields after the parenthesised command name; utime and stime are fields 14, 15.
@@ -115,13 +123,13 @@ pub fn cpu_time(pid: u32) -> Result<Duration, String> {
             .and_then(|v| v.parse().ok())
             .ok_or_else(|| format!("/proc/{pid}/stat field {}", i + 3))
     };
-    // rest[0] is field 3 (state): utime is field 14 → index 11.
-    let t = ticks(11)? + ticks(12)?;
     let hz = nix::unistd::sysconf(nix::unistd::SysconfVar::CLK_TCK)
         .ok()
         .flatten()
         .unwrap_or(100) as u64;
-    Ok(Duration::from_nanos(t * 1_000_000_000 / hz))
+    let d = |t: u64| Duration::from_nanos(t * 1_000_000_000 / hz);
+    // rest[0] is field 3 (state): utime is field 14 → index 11, stime index 12.
+    Ok((d(ticks(11)?), d(ticks(12)?)))
 }
 
 /// Resident memory of `pid`, in MiB.

@@ -195,9 +195,10 @@ fn throughput(ctx: &mut Ctx) -> Result<Vec<Line>, String> {
             .num("call_p50_us", v2.quantile_us(0.5))
             .num("call_p99_us", v2.quantile_us(0.99))
             .opt("sidecar_cpu_per_frame_us", v2.cpu_per_frame_us())
+            .opt("sidecar_sys_per_frame_us", v2.sys_per_frame_us())
             .num("calls_per_s_v1", v1.calls_per_s())
             .opt("sidecar_cpu_per_frame_us_v1", v1.cpu_per_frame_us());
-        let mut best: Option<(f64, Option<f64>, &str)> = None;
+        let mut best: Option<(f64, Option<f64>, Option<f64>, &str)> = None;
         for f in &floors {
             let r = measure(ctx, &f.socket, &Shape::V2.floor(), n, f.proc.pid())?;
             line.num(
@@ -205,12 +206,18 @@ fn throughput(ctx: &mut Ctx) -> Result<Vec<Line>, String> {
                 r.calls_per_s(),
             );
             if best.is_none_or(|b| r.calls_per_s() > b.0) {
-                best = Some((r.calls_per_s(), r.cpu_per_frame_us(), f.kind.name()));
+                best = Some((
+                    r.calls_per_s(),
+                    r.cpu_per_frame_us(),
+                    r.sys_per_frame_us(),
+                    f.kind.name(),
+                ));
             }
         }
-        let (fc, fcpu, kind) = best.expect("two floors");
+        let (fc, fcpu, fsys, kind) = best.expect("two floors");
         line.num("floor_calls_per_s", fc)
             .opt("floor_cpu_per_frame_us", fcpu)
+            .opt("floor_sys_per_frame_us", fsys)
             .set("floor_kind", kind)
             .num("ratio", v2.calls_per_s() / fc);
         lines.push(line);
