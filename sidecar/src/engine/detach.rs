@@ -121,24 +121,35 @@ impl<B: Backend> Engine<B> {
     /// but finished in a task of its own if the caller goes away (see the module
     /// docs). `None` when the work panicked. Dropping the returned future never
     /// stops the work once it has been polled.
-    pub(super) async fn detached<W: Work<B>>(&self, work: W) -> Option<W::Output> {
-        if !self.backend.is_remote() {
-            return Some(work.run(self).await);
-        }
-        let engine = self.arc();
-        let fut = Box::pin(async move {
-            let out = work.run(&engine).await;
-            Answer {
-                work,
-                out: Some(out),
-                engine,
+    ///
+    /// A plain `fn` returning an `async move` block, not an `async fn`: an `async
+    /// fn`'s future keeps its argument twice (as passed, and moved into the body),
+    /// and `work` is a few hundred bytes that every caller's future carries (§16:
+    /// each request's future is boxed and moved once).
+    #[allow(clippy::manual_async_fn)] // the `async fn` form is the one that stores `work` twice
+    pub(super) fn detached<W: Work<B>>(
+        &self,
+        work: W,
+    ) -> impl Future<Output = Option<W::Output>> + Send + '_ {
+        async move {
+            if !self.backend.is_remote() {
+                return Some(work.run(self).await);
             }
-        });
-        let finish = Finish {
-            fut: Some(fut),
-            started: false,
-        };
-        finish.await.map(|mut a| a.out.take().expect("filled once"))
+            let engine = self.arc();
+            let fut = Box::pin(async move {
+                let out = work.run(&engine).await;
+                Answer {
+                    work,
+                    out: Some(out),
+                    engine,
+                }
+            });
+            let finish = Finish {
+                fut: Some(fut),
+                started: false,
+            };
+            finish.await.map(|mut a| a.out.take().expect("filled once"))
+        }
     }
 
     /// Start `work` now, as [`Engine::detached`] would, and forget its answer: a
