@@ -121,7 +121,21 @@ pub fn encode_client(frame: &ClientFrame) -> Result<Vec<u8>, CodecError> {
 }
 
 /// Decodes a whole payload (no length prefix) into a client frame.
+///
+/// A call's frames take a hand-written path ([`crate::fast`]); anything it does not
+/// accept goes through serde, which decides and words the error.
 pub fn decode_client(payload: &[u8]) -> Result<ClientFrame, CodecError> {
+    if payload.len() <= DECODE_LIMIT {
+        if let Some(frame) = crate::fast::decode_client(payload) {
+            return Ok(frame);
+        }
+    }
+    decode(payload)
+}
+
+/// [`decode_client`] without the fast path (its tests compare the two).
+#[cfg(test)]
+pub(crate) fn decode_client_generic(payload: &[u8]) -> Result<ClientFrame, CodecError> {
     decode(payload)
 }
 
@@ -136,6 +150,9 @@ pub fn encode_server_onto(
     frame: &ServerFrame,
     dst: &mut bytes::BytesMut,
 ) -> Result<(), CodecError> {
+    if crate::fast::encode_server(frame, dst) {
+        return Ok(());
+    }
     encode_onto(frame, dst)
 }
 

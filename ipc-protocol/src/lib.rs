@@ -4,6 +4,7 @@
 //! The byte layout is documented for other languages in `bindings/PROTOCOL.md`.
 
 pub mod codec;
+mod fast;
 pub mod framing;
 pub mod messages;
 
