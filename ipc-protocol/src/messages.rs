@@ -37,6 +37,12 @@ fn owned_str<'de, D: Deserializer<'de>>(d: D) -> Result<String, D::Error> {
         fn visit_string<E: serde::de::Error>(self, v: String) -> Result<String, E> {
             Ok(v)
         }
+        // As serde's own `String` does, for formats that hand strings over as bytes.
+        fn visit_bytes<E: serde::de::Error>(self, v: &[u8]) -> Result<String, E> {
+            std::str::from_utf8(v)
+                .map(str::to_owned)
+                .map_err(|_| E::invalid_value(serde::de::Unexpected::Bytes(v), &self))
+        }
     }
     d.deserialize_str(Str)
 }
