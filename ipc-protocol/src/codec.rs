@@ -122,7 +122,7 @@ pub fn encode_client(frame: &ClientFrame) -> Result<Vec<u8>, CodecError> {
 
 /// Decodes a whole payload (no length prefix) into a client frame.
 ///
-/// A call's frames take a hand-written path ([`crate::fast`]); anything it does not
+/// A call's frames take a hand-written path (`fast.rs`); anything it does not
 /// accept goes through serde, which decides and words the error.
 pub fn decode_client(payload: &[u8]) -> Result<ClientFrame, CodecError> {
     if payload.len() <= DECODE_LIMIT {
@@ -171,7 +171,7 @@ pub fn peek_id(payload: &[u8]) -> Option<u64> {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use crate::messages::*;
 
@@ -194,7 +194,9 @@ mod tests {
         }
     }
 
-    fn all_requests() -> Vec<Request> {
+    /// One of every request (and of every outcome inside them): the corpus of the
+    /// codec's round-trip tests and of `fast`'s.
+    pub(crate) fn all_requests() -> Vec<Request> {
         let mut v = vec![
             Request::Hello {
                 protocol_version: crate::PROTOCOL_VERSION,
@@ -296,7 +298,8 @@ mod tests {
         v
     }
 
-    fn all_replies() -> Vec<Reply> {
+    /// One of every reply, likewise.
+    pub(crate) fn all_replies() -> Vec<Reply> {
         let mut v = vec![
             Reply::Welcome {
                 protocol_version: 1,

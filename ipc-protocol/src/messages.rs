@@ -23,7 +23,10 @@ use serde::{Deserialize, Deserializer, Serialize};
 /// serde's own `String` goes through bincode's `Vec<u8>` decode, which allocates
 /// zeroed memory (`calloc`: glibc serves it outside its thread cache, ~300
 /// instructions per frame under callgrind) and then copies into it. Same bytes on
-/// the wire; a payload that is not UTF-8 is refused as before.
+/// the wire; a payload that is not UTF-8 is refused as before. (The sidecar's
+/// decoder reads a call's frames by hand, `crate::fast`; this serves serde's
+/// decoder: a client decoding `Granted` / `Started`, and every frame the fast path
+/// leaves to serde.)
 fn owned_str<'de, D: Deserializer<'de>>(d: D) -> Result<String, D::Error> {
     struct Str;
     impl serde::de::Visitor<'_> for Str {
