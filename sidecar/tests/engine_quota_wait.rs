@@ -88,9 +88,31 @@ fn assert_stalled_on_time<T: std::fmt::Debug>(
     assert!(took > stall && took <= stall + ms(50), "{took:?}");
 }
 
-/// Start `n` waiting Acquires in scope "w", one after another (each has run its
-/// first pass and queued before the next starts); each records its index (from
-/// `base`) when granted.
+/// Start one waiting Acquire per label in scope "w", one after another (each has run
+/// its first pass and queued before the next starts), each on a call `begin` opens;
+/// each records its label when granted.
+async fn spawn_waiters<T: Send + 'static>(
+    e: &Arc<Engine<MemoryBackend>>,
+    labels: impl IntoIterator<Item = T>,
+    begin: impl Fn() -> u64,
+    order: &Arc<Mutex<Vec<T>>>,
+) -> Vec<tokio::task::JoinHandle<Result<(), EngineError>>> {
+    let mut v = Vec::new();
+    for label in labels {
+        let (e2, order) = (e.clone(), order.clone());
+        let call = begin();
+        v.push(tokio::spawn(async move {
+            e2.acquire(OWNER, call).await?;
+            order.lock().unwrap().push(label);
+            Ok(())
+        }));
+        tokio::time::sleep(ms(1)).await;
+    }
+    v
+}
+
+/// [`spawn_waiters`] of `n` calls estimating `est`, labelled by their index from
+/// `base`.
 async fn waiters(
     e: &Arc<Engine<MemoryBackend>>,
     base: usize,
@@ -98,18 +120,8 @@ async fn waiters(
     est: Option<u64>,
     order: &Arc<Mutex<Vec<usize>>>,
 ) -> Vec<tokio::task::JoinHandle<Result<(), EngineError>>> {
-    let mut v = Vec::new();
-    for i in base..base + n {
-        let (e2, order) = (e.clone(), order.clone());
-        let call = e.begin_call(OWNER, "w", est).unwrap();
-        v.push(tokio::spawn(async move {
-            e2.acquire(OWNER, call).await?;
-            order.lock().unwrap().push(i);
-            Ok(())
-        }));
-        tokio::time::sleep(ms(1)).await;
-    }
-    v
+    let begin = || e.begin_call(OWNER, "w", est).unwrap();
+    spawn_waiters(e, base..base + n, begin, order).await
 }
 
 #[tokio::test(start_paused = true)]
@@ -304,26 +316,15 @@ fn classed(src: SourceConfig, stall: Duration) -> Vec<ScopeConfig> {
     v
 }
 
-/// Start `n` waiting Acquires of class `class` in scope "w", recording (index,
-/// class) when granted.
+/// [`spawn_waiters`] of `n` calls of class `class`, labelled by it.
 async fn class_waiters(
     e: &Arc<Engine<MemoryBackend>>,
     n: usize,
     class: &'static str,
     order: &Arc<Mutex<Vec<&'static str>>>,
 ) -> Vec<tokio::task::JoinHandle<Result<(), EngineError>>> {
-    let mut v = Vec::new();
-    for _ in 0..n {
-        let (e2, order) = (e.clone(), order.clone());
-        let call = e.begin_call_as(OWNER, "w", None, Some(class)).unwrap();
-        v.push(tokio::spawn(async move {
-            e2.acquire(OWNER, call).await?;
-            order.lock().unwrap().push(class);
-            Ok(())
-        }));
-        tokio::time::sleep(ms(1)).await;
-    }
-    v
+    let begin = || e.begin_call_as(OWNER, "w", None, Some(class)).unwrap();
+    spawn_waiters(e, std::iter::repeat_n(class, n), begin, order).await
 }
 
 #[tokio::test(start_paused = true)]

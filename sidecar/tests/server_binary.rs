@@ -528,6 +528,17 @@ impl Daemon {
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
     }
+
+    /// SIGTERM, and the process must exit cleanly within 5 s.
+    async fn terminate(&mut self) {
+        self.signal(nix::sys::signal::Signal::SIGTERM);
+        let status = self.exit_within(Duration::from_secs(5)).await;
+        assert!(
+            status.is_some_and(|s| s.success()),
+            "{status:?}: {}",
+            self.stderr()
+        );
+    }
 }
 
 impl Drop for Daemon {
@@ -795,13 +806,7 @@ async fn socket_activation_takes_the_named_sockets() {
     let framed = hello(UnixStream::connect(&path).await.unwrap(), "activation-test").await;
     assert!(!unused.exists(), "bound a socket of its own");
     drop(framed);
-    daemon.signal(nix::sys::signal::Signal::SIGTERM);
-    let status = daemon.exit_within(Duration::from_secs(5)).await;
-    assert!(
-        status.is_some_and(|s| s.success()),
-        "{status:?}: {}",
-        daemon.stderr()
-    );
+    daemon.terminate().await;
     assert!(
         path.exists(),
         "the activated socket file is systemd's: left in place"
@@ -891,12 +896,6 @@ async fn worker_threads_sets_the_runtime_threads() {
         // The main thread runs a current-thread runtime itself; with workers it
         // blocks in `block_on` beside them (named tokio-rt-worker).
         assert_eq!(runtime_threads, expected, "config line {line:?}");
-        daemon.signal(nix::sys::signal::Signal::SIGTERM);
-        let status = daemon.exit_within(Duration::from_secs(5)).await;
-        assert!(
-            status.is_some_and(|s| s.success()),
-            "{status:?}: {}",
-            daemon.stderr()
-        );
+        daemon.terminate().await;
     }
 }
