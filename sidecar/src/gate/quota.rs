@@ -634,6 +634,7 @@ mod tests {
 
 #[cfg(test)]
 mod provider_tests {
+    use super::*;
 
     #[test]
     fn refill_arithmetic_takes_the_u64_path_only_when_it_is_exact() {
@@ -673,8 +674,6 @@ mod provider_tests {
             }
         }
     }
-
-    use super::*;
 
     #[test]
     fn burst_capacity_is_floored_and_at_least_one_and_days_ignore_it() {
