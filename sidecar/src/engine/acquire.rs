@@ -66,7 +66,7 @@ use super::CallEst;
 use super::{Engine, Grant};
 use crate::backend::Backend;
 use crate::clock::Clock;
-use crate::config::Mode;
+use crate::config::{Mode, ScopeConfig};
 use crate::gate::pacer::Signal;
 use crate::metrics::histogram::Histogram;
 
@@ -220,17 +220,11 @@ impl<B: Backend> Engine<B> {
                 // One waiter naps and asks again for everyone; the others sleep
                 // until handed a turn or to the edge of their stall window.
                 let napper = place.as_ref().is_some_and(|p| p.napping());
-                let sleep = nap(
-                    if napper {
-                        Duration::ZERO
-                    } else {
-                        cfg.stall_window.saturating_sub(stall)
-                    },
-                    cfg.poll_interval,
-                    cfg.stall_window,
-                    stall,
-                    rand::random::<f64>(),
-                );
+                let sleep = if napper {
+                    nap_in(cfg, Duration::ZERO, stall)
+                } else {
+                    stall_edge(cfg, stall)
+                };
                 if waiting.is_none() {
                     if let Some(f) = on_wait.take() {
                         f();
@@ -313,13 +307,7 @@ impl<B: Backend> Engine<B> {
             if place.as_ref().is_some_and(|p| p.retry_now()) {
                 continue; // capacity freed while this pass looked: look again
             }
-            let sleep = nap(
-                hint,
-                cfg.poll_interval,
-                cfg.stall_window,
-                stall,
-                rand::random::<f64>(),
-            );
+            let sleep = nap_in(cfg, hint, stall);
             if waiting.is_none() {
                 if let Some(f) = on_wait.take() {
                     f();
@@ -332,13 +320,7 @@ impl<B: Backend> Engine<B> {
                 let sleep = if p.napping() {
                     sleep
                 } else {
-                    nap(
-                        cfg.stall_window.saturating_sub(stall),
-                        cfg.poll_interval,
-                        cfg.stall_window,
-                        stall,
-                        rand::random::<f64>(),
-                    )
+                    stall_edge(cfg, stall)
                 };
                 my_turn = self.wait_turn(place.as_ref(), sleep).await?;
                 continue;
@@ -353,13 +335,7 @@ impl<B: Backend> Engine<B> {
                 // ends it as stalled, §5's bound kept).
                 Some(s) if !s.is_poller() => {
                     notified.set(None);
-                    let edge = nap(
-                        cfg.stall_window.saturating_sub(stall),
-                        cfg.poll_interval,
-                        cfg.stall_window,
-                        stall,
-                        rand::random::<f64>(),
-                    );
+                    let edge = stall_edge(cfg, stall);
                     tokio::select! {
                         _ = s.woken() => {}
                         _ = tokio::time::sleep(edge) => {}
@@ -577,6 +553,25 @@ impl<B: Backend> Drop for AcquireGuard<'_, B> {
     fn drop(&mut self) {
         self.engine.lock().end_acquire(self.call);
     }
+}
+
+/// §5's nap under the scope's policy `cfg`: `hint` plus jitter, within what is
+/// left of the stall window after `stall`.
+fn nap_in(cfg: &ScopeConfig, hint: Duration, stall: Duration) -> Duration {
+    nap(
+        hint,
+        cfg.poll_interval,
+        cfg.stall_window,
+        stall,
+        rand::random::<f64>(),
+    )
+}
+
+/// The sleep of a waiter that does not poll (a quota-line follower, a §15 waiter
+/// that is not the napper): to the edge of its stall window, jittered like any nap;
+/// the pass it then runs ends it as stalled, so §5's bound holds for it too.
+fn stall_edge(cfg: &ScopeConfig, stall: Duration) -> Duration {
+    nap_in(cfg, cfg.stall_window.saturating_sub(stall), stall)
 }
 
 /// Observes an Acquire's time in its scope's wait histogram when it ends (answered,
