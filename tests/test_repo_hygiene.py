@@ -1,0 +1,64 @@
+"""Repository hygiene (issue 24): nothing large or built is committed, and every
+package's license field names the license in LICENSE, so a user reading any one of
+them learns the same thing."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import tomllib
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+MAX_BYTES = 1_000_000
+
+
+def _tracked() -> list[str]:
+    if not (ROOT / ".git").exists():
+        pytest.skip("not a git checkout")
+    out = subprocess.run(
+        ["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, check=True, timeout=30
+    ).stdout
+    return [p for p in out.decode().split("\0") if p]
+
+
+def test_no_tracked_file_over_one_megabyte() -> None:
+    big = []
+    for rel in _tracked():
+        path = ROOT / rel
+        if path.is_file() and path.stat().st_size > MAX_BYTES:
+            big.append(f"{rel} ({path.stat().st_size} bytes)")
+    assert big == [], f"tracked files over 1 MB (build outputs?): {big}"
+
+
+def _license_id() -> str:
+    text = (ROOT / "LICENSE").read_text()
+    if re.search(r"Apache License\s+Version 2\.0", text):
+        return "Apache-2.0"
+    raise AssertionError("LICENSE is not a license this test knows (Apache-2.0)")
+
+
+def test_every_package_license_matches_license_file() -> None:
+    expected = _license_id()
+    found: dict[str, str] = {}
+    cargo = tomllib.loads((ROOT / "Cargo.toml").read_text())
+    found["Cargo.toml [workspace.package]"] = cargo["workspace"]["package"]["license"]
+    for member in cargo["workspace"]["members"]:
+        pkg = tomllib.loads((ROOT / member / "Cargo.toml").read_text())["package"]
+        lic = pkg.get("license")
+        if isinstance(lic, dict):  # license.workspace = true
+            assert lic.get("workspace") is True, f"{member}: {lic}"
+            lic = found["Cargo.toml [workspace.package]"]
+        found[f"{member}/Cargo.toml"] = str(lic)
+    py = tomllib.loads((ROOT / "bindings/python/pyproject.toml").read_text())["project"]
+    lic = py["license"]
+    found["bindings/python/pyproject.toml"] = lic["text"] if isinstance(lic, dict) else lic
+    node = json.loads((ROOT / "bindings/node/package.json").read_text())
+    found["bindings/node/package.json"] = node["license"]
+    lock = json.loads((ROOT / "bindings/node/package-lock.json").read_text())
+    found["bindings/node/package-lock.json (root)"] = lock["packages"][""]["license"]
+    wrong = {k: v for k, v in found.items() if v != expected}
+    assert wrong == {}, f"LICENSE says {expected}; these disagree: {wrong}"
