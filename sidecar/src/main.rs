@@ -66,8 +66,8 @@ fn main() -> ExitCode {
                 Err(code) => return code,
             };
             if cli.check_config {
-                println!("{}", cli::summary(&config, cli.config.as_deref()));
-                return ExitCode::SUCCESS;
+                let line = cli::summary(&config, cli.config.as_deref());
+                return cli::print_out(&format!("{line}\n"));
             }
             daemon::run(config, cli.config)
         }

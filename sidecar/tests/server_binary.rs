@@ -176,6 +176,41 @@ async fn status_command_prints_every_source() {
     task.await.unwrap().unwrap();
 }
 
+/// `status | head -1`: the reader is gone before the output is written (a pipe whose
+/// read end is closed, so every write fails with EPIPE). The command ends quietly with
+/// success, never a panic (exit 101, "failed printing to stdout"); 20 runs of each form.
+#[tokio::test(flavor = "multi_thread")]
+async fn status_command_ends_quietly_on_a_closed_pipe() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("s.sock");
+    let (stop, task) = serve_in_process(&path, &config(&path));
+    for run in 0..20 {
+        let args: &[&str] = if run % 2 == 0 { &[] } else { &["--json"] };
+        let mut cmd = sidecar();
+        cmd.arg("status").args(args).arg("--socket").arg(&path);
+        let out = tokio::task::spawn_blocking(move || {
+            let (read, write) = nix::unistd::pipe().unwrap();
+            drop(read);
+            cmd.stdout(Stdio::from(write)).stderr(Stdio::piped());
+            let child = cmd.spawn().unwrap();
+            drop(cmd);
+            child.wait_with_output().unwrap()
+        });
+        let out = tokio::time::timeout(Duration::from_secs(20), out)
+            .await
+            .expect("status ends")
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            !stderr.contains("panicked") && !stderr.contains("Broken pipe"),
+            "run {run} {args:?}: {stderr}"
+        );
+        assert_eq!(out.status.code(), Some(0), "run {run} {args:?}: {out:?}");
+    }
+    stop.send(()).unwrap();
+    task.await.unwrap().unwrap();
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn status_json_names_every_scope_and_source() {
     let dir = tempfile::tempdir().unwrap();

@@ -4,6 +4,7 @@
 
 pub mod status;
 
+use std::io::Write as _;
 use std::path::Path;
 use std::process::ExitCode;
 
@@ -23,6 +24,22 @@ pub fn load_config(path: Option<&Path>) -> Result<Config, ExitCode> {
         eprintln!("polygate-sidecar: invalid configuration ({origin}): {e}");
         ExitCode::from(EXIT_CONFIG)
     })
+}
+
+/// Writes `text` to stdout and flushes it. A reader that went away (`status | head
+/// -1`: EPIPE, since Rust ignores SIGPIPE) ends the command quietly with success, as
+/// a C tool killed by SIGPIPE would end silently; `print!` would panic instead. Any
+/// other write error goes to stderr and exits 1.
+pub fn print_out(text: &str) -> ExitCode {
+    let mut out = std::io::stdout().lock();
+    match out.write_all(text.as_bytes()).and_then(|()| out.flush()) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("polygate-sidecar: cannot write to stdout: {e}");
+            ExitCode::FAILURE
+        }
+    }
 }
 
 /// One line: what `--check-config` validated.

@@ -53,16 +53,13 @@ pub fn run(socket: &Path, json: bool) -> ExitCode {
     match rt.block_on(fetch) {
         Ok(Ok(Printable::Report(report, doc))) => {
             let classes = doc.as_deref().map(classes_of).unwrap_or_default();
-            print!("{}", render_with_classes(&report, &classes));
+            let mut text = render_with_classes(&report, &classes);
             if let Some(doc) = doc {
-                print!("{}", render_buckets(&doc));
+                text.push_str(&render_buckets(&doc));
             }
-            ExitCode::SUCCESS
+            super::print_out(&text)
         }
-        Ok(Ok(Printable::Json(doc))) => {
-            println!("{doc}");
-            ExitCode::SUCCESS
-        }
+        Ok(Ok(Printable::Json(doc))) => super::print_out(&format!("{doc}\n")),
         Ok(Err(e)) => {
             eprintln!("polygate-sidecar status: {}: {e}", socket.display());
             ExitCode::FAILURE
