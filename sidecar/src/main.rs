@@ -41,7 +41,8 @@ enum Command {
     /// Print the live state of a running sidecar (every scope and source).
     Status {
         /// The sidecar's socket [default: $POLYGATE_SOCKET, else the --config
-        /// file's socket, else /run/polygate/sidecar.sock].
+        /// file's socket, else /run/polygate/sidecar.sock for root and
+        /// $XDG_RUNTIME_DIR/polygate/sidecar.sock for anyone else].
         #[arg(long, value_name = "PATH")]
         socket: Option<PathBuf>,
         /// Print the state as one JSON document (bindings/PROTOCOL.md §14.4) instead

@@ -71,7 +71,8 @@ fn source_with(line: &str) -> String {
 #[test]
 fn example_parses() {
     let c = parse_str(EXAMPLE_CONFIG, no_env()).unwrap();
-    assert_eq!(c.sidecar.socket, "/run/polygate/sidecar.sock");
+    // The example leaves the socket unset: the default for whoever runs it.
+    assert_eq!(Ok(c.sidecar.socket), polygate::config::default_socket());
     assert_eq!(c.sidecar.socket_mode, 0o660);
     assert_eq!(c.sidecar.backend, BackendKind::Memory);
     let names: Vec<&str> = c.scopes.iter().map(|s| s.name.as_str()).collect();
@@ -1117,4 +1118,47 @@ fn worker_threads_is_a_thread_count_or_one_per_core() {
         &sidecar_with("worker_threads = \"two\""),
         &["sidecar.worker_threads"],
     );
+}
+
+// ------------------------------------------------------------------ default socket
+
+#[test]
+fn default_socket_is_run_polygate_for_root_and_xdg_runtime_dir_for_others() {
+    use polygate::config::default_socket_for;
+    assert_eq!(
+        default_socket_for(0, Some("/run/user/0")).unwrap(),
+        "/run/polygate/sidecar.sock"
+    );
+    assert_eq!(
+        default_socket_for(0, None).unwrap(),
+        "/run/polygate/sidecar.sock"
+    );
+    assert_eq!(
+        default_socket_for(1000, Some("/run/user/1000")).unwrap(),
+        "/run/user/1000/polygate/sidecar.sock"
+    );
+    assert_eq!(
+        default_socket_for(1000, Some("/run/user/1000/")).unwrap(),
+        "/run/user/1000/polygate/sidecar.sock"
+    );
+    // No (absolute) XDG_RUNTIME_DIR: the error says what to set.
+    for xdg in [None, Some(""), Some("relative/dir")] {
+        let e = default_socket_for(1000, xdg).unwrap_err();
+        for word in [
+            "uid 1000",
+            "XDG_RUNTIME_DIR",
+            "[sidecar] socket",
+            "POLYGATE_SOCKET",
+        ] {
+            assert!(e.contains(word), "{word:?} missing: {e}");
+        }
+    }
+}
+
+#[test]
+fn an_explicit_socket_wins_over_the_default() {
+    let c = parse(&sidecar_with("socket = \"/tmp/x/s.sock\"")).unwrap();
+    assert_eq!(c.sidecar.socket, "/tmp/x/s.sock");
+    let c = parse(MINIMAL).unwrap();
+    assert_eq!(Ok(c.sidecar.socket), polygate::config::default_socket());
 }

@@ -934,3 +934,180 @@ async fn worker_threads_sets_the_runtime_threads() {
         daemon.terminate().await;
     }
 }
+
+/// §12: a non-root sidecar with no `socket` key listens on
+/// `$XDG_RUNTIME_DIR/polygate/sidecar.sock`, and `status` of the same user, told
+/// nothing, finds it there. Needs root (to drop to uid 65534) and `setpriv`.
+#[tokio::test(flavor = "multi_thread")]
+async fn non_root_sidecar_and_status_meet_on_the_xdg_runtime_dir_default() {
+    use std::os::unix::fs::PermissionsExt;
+    let setpriv = ["/usr/bin/setpriv", "/bin/setpriv"]
+        .into_iter()
+        .find(|p| Path::new(p).exists());
+    let Some(setpriv) = setpriv else {
+        eprintln!("SKIPPED: setpriv (util-linux) not found; the non-root default is not tested");
+        return;
+    };
+    if !nix::unistd::geteuid().is_root() {
+        eprintln!("SKIPPED: not root, cannot drop to uid 65534 with setpriv");
+        return;
+    }
+    const NOBODY: u32 = 65534;
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+    let xdg = dir.path().join("xdg");
+    std::fs::create_dir(&xdg).unwrap();
+    std::fs::set_permissions(&xdg, std::fs::Permissions::from_mode(0o700)).unwrap();
+    nix::unistd::chown(&xdg, Some(NOBODY.into()), Some(NOBODY.into())).unwrap();
+    let file = dir.path().join("polygate.toml");
+    std::fs::write(
+        &file,
+        "[sidecar]\nshutdown_grace = \"1s\"\n\n[[scopes.chat.sources]]\nname = \"a\"\n",
+    )
+    .unwrap();
+    std::fs::set_permissions(&file, std::fs::Permissions::from_mode(0o644)).unwrap();
+    let as_nobody = |args: &[&str]| {
+        let mut cmd = Command::new(setpriv);
+        cmd.args([
+            "--reuid",
+            "65534",
+            "--regid",
+            "65534",
+            "--clear-groups",
+            BIN,
+        ])
+        .args(args);
+        for (k, _) in std::env::vars() {
+            if k.contains("__") {
+                cmd.env_remove(k);
+            }
+        }
+        cmd.env_remove("POLYGATE_SOCKET")
+            .env_remove("NOTIFY_SOCKET")
+            .env_remove("LISTEN_FDS")
+            .env("XDG_RUNTIME_DIR", &xdg);
+        cmd
+    };
+    let config = file.to_str().unwrap();
+    let mut daemon = Daemon::spawn(&mut as_nobody(&["--config", config]));
+    let socket = xdg.join("polygate").join("sidecar.sock");
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !socket.exists() {
+        assert!(
+            Instant::now() < deadline,
+            "never listened on {}: {}",
+            socket.display(),
+            daemon.stderr()
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let meta = std::fs::metadata(&socket).unwrap();
+    assert_eq!(std::os::unix::fs::MetadataExt::uid(&meta), NOBODY);
+    let mut status = as_nobody(&["status"]);
+    let out = tokio::task::spawn_blocking(move || status.output().unwrap())
+        .await
+        .unwrap();
+    assert!(out.status.success(), "{out:?}\n{}", daemon.stderr());
+    assert!(
+        String::from_utf8_lossy(&out.stdout).contains("scope chat"),
+        "{out:?}"
+    );
+
+    // Without XDG_RUNTIME_DIR the non-root default does not exist: both ends say
+    // what to set instead of failing on /run/polygate with "Permission denied".
+    let mut status = as_nobody(&["status"]);
+    status.env_remove("XDG_RUNTIME_DIR");
+    let out = status.output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{out:?}");
+    assert!(
+        stderr.contains("XDG_RUNTIME_DIR") && stderr.contains("POLYGATE_SOCKET"),
+        "{stderr}"
+    );
+    let mut check = as_nobody(&["--config", config, "--check-config"]);
+    check.env_remove("XDG_RUNTIME_DIR");
+    let out = check.output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{out:?}");
+    assert!(stderr.contains("[sidecar] socket"), "{stderr}");
+
+    daemon.signal(nix::sys::signal::Signal::SIGTERM);
+    let st = daemon.exit_within(Duration::from_secs(5)).await;
+    assert!(
+        st.is_some_and(|s| s.success()),
+        "{st:?}: {}",
+        daemon.stderr()
+    );
+    assert!(!socket.exists(), "socket removed on exit");
+}
+
+/// §12: a permission error names the setting to change, on both sides.
+#[test]
+fn permission_errors_name_the_setting_to_change() {
+    if !nix::unistd::geteuid().is_root() || !Path::new("/usr/bin/setpriv").exists() {
+        eprintln!("SKIPPED: needs root and /usr/bin/setpriv to act as another user");
+        return;
+    }
+    use std::os::unix::fs::PermissionsExt;
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+    let file = dir.path().join("polygate.toml");
+    // A directory uid 65534 cannot create (its parent belongs to root, 0755).
+    let socket = dir.path().join("run").join("s.sock");
+    std::fs::write(
+        &file,
+        format!(
+            "[sidecar]\nsocket = \"{}\"\n\n[[scopes.chat.sources]]\nname = \"a\"\n",
+            socket.display()
+        ),
+    )
+    .unwrap();
+    std::fs::set_permissions(&file, std::fs::Permissions::from_mode(0o644)).unwrap();
+    let out = Command::new("/usr/bin/setpriv")
+        .args([
+            "--reuid",
+            "65534",
+            "--regid",
+            "65534",
+            "--clear-groups",
+            BIN,
+            "--config",
+        ])
+        .arg(&file)
+        .env_remove("SIDECAR__SOCKET")
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{out:?}");
+    assert!(
+        stderr.contains("Permission denied") && stderr.contains("[sidecar] socket"),
+        "{stderr}"
+    );
+
+    // The client side: a socket this user may not open.
+    let sock_dir = dir.path().join("private");
+    std::fs::create_dir(&sock_dir).unwrap();
+    std::fs::set_permissions(&sock_dir, std::fs::Permissions::from_mode(0o700)).unwrap();
+    let path = sock_dir.join("s.sock");
+    let _listener = std::os::unix::net::UnixListener::bind(&path).unwrap();
+    let out = Command::new("/usr/bin/setpriv")
+        .args([
+            "--reuid",
+            "65534",
+            "--regid",
+            "65534",
+            "--clear-groups",
+            BIN,
+            "status",
+            "--socket",
+        ])
+        .arg(&path)
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{out:?}");
+    assert!(
+        stderr.contains("Permission denied") && stderr.contains("POLYGATE_SOCKET"),
+        "{stderr}"
+    );
+}

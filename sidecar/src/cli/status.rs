@@ -15,19 +15,24 @@ use ipc_protocol::{
 use tokio::net::UnixStream;
 use tokio_util::codec::Framed;
 
-use crate::config::DEFAULT_SOCKET;
+use crate::config::default_socket;
 
 /// How long `status` waits for the sidecar.
 const STATUS_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// The socket to ask: `--socket`, else `$POLYGATE_SOCKET`, else the `--config`
-/// file's socket, else [`DEFAULT_SOCKET`] (the default `sidecar.socket`). A `--config` that does not load is
-/// reported (exit status 2).
+/// file's socket, else the default socket for this uid ([`default_socket`]: root
+/// `/run/polygate/sidecar.sock`, anyone else `$XDG_RUNTIME_DIR/polygate/sidecar.sock`).
+/// A `--config` that does not load, or no default (non-root without
+/// `XDG_RUNTIME_DIR`), is reported (exit status 2).
 pub fn socket_path(socket: Option<PathBuf>, config: Option<&Path>) -> Result<PathBuf, ExitCode> {
     match socket.or_else(|| std::env::var_os("POLYGATE_SOCKET").map(Into::into)) {
         Some(s) => Ok(s),
         None if config.is_some() => super::load_config(config).map(|c| c.sidecar.socket.into()),
-        None => Ok(DEFAULT_SOCKET.into()),
+        None => default_socket().map(Into::into).map_err(|e| {
+            eprintln!("polygate-sidecar status: {e}; or pass --socket");
+            ExitCode::from(super::EXIT_CONFIG)
+        }),
     }
 }
 
@@ -86,9 +91,21 @@ enum Printable {
 
 /// Hello, then `request` (`Status` or `StatusJson`), on one connection.
 async fn fetch(socket: &Path, request: Request) -> Result<Printable, String> {
-    let stream = UnixStream::connect(socket)
-        .await
-        .map_err(|e| format!("cannot connect: {e}"))?;
+    let stream = UnixStream::connect(socket).await.map_err(|e| {
+        let hint = match e.kind() {
+            std::io::ErrorKind::PermissionDenied => {
+                "; this user may not open the socket: ask the sidecar's operator to admit \
+                 it (socket_mode, the socket directory's group) or point --socket / \
+                 POLYGATE_SOCKET at a sidecar of this user"
+            }
+            std::io::ErrorKind::NotFound => {
+                "; is the sidecar running? Its socket is [sidecar] socket; pass the same \
+                 path with --socket or POLYGATE_SOCKET"
+            }
+            _ => "",
+        };
+        format!("cannot connect: {e}{hint}")
+    })?;
     // A status report may be larger than a request frame: accept up to the decoder's limit.
     let mut framed = Framed::new(stream, ClientCodec::new(ipc_protocol::codec::DECODE_LIMIT));
     let mut ask = async |id: u64, request: Request| -> Result<Reply, String> {
