@@ -1111,3 +1111,43 @@ fn permission_errors_name_the_setting_to_change() {
         "{stderr}"
     );
 }
+
+/// A SIGHUP with an invalid file logs which file is invalid (and the running
+/// configuration stays: the daemon keeps serving).
+#[tokio::test(flavor = "multi_thread")]
+async fn sighup_with_an_invalid_file_names_the_file() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("s.sock");
+    let file = dir.path().join("polygate.toml");
+    std::fs::write(&file, config(&path)).unwrap();
+    let mut daemon = Daemon::spawn(sidecar().arg("--config").arg(&file));
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while UnixStream::connect(&path).await.is_err() {
+        assert!(
+            Instant::now() < deadline,
+            "never listened: {}",
+            daemon.stderr()
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    std::fs::write(&file, config(&path).replace("rpm = 60", "rpm = -1")).unwrap();
+    daemon.signal(nix::sys::signal::Signal::SIGHUP);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let line = loop {
+        let log = daemon.stderr();
+        if let Some(l) = log
+            .lines()
+            .find(|l| l.contains("SIGHUP") && l.contains("invalid"))
+        {
+            break l.to_string();
+        }
+        assert!(Instant::now() < deadline, "no reload error logged: {log}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    assert!(line.contains(&file.display().to_string()), "{line}");
+    assert!(line.contains("rpm = -1 (line"), "{line}");
+    assert!(UnixStream::connect(&path).await.is_ok(), "still serving");
+    daemon.signal(nix::sys::signal::Signal::SIGTERM);
+    let st = daemon.exit_within(Duration::from_secs(5)).await;
+    assert!(st.is_some_and(|s| s.success()), "{st:?}");
+}

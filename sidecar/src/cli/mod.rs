@@ -18,10 +18,16 @@ pub const EXIT_CONFIG: u8 = 2;
 /// is returned.
 pub fn load_config(path: Option<&Path>) -> Result<Config, ExitCode> {
     config::load(path, std::env::vars()).map_err(|e| {
-        let origin = path.map_or("embedded example configuration".into(), |p| {
-            p.display().to_string()
-        });
-        eprintln!("polygate-sidecar: invalid configuration ({origin}): {e}");
+        match e {
+            // `config file X not found` says it all.
+            config::ConfigError::Read { .. } => eprintln!("polygate-sidecar: {e}"),
+            e => {
+                let origin = path.map_or("embedded example configuration".into(), |p| {
+                    p.display().to_string()
+                });
+                eprintln!("polygate-sidecar: invalid configuration ({origin}): {e}");
+            }
+        }
         ExitCode::from(EXIT_CONFIG)
     })
 }

@@ -309,7 +309,12 @@ fn source_row(s: &SourceStatus) -> Vec<String> {
     vec![
         s.name.clone(),
         state(s.state).to_string(),
-        s.epoch.to_string(),
+        // Degraded, the state is this host's local stand-in, whose epoch (a large
+        // number far from the shared one) means nothing to an operator.
+        match s.degraded {
+            true => "unknown".to_string(),
+            false => s.epoch.to_string(),
+        },
         secs(s.retry_after_s),
         s.cooldown_level.to_string(),
         format!("{}/{}", s.window_successes, s.window_failures),
@@ -469,9 +474,17 @@ mod tests {
             .lines()
             .find(|l| l.contains("openai-gpt4o-eu"))
             .unwrap();
-        for cell in ["OPEN", "42.3s", "10/3", "7.50", "-121", "2m05s", "yes"] {
+        for cell in [
+            "OPEN", "unknown", "42.3s", "10/3", "7.50", "-121", "2m05s", "yes",
+        ] {
             assert!(row.contains(cell), "{cell:?} missing from {row:?}");
         }
+        // Not degraded: the epoch itself.
+        let mut healthy = source("c");
+        healthy.degraded = false;
+        healthy.epoch = 4_611_686_018_427_387_911;
+        let row = source_row(&healthy);
+        assert_eq!(row[2], "4611686018427387911");
         // Columns line up: the header and both rows have the same width.
         let lens: Vec<usize> = text
             .lines()
