@@ -1,6 +1,6 @@
 //! `polygate-sidecar`: parse the command line and call into the library — the daemon
-//! ([`polygate::daemon`]), `--check-config` and the `status` client
-//! ([`polygate::cli`]).
+//! ([`polygate::daemon`]), `--check-config`, the `status` client and the `health`
+//! probe ([`polygate::cli`]).
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -50,6 +50,16 @@ enum Command {
         #[arg(long)]
         json: bool,
     },
+    /// Probe the admin listener: GET /ready, exit 0 on 200 and 1 otherwise (a
+    /// container HEALTHCHECK without curl).
+    Health {
+        /// The admin listener [default: the --config file's admin_listen].
+        #[arg(long, value_name = "ADDR")]
+        admin: Option<std::net::SocketAddr>,
+        /// The path to GET (/ready, or /live for liveness only).
+        #[arg(long, default_value = "/ready")]
+        path: String,
+    },
 }
 
 fn main() -> ExitCode {
@@ -58,6 +68,12 @@ fn main() -> ExitCode {
         Some(Command::Status { socket, json }) => {
             match cli::status::socket_path(socket, cli.config.as_deref()) {
                 Ok(socket) => cli::status::run(&socket, json),
+                Err(code) => code,
+            }
+        }
+        Some(Command::Health { admin, path }) => {
+            match cli::health::admin_addr(admin, cli.config.as_deref()) {
+                Ok(addr) => cli::health::run(addr, &path),
                 Err(code) => code,
             }
         }

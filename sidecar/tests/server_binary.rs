@@ -1151,3 +1151,69 @@ async fn sighup_with_an_invalid_file_names_the_file() {
     let st = daemon.exit_within(Duration::from_secs(5)).await;
     assert!(st.is_some_and(|s| s.success()), "{st:?}");
 }
+
+/// `health` (the container's HEALTHCHECK): 0 while /ready answers 200, 1 when
+/// nothing listens, 2 when it has no address to probe.
+#[tokio::test(flavor = "multi_thread")]
+async fn health_probes_the_admin_listener() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("s.sock");
+    let admin = free_admin_addr();
+    let file = dir.path().join("polygate.toml");
+    std::fs::write(&file, admin_config(&path, admin, "1s")).unwrap();
+    let mut daemon = Daemon::spawn(sidecar().arg("--config").arg(&file));
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while admin_get(admin, "/ready").await.ok() != Some(200) {
+        assert!(
+            Instant::now() < deadline,
+            "never ready: {}",
+            daemon.stderr()
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let run = |args: Vec<String>| async move {
+        let mut cmd = sidecar();
+        cmd.args(args);
+        tokio::task::spawn_blocking(move || cmd.output().unwrap())
+            .await
+            .unwrap()
+    };
+    let out = run(vec!["health".into(), "--admin".into(), admin.to_string()]).await;
+    assert!(out.status.success(), "{out:?}");
+    // The address from the --config file.
+    let out = run(vec![
+        "--config".into(),
+        file.display().to_string(),
+        "health".into(),
+        "--path".into(),
+        "/live".into(),
+    ])
+    .await;
+    assert!(out.status.success(), "{out:?}");
+    let out = run(vec![
+        "health".into(),
+        "--path".into(),
+        "/nope".into(),
+        "--admin".into(),
+        admin.to_string(),
+    ])
+    .await;
+    assert_eq!(out.status.code(), Some(1), "{out:?}");
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("404"),
+        "{out:?}"
+    );
+
+    daemon.signal(nix::sys::signal::Signal::SIGTERM);
+    let st = daemon.exit_within(Duration::from_secs(5)).await;
+    assert!(st.is_some_and(|s| s.success()), "{st:?}");
+    let out = run(vec!["health".into(), "--admin".into(), admin.to_string()]).await;
+    assert_eq!(out.status.code(), Some(1), "nothing listens: {out:?}");
+
+    let out = run(vec!["health".into()]).await; // embedded example: no admin_listen
+    assert_eq!(out.status.code(), Some(2), "{out:?}");
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("admin_listen"),
+        "{out:?}"
+    );
+}

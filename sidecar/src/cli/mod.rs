@@ -1,7 +1,8 @@
 //! The command-line side of `polygate-sidecar` that is not the daemon (§12): loading
-//! the configuration for the command line, `--check-config`'s summary, and the
-//! [`status`] client.
+//! the configuration for the command line, `--check-config`'s summary, the
+//! [`status`] client and the [`health`] probe.
 
+pub mod health;
 pub mod status;
 
 use std::io::Write as _;
