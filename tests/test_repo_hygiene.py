@@ -7,10 +7,11 @@ from __future__ import annotations
 import json
 import re
 import subprocess
-import tomllib
 from pathlib import Path
 
 import pytest
+
+tomllib = pytest.importorskip("tomllib", reason="reading TOML needs Python >= 3.11 (tomllib)")
 
 ROOT = Path(__file__).resolve().parent.parent
 MAX_BYTES = 1_000_000
