@@ -79,3 +79,28 @@ def test_every_package_license_matches_license_file() -> None:
     found["bindings/node/package-lock.json (root)"] = lock["packages"][""]["license"]
     wrong = {k: v for k, v in found.items() if v != expected}
     assert wrong == {}, f"LICENSE says {expected}; these disagree: {wrong}"
+
+
+def _version(v: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in v.split("."))
+
+
+def test_rust_version_is_at_least_what_the_locked_dependencies_need() -> None:
+    """Cargo.toml's rust-version is a promise: a toolchain that old builds the
+    workspace. Every locked dependency's own rust-version must fit under it."""
+    import shutil
+
+    if shutil.which("cargo") is None:
+        pytest.skip("cargo not on PATH")
+    ours = tomllib.loads((ROOT / "Cargo.toml").read_text())["workspace"]["package"]["rust-version"]
+    out = subprocess.run(
+        ["cargo", "metadata", "--format-version", "1", "--locked", "--offline"],
+        cwd=ROOT, capture_output=True, check=True, timeout=120,
+    ).stdout
+    needs = [
+        (p["rust_version"], "%s %s" % (p["name"], p["version"]))
+        for p in json.loads(out)["packages"]
+        if p.get("rust_version")
+    ]
+    too_new = [n for v, n in needs if _version(v) > _version(ours)]
+    assert too_new == [], "rust-version %s, but these need more: %s" % (ours, too_new)
