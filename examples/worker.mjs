@@ -11,7 +11,7 @@ async function doRequest(source) {
   return { text: `hello from ${source}`, usage: { total_tokens: 200 + Math.floor(Math.random() * 700) } };
 }
 
-const client = await connect(); // path: arg, else $POLYGATE_SOCKET, else /run/polygate/sidecar.sock
+const client = await connect(); // path: arg, else $POLYGATE_SOCKET, else the default for this uid
 const reply = await client.run("chat", { estTokens: 1200 }, async (permit) => {
   // A TimeoutError is reported as "timeout" and the next attempt fails over (failed
   // sources go last); the result's usage settles the quota. Errors after the last

@@ -17,7 +17,7 @@ def do_request(source):
     return {"text": "hello from " + source, "usage": {"total_tokens": random.randint(200, 900)}}
 
 
-client = polygate.connect()             # path: arg, else $POLYGATE_SOCKET, else /run/polygate/sidecar.sock
+client = polygate.connect()             # path: arg, else $POLYGATE_SOCKET, else the default for this uid
 reply = client.run("chat", lambda permit: do_request(permit.source), est_tokens=1200)
 print(reply["text"])                    # the usage was reported from reply["usage"]
 print(client.status()["scopes"]["chat"]["sources"]["openai-gpt4o"]["state"])

@@ -46,9 +46,10 @@ if [ ! -x .venv/bin/python ]; then
 fi
 # Test tools only: the binding itself has no runtime dependencies (and `openai` /
 # `httpx` stay uninstalled on purpose: the binding must work without them).
-# build + wheel (+ setuptools) let test_packaging.py build the wheel and sdist offline.
+# build + wheel (+ setuptools) let test_packaging.py build the wheel and sdist offline;
+# pyyaml lets tests/test_deploy.py read the Kubernetes manifests.
 .venv/bin/python -m pip install --quiet --disable-pip-version-check --upgrade pytest pytest-timeout mypy \
-    build wheel "setuptools>=61"
+    build wheel "setuptools>=61" pyyaml
 .venv/bin/python -m pip install --quiet --disable-pip-version-check -e bindings/python
 
 step "mypy --strict on the binding (it ships py.typed)"

@@ -14,9 +14,9 @@ use std::time::{Duration, Instant};
 
 use serde_json::{Map, Value};
 
+use crate::context::{redis_server, rel, scratch, sidecar, Ctx};
 use crate::frames::{BlockingConn, Frame, Requests, SCOPE};
 use crate::procs;
-use crate::scenarios::{redis_server, rel, scratch, sidecar, Ctx};
 use crate::target::{Backend, Redis};
 use crate::{Line, Scenario};
 

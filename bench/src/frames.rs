@@ -305,3 +305,14 @@ impl BlockingConn {
         }
     }
 }
+
+/// `Reply::Status` decoded.
+pub fn status_of(payload: &[u8]) -> Result<ipc_protocol::StatusReport, String> {
+    match ipc_protocol::decode_server(payload)
+        .map_err(|e| e.to_string())?
+        .reply
+    {
+        Reply::Status(s) => Ok(s),
+        other => Err(format!("expected Status, got {other:?}")),
+    }
+}

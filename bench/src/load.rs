@@ -132,7 +132,7 @@ impl Conn {
 
     /// The next reply, a `Status`.
     pub async fn recv_status(&mut self) -> io::Result<ipc_protocol::StatusReport> {
-        self.recv(|f| crate::scenarios::status_of(f.payload)).await
+        self.recv(|f| crate::frames::status_of(f.payload)).await
     }
 
     /// One call of `shape`.

@@ -5,6 +5,7 @@
 //! nothing, it measures and prints ratios. README ("Benchmarks") and
 //! docs/benchmarks.md say how to run it and what the figures were.
 
+mod context;
 mod drivers;
 mod echo;
 mod engine;
@@ -433,11 +434,13 @@ fn main() -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    let mut ctx = scenarios::Ctx::new(&opts, rt);
+    let mut ctx = context::Ctx::new(&opts, rt);
     let mut failed = false;
     for s in scenarios {
         let load = procs::loadavg();
-        let runs: Vec<Vec<Line>> = (0..opts.repeat).map(|_| ctx.run(s)).collect();
+        let runs: Vec<Vec<Line>> = (0..opts.repeat)
+            .map(|_| scenarios::run(&mut ctx, s))
+            .collect();
         // Transpose: the median of each line over the runs.
         let n = runs.iter().map(Vec::len).min().unwrap_or(0);
         let mut runs: Vec<std::vec::IntoIter<Line>> =

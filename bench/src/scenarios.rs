@@ -1,68 +1,36 @@
 //! The Rust-side scenarios: `latency`, `throughput`, `redis`, `waiters` (DESIGN §16).
 //! Each returns its JSON lines; a failure becomes a line with an `error` key.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::time::{Duration, Instant};
 
-use ipc_protocol::{CallSpec, Reply, Request};
-use tempfile::TempDir;
+use ipc_protocol::{CallSpec, Request};
 
+use crate::context::{redis_server, sidecar, tempdir, Ctx};
 use crate::echo;
 use crate::frames::{echo_request, BlockingConn, ReplySizes, Requests, Template};
 use crate::load::{self, Floor, Run, Shape};
 use crate::procs;
-use crate::target::{Backend, Redis, Sidecar};
+use crate::target::{Backend, Redis};
 use crate::{Line, Opts, Scenario};
 
-/// State shared by the scenarios of one invocation.
-pub struct Ctx<'a> {
-    pub opts: &'a Opts,
-    pub rt: tokio::runtime::Runtime,
-    /// The Python asyncio figure, once measured (node and go compare to it).
-    pub python_asyncio: Option<f64>,
-}
-
-impl<'a> Ctx<'a> {
-    pub fn new(opts: &'a Opts, rt: tokio::runtime::Runtime) -> Self {
-        Ctx {
-            opts,
-            rt,
-            python_asyncio: None,
-        }
-    }
-
-    pub fn run(&mut self, s: Scenario) -> Vec<Line> {
-        let r = match s {
-            Scenario::Latency => latency(self.opts),
-            Scenario::Throughput => throughput(self),
-            Scenario::Redis => redis(self),
-            Scenario::Waiters => waiters(self),
-            Scenario::Engine => crate::engine::run(&self.rt, self.opts),
-            Scenario::Priorities => crate::priorities::run(&self.rt, self.opts),
-            Scenario::Fleet => Ok(vec![fleet(self.opts)]),
-            Scenario::Python | Scenario::Node | Scenario::Go => crate::drivers::run(self, s),
-        };
-        r.unwrap_or_else(|e| {
-            let mut l = Line::new(s);
-            l.set("error", e);
-            vec![l]
-        })
-    }
-}
-
-fn tempdir() -> Result<TempDir, String> {
-    tempfile::Builder::new()
-        .prefix("polygate-bench-")
-        .tempdir()
-        .map_err(|e| e.to_string())
-}
-
-/// The sidecar to measure: `--socket`, else a fresh one on `backend` in `dir`.
-pub fn sidecar(opts: &Opts, dir: &Path, backend: &Backend) -> Result<Sidecar, String> {
-    match &opts.socket {
-        Some(s) => Sidecar::external(s),
-        None => Sidecar::start(&opts.sidecar_bin, dir, backend),
-    }
+/// Runs one scenario; a failure becomes a line with an `error` key.
+pub fn run(ctx: &mut Ctx, s: Scenario) -> Vec<Line> {
+    let r = match s {
+        Scenario::Latency => latency(ctx.opts),
+        Scenario::Throughput => throughput(ctx),
+        Scenario::Redis => redis(ctx),
+        Scenario::Waiters => waiters(ctx),
+        Scenario::Engine => crate::engine::run(&ctx.rt, ctx.opts),
+        Scenario::Priorities => crate::priorities::run(&ctx.rt, ctx.opts),
+        Scenario::Fleet => Ok(vec![fleet(ctx.opts)]),
+        Scenario::Python | Scenario::Node | Scenario::Go => crate::drivers::run(ctx, s),
+    };
+    r.unwrap_or_else(|e| {
+        let mut l = Line::new(s);
+        l.set("error", e);
+        vec![l]
+    })
 }
 
 /// Blocking round trips of `fill` frames for `window` (after `warmup`): sorted ns.
@@ -223,14 +191,6 @@ fn throughput(ctx: &mut Ctx) -> Result<Vec<Line>, String> {
         lines.push(line);
     }
     Ok(lines)
-}
-
-/// The Redis server of a run: `--redis-url`, else a throwaway one in `dir`.
-pub fn redis_server(opts: &Opts, dir: &Path) -> Result<Redis, String> {
-    match &opts.redis_url {
-        Some(u) => Redis::external(u),
-        None => Redis::start(dir),
-    }
 }
 
 /// Totals of `INFO commandstats`: (all commands but INFO, script commands, script µs).
@@ -508,29 +468,6 @@ fn waiters(ctx: &mut Ctx) -> Result<Vec<Line>, String> {
         Ok::<_, String>(())
     })?;
     Ok(vec![line])
-}
-
-/// A temp dir for the driver scenarios (kept by the caller).
-pub fn scratch() -> Result<TempDir, String> {
-    tempdir()
-}
-
-/// Where a driver's files are, for messages.
-pub fn rel(p: &Path) -> PathBuf {
-    p.strip_prefix(procs::repo_root())
-        .map(Path::to_path_buf)
-        .unwrap_or_else(|_| p.to_path_buf())
-}
-
-/// `Reply::Status` decoded.
-pub fn status_of(payload: &[u8]) -> Result<ipc_protocol::StatusReport, String> {
-    match ipc_protocol::decode_server(payload)
-        .map_err(|e| e.to_string())?
-        .reply
-    {
-        Reply::Status(s) => Ok(s),
-        other => Err(format!("expected Status, got {other:?}")),
-    }
 }
 
 /// DESIGN §7a: the fleet driver (`bench/fleet/fleet.py`) run once with this bench's

@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"os"
+	"strings"
 	"sync"
 	"time"
 	"unicode/utf8"
@@ -15,10 +16,38 @@ const ClientVersion = "0.2.0"
 const (
 	// SocketEnv names the environment variable Dial reads when given no path.
 	SocketEnv = "POLYGATE_SOCKET"
-	// DefaultSocket is the path Dial uses when neither an argument nor
-	// $POLYGATE_SOCKET gives one.
+	// DefaultSocket is root's default socket: the path Dial uses, for uid 0,
+	// when neither an argument nor $POLYGATE_SOCKET gives one (see
+	// DefaultSocketFor for any other user).
 	DefaultSocket = "/run/polygate/sidecar.sock"
+	// UserSocket is a non-root user's default socket, under $XDG_RUNTIME_DIR.
+	UserSocket = "polygate/sidecar.sock"
 )
+
+// DefaultSocketFor is the sidecar's default socket for uid, by the sidecar's
+// own rule (DESIGN §12): root DefaultSocket, anyone else
+// $XDG_RUNTIME_DIR/polygate/sidecar.sock, given xdgRuntimeDir. A non-root uid
+// without an absolute xdgRuntimeDir is a *SidecarError naming what to set.
+func DefaultSocketFor(uid int, xdgRuntimeDir string) (string, error) {
+	if uid == 0 {
+		return DefaultSocket, nil
+	}
+	if strings.HasPrefix(xdgRuntimeDir, "/") {
+		return strings.TrimRight(xdgRuntimeDir, "/") + "/" + UserSocket, nil
+	}
+	return "", &SidecarError{
+		Kind: "connection",
+		Message: fmt.Sprintf("no default PolyGate socket for uid %d: XDG_RUNTIME_DIR is not set "+
+			"(or not an absolute path); set $%s or pass the path to Dial (the root default %s "+
+			"is for uid 0)", uid, SocketEnv, DefaultSocket),
+	}
+}
+
+// DefaultSocketPath is DefaultSocketFor this process: its effective uid and
+// $XDG_RUNTIME_DIR.
+func DefaultSocketPath() (string, error) {
+	return DefaultSocketFor(os.Geteuid(), os.Getenv("XDG_RUNTIME_DIR"))
+}
 
 // maxCount is the largest token count the sidecar accepts (PROTOCOL.md §7, limits).
 const maxCount = 1_000_000_000
@@ -48,7 +77,8 @@ type Options struct {
 
 // Dial connects to the sidecar at path and performs the handshake; ctx bounds
 // both (not the connection's life). path "" means $POLYGATE_SOCKET, else
-// DefaultSocket.
+// DefaultSocketPath (root: DefaultSocket; anyone else:
+// $XDG_RUNTIME_DIR/polygate/sidecar.sock).
 func Dial(ctx context.Context, path string) (*Client, error) {
 	return DialOptions(ctx, path, Options{})
 }
@@ -59,7 +89,11 @@ func DialOptions(ctx context.Context, path string, o Options) (*Client, error) {
 		path = os.Getenv(SocketEnv)
 	}
 	if path == "" {
-		path = DefaultSocket
+		p, err := DefaultSocketPath()
+		if err != nil {
+			return nil, err
+		}
+		path = p
 	}
 	name := o.ClientName
 	if name == "" {

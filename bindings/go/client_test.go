@@ -616,10 +616,15 @@ func TestDialPaths(t *testing.T) {
 		t.Fatal(se)
 	}
 	t.Setenv(SocketEnv, "")
+	t.Setenv("XDG_RUNTIME_DIR", t.TempDir())
+	def, err := DefaultSocketPath()
+	if err != nil {
+		t.Fatal(err)
+	}
 	c, err = Dial(ctx, "")
 	if err == nil {
 		c.Close()
-	} else if !strings.Contains(err.Error(), DefaultSocket) {
+	} else if !strings.Contains(err.Error(), def) {
 		t.Fatal(err)
 	}
 	cctx, cancel := context.WithCancel(ctx)
@@ -929,5 +934,42 @@ func TestManyGoroutinesShareOneConnection(t *testing.T) {
 	}
 	if counts["Start"] != n || counts["Finish"] != n || counts["Retry"] != failed {
 		t.Fatalf("frames %v (%d failures)", counts, failed)
+	}
+}
+
+func TestDefaultSocketFor(t *testing.T) {
+	for _, c := range []struct {
+		uid  int
+		xdg  string
+		want string
+	}{
+		{0, "/run/user/0", "/run/polygate/sidecar.sock"},
+		{0, "", "/run/polygate/sidecar.sock"},
+		{1000, "/run/user/1000", "/run/user/1000/polygate/sidecar.sock"},
+		{1000, "/run/user/1000/", "/run/user/1000/polygate/sidecar.sock"},
+	} {
+		got, err := DefaultSocketFor(c.uid, c.xdg)
+		if err != nil || got != c.want {
+			t.Fatalf("DefaultSocketFor(%d, %q) = %q, %v; want %q", c.uid, c.xdg, got, err, c.want)
+		}
+	}
+	for _, xdg := range []string{"", "relative"} {
+		_, err := DefaultSocketFor(1000, xdg)
+		se := asSidecar(t, err, "connection")
+		for _, w := range []string{"uid 1000", "XDG_RUNTIME_DIR", "POLYGATE_SOCKET"} {
+			if !strings.Contains(se.Error(), w) {
+				t.Fatalf("%q missing: %v", w, se)
+			}
+		}
+	}
+}
+
+func TestPermissionErrorNamesTheSetting(t *testing.T) {
+	se := connectError("/x.sock", &net.OpError{Op: "dial", Net: "unix", Err: os.ErrPermission})
+	if !strings.Contains(se.Error(), "POLYGATE_SOCKET") || !strings.Contains(se.Error(), "socket_mode") {
+		t.Fatal(se)
+	}
+	if strings.Contains(connectError("/x.sock", errors.New("other")).Error(), "socket_mode") {
+		t.Fatal("the hint is for permission errors only")
 	}
 }

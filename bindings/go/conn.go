@@ -88,6 +88,10 @@ func connectError(path string, err error) *SidecarError {
 	hint := ""
 	if errors.Is(err, os.ErrNotExist) {
 		hint = " (is polygate-sidecar running? set $" + SocketEnv + " or pass the path to Dial)"
+	} else if errors.Is(err, os.ErrPermission) {
+		hint = " (this user may not open the socket: ask the sidecar's operator to admit it " +
+			"(socket_mode, the socket directory's group), or set $" + SocketEnv +
+			" or pass the path of a sidecar of this user to Dial)"
 	}
 	return &SidecarError{
 		Kind:    "connection",

@@ -18,7 +18,7 @@
 // 4xx: see Classify), reports, fails over to the next source, and ends the call on
 // every path:
 //
-//	c, err := polygate.Dial(ctx, "") // "" → $POLYGATE_SOCKET → /run/polygate/sidecar.sock
+//	c, err := polygate.Dial(ctx, "") // "" → $POLYGATE_SOCKET → DefaultSocketPath()
 //	if err != nil { ... }
 //	defer c.Close()
 //	err = c.Run(ctx, "chat", polygate.CallOptions{EstTokens: 1200}, func(ctx context.Context, p *polygate.Permit) error {

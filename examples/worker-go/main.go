@@ -31,7 +31,7 @@ func doRequest(ctx context.Context, source string) (reply, error) {
 func main() {
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()
-	c, err := polygate.Dial(ctx, "") // "" → $POLYGATE_SOCKET → /run/polygate/sidecar.sock
+	c, err := polygate.Dial(ctx, "") // "" → $POLYGATE_SOCKET → the default for this uid
 	if err != nil {
 		log.Fatal(err)
 	}

@@ -1,6 +1,6 @@
 //! `polygate-sidecar`: parse the command line and call into the library — the daemon
-//! ([`polygate::daemon`]), `--check-config` and the `status` client
-//! ([`polygate::cli`]).
+//! ([`polygate::daemon`]), `--check-config`, the `status` client and the `health`
+//! probe ([`polygate::cli`]).
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -41,13 +41,24 @@ enum Command {
     /// Print the live state of a running sidecar (every scope and source).
     Status {
         /// The sidecar's socket [default: $POLYGATE_SOCKET, else the --config
-        /// file's socket, else /run/polygate/sidecar.sock].
+        /// file's socket, else /run/polygate/sidecar.sock for root and
+        /// $XDG_RUNTIME_DIR/polygate/sidecar.sock for anyone else].
         #[arg(long, value_name = "PATH")]
         socket: Option<PathBuf>,
         /// Print the state as one JSON document (bindings/PROTOCOL.md §14.4) instead
         /// of tables, for scripts and dashboards.
         #[arg(long)]
         json: bool,
+    },
+    /// Probe the admin listener: GET /ready, exit 0 on 200 and 1 otherwise (a
+    /// container HEALTHCHECK without curl).
+    Health {
+        /// The admin listener [default: the --config file's admin_listen].
+        #[arg(long, value_name = "ADDR")]
+        admin: Option<std::net::SocketAddr>,
+        /// The path to GET (/ready, or /live for liveness only).
+        #[arg(long, default_value = "/ready")]
+        path: String,
     },
 }
 
@@ -60,14 +71,20 @@ fn main() -> ExitCode {
                 Err(code) => code,
             }
         }
+        Some(Command::Health { admin, path }) => {
+            match cli::health::admin_addr(admin, cli.config.as_deref()) {
+                Ok(addr) => cli::health::run(addr, &path),
+                Err(code) => code,
+            }
+        }
         None => {
             let config = match cli::load_config(cli.config.as_deref()) {
                 Ok(c) => c,
                 Err(code) => return code,
             };
             if cli.check_config {
-                println!("{}", cli::summary(&config, cli.config.as_deref()));
-                return ExitCode::SUCCESS;
+                let line = cli::summary(&config, cli.config.as_deref());
+                return cli::print_out(&format!("{line}\n"));
             }
             daemon::run(config, cli.config)
         }

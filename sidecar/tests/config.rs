@@ -71,7 +71,8 @@ fn source_with(line: &str) -> String {
 #[test]
 fn example_parses() {
     let c = parse_str(EXAMPLE_CONFIG, no_env()).unwrap();
-    assert_eq!(c.sidecar.socket, "/run/polygate/sidecar.sock");
+    // The example leaves the socket unset: the default for whoever runs it.
+    assert_eq!(Ok(c.sidecar.socket), polygate::config::default_socket());
     assert_eq!(c.sidecar.socket_mode, 0o660);
     assert_eq!(c.sidecar.backend, BackendKind::Memory);
     let names: Vec<&str> = c.scopes.iter().map(|s| s.name.as_str()).collect();
@@ -101,7 +102,10 @@ fn example_loads_from_file() {
 fn missing_file_names_the_path() {
     let e = load_file(std::path::Path::new("/nonexistent/polygate.toml"), no_env()).unwrap_err();
     assert!(matches!(e, ConfigError::Read { .. }));
-    assert!(e.to_string().contains("/nonexistent/polygate.toml"));
+    assert_eq!(
+        e.to_string(),
+        "config file /nonexistent/polygate.toml not found"
+    );
 }
 
 #[test]
@@ -1117,4 +1121,110 @@ fn worker_threads_is_a_thread_count_or_one_per_core() {
         &sidecar_with("worker_threads = \"two\""),
         &["sidecar.worker_threads"],
     );
+}
+
+// ------------------------------------------------------------------ default socket
+
+#[test]
+fn default_socket_is_run_polygate_for_root_and_xdg_runtime_dir_for_others() {
+    use polygate::config::default_socket_for;
+    assert_eq!(
+        default_socket_for(0, Some("/run/user/0")).unwrap(),
+        "/run/polygate/sidecar.sock"
+    );
+    assert_eq!(
+        default_socket_for(0, None).unwrap(),
+        "/run/polygate/sidecar.sock"
+    );
+    assert_eq!(
+        default_socket_for(1000, Some("/run/user/1000")).unwrap(),
+        "/run/user/1000/polygate/sidecar.sock"
+    );
+    assert_eq!(
+        default_socket_for(1000, Some("/run/user/1000/")).unwrap(),
+        "/run/user/1000/polygate/sidecar.sock"
+    );
+    // No (absolute) XDG_RUNTIME_DIR: the error says what to set.
+    for xdg in [None, Some(""), Some("relative/dir")] {
+        let e = default_socket_for(1000, xdg).unwrap_err();
+        for word in [
+            "uid 1000",
+            "XDG_RUNTIME_DIR",
+            "[sidecar] socket",
+            "POLYGATE_SOCKET",
+        ] {
+            assert!(e.contains(word), "{word:?} missing: {e}");
+        }
+    }
+}
+
+#[test]
+fn an_explicit_socket_wins_over_the_default() {
+    let c = parse(&sidecar_with("socket = \"/tmp/x/s.sock\"")).unwrap();
+    assert_eq!(c.sidecar.socket, "/tmp/x/s.sock");
+    let c = parse(MINIMAL).unwrap();
+    assert_eq!(Ok(c.sidecar.socket), polygate::config::default_socket());
+}
+
+// ------------------------------------------------------------------ error wording
+
+#[test]
+fn value_errors_carry_the_line_of_the_value() {
+    let toml = "[scopes.chat]\nquota_full = \"nope\"\n[[scopes.chat.sources]]\nname = \"a\"\n";
+    let e = parse(toml).unwrap_err().to_string();
+    assert_eq!(
+        e,
+        "scopes.chat.quota_full = \"nope\" (line 2): expected one of: wait, fail_fast"
+    );
+    // In the second entry of an array of tables, and in a nested table.
+    let toml = "[[scopes.chat.sources]]\nname = \"a\"\n\n[[scopes.chat.sources]]\nname = \"b\"\ntpm = -5\n";
+    let e = parse(toml).unwrap_err().to_string();
+    assert!(
+        e.starts_with("scopes.chat.sources[1].tpm = -5 (line 6): "),
+        "{e}"
+    );
+    let toml = format!("[scopes.chat.breaker]\n\nfailure_rate = 7.0\n{MINIMAL}");
+    let e = parse(&toml).unwrap_err().to_string();
+    assert!(e.contains("failure_rate = 7 (line 3)"), "{e}");
+    // From the environment: the variable is named, no line.
+    let e = parse_str(MINIMAL, env(&[("CHAT__QUOTA_FULL", "nope")]))
+        .unwrap_err()
+        .to_string();
+    assert!(e.starts_with("CHAT__QUOTA_FULL=nope: "), "{e}");
+}
+
+#[test]
+fn type_errors_say_what_was_expected_in_words() {
+    for (line, words) in [
+        ("max_frame = 1.5", "expected a whole number"),
+        ("max_frame = \"big\"", "expected a whole number"),
+        ("allowed_uids = 5", "expected an array"),
+    ] {
+        let e = parse(&sidecar_with(line)).unwrap_err().to_string();
+        assert!(e.contains(words), "{line}: {e}");
+        assert!(!e.contains("i64") && !e.contains("sequence"), "{line}: {e}");
+    }
+    let e = parse(&source_with("tpm = \"x\"")).unwrap_err().to_string();
+    assert!(
+        e.contains("(line 3, column 7)") && e.contains("expected a whole number"),
+        "{e}"
+    );
+}
+
+#[test]
+fn a_bad_source_index_names_the_range_plainly() {
+    let three = "[[scopes.chat.sources]]\nname = \"a\"\n[[scopes.chat.sources]]\nname = \"b\"\n\
+                 [[scopes.chat.sources]]\nname = \"c\"\n";
+    let e = parse_str(three, env(&[("CHAT__SOURCES__3__RPD", "1")]))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("a source index (0 to 2 in the file's order)"),
+        "{e}"
+    );
+    assert!(!e.contains("  ") && !e.contains(".."), "{e}");
+    let e = parse_str(MINIMAL, env(&[("CHAT__SOURCES__1__RPD", "1")]))
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("a source index (0 in the file's order)"), "{e}");
 }

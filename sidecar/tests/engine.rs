@@ -385,7 +385,10 @@ async fn busy_unknown_and_owner_checks() {
     let e = engine(&config(vec![scope("chat", vec![source("a")])]));
     assert_eq!(
         e.begin_call(OWNER, "nope", None),
-        Err(EngineError::UnknownScope("nope".into()))
+        Err(EngineError::UnknownScope {
+            scope: "nope".into(),
+            known: vec!["chat".into()],
+        })
     );
     let call = e.begin_call(OWNER, "chat", None).unwrap();
     let g = e.acquire(OWNER, call).await.unwrap();

@@ -600,7 +600,7 @@ async fn good_client(path: PathBuf, stop: Arc<AtomicBool>, good: Arc<Good>) {
                 Reply::Reported { .. } => {}
                 other => return Err(format!("Finish: {other:?}")),
             }
-            if n % 10 == 0 {
+            if n.is_multiple_of(10) {
                 match c.call(Request::StatusJson).await {
                     Reply::StatusJson(_) => {}
                     other => return Err(format!("StatusJson: {other:?}")),

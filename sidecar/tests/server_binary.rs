@@ -176,6 +176,41 @@ async fn status_command_prints_every_source() {
     task.await.unwrap().unwrap();
 }
 
+/// `status | head -1`: the reader is gone before the output is written (a pipe whose
+/// read end is closed, so every write fails with EPIPE). The command ends quietly with
+/// success, never a panic (exit 101, "failed printing to stdout"); 20 runs of each form.
+#[tokio::test(flavor = "multi_thread")]
+async fn status_command_ends_quietly_on_a_closed_pipe() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("s.sock");
+    let (stop, task) = serve_in_process(&path, &config(&path));
+    for run in 0..20 {
+        let args: &[&str] = if run % 2 == 0 { &[] } else { &["--json"] };
+        let mut cmd = sidecar();
+        cmd.arg("status").args(args).arg("--socket").arg(&path);
+        let out = tokio::task::spawn_blocking(move || {
+            let (read, write) = nix::unistd::pipe().unwrap();
+            drop(read);
+            cmd.stdout(Stdio::from(write)).stderr(Stdio::piped());
+            let child = cmd.spawn().unwrap();
+            drop(cmd);
+            child.wait_with_output().unwrap()
+        });
+        let out = tokio::time::timeout(Duration::from_secs(20), out)
+            .await
+            .expect("status ends")
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            !stderr.contains("panicked") && !stderr.contains("Broken pipe"),
+            "run {run} {args:?}: {stderr}"
+        );
+        assert_eq!(out.status.code(), Some(0), "run {run} {args:?}: {out:?}");
+    }
+    stop.send(()).unwrap();
+    task.await.unwrap().unwrap();
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn status_json_names_every_scope_and_source() {
     let dir = tempfile::tempdir().unwrap();
@@ -898,4 +933,287 @@ async fn worker_threads_sets_the_runtime_threads() {
         assert_eq!(runtime_threads, expected, "config line {line:?}");
         daemon.terminate().await;
     }
+}
+
+/// §12: a non-root sidecar with no `socket` key listens on
+/// `$XDG_RUNTIME_DIR/polygate/sidecar.sock`, and `status` of the same user, told
+/// nothing, finds it there. Needs root (to drop to uid 65534) and `setpriv`.
+#[tokio::test(flavor = "multi_thread")]
+async fn non_root_sidecar_and_status_meet_on_the_xdg_runtime_dir_default() {
+    use std::os::unix::fs::PermissionsExt;
+    let setpriv = ["/usr/bin/setpriv", "/bin/setpriv"]
+        .into_iter()
+        .find(|p| Path::new(p).exists());
+    let Some(setpriv) = setpriv else {
+        eprintln!("SKIPPED: setpriv (util-linux) not found; the non-root default is not tested");
+        return;
+    };
+    if !nix::unistd::geteuid().is_root() {
+        eprintln!("SKIPPED: not root, cannot drop to uid 65534 with setpriv");
+        return;
+    }
+    const NOBODY: u32 = 65534;
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+    let xdg = dir.path().join("xdg");
+    std::fs::create_dir(&xdg).unwrap();
+    std::fs::set_permissions(&xdg, std::fs::Permissions::from_mode(0o700)).unwrap();
+    nix::unistd::chown(&xdg, Some(NOBODY.into()), Some(NOBODY.into())).unwrap();
+    let file = dir.path().join("polygate.toml");
+    std::fs::write(
+        &file,
+        "[sidecar]\nshutdown_grace = \"1s\"\n\n[[scopes.chat.sources]]\nname = \"a\"\n",
+    )
+    .unwrap();
+    std::fs::set_permissions(&file, std::fs::Permissions::from_mode(0o644)).unwrap();
+    let as_nobody = |args: &[&str]| {
+        let mut cmd = Command::new(setpriv);
+        cmd.args([
+            "--reuid",
+            "65534",
+            "--regid",
+            "65534",
+            "--clear-groups",
+            BIN,
+        ])
+        .args(args);
+        for (k, _) in std::env::vars() {
+            if k.contains("__") {
+                cmd.env_remove(k);
+            }
+        }
+        cmd.env_remove("POLYGATE_SOCKET")
+            .env_remove("NOTIFY_SOCKET")
+            .env_remove("LISTEN_FDS")
+            .env("XDG_RUNTIME_DIR", &xdg);
+        cmd
+    };
+    let config = file.to_str().unwrap();
+    let mut daemon = Daemon::spawn(&mut as_nobody(&["--config", config]));
+    let socket = xdg.join("polygate").join("sidecar.sock");
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !socket.exists() {
+        assert!(
+            Instant::now() < deadline,
+            "never listened on {}: {}",
+            socket.display(),
+            daemon.stderr()
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let meta = std::fs::metadata(&socket).unwrap();
+    assert_eq!(std::os::unix::fs::MetadataExt::uid(&meta), NOBODY);
+    let mut status = as_nobody(&["status"]);
+    let out = tokio::task::spawn_blocking(move || status.output().unwrap())
+        .await
+        .unwrap();
+    assert!(out.status.success(), "{out:?}\n{}", daemon.stderr());
+    assert!(
+        String::from_utf8_lossy(&out.stdout).contains("scope chat"),
+        "{out:?}"
+    );
+
+    // Without XDG_RUNTIME_DIR the non-root default does not exist: both ends say
+    // what to set instead of failing on /run/polygate with "Permission denied".
+    let mut status = as_nobody(&["status"]);
+    status.env_remove("XDG_RUNTIME_DIR");
+    let out = status.output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{out:?}");
+    assert!(
+        stderr.contains("XDG_RUNTIME_DIR") && stderr.contains("POLYGATE_SOCKET"),
+        "{stderr}"
+    );
+    let mut check = as_nobody(&["--config", config, "--check-config"]);
+    check.env_remove("XDG_RUNTIME_DIR");
+    let out = check.output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{out:?}");
+    assert!(stderr.contains("[sidecar] socket"), "{stderr}");
+
+    daemon.signal(nix::sys::signal::Signal::SIGTERM);
+    let st = daemon.exit_within(Duration::from_secs(5)).await;
+    assert!(
+        st.is_some_and(|s| s.success()),
+        "{st:?}: {}",
+        daemon.stderr()
+    );
+    assert!(!socket.exists(), "socket removed on exit");
+}
+
+/// §12: a permission error names the setting to change, on both sides.
+#[test]
+fn permission_errors_name_the_setting_to_change() {
+    if !nix::unistd::geteuid().is_root() || !Path::new("/usr/bin/setpriv").exists() {
+        eprintln!("SKIPPED: needs root and /usr/bin/setpriv to act as another user");
+        return;
+    }
+    use std::os::unix::fs::PermissionsExt;
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+    let file = dir.path().join("polygate.toml");
+    // A directory uid 65534 cannot create (its parent belongs to root, 0755).
+    let socket = dir.path().join("run").join("s.sock");
+    std::fs::write(
+        &file,
+        format!(
+            "[sidecar]\nsocket = \"{}\"\n\n[[scopes.chat.sources]]\nname = \"a\"\n",
+            socket.display()
+        ),
+    )
+    .unwrap();
+    std::fs::set_permissions(&file, std::fs::Permissions::from_mode(0o644)).unwrap();
+    let out = Command::new("/usr/bin/setpriv")
+        .args([
+            "--reuid",
+            "65534",
+            "--regid",
+            "65534",
+            "--clear-groups",
+            BIN,
+            "--config",
+        ])
+        .arg(&file)
+        .env_remove("SIDECAR__SOCKET")
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{out:?}");
+    assert!(
+        stderr.contains("Permission denied") && stderr.contains("[sidecar] socket"),
+        "{stderr}"
+    );
+
+    // The client side: a socket this user may not open.
+    let sock_dir = dir.path().join("private");
+    std::fs::create_dir(&sock_dir).unwrap();
+    std::fs::set_permissions(&sock_dir, std::fs::Permissions::from_mode(0o700)).unwrap();
+    let path = sock_dir.join("s.sock");
+    let _listener = std::os::unix::net::UnixListener::bind(&path).unwrap();
+    let out = Command::new("/usr/bin/setpriv")
+        .args([
+            "--reuid",
+            "65534",
+            "--regid",
+            "65534",
+            "--clear-groups",
+            BIN,
+            "status",
+            "--socket",
+        ])
+        .arg(&path)
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{out:?}");
+    assert!(
+        stderr.contains("Permission denied") && stderr.contains("POLYGATE_SOCKET"),
+        "{stderr}"
+    );
+}
+
+/// A SIGHUP with an invalid file logs which file is invalid (and the running
+/// configuration stays: the daemon keeps serving).
+#[tokio::test(flavor = "multi_thread")]
+async fn sighup_with_an_invalid_file_names_the_file() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("s.sock");
+    let file = dir.path().join("polygate.toml");
+    std::fs::write(&file, config(&path)).unwrap();
+    let mut daemon = Daemon::spawn(sidecar().arg("--config").arg(&file));
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while UnixStream::connect(&path).await.is_err() {
+        assert!(
+            Instant::now() < deadline,
+            "never listened: {}",
+            daemon.stderr()
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    std::fs::write(&file, config(&path).replace("rpm = 60", "rpm = -1")).unwrap();
+    daemon.signal(nix::sys::signal::Signal::SIGHUP);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let line = loop {
+        let log = daemon.stderr();
+        if let Some(l) = log
+            .lines()
+            .find(|l| l.contains("SIGHUP") && l.contains("invalid"))
+        {
+            break l.to_string();
+        }
+        assert!(Instant::now() < deadline, "no reload error logged: {log}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    assert!(line.contains(&file.display().to_string()), "{line}");
+    assert!(line.contains("rpm = -1 (line"), "{line}");
+    assert!(UnixStream::connect(&path).await.is_ok(), "still serving");
+    daemon.signal(nix::sys::signal::Signal::SIGTERM);
+    let st = daemon.exit_within(Duration::from_secs(5)).await;
+    assert!(st.is_some_and(|s| s.success()), "{st:?}");
+}
+
+/// `health` (the container's HEALTHCHECK): 0 while /ready answers 200, 1 when
+/// nothing listens, 2 when it has no address to probe.
+#[tokio::test(flavor = "multi_thread")]
+async fn health_probes_the_admin_listener() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("s.sock");
+    let admin = free_admin_addr();
+    let file = dir.path().join("polygate.toml");
+    std::fs::write(&file, admin_config(&path, admin, "1s")).unwrap();
+    let mut daemon = Daemon::spawn(sidecar().arg("--config").arg(&file));
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while admin_get(admin, "/ready").await.ok() != Some(200) {
+        assert!(
+            Instant::now() < deadline,
+            "never ready: {}",
+            daemon.stderr()
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let run = |args: Vec<String>| async move {
+        let mut cmd = sidecar();
+        cmd.args(args);
+        tokio::task::spawn_blocking(move || cmd.output().unwrap())
+            .await
+            .unwrap()
+    };
+    let out = run(vec!["health".into(), "--admin".into(), admin.to_string()]).await;
+    assert!(out.status.success(), "{out:?}");
+    // The address from the --config file.
+    let out = run(vec![
+        "--config".into(),
+        file.display().to_string(),
+        "health".into(),
+        "--path".into(),
+        "/live".into(),
+    ])
+    .await;
+    assert!(out.status.success(), "{out:?}");
+    let out = run(vec![
+        "health".into(),
+        "--path".into(),
+        "/nope".into(),
+        "--admin".into(),
+        admin.to_string(),
+    ])
+    .await;
+    assert_eq!(out.status.code(), Some(1), "{out:?}");
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("404"),
+        "{out:?}"
+    );
+
+    daemon.signal(nix::sys::signal::Signal::SIGTERM);
+    let st = daemon.exit_within(Duration::from_secs(5)).await;
+    assert!(st.is_some_and(|s| s.success()), "{st:?}");
+    let out = run(vec!["health".into(), "--admin".into(), admin.to_string()]).await;
+    assert_eq!(out.status.code(), Some(1), "nothing listens: {out:?}");
+
+    let out = run(vec!["health".into()]).await; // embedded example: no admin_listen
+    assert_eq!(out.status.code(), Some(2), "{out:?}");
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("admin_listen"),
+        "{out:?}"
+    );
 }

@@ -33,16 +33,45 @@ import {
 
 /** This package's version (also in `Hello.client_name`). */
 export const VERSION = "0.2.0";
-/** Where the sidecar listens unless told otherwise. */
+/** Where a root sidecar listens unless told otherwise; {@link defaultSocket} gives any user's. */
 export const DEFAULT_SOCKET = "/run/polygate/sidecar.sock";
+/** A non-root user's default socket, under `$XDG_RUNTIME_DIR`. */
+export const USER_SOCKET = "polygate/sidecar.sock";
 /** The environment variable naming the socket. */
 export const SOCKET_ENV = "POLYGATE_SOCKET";
 
-/** The socket path: the argument, else `$POLYGATE_SOCKET`, else {@link DEFAULT_SOCKET}. */
+/**
+ * The sidecar's default socket for `uid` (default: this process's effective uid),
+ * by the sidecar's own rule (DESIGN §12): root `/run/polygate/sidecar.sock`, anyone
+ * else `$XDG_RUNTIME_DIR/polygate/sidecar.sock` (`xdgRuntimeDir` default: the
+ * environment's). Throws a {@link SidecarError} naming what to set when a non-root
+ * user has no absolute `XDG_RUNTIME_DIR`.
+ */
+export function defaultSocket(uid?: number, xdgRuntimeDir?: string | null): string {
+  const id = uid ?? (typeof process.geteuid === "function" ? process.geteuid() : 0);
+  if (id === 0) return DEFAULT_SOCKET;
+  const xdg = xdgRuntimeDir === undefined ? process.env.XDG_RUNTIME_DIR : xdgRuntimeDir;
+  if (xdg && xdg.startsWith("/")) return `${xdg.replace(/\/+$/, "")}/${USER_SOCKET}`;
+  throw new SidecarError(
+    `no default PolyGate socket for uid ${id}: XDG_RUNTIME_DIR is not set (or not an absolute path); `
+    + `set $${SOCKET_ENV} or pass the path (the root default ${DEFAULT_SOCKET} is for uid 0)`, "connection");
+}
+
+/** What a failed connect's message suggests, by errno code: a permission error names the settings to change. */
+export function connectHint(code?: string): string {
+  if (code === "EACCES" || code === "EPERM") {
+    return "this user may not open the socket: ask the sidecar's operator to admit it (socket_mode, "
+      + `the socket directory's group), or set $${SOCKET_ENV} or pass the path of a sidecar of this user`;
+  }
+  return "is polygate-sidecar running, and is the socket path right (argument, "
+    + `$${SOCKET_ENV}, default ${DEFAULT_SOCKET} for root, $XDG_RUNTIME_DIR/${USER_SOCKET} for others)?`;
+}
+
+/** The socket path: the argument, else `$POLYGATE_SOCKET`, else {@link defaultSocket} for this uid. */
 export function resolvePath(path?: string | null): string {
   if (path) return path;
   const env = process.env[SOCKET_ENV];
-  return env ? env : DEFAULT_SOCKET;
+  return env ? env : defaultSocket();
 }
 
 // ------------------------------------------------------------------ public types
@@ -483,8 +512,7 @@ export class Connection {
       const e = this.sockError as NodeJS.ErrnoException | null;
       const why = e === null ? "connection closed" : `${e.code ?? e.name}: ${e.message}`;
       return new SidecarError(
-        `cannot connect to the PolyGate sidecar at ${this.path} (${why}); is polygate-sidecar running, `
-        + `and is the socket path right (argument, $${SOCKET_ENV}, default ${DEFAULT_SOCKET})?`, "connection",
+        `cannot connect to the PolyGate sidecar at ${this.path} (${why}); ${connectHint(e?.code)}`, "connection",
         { cause: e ?? undefined });
     }
     if (this.fatal !== null) {
@@ -1174,7 +1202,7 @@ function statusFromJson(doc: unknown): Status {
   return { ...d, scopes } as unknown as Status;
 }
 
-/** Connect to the sidecar: `path`, else `$POLYGATE_SOCKET`, else `/run/polygate/sidecar.sock`. */
+/** Connect to the sidecar: `path`, else `$POLYGATE_SOCKET`, else {@link defaultSocket} for this uid. */
 export async function connect(path?: string | null, opts: ConnectOptions = {}): Promise<Client> {
   const p = resolvePath(path);
   const conn = await Connection.open(p, opts);

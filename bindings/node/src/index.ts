@@ -3,13 +3,13 @@
  *
  * ```ts
  * import { connect } from "polygate";
- * const client = await connect();   // path arg, else $POLYGATE_SOCKET, else /run/polygate/sidecar.sock
+ * const client = await connect();   // path arg, else $POLYGATE_SOCKET, else defaultSocket()
  * const reply = await client.run("chat", { estTokens: 1200 }, async (permit) => callUpstream(permit.source));
  * ```
  */
 
 export {
-  Call, Client, DEFAULT_SOCKET, Permit, SOCKET_ENV, VERSION, connect, resolvePath,
+  Call, Client, DEFAULT_SOCKET, Permit, SOCKET_ENV, USER_SOCKET, VERSION, connect, defaultSocket, resolvePath,
 } from "./client.js";
 export type {
   AcquireOptions, CallOptions, ClassifyResult, ConnectOptions, FailureOptions, ReportResult, RunOptions,

@@ -9,8 +9,10 @@ import { after, before, describe, test } from "node:test";
 import { fileURLToPath } from "node:url";
 
 import {
-  AllSourcesExhaustedError, Call, CircuitOpenError, Client, GatewayUnavailableError, SidecarError, connect, resolvePath,
+  AllSourcesExhaustedError, Call, CircuitOpenError, Client, GatewayUnavailableError, SidecarError, connect,
+  defaultSocket, resolvePath,
 } from "../src/index.js";
+import { connectHint } from "../src/client.js";
 import { FakeConn, FakeSidecar, Req, errorReply, until, variant } from "./fake-sidecar.js";
 
 const T = { timeout: 10_000 };
@@ -64,8 +66,37 @@ describe("connecting", () => {
       await fake.stop();
     }
     delete process.env.POLYGATE_SOCKET;
-    assert.equal(resolvePath(), "/run/polygate/sidecar.sock");
+    assert.equal(resolvePath(), defaultSocket());
     if (old !== undefined) process.env.POLYGATE_SOCKET = old;
+  });
+
+  test("the default socket: /run/polygate for root, $XDG_RUNTIME_DIR for anyone else", () => {
+    assert.equal(defaultSocket(0, "/run/user/0"), "/run/polygate/sidecar.sock");
+    assert.equal(defaultSocket(0, null), "/run/polygate/sidecar.sock");
+    assert.equal(defaultSocket(1000, "/run/user/1000"), "/run/user/1000/polygate/sidecar.sock");
+    assert.equal(defaultSocket(1000, "/run/user/1000/"), "/run/user/1000/polygate/sidecar.sock");
+    for (const xdg of [null, "", "relative"]) {
+      assert.throws(() => defaultSocket(1000, xdg), (e: unknown) => {
+        assert.ok(e instanceof SidecarError);
+        for (const w of ["uid 1000", "XDG_RUNTIME_DIR", "POLYGATE_SOCKET"]) assert.ok(e.message.includes(w), e.message);
+        return true;
+      });
+    }
+    const old = process.env.XDG_RUNTIME_DIR;
+    try {
+      process.env.XDG_RUNTIME_DIR = "/run/user/4242";
+      assert.equal(defaultSocket(4242), "/run/user/4242/polygate/sidecar.sock");
+    } finally {
+      if (old === undefined) delete process.env.XDG_RUNTIME_DIR;
+      else process.env.XDG_RUNTIME_DIR = old;
+    }
+  });
+
+  test("a permission error names the setting to change", () => {
+    const eacces = connectHint("EACCES");
+    assert.ok(eacces.includes("POLYGATE_SOCKET") && eacces.includes("socket_mode"), eacces);
+    const missing = connectHint("ENOENT");
+    assert.ok(missing.includes("is polygate-sidecar running") && missing.includes("XDG_RUNTIME_DIR"), missing);
   });
 
   test("a version-1 sidecar: a clear error naming both versions", T, async () => {

@@ -726,8 +726,9 @@ def connect(path: Optional[str] = None, *, client_name: Optional[str] = None,
             timeout: Optional[float] = 10.0) -> Client:
     """Connect to the sidecar and do the Hello/Welcome handshake.
 
-    ``path``: the socket; default ``$POLYGATE_SOCKET``, else
-    ``/run/polygate/sidecar.sock``. ``timeout`` bounds connect + handshake only
+    ``path``: the socket; default ``$POLYGATE_SOCKET``, else the default for
+    this uid (``/run/polygate/sidecar.sock`` for root,
+    ``$XDG_RUNTIME_DIR/polygate/sidecar.sock`` for anyone else). ``timeout`` bounds connect + handshake only
     (here and at every reconnect). Raises :class:`SidecarError` (naming the
     path) if it cannot connect, or if the sidecar does not speak protocol
     version 2. The client reconnects by itself after a lost connection.

@@ -1,6 +1,7 @@
 """The synchronous client against the fake sidecar (or a real one, see conftest)."""
 
 import os
+import re
 import signal
 import threading
 import time
@@ -8,6 +9,7 @@ import time
 import pytest
 
 import polygate
+from polygate import _core
 from conftest import SCOPE
 from fake_sidecar import HOLD, error
 
@@ -50,8 +52,11 @@ def test_missing_socket_names_path(sockdir, monkeypatch):
     with pytest.raises(polygate.SidecarError, match=path + "2"):
         polygate.connect()
     monkeypatch.delenv("POLYGATE_SOCKET")
-    if not os.path.exists("/run/polygate/sidecar.sock"):
-        with pytest.raises(polygate.SidecarError, match="/run/polygate/sidecar.sock"):
+    # The default for this uid: /run/polygate for root, $XDG_RUNTIME_DIR otherwise.
+    monkeypatch.setenv("XDG_RUNTIME_DIR", sockdir)
+    default = _core.default_socket()
+    if not os.path.exists(default):
+        with pytest.raises(polygate.SidecarError, match=re.escape(default)):
             polygate.connect()
 
 

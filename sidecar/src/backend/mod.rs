@@ -102,7 +102,7 @@ pub mod redis;
 pub use any::AnyBackend;
 pub use event::{AdminEvent, AdminOp};
 
-pub use crate::gate::breaker::{Applied, BreakerParams, Entry, Peek, State};
+pub use crate::gate::breaker::{Applied, BreakerParams, Entry, Peek, State, Trip};
 pub use crate::gate::classes::{ClassShares, ClassTag, Held, Share};
 pub use crate::gate::quota::{QuotaParams, Reserve, Settlement, Split, Tokens};
 pub use crate::gate::{Admit, AdmitRequest, FailureKind, Outcome, ReportRequest};

@@ -1,9 +1,11 @@
 //! The command-line side of `polygate-sidecar` that is not the daemon (§12): loading
-//! the configuration for the command line, `--check-config`'s summary, and the
-//! [`status`] client.
+//! the configuration for the command line, `--check-config`'s summary, the
+//! [`status`] client and the [`health`] probe.
 
+pub mod health;
 pub mod status;
 
+use std::io::Write as _;
 use std::path::Path;
 use std::process::ExitCode;
 
@@ -17,12 +19,34 @@ pub const EXIT_CONFIG: u8 = 2;
 /// is returned.
 pub fn load_config(path: Option<&Path>) -> Result<Config, ExitCode> {
     config::load(path, std::env::vars()).map_err(|e| {
-        let origin = path.map_or("embedded example configuration".into(), |p| {
-            p.display().to_string()
-        });
-        eprintln!("polygate-sidecar: invalid configuration ({origin}): {e}");
+        match e {
+            // `config file X not found` says it all.
+            config::ConfigError::Read { .. } => eprintln!("polygate-sidecar: {e}"),
+            e => {
+                let origin = path.map_or("embedded example configuration".into(), |p| {
+                    p.display().to_string()
+                });
+                eprintln!("polygate-sidecar: invalid configuration ({origin}): {e}");
+            }
+        }
         ExitCode::from(EXIT_CONFIG)
     })
+}
+
+/// Writes `text` to stdout and flushes it. A reader that went away (`status | head
+/// -1`: EPIPE, since Rust ignores SIGPIPE) ends the command quietly with success, as
+/// a C tool killed by SIGPIPE would end silently; `print!` would panic instead. Any
+/// other write error goes to stderr and exits 1.
+pub fn print_out(text: &str) -> ExitCode {
+    let mut out = std::io::stdout().lock();
+    match out.write_all(text.as_bytes()).and_then(|()| out.flush()) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("polygate-sidecar: cannot write to stdout: {e}");
+            ExitCode::FAILURE
+        }
+    }
 }
 
 /// One line: what `--check-config` validated.

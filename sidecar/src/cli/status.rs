@@ -15,19 +15,24 @@ use ipc_protocol::{
 use tokio::net::UnixStream;
 use tokio_util::codec::Framed;
 
-use crate::config::DEFAULT_SOCKET;
+use crate::config::default_socket;
 
 /// How long `status` waits for the sidecar.
 const STATUS_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// The socket to ask: `--socket`, else `$POLYGATE_SOCKET`, else the `--config`
-/// file's socket, else [`DEFAULT_SOCKET`] (the default `sidecar.socket`). A `--config` that does not load is
-/// reported (exit status 2).
+/// file's socket, else the default socket for this uid ([`default_socket`]: root
+/// `/run/polygate/sidecar.sock`, anyone else `$XDG_RUNTIME_DIR/polygate/sidecar.sock`).
+/// A `--config` that does not load, or no default (non-root without
+/// `XDG_RUNTIME_DIR`), is reported (exit status 2).
 pub fn socket_path(socket: Option<PathBuf>, config: Option<&Path>) -> Result<PathBuf, ExitCode> {
     match socket.or_else(|| std::env::var_os("POLYGATE_SOCKET").map(Into::into)) {
         Some(s) => Ok(s),
         None if config.is_some() => super::load_config(config).map(|c| c.sidecar.socket.into()),
-        None => Ok(DEFAULT_SOCKET.into()),
+        None => default_socket().map(Into::into).map_err(|e| {
+            eprintln!("polygate-sidecar status: {e}; or pass --socket");
+            ExitCode::from(super::EXIT_CONFIG)
+        }),
     }
 }
 
@@ -53,16 +58,13 @@ pub fn run(socket: &Path, json: bool) -> ExitCode {
     match rt.block_on(fetch) {
         Ok(Ok(Printable::Report(report, doc))) => {
             let classes = doc.as_deref().map(classes_of).unwrap_or_default();
-            print!("{}", render_with_classes(&report, &classes));
+            let mut text = render_with_classes(&report, &classes);
             if let Some(doc) = doc {
-                print!("{}", render_buckets(&doc));
+                text.push_str(&render_buckets(&doc));
             }
-            ExitCode::SUCCESS
+            super::print_out(&text)
         }
-        Ok(Ok(Printable::Json(doc))) => {
-            println!("{doc}");
-            ExitCode::SUCCESS
-        }
+        Ok(Ok(Printable::Json(doc))) => super::print_out(&format!("{doc}\n")),
         Ok(Err(e)) => {
             eprintln!("polygate-sidecar status: {}: {e}", socket.display());
             ExitCode::FAILURE
@@ -89,9 +91,21 @@ enum Printable {
 
 /// Hello, then `request` (`Status` or `StatusJson`), on one connection.
 async fn fetch(socket: &Path, request: Request) -> Result<Printable, String> {
-    let stream = UnixStream::connect(socket)
-        .await
-        .map_err(|e| format!("cannot connect: {e}"))?;
+    let stream = UnixStream::connect(socket).await.map_err(|e| {
+        let hint = match e.kind() {
+            std::io::ErrorKind::PermissionDenied => {
+                "; this user may not open the socket: ask the sidecar's operator to admit \
+                 it (socket_mode, the socket directory's group) or point --socket / \
+                 POLYGATE_SOCKET at a sidecar of this user"
+            }
+            std::io::ErrorKind::NotFound => {
+                "; is the sidecar running? Its socket is [sidecar] socket; pass the same \
+                 path with --socket or POLYGATE_SOCKET"
+            }
+            _ => "",
+        };
+        format!("cannot connect: {e}{hint}")
+    })?;
     // A status report may be larger than a request frame: accept up to the decoder's limit.
     let mut framed = Framed::new(stream, ClientCodec::new(ipc_protocol::codec::DECODE_LIMIT));
     let mut ask = async |id: u64, request: Request| -> Result<Reply, String> {
@@ -295,7 +309,12 @@ fn source_row(s: &SourceStatus) -> Vec<String> {
     vec![
         s.name.clone(),
         state(s.state).to_string(),
-        s.epoch.to_string(),
+        // Degraded, the state is this host's local stand-in, whose epoch (a large
+        // number far from the shared one) means nothing to an operator.
+        match s.degraded {
+            true => "unknown".to_string(),
+            false => s.epoch.to_string(),
+        },
         secs(s.retry_after_s),
         s.cooldown_level.to_string(),
         format!("{}/{}", s.window_successes, s.window_failures),
@@ -455,9 +474,17 @@ mod tests {
             .lines()
             .find(|l| l.contains("openai-gpt4o-eu"))
             .unwrap();
-        for cell in ["OPEN", "42.3s", "10/3", "7.50", "-121", "2m05s", "yes"] {
+        for cell in [
+            "OPEN", "unknown", "42.3s", "10/3", "7.50", "-121", "2m05s", "yes",
+        ] {
             assert!(row.contains(cell), "{cell:?} missing from {row:?}");
         }
+        // Not degraded: the epoch itself.
+        let mut healthy = source("c");
+        healthy.degraded = false;
+        healthy.epoch = 4_611_686_018_427_387_911;
+        let row = source_row(&healthy);
+        assert_eq!(row[2], "4611686018427387911");
         // Columns line up: the header and both rows have the same width.
         let lens: Vec<usize> = text
             .lines()

@@ -47,6 +47,7 @@ impl Origins {
             None => ConfigError::Value {
                 key: key.into(),
                 value: shown.to_string(),
+                line: None,
                 reason: reason.into(),
             },
         }
@@ -230,8 +231,12 @@ fn apply_source(
         return Err(ConfigError::Invalid {
             key: format!("scopes.{scope_name}.sources"),
             reason: format!(
-                "{var}: {prefix}__SOURCES__ must be followed by a source index 0..{}                  (the file's order) and __KEY, got {rest:?}",
-                sources.len()
+                "{var}: {prefix}__SOURCES__ must be followed by a source index ({} in \
+                 the file's order) and __KEY, got {rest:?}",
+                match sources.len() {
+                    0 | 1 => "0".to_string(),
+                    n => format!("0 to {}", n - 1),
+                }
             ),
         });
     };

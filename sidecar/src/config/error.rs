@@ -8,8 +8,8 @@ use std::path::PathBuf;
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum ConfigError {
-    /// The file could not be read.
-    #[error("cannot read config file {}: {source}", path.display())]
+    /// The file could not be read (a missing file says so in those words).
+    #[error("{}", read_error(path, source))]
     Read {
         /// The file.
         path: PathBuf,
@@ -26,12 +26,14 @@ pub enum ConfigError {
         message: String,
     },
     /// A key from the file has a bad value.
-    #[error("{key} = {value}: {reason}")]
+    #[error("{key} = {value}{}: {reason}", at_line(*line))]
     Value {
         /// Full key path (`scopes.chat.quota_full`).
         key: String,
         /// The bad value as written.
         value: String,
+        /// The line of the file it is on (unknown for a value built in code).
+        line: Option<usize>,
         /// What is wrong / what is allowed.
         reason: String,
     },
@@ -90,4 +92,17 @@ pub enum ConfigError {
         /// Its value as the file shows it (`unset` when absent).
         second_value: Box<str>,
     },
+}
+
+/// ` (line N)`, or nothing.
+fn at_line(line: Option<usize>) -> String {
+    line.map(|l| format!(" (line {l})")).unwrap_or_default()
+}
+
+/// `config file X not found`, else `cannot read config file X: why`.
+fn read_error(path: &std::path::Path, e: &std::io::Error) -> String {
+    match e.kind() {
+        std::io::ErrorKind::NotFound => format!("config file {} not found", path.display()),
+        _ => format!("cannot read config file {}: {e}", path.display()),
+    }
 }

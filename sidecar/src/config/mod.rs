@@ -59,5 +59,19 @@ pub fn parse_str(
     let mut raw = raw::parse_raw(toml)?;
     let mut origins = env::Origins::default();
     env::apply_env(&mut raw, env, &mut origins)?;
-    validate::validate(raw, &origins)
+    validate::validate(raw, &origins).map_err(|e| match e {
+        // Where in the file the bad value is (its key path located in the document).
+        ConfigError::Value {
+            key,
+            value,
+            line: None,
+            reason,
+        } => ConfigError::Value {
+            line: raw::line_of_key(toml, &key),
+            key,
+            value,
+            reason,
+        },
+        e => e,
+    })
 }

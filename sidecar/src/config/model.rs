@@ -421,8 +421,37 @@ impl Default for PacerConfig {
 // Defaults: every key but `scopes.*.sources` has one (§12a). `[sidecar]`, breaker and
 // pacer defaults are the `Default` impls above.
 
-/// Default `sidecar.socket` (also where `status` looks when told nothing else).
+/// Default `sidecar.socket` for root (uid 0); see [`default_socket`] for any other
+/// user.
 pub const DEFAULT_SOCKET: &str = "/run/polygate/sidecar.sock";
+/// A non-root user's default socket, under `$XDG_RUNTIME_DIR`.
+pub const USER_SOCKET: &str = "polygate/sidecar.sock";
+
+/// §12: the default socket of `uid` — root: [`DEFAULT_SOCKET`]; anyone else:
+/// `$XDG_RUNTIME_DIR/polygate/sidecar.sock` (a directory only that user can write,
+/// which `/run/polygate` is not). `Err` says what to set when a non-root user has no
+/// (absolute) `XDG_RUNTIME_DIR`. The sidecar, `status` and every binding compute the
+/// same path, so both ends meet without configuration.
+pub fn default_socket_for(uid: u32, xdg_runtime_dir: Option<&str>) -> Result<String, String> {
+    if uid == 0 {
+        return Ok(DEFAULT_SOCKET.into());
+    }
+    match xdg_runtime_dir {
+        Some(d) if d.starts_with('/') => Ok(format!("{}/{USER_SOCKET}", d.trim_end_matches('/'))),
+        _ => Err(format!(
+            "no default socket for uid {uid}: XDG_RUNTIME_DIR is not set (or not an \
+             absolute path); set [sidecar] socket in the config file (or SIDECAR__SOCKET) \
+             and point workers at it with POLYGATE_SOCKET, or set XDG_RUNTIME_DIR \
+             (the root default {DEFAULT_SOCKET} is for uid 0)"
+        )),
+    }
+}
+
+/// [`default_socket_for`] this process: its effective uid and `$XDG_RUNTIME_DIR`.
+pub fn default_socket() -> Result<String, String> {
+    let xdg = std::env::var("XDG_RUNTIME_DIR").ok();
+    default_socket_for(nix::unistd::geteuid().as_raw(), xdg.as_deref())
+}
 /// Default `sidecar.idle_timeout`.
 pub const DEFAULT_IDLE_TIMEOUT: Duration = Duration::from_secs(600);
 /// Default `sidecar.worker_threads`: one thread (a current-thread runtime).

@@ -223,10 +223,7 @@ pub(super) fn parse_raw(text: &str) -> Result<RawFile, ConfigError> {
 }
 
 fn toml_error(text: &str, doc: Option<&DeTable<'_>>, e: &toml::de::Error) -> ConfigError {
-    let mut message = e
-        .message()
-        .trim()
-        .replacen("unknown field", "unknown key", 1);
+    let mut message = plain_types(e.message().trim()).replacen("unknown field", "unknown key", 1);
     // Our raw struct names mean nothing to an operator.
     if let Some(i) = message.find("expected struct Raw") {
         message.replace_range(i.., "expected a table");
@@ -273,6 +270,65 @@ fn type_hint(path: &str) -> &'static str {
     } else {
         ""
     }
+}
+
+/// The line of `path` (`scopes.chat.sources[1].tpm`) in `text`: its value's line,
+/// `None` when the path is not in the file (a default, an environment override).
+pub(super) fn line_of_key(text: &str, path: &str) -> Option<usize> {
+    let doc = DeTable::parse(text).ok()?;
+    let mut table: &DeTable<'_> = doc.get_ref();
+    let mut span = None;
+    let segments: Vec<&str> = path.split('.').collect();
+    for (n, seg) in segments.iter().enumerate() {
+        let (name, index) = match seg.split_once('[') {
+            Some((name, rest)) => (name, rest.trim_end_matches(']').parse::<usize>().ok()),
+            None => (*seg, None),
+        };
+        let (_, v) = table.iter().find(|(k, _)| k.get_ref() == name)?;
+        let mut value = v;
+        if let Some(i) = index {
+            match value.get_ref() {
+                DeValue::Array(items) => value = items.get(i)?,
+                _ => return None,
+            }
+        }
+        span = Some(value.span());
+        if n + 1 < segments.len() {
+            match value.get_ref() {
+                DeValue::Table(t) => table = t,
+                _ => return None,
+            }
+        }
+    }
+    span.map(|s| line_col(text, s.start).0)
+}
+
+/// serde's Rust type names in a type error, as an operator would say them.
+fn plain_types(message: &str) -> String {
+    const WORDS: &[(&str, &str)] = &[
+        ("expected i64", "expected a whole number"),
+        ("expected u64", "expected a whole number"),
+        ("expected u32", "expected a whole number"),
+        ("expected i32", "expected a whole number"),
+        ("expected f64", "expected a number"),
+        ("expected a sequence", "expected an array"),
+        ("expected a map", "expected a table"),
+    ];
+    let mut out = message.to_string();
+    for (rust, words) in WORDS {
+        if let Some(i) = out.find(rust) {
+            // Only a whole word: "expected i64" but not "expected i640".
+            let end = i + rust.len();
+            if out[end..]
+                .chars()
+                .next()
+                .is_none_or(|c| !c.is_alphanumeric())
+            {
+                out.replace_range(i..end, words);
+            }
+        }
+    }
+    out
 }
 
 fn line_col(text: &str, offset: usize) -> (usize, usize) {

@@ -70,7 +70,10 @@ pub(super) fn listen(
         });
     }
     let path = PathBuf::from(&c.sidecar.socket);
-    let fail = |what: &str, e: io::Error| format!("{what} {}: {e}", path.display());
+    let fail = |what: &str, e: io::Error| {
+        let hint = sockfile::permission_hint(&e);
+        format!("{what} {}: {e}{hint}", path.display())
+    };
     let dir = match path.parent() {
         Some(d) if !d.as_os_str().is_empty() => d,
         _ => Path::new("."),

@@ -121,9 +121,11 @@ fn apply_reload(
     }
     match path {
         None => info!("SIGHUP: running on the embedded example configuration; nothing to reload"),
-        Some(_) => match config::load(path, std::env::vars()) {
+        Some(file) => match config::load(path, std::env::vars()) {
             Err(e) => error!(
-                "SIGHUP: the configuration file is invalid, keeping the running configuration: {e}"
+                file = %file.display(),
+                "SIGHUP: the configuration file {} is invalid, keeping the running configuration: {e}",
+                file.display()
             ),
             Ok(new) => {
                 if new.sidecar != *running {

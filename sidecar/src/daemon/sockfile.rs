@@ -26,7 +26,13 @@ pub(super) fn check_dir(dir: &Path) -> Result<(), String> {
         .recursive(true)
         .mode(0o755)
         .create(dir)
-        .map_err(|e| format!("cannot create socket directory {}: {e}", dir.display()))?;
+        .map_err(|e| {
+            format!(
+                "cannot create socket directory {}: {e}{}",
+                dir.display(),
+                permission_hint(&e)
+            )
+        })?;
     let real = std::fs::canonicalize(dir)
         .map_err(|e| format!("cannot resolve socket directory {}: {e}", dir.display()))?;
     let me = nix::unistd::geteuid().as_raw();
@@ -59,6 +65,18 @@ pub(super) fn check_dir(dir: &Path) -> Result<(), String> {
         }
     }
     Ok(())
+}
+
+/// §12: what to change after a permission error on the socket's path (empty for
+/// any other error).
+pub(super) fn permission_hint(e: &std::io::Error) -> &'static str {
+    if e.kind() == std::io::ErrorKind::PermissionDenied {
+        "; set [sidecar] socket (or SIDECAR__SOCKET) to a path this user may create, \
+         e.g. under $XDG_RUNTIME_DIR (the default for a non-root user when the key is \
+         unset), and point workers at it with POLYGATE_SOCKET"
+    } else {
+        ""
+    }
 }
 
 /// `uid 1000 (alice)`, or just the uid when it has no name.

@@ -96,7 +96,10 @@ impl<B: Backend> Engine<B> {
         let si = *self
             .scope_index
             .get(scope)
-            .ok_or_else(|| EngineError::UnknownScope(crate::limits::echo(scope).into_owned()))?;
+            .ok_or_else(|| EngineError::UnknownScope {
+                scope: crate::limits::echo(scope).into_owned(),
+                known: self.scopes.iter().map(|s| s.name.clone()).collect(),
+            })?;
         let sc = &self.scopes[si];
         let class = match priority {
             None => sc.with_policy(|p| p.cfg.default_priority),

@@ -5,6 +5,7 @@
 use std::time::Duration;
 
 use super::error::EngineError;
+use super::transitions::{Observation, Reason};
 use super::Engine;
 use crate::backend::{AdminEvent, AdminOp, BResult, Backend};
 use crate::gate::breaker::Applied;
@@ -27,7 +28,7 @@ impl<B: Backend> Engine<B> {
             )));
         }
         let r = self.backend.force_open(source, duration).await;
-        let a = self.admin_result(idx, r)?;
+        let a = self.admin_result(idx, r, Reason::Force)?;
         self.note_state(idx, &a);
         Ok(a)
     }
@@ -41,7 +42,7 @@ impl<B: Backend> Engine<B> {
         if r.is_ok() {
             self.sources[idx].memo.clear();
         }
-        self.admin_result(idx, r)
+        self.admin_result(idx, r, Reason::Force)
     }
 
     /// Admin: forget `source`'s breaker and quota state and clear its memo entry.
@@ -51,7 +52,7 @@ impl<B: Backend> Engine<B> {
         if r.is_ok() {
             self.sources[idx].memo.clear(); // as in force_close: before the wake-up
         }
-        self.admin_result(idx, r)
+        self.admin_result(idx, r, Reason::Reset)
     }
 
     /// An operator's action on any host, as the shared backend broadcast it (§9): a
@@ -71,12 +72,27 @@ impl<B: Backend> Engine<B> {
 
     /// An admin op's backend answer: an error is the backend's unavailability (an
     /// operator must know the change did not happen); success wakes every waiter.
-    fn admin_result(&self, source: usize, r: BResult<Applied>) -> Result<Applied, EngineError> {
+    /// The new state is logged and counted as a transition for `reason` (§12).
+    fn admin_result(
+        &self,
+        source: usize,
+        r: BResult<Applied>,
+        reason: Reason,
+    ) -> Result<Applied, EngineError> {
         let a = r.map_err(|e| EngineError::BackendUnavailable {
             scope: None,
             message: e.to_string(),
             reasons: Vec::new(),
         })?;
+        self.observe(
+            self.first_scope(source),
+            source,
+            Observation {
+                cooldown: a.retry_after,
+                level: Some(a.level),
+                ..Observation::of(a.state, a.epoch, reason)
+            },
+        );
         self.wake_all(source);
         Ok(a)
     }

@@ -68,8 +68,13 @@ pub enum EngineError {
     },
     /// No such scope in the configuration; the name as given, cut to
     /// [`MAX_ECHO`](crate::limits::MAX_ECHO) bytes (it is the client's string).
-    #[error("unknown scope {0:?}")]
-    UnknownScope(String),
+    #[error("{}", unknown_scope(scope, known))]
+    UnknownScope {
+        /// What the call named.
+        scope: String,
+        /// The configured scopes, config order (so the message can list them).
+        known: Vec<String>,
+    },
     /// No such live call for this owner.
     #[error("unknown call {0}")]
     UnknownCall(u64),
@@ -131,6 +136,13 @@ pub enum ReloadError {
         /// The scope whose classes changed.
         scope: String,
     },
+}
+
+fn unknown_scope(scope: &str, known: &[String]) -> String {
+    format!(
+        "unknown scope {scope:?}; the scopes are: {}",
+        known.join(", ")
+    )
 }
 
 fn unknown_priority(scope: &str, priority: &str, classes: &[String]) -> String {

@@ -26,6 +26,7 @@ mod report;
 mod runtime;
 mod status;
 mod tables;
+mod transitions;
 
 pub use error::{EngineError, Exhaustion, ReloadError, SkipReason};
 pub use runtime::{ClassCounters, ErrorCounts, ScopeCounters, SourceCounters};
@@ -362,6 +363,44 @@ impl<B: Backend> Engine<B> {
     /// §15: the name of class `class` of scope `scope` (`None`: no classes).
     fn class_name(&self, scope: usize, class: usize) -> Option<Arc<str>> {
         self.scopes[scope].class_names.get(class).cloned()
+    }
+
+    /// Record a breaker state the backend answered for `source` through `scope`
+    /// (§12: a change is logged once and counted).
+    fn observe(&self, scope: usize, source: usize, o: transitions::Observation) {
+        let names = transitions::Names {
+            scope_idx: scope,
+            scope: &self.scopes[scope].name,
+            source: &self.sources[source].name,
+        };
+        self.sources[source]
+            .transitions
+            .observe(|| self.clock.now(), names, o);
+    }
+
+    /// The first scope naming `source` (admin actions name only the source).
+    fn first_scope(&self, source: usize) -> usize {
+        self.sources[source].scopes.first().copied().unwrap_or(0)
+    }
+
+    /// Every breaker transition counter: (scope, source, from, to, reason, count).
+    pub fn breaker_transitions(
+        &self,
+    ) -> Vec<(&str, &str, &'static str, &'static str, &'static str, u64)> {
+        let mut out = Vec::new();
+        for src in &self.sources {
+            for (scope, from, to, reason, n) in src.transitions.counts() {
+                out.push((
+                    self.scopes[scope].name.as_str(),
+                    &*src.name,
+                    from,
+                    to,
+                    reason,
+                    n,
+                ));
+            }
+        }
+        out
     }
 
     /// Keep the memo in step with a state the backend just told us.

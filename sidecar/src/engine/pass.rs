@@ -22,6 +22,7 @@ use super::report::{GiveBack, Settle};
 use super::runtime::bump;
 use super::runtime::Policy;
 use super::tables::Hold;
+use super::transitions::{Observation, Reason};
 use super::CallEst;
 use super::{Engine, SkipReason};
 use crate::backend::{AdmitRequest, BResult, Backend, BackendError};
@@ -144,6 +145,11 @@ impl<B: Backend> Engine<B> {
                 Ok(Admit::Admitted { epoch, is_probe }) => {
                     // From here the Acquire's Ticket owns the slot (no await between).
                     slot.keep();
+                    let (state, reason) = match is_probe {
+                        true => (State::HalfOpen, Reason::CooldownOver),
+                        false => (State::Closed, Reason::Observed),
+                    };
+                    self.observe(scope, idx, Observation::of(state, epoch, reason));
                     return Ok(Hold {
                         source: idx,
                         epoch,
@@ -182,6 +188,14 @@ impl<B: Backend> Engine<B> {
                     reasons[pos] = Some(SkipReason::CircuitOpen);
                     refused.gate_rejections += 1;
                     refused.source(retry_after);
+                    self.observe(
+                        scope,
+                        idx,
+                        Observation {
+                            cooldown: retry_after,
+                            ..Observation::of(state, epoch, Reason::Observed)
+                        },
+                    );
                     // Only an OPEN refusal has a deadline worth remembering (§9).
                     if state == State::Open && !retry_after.is_zero() {
                         {

@@ -12,6 +12,7 @@ use super::detach::Work;
 use super::error::EngineError;
 use super::runtime::bump;
 use super::tables::{Hold, OwnerId, PermitRec};
+use super::transitions::{Names, Observation, Reason};
 use super::Engine;
 use crate::backend::{BResult, Backend, BackendError, ReportRequest};
 use crate::gate::breaker::{Applied, BreakerParams, State};
@@ -104,12 +105,48 @@ impl<B: Backend> Engine<B> {
             }
         };
         self.note_state(p.source, &applied);
+        self.observe_report(&p, &outcome, &applied);
         if p.is_probe && applied.applied && applied.state == State::Closed {
             self.wake_all(p.source); // the probe closed the breaker: everyone may go
         } else {
             self.wake_one(p.source);
         }
         Ok((p.call, Ok(applied)))
+    }
+
+    /// §12: the breaker state a report's answer shows, with its reason when this
+    /// report caused the change; a 429 with a retry-after starts a quota block.
+    fn observe_report(&self, p: &PermitRec, outcome: &Outcome, a: &Applied) {
+        if let Outcome::RateLimited {
+            retry_after: Some(d),
+        } = outcome
+        {
+            let names = Names {
+                scope_idx: p.scope,
+                scope: &self.scopes[p.scope].name,
+                source: &self.sources[p.source].name,
+            };
+            self.sources[p.source]
+                .transitions
+                .quota_block(self.clock.now(), names, *d);
+        }
+        let reason = match (a.applied, a.trip, p.is_probe, outcome, a.state) {
+            (true, Some(t), _, _, _) => Reason::from(t),
+            (true, None, true, Outcome::Failure { .. }, State::Open) => Reason::ProbeFailure,
+            (true, None, true, Outcome::Success { .. }, State::Closed) => Reason::ProbeSuccess,
+            _ => Reason::Observed,
+        };
+        self.observe(
+            p.scope,
+            p.source,
+            Observation {
+                state: a.state,
+                epoch: a.epoch,
+                reason,
+                cooldown: a.retry_after,
+                level: Some(a.level),
+            },
+        );
     }
 
     /// Forget the call; an unreported permit is abandoned (settled as if the upstream

@@ -15,6 +15,7 @@ use tokio::sync::Notify;
 
 use super::error::{EngineError, Exhaustion, ReloadError};
 use super::queue::WaitQueue;
+use super::transitions::Transitions;
 use super::CallEst;
 use crate::config::TokensCharged;
 use crate::config::{Config, ScopeConfig, SourceConfig};
@@ -303,6 +304,9 @@ pub(crate) struct SourceRt {
     /// When a rejected backend operation was last logged (nanos on the engine clock
     /// + 1; 0 = never), to log at most every 10 s per source.
     pub(crate) error_logged: AtomicU64,
+    /// Breaker transitions this host observed: the §12 log lines and the
+    /// `polygate_breaker_transitions` counters.
+    pub(crate) transitions: Transitions,
 }
 
 impl ScopeRt {
@@ -362,6 +366,7 @@ impl Topology {
                         scopes: Vec::new(),
                         counters: SourceCounters::default(),
                         error_logged: AtomicU64::new(0),
+                        transitions: Transitions::default(),
                     });
                     sources.len() - 1
                 });

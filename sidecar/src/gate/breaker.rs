@@ -73,6 +73,15 @@ pub struct Entry {
     pub retry_after: Duration,
 }
 
+/// Which §6 channel opened a CLOSED breaker (the transition log says why).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Trip {
+    /// `failure_threshold` consecutive failures.
+    Streak,
+    /// The window's failure rate reached `failure_rate` over `min_calls`.
+    FailureRate,
+}
+
 /// Answer of an outcome operation (`record_*`, `release_probe`, `report`).
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Applied {
@@ -84,6 +93,10 @@ pub struct Applied {
     pub epoch: u64,
     /// §6 retry-after: OPEN → until − now, else 0.
     pub retry_after: Duration,
+    /// Cooldown level k after the operation (for the transition log).
+    pub level: u32,
+    /// Set when this very operation opened a CLOSED breaker: by which channel.
+    pub trip: Option<Trip>,
 }
 
 /// Success/failure counts of one window bucket.
@@ -210,6 +223,8 @@ impl Breaker {
             state: self.state,
             epoch: self.epoch,
             retry_after: self.retry_after(now),
+            level: self.level,
+            trip: None,
         }
     }
 
@@ -395,8 +410,16 @@ impl Breaker {
                 };
                 if enough && rate >= p.failure_rate {
                     self.open(now, p, true);
+                    return Applied {
+                        trip: Some(Trip::FailureRate),
+                        ..self.applied(true, now)
+                    };
                 } else if self.streak >= p.failure_threshold && !(enough && rate < p.failure_rate) {
                     self.open(now, p, false);
+                    return Applied {
+                        trip: Some(Trip::Streak),
+                        ..self.applied(true, now)
+                    };
                 }
             }
             State::HalfOpen => self.open(now, p, true),

@@ -280,6 +280,26 @@ impl<B: Backend> Scrape<B> {
                 counter(&mut m, &[("source", &*src.name), ("outcome", outcome)], v)?;
             }
         }
+        // §12: the breaker transitions this host observed (the same events as the
+        // log lines, none dropped); `to="blocked"` counts 429 blocks of the quota.
+        let mut m = family(
+            enc,
+            "polygate_breaker_transitions",
+            "Breaker state changes this host observed, by scope, source, from, to and reason.",
+            None,
+            MetricType::Counter,
+        )?;
+        for (scope, source, from, to, reason, n) in engine.breaker_transitions() {
+            let labels = [
+                ("scope", scope),
+                ("source", source),
+                ("from", from),
+                ("to", to),
+                ("reason", reason),
+            ];
+            m.encode_family(&labels)?
+                .encode_counter::<prometheus_client::encoding::NoLabelSet, u64, u64>(&n, None)?;
+        }
         Ok(())
     }
 }

@@ -279,7 +279,7 @@ pub fn engine_error(e: &EngineError) -> wire::ErrorReply {
             scope: scope.clone(),
             ..error(K::BackendUnavailable, "")
         },
-        EngineError::UnknownScope(scope) => wire::ErrorReply {
+        EngineError::UnknownScope { scope, .. } => wire::ErrorReply {
             scope: Some(scope.clone()),
             ..error(K::UnknownScope, "")
         },
@@ -565,7 +565,14 @@ mod tests {
             r.per_source_reasons,
             vec![("a".to_string(), wire::SkipReason::CircuitOpen)]
         );
-        let r = engine_error(&EngineError::UnknownScope("nope".into()));
+        let r = engine_error(&EngineError::UnknownScope {
+            scope: "nope".into(),
+            known: vec!["chat".into(), "embed".into()],
+        });
+        assert_eq!(
+            r.message,
+            "unknown scope \"nope\"; the scopes are: chat, embed"
+        );
         assert_eq!(r.kind, wire::ErrorKind::UnknownScope);
         assert!(r.message.contains("nope"));
     }

@@ -23,6 +23,7 @@ use std::sync::Arc;
 use polygate::backend::{
     Admit, AdmitRequest, Applied, Backend, BreakerParams, ClassShares, ClassTag, Entry,
     FailureKind, Held, Outcome, QuotaParams, ReportRequest, Reserve, Settlement, Share, State,
+    Trip,
 };
 
 /// What a backend test file provides.
@@ -161,6 +162,8 @@ pub async fn cold_start_streak_opens<H: Harness>(h: &H) {
     assert_eq!((a.applied, a.state), (true, State::Closed));
     let a = fail_n(&b, S1, 1).await;
     assert_eq!((a.applied, a.state), (true, State::Open));
+    // The transition log's reason and level (§12) come with the answer.
+    assert_eq!((a.trip, a.level), (Some(Trip::Streak), 0));
     assert!(a.epoch > before, "opening bumps the epoch");
     // First streak open lasts exactly `cooldown` (k stays 0).
     assert_dur(h, a.retry_after, ms(100), "retry_after at open");
@@ -227,6 +230,7 @@ pub async fn rate_channel_opens_and_grows_level<H: Harness>(h: &H) {
         (true, State::Open),
         "6/11 failures opens"
     );
+    assert_eq!((a.trip, a.level), (Some(Trip::FailureRate), 1));
     // Rate open grows k to 1: 2 × cooldown.
     assert_dur(h, a.retry_after, ms(200), "rate-channel open duration");
     let snap = b.snapshot(S1, &p, &qp()).await.unwrap();

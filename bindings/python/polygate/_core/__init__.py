@@ -30,6 +30,8 @@ from .errmap import (
 from .protocol import (
     DEFAULT_CLIENT_NAME,
     DEFAULT_SOCKET,
+    USER_SOCKET,
+    default_socket,
     FAILURE_KINDS,
     MAX_INCOMING_FRAME,
     OUTCOME_CANCELLED,
@@ -84,6 +86,8 @@ __all__ = [
     "connection_error",
     "DEFAULT_CLIENT_NAME",
     "DEFAULT_SOCKET",
+    "USER_SOCKET",
+    "default_socket",
     "end_call",
     "error_from_reply",
     "expect",

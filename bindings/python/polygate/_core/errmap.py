@@ -48,6 +48,12 @@ def connect_error(path: str, exc: OSError) -> SidecarError:
     hint = ""
     if isinstance(exc, FileNotFoundError):
         hint = " (is polygate-sidecar running? set $%s or pass path=)" % SOCKET_ENV
+    elif isinstance(exc, PermissionError):
+        hint = (
+            " (this user may not open the socket: ask the sidecar's operator to admit it "
+            "(socket_mode, the socket directory's group), or set $%s or pass path= to "
+            "a sidecar of this user)" % SOCKET_ENV
+        )
     return SidecarError(
         "cannot connect to the PolyGate sidecar at %s: %s%s" % (path, reason, hint), kind="connection"
     )

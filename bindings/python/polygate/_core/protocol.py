@@ -18,6 +18,9 @@ from ..errors import SidecarError
 from .errmap import SOCKET_ENV, error_from_reply, protocol_error
 
 DEFAULT_SOCKET = "/run/polygate/sidecar.sock"
+"""Root's default socket; :func:`default_socket` gives any user's."""
+USER_SOCKET = "polygate/sidecar.sock"
+"""A non-root user's default socket, under ``$XDG_RUNTIME_DIR``."""
 DEFAULT_CLIENT_NAME = "polygate-python/" + __version__
 # Largest frame we accept from the sidecar (a status report of a big config can be
 # larger than the sidecar's own inbound limit).
@@ -37,11 +40,35 @@ Reply = Any
 """A reply value as decoded (``{"Granted": {...}}``, ``"Ok"``, ...)."""
 
 
+def default_socket(uid: Optional[int] = None, xdg_runtime_dir: Optional[str] = None) -> str:
+    """The sidecar's default socket for ``uid`` (default: this process's effective
+    uid) — the same rule as the sidecar's (DESIGN §12): root
+    ``/run/polygate/sidecar.sock``, anyone else
+    ``$XDG_RUNTIME_DIR/polygate/sidecar.sock`` (``xdg_runtime_dir`` default: the
+    environment's). Raises :class:`SidecarError` naming what to set when a non-root
+    user has no absolute ``XDG_RUNTIME_DIR``."""
+    if uid is None:
+        uid = os.geteuid()
+    if uid == 0:
+        return DEFAULT_SOCKET
+    if xdg_runtime_dir is None:
+        xdg_runtime_dir = os.environ.get("XDG_RUNTIME_DIR")
+    if xdg_runtime_dir and xdg_runtime_dir.startswith("/"):
+        return xdg_runtime_dir.rstrip("/") + "/" + USER_SOCKET
+    raise SidecarError(
+        "no default PolyGate socket for uid %d: XDG_RUNTIME_DIR is not set (or not an "
+        "absolute path); set $%s or pass path= (the root default %s is for uid 0)"
+        % (uid, SOCKET_ENV, DEFAULT_SOCKET),
+        kind="connection",
+    )
+
+
 def resolve_path(path: Optional[str]) -> str:
-    """The socket path: ``path``, else ``$POLYGATE_SOCKET``, else the default."""
+    """The socket path: ``path``, else ``$POLYGATE_SOCKET``, else
+    :func:`default_socket` for this uid."""
     if path is not None:
         return os.fspath(path)
-    return os.environ.get(SOCKET_ENV) or DEFAULT_SOCKET
+    return os.environ.get(SOCKET_ENV) or default_socket()
 
 
 # ---------------------------------------------------------------- validation

@@ -298,8 +298,10 @@ local function record_failure(b)
     if samples > 0 then rate = fail / samples end
     if enough and rate >= p.frate then
       bopen(b, true)
+      b.trip = 2 -- failure rate (a plain field: not saved, only replied)
     elseif b.s >= p.fth and not (enough and rate < p.frate) then
       bopen(b, false)
+      b.trip = 1 -- streak
     end
     return true
   elseif b.st == HALF then
@@ -323,7 +325,7 @@ end
 local function applied_reply(b, ok)
   local a = 0
   if ok then a = 1 end
-  return { a, b.st, b.e, bra(b) }
+  return { a, b.st, b.e, bra(b), b.k, b.trip or 0 }
 end
 
 local function publish(what)

@@ -53,7 +53,7 @@ use std::time::Duration;
 use ::redis::{Cmd, RedisWrite, Script, ToRedisArgs, Value};
 
 use crate::backend::{
-    Applied, BResult, BackendError, BreakerParams, ClassShares, QuotaParams, State, Tokens,
+    Applied, BResult, BackendError, BreakerParams, ClassShares, QuotaParams, State, Tokens, Trip,
 };
 use crate::gate::quota::{Credits, MINUTE};
 
@@ -529,13 +529,20 @@ pub(super) fn level_at(v: &[Value], i: usize) -> BResult<Option<f64>> {
 }
 
 /// The reply of every outcome and admin operation: `{applied, state, epoch,
-/// retry_after_us}`.
+/// retry_after_us, level, trip}` (trip: 0 none, 1 streak, 2 failure rate).
 pub(super) fn applied(v: &[Value]) -> BResult<Applied> {
     Ok(Applied {
         applied: bool_at(v, 0)?,
         state: state_at(v, 1)?,
         epoch: u64_at(v, 2)?,
         retry_after: dur_at(v, 3)?,
+        level: u64_at(v, 4)?.min(u32::MAX as u64) as u32,
+        trip: match int_at(v, 5)? {
+            0 => None,
+            1 => Some(Trip::Streak),
+            2 => Some(Trip::FailureRate),
+            _ => return Err(proto("trip", v)),
+        },
     })
 }
 

@@ -28,7 +28,14 @@ pub(super) fn validate_sidecar(
 ) -> Result<SidecarConfig, ConfigError> {
     let d = SidecarConfig::default();
 
-    let socket = non_empty(ctx, "sidecar.socket", raw.socket, &d.socket)?;
+    // §12: unset, the socket depends on who runs the sidecar (root or not).
+    let socket = match raw.socket {
+        Some(s) => non_empty(ctx, "sidecar.socket", Some(s), &d.socket)?,
+        None => crate::config::default_socket().map_err(|reason| ConfigError::Invalid {
+            key: "sidecar.socket".into(),
+            reason,
+        })?,
+    };
     if socket.len() > MAX_SOCKET_PATH {
         return Err(ctx.err(
             "sidecar.socket",
