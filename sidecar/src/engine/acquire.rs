@@ -53,7 +53,8 @@
 //! a pass's hold back unless it became a permit (no await between the two).
 
 use std::pin::pin;
-use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering};
+use std::sync::Arc;
 use std::time::Duration;
 
 use super::error::{EngineError, Exhaustion, SkipReason};
@@ -69,6 +70,7 @@ use crate::clock::Clock;
 use crate::config::{Mode, ScopeConfig};
 use crate::gate::pacer::Signal;
 use crate::metrics::histogram::Histogram;
+use tokio::sync::Notify;
 
 impl<B: Backend> Engine<B> {
     /// Start a call in `scope` (its default priority class); the stall clock
@@ -229,9 +231,11 @@ impl<B: Backend> Engine<B> {
                     if let Some(f) = on_wait.take() {
                         f();
                     }
-                    waiting = Some(self.start_waiting(si, class, sleep, &reasons));
+                    waiting = Some(self.start_waiting(si, class, call, sleep, &reasons)?);
                 }
-                my_turn = self.wait_turn(place.as_ref(), sleep).await?;
+                my_turn = self
+                    .wait_turn(place.as_ref(), sleep, &waiting, call)
+                    .await?;
                 continue;
             }
             let refused = match self
@@ -312,7 +316,7 @@ impl<B: Backend> Engine<B> {
                 if let Some(f) = on_wait.take() {
                     f();
                 }
-                waiting = Some(self.start_waiting(si, class, sleep, &reasons));
+                waiting = Some(self.start_waiting(si, class, call, sleep, &reasons)?);
             }
             if let Some(p) = &place {
                 // §15 queue: only its napper keeps the §5 nap; the others sleep
@@ -322,7 +326,9 @@ impl<B: Backend> Engine<B> {
                 } else {
                     stall_edge(cfg, stall)
                 };
-                my_turn = self.wait_turn(place.as_ref(), sleep).await?;
+                my_turn = self
+                    .wait_turn(place.as_ref(), sleep, &waiting, call)
+                    .await?;
                 continue;
             }
             if quota_wait && spot.is_none() {
@@ -340,6 +346,7 @@ impl<B: Backend> Engine<B> {
                         _ = s.woken() => {}
                         _ = tokio::time::sleep(edge) => {}
                         _ = self.shutdown.cancelled() => return Err(EngineError::ShuttingDown),
+                        _ = ended(&waiting) => return Err(EngineError::CallEnded(call)),
                     }
                 }
                 // The poller (or a call not in the quota wait): nap as §5 says.
@@ -360,6 +367,7 @@ impl<B: Backend> Engine<B> {
                         _ = notified => {}
                         _ = turn => {}
                         _ = self.shutdown.cancelled() => return Err(EngineError::ShuttingDown),
+                        _ = ended(&waiting) => return Err(EngineError::CallEnded(call)),
                     }
                 }
             }
@@ -378,15 +386,29 @@ impl<B: Backend> Engine<B> {
         size_class(tokens)
     }
 
-    /// The Acquire starts sleeping: count it and log the one "wait started" line.
+    /// The Acquire starts sleeping: count it against `sidecar.max_waiters` (past it
+    /// [`EngineError::TooManyWaiters`]), let `EndCall` of `call` end the wait
+    /// ([`EngineError::CallEnded`] if it already did), and log the one "wait
+    /// started" line.
     fn start_waiting(
         &self,
         si: usize,
         class: usize,
+        call: u64,
         sleep: Duration,
         reasons: &[Option<SkipReason>],
-    ) -> WaiterGuard<'_> {
+    ) -> Result<WaiterGuard<'_>, EngineError> {
         let sc = &self.scopes[si];
+        let max = self.max_waiters.load(Ordering::Relaxed);
+        if self.waiting.fetch_add(1, Ordering::Relaxed) >= max {
+            self.waiting.fetch_sub(1, Ordering::Relaxed);
+            return Err(EngineError::TooManyWaiters(max));
+        }
+        let ended = Arc::new(Notify::new());
+        if let Err(e) = self.lock().watch_end(call, ended.clone()) {
+            self.waiting.fetch_sub(1, Ordering::Relaxed);
+            return Err(e);
+        }
         sc.waiters.fetch_add(1, Ordering::Relaxed);
         bump(&sc.counters.waits);
         if let Some(c) = sc.class_counters.get(class) {
@@ -401,7 +423,11 @@ impl<B: Backend> Engine<B> {
                 "wait started"
             );
         }
-        WaiterGuard(&sc.waiters)
+        Ok(WaiterGuard {
+            scope: &sc.waiters,
+            total: &self.waiting,
+            ended,
+        })
     }
 
     /// §15: sleep until the nap ends or another waiter hands this one its turn, then
@@ -410,12 +436,15 @@ impl<B: Backend> Engine<B> {
         &self,
         place: Option<&super::queue::Place<'_>>,
         sleep: Duration,
+        waiting: &Option<WaiterGuard<'_>>,
+        call: u64,
     ) -> Result<bool, EngineError> {
         let Some(p) = place else { return Ok(true) };
         tokio::select! {
             _ = tokio::time::sleep(sleep) => {}
             _ = p.woken() => {}
             _ = self.shutdown.cancelled() => return Err(EngineError::ShuttingDown),
+            _ = ended(waiting) => return Err(EngineError::CallEnded(call)),
         }
         Ok(p.turn())
     }
@@ -592,15 +621,28 @@ impl Drop for WaitTimer<'_> {
     }
 }
 
-/// Counts a sleeping Acquire in its scope's `waiters`.
-struct WaiterGuard<'a>(
+/// Counts a sleeping Acquire in its scope's `waiters` and the engine's total.
+struct WaiterGuard<'a> {
     /// The scope's waiter count, decremented on drop.
-    &'a AtomicU32,
-);
+    scope: &'a AtomicU32,
+    /// The engine's count of waiting requests (`sidecar.max_waiters`).
+    total: &'a AtomicUsize,
+    /// Woken by `EndCall` of the call: the wait ends at once (§12).
+    ended: Arc<Notify>,
+}
 
 impl Drop for WaiterGuard<'_> {
     fn drop(&mut self) {
-        self.0.fetch_sub(1, Ordering::Relaxed);
+        self.scope.fetch_sub(1, Ordering::Relaxed);
+        self.total.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+/// Resolves when `EndCall` ended the waiting Acquire's call; never before it waits.
+async fn ended(waiting: &Option<WaiterGuard<'_>>) {
+    match waiting {
+        Some(w) => w.ended.notified().await,
+        None => std::future::pending().await,
     }
 }
 

@@ -290,7 +290,7 @@ pub(super) fn dispatch<B: Backend>(cx: &Ctx<B>, request: Request) -> Step {
             if let Some(denied) = admin_denied("force-open a source") {
                 return denied;
             }
-            let d = match convert::seconds("seconds", seconds, true) {
+            let d = match convert::force_open_seconds(seconds) {
                 Ok(d) => d,
                 Err(e) => return Step::Now(invalid(e)),
             };

@@ -70,8 +70,9 @@ pub struct ServerOptions {
     /// does not count while it waits). At least 1.
     pub max_in_flight: usize,
     /// Worker connections served at once (`sidecar.max_connections`). Up to
-    /// [`RESERVED_CONNECTIONS`] more are accepted for admins (full service) and for
-    /// `Status`/`StatusJson`/`Ping`; past that a connection is refused `Overloaded`.
+    /// [`RESERVED_CONNECTIONS`] more are served to `admin_uids` peers only (decided
+    /// from the peer's credentials at accept); any other peer past the cap, and
+    /// everyone past the reserve, is refused `Overloaded`.
     pub max_connections: usize,
     /// A connection that holds no call, no permit and no request for this long is
     /// closed; so is one whose partial frame does not complete within it.
@@ -167,7 +168,7 @@ impl Drop for ConnSlot {
     }
 }
 
-/// Connections accepted beyond `max_connections` for admins and `Status`/`Ping`.
+/// Connections accepted beyond `max_connections` for `admin_uids` peers only.
 pub use crate::daemon::fdlimit::RESERVED_CONNECTIONS;
 
 impl Shared {
