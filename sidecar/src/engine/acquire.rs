@@ -9,9 +9,14 @@
 //! - An Acquire whose pass is refused on the quota branch joins the scope's **quota
 //!   line** ([`super::queue::QuotaLine`]), FIFO within the size class of its
 //!   estimate (estimates within 2× of each other share a class; the estimate is the
-//!   largest over the scope's sources). A new Acquire always checks its budgets and
-//!   runs its first pass as before (so `fail_fast` dispatch is unchanged); the line
-//!   orders only calls that already wait.
+//!   largest over the scope's sources). A new Acquire always checks its budgets
+//!   first. **No barging** (§5, issue 21): while the scope's line has members, a new
+//!   Acquire joins the back of its size line instead of running its first pass, so
+//!   capacity freed for the waiters goes to them, oldest first; it runs that pass
+//!   when it becomes its size line's poller. With nobody waiting it runs its first
+//!   pass at once, as before (so `fail_fast` dispatch is unchanged). A waiter
+//!   refused only for circuit reasons leaves the line (no head-of-line blocking:
+//!   it naps on its §6 hint, and the next of its size line takes the poller turn).
 //! - The front of each size line is its **poller**: it naps and passes exactly as
 //!   §5 says (`nap(hint)`; the quota hint still answers most passes without a
 //!   backend round trip). The others, **followers**, run no pass and set no timer
@@ -206,6 +211,31 @@ impl<B: Backend> Engine<B> {
                     reasons: self.reasons_of(si, &reasons),
                 });
             }
+            if check_budgets && place.is_none() && self.quota_lines[si].has_members() {
+                // §5 no barging: the scope has quota waiters, so this new Acquire
+                // joins the line behind them instead of taking capacity freed for
+                // them; it runs its first pass when its size line makes it poller
+                // (at once if its size line was empty).
+                let s = self.quota_lines[si].join(self.size_class_of(si, budget.est));
+                let follower = !s.is_poller();
+                spot = Some(s);
+                if follower {
+                    let edge = stall_edge(cfg, budget.stall);
+                    if let Some(f) = on_wait.take() {
+                        f();
+                    }
+                    waiting = Some(self.start_waiting(si, class, call, edge, &reasons)?);
+                    notified.set(None);
+                    let s = spot.as_ref().expect("just set");
+                    tokio::select! {
+                        _ = s.woken() => {}
+                        _ = tokio::time::sleep(edge) => {}
+                        _ = self.shutdown.cancelled() => return Err(EngineError::ShuttingDown),
+                        _ = ended(&waiting) => return Err(EngineError::CallEnded(call)),
+                    }
+                    continue;
+                }
+            }
             if !my_turn {
                 // Not this waiter's turn (it went to the one fair order put first):
                 // no pass, only the stall budget, then nap on.
@@ -277,6 +307,12 @@ impl<B: Backend> Engine<B> {
             // here: the min over the sources of when each would certainly pass.
             let retry_after = refused.retry_after();
             let quota_wait = refused.gate_rejections != sc.sources.len();
+            if !quota_wait {
+                // §5: refused only for circuit reasons, it leaves the quota line (the
+                // next takes the poller turn): it must not hold up the waiters
+                // behind it, who may fit where it cannot.
+                spot = None;
+            }
             let hint = if !quota_wait {
                 // Every source refused for circuit reasons: the min is the breakers'.
                 if cfg.circuit_open == Mode::FailFast {
