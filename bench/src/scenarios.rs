@@ -40,6 +40,7 @@ impl<'a> Ctx<'a> {
             Scenario::Engine => crate::engine::run(&self.rt, self.opts),
             Scenario::Priorities => crate::priorities::run(&self.rt, self.opts),
             Scenario::Fleet => Ok(vec![fleet(self.opts)]),
+            Scenario::StatusFlood => crate::flood::run(self.opts),
             Scenario::Python | Scenario::Node | Scenario::Go => crate::drivers::run(self, s),
         };
         r.unwrap_or_else(|e| {

@@ -19,6 +19,15 @@
 //!
 //! One build at a time per kind: concurrent requests wait for the build under way
 //! and take its result instead of building their own.
+//!
+//! Serving a snapshot still costs its bytes (a clone, the encoding, the write: ~2 MB
+//! for 3,000 sources), and a client can ask as fast as it reads. So status replies
+//! are also **paced by bytes**, sidecar-wide: [`STATUS_BYTES_PER_S`] refill a bucket
+//! of [`STATUS_BURST`] bytes, and a reply the bucket cannot pay for is sent when it
+//! could (the request waits on a timer, costing nothing meanwhile). Small configs
+//! never notice (a 10-source report is a few KiB: thousands per second); on 3,000
+//! sources a flood gets ~30 replies a second and the other clients keep their core
+//! (docs/benchmarks.md, `--scenario status-flood`).
 
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
@@ -32,6 +41,13 @@ use crate::engine::Engine;
 /// A snapshot is served for up to this many times what building it took (and never
 /// past `metrics_refresh`): status building takes at most ~1/32 of a thread.
 pub const COST_FACTOR: u32 = 32;
+
+/// Sidecar-wide rate of status reply bytes (see the module docs).
+pub const STATUS_BYTES_PER_S: f64 = 64.0 * 1024.0 * 1024.0;
+
+/// Bytes of status replies that may go out at once before the pacing applies: the
+/// largest reply (16 MiB), so any one report is served at once when none preceded it.
+pub const STATUS_BURST: f64 = 16.0 * 1024.0 * 1024.0;
 
 /// A report built faster than this is not kept: it costs about what serving any
 /// request does, and rebuilding it keeps status exact for small configs.
@@ -54,6 +70,16 @@ struct Snap {
     valid_for: Duration,
     /// The reply, cloned for each request it answers.
     reply: Reply,
+    /// Its encoded size, what the pacing charges per reply.
+    bytes: usize,
+}
+
+/// The byte bucket of the pacing.
+struct Pace {
+    /// Bytes that may go out now (negative: owed by replies already scheduled).
+    level: f64,
+    /// When `level` was last brought up to date.
+    at: Instant,
 }
 
 /// The status snapshots of one server.
@@ -64,6 +90,8 @@ pub(crate) struct StatusCache {
     snaps: [Mutex<Option<Snap>>; 2],
     /// Held while a report of that kind is built (one build at a time).
     building: [tokio::sync::Mutex<()>; 2],
+    /// The sidecar-wide byte pacing of status replies.
+    pace: Mutex<Pace>,
 }
 
 impl StatusCache {
@@ -73,23 +101,59 @@ impl StatusCache {
             refresh,
             snaps: [Mutex::new(None), Mutex::new(None)],
             building: [tokio::sync::Mutex::new(()), tokio::sync::Mutex::new(())],
+            pace: Mutex::new(Pace {
+                level: STATUS_BURST,
+                at: Instant::now(),
+            }),
         }
     }
 
-    /// The snapshot of `kind` if it may still be served.
-    fn cached(&self, kind: Report) -> Option<Reply> {
+    /// Charge `bytes` to the pacing: how long the reply must wait before it goes out.
+    fn charge(&self, bytes: usize) -> Duration {
+        let mut p = self.pace.lock().unwrap_or_else(|e| e.into_inner());
+        let now = Instant::now();
+        let dt = now.saturating_duration_since(p.at).as_secs_f64();
+        p.level = (p.level + dt * STATUS_BYTES_PER_S).min(STATUS_BURST);
+        p.at = now;
+        p.level -= bytes as f64;
+        if p.level >= 0.0 {
+            Duration::ZERO
+        } else {
+            Duration::from_secs_f64(-p.level / STATUS_BYTES_PER_S)
+        }
+    }
+
+    /// The report of `kind` (see [`StatusCache::report`]), sent when the byte pacing
+    /// allows.
+    pub async fn get<B: Backend>(&self, kind: Report, engine: &Engine<B>, fresh: bool) -> Reply {
+        let (reply, bytes) = self.report(kind, engine, fresh).await;
+        let wait = self.charge(bytes);
+        if !wait.is_zero() {
+            tokio::time::sleep(wait).await;
+        }
+        reply
+    }
+
+    /// The snapshot of `kind` if it may still be served, with its size.
+    fn cached(&self, kind: Report) -> Option<(Reply, usize)> {
         let snap = self.snaps[kind as usize]
             .lock()
             .unwrap_or_else(|e| e.into_inner());
         snap.as_ref()
             .filter(|s| s.built.elapsed() < s.valid_for)
-            .map(|s| s.reply.clone())
+            .map(|s| (s.reply.clone(), s.bytes))
     }
 
-    /// The report of `kind`: the snapshot while it is young enough (see the module
-    /// docs), else a new build, kept for the requests that follow. `fresh`: the
-    /// asking connection changed something since its last status (read your writes).
-    pub async fn get<B: Backend>(&self, kind: Report, engine: &Engine<B>, fresh: bool) -> Reply {
+    /// The report of `kind` and its encoded size: the snapshot while it is young
+    /// enough (see the module docs), else a new build, kept for the requests that
+    /// follow. `fresh`: the asking connection changed something since its last
+    /// status (read your writes).
+    async fn report<B: Backend>(
+        &self,
+        kind: Report,
+        engine: &Engine<B>,
+        fresh: bool,
+    ) -> (Reply, usize) {
         if !fresh {
             if let Some(r) = self.cached(kind) {
                 return r;
@@ -109,6 +173,14 @@ impl StatusCache {
             Report::Json => Reply::StatusJson(convert::status_json(engine.backend_name(), &scopes)),
         };
         let cost = started.elapsed();
+        let bytes = match &reply {
+            Reply::StatusJson(doc) => doc.len(),
+            r => ipc_protocol::encode_server(&ipc_protocol::ServerFrame {
+                id: 0,
+                reply: r.clone(),
+            })
+            .map_or(0, |v| v.len()),
+        };
         let snap = Snap {
             built: Instant::now(),
             valid_for: match cost >= MIN_CACHED_COST {
@@ -116,10 +188,11 @@ impl StatusCache {
                 false => Duration::ZERO,
             },
             reply: reply.clone(),
+            bytes,
         };
         *self.snaps[kind as usize]
             .lock()
             .unwrap_or_else(|e| e.into_inner()) = Some(snap);
-        reply
+        (reply, bytes)
     }
 }
