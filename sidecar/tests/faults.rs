@@ -645,3 +645,32 @@ async fn status_on_a_large_config_is_served_from_a_snapshot_at_most_metrics_refr
     })
     .await
 }
+
+// ---- item 8: an exposed admin listener --------------------------------------------------
+
+/// The admin listener has no authentication: bound beyond loopback, the sidecar
+/// says so at start (before, it started silently); on loopback it does not.
+#[tokio::test(flavor = "multi_thread")]
+async fn an_admin_listener_beyond_loopback_is_warned_about_at_start() {
+    bounded(async {
+        let exposed = Daemon::start("admin_listen = \"0.0.0.0:0\"", SCOPES, &[]);
+        let quiet = Daemon::start("admin_listen = \"127.0.0.1:0\"", SCOPES, &[]);
+        // The line is written before the socket accepts; give the log a moment.
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+        while !exposed.log_text().contains("not a loopback address") {
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "no warning: {}",
+                exposed.log_text()
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        assert!(exposed.log_text().contains("without authentication"));
+        assert!(
+            !quiet.log_text().contains("not a loopback address"),
+            "{}",
+            quiet.log_text()
+        );
+    })
+    .await
+}
