@@ -674,3 +674,54 @@ async fn an_admin_listener_beyond_loopback_is_warned_about_at_start() {
     })
     .await
 }
+
+// ---- item 8: fail_closed across a CLIENT KILL ------------------------------------------
+
+/// `on_backend_error = "fail_closed"`: a `CLIENT KILL` of the sidecar's Redis link
+/// (a proxy restart, an operator) costs nothing: the call in flight is sent again,
+/// once, on the reconnected link. Before, it failed `BackendUnavailable`.
+#[tokio::test(flavor = "multi_thread")]
+async fn fail_closed_calls_survive_a_client_kill() {
+    use polygate::backend::redis::{RedisBackend, RedisOptions};
+    use polygate::backend::{Admit, AdmitRequest, Backend, BreakerParams, QuotaParams};
+    let Some(srv) = support::redis_server::RedisServer::start() else {
+        return;
+    };
+    bounded(async {
+        let b = RedisBackend::connect(
+            RedisOptions {
+                url: srv.url(),
+                cluster_nodes: vec![],
+                key_prefix: format!("faults{}", std::process::id()),
+                timeout: Duration::from_millis(500),
+                on_backend_error: polygate::config::OnBackendError::FailClosed,
+                sources: vec!["s1".into()],
+            },
+            std::sync::Arc::new(polygate::clock::TokioClock::new()),
+        )
+        .await
+        .expect("connect");
+        let bp = BreakerParams {
+            failure_threshold: 3,
+            failure_rate: 0.5,
+            min_calls: 10,
+            window: Duration::from_secs(60),
+            cooldown: Duration::from_millis(100),
+            max_cooldown: Duration::from_millis(400),
+            probe_ttl: Duration::from_millis(150),
+        };
+        let qp = QuotaParams::default();
+        let admit = || b.admit("s1", AdmitRequest::new(&bp, &qp, 1));
+        assert!(matches!(admit().await, Ok(Admit::Admitted { .. })));
+        for round in 0..3 {
+            let killed = srv.cli(&["CLIENT", "KILL", "TYPE", "normal"]);
+            assert!(killed.trim() != "0", "no client killed: {killed}");
+            let r = admit().await;
+            assert!(
+                matches!(r, Ok(Admit::Admitted { .. })),
+                "round {round}: a killed link is retried once on the new one: {r:?}"
+            );
+        }
+    })
+    .await
+}
