@@ -292,6 +292,23 @@ impl BlockingConn {
         self.recv(read)
     }
 
+    /// Send the bytes `fill` writes (`n` requests), then read `n` replies, handing
+    /// each to `read` (a pipelined burst).
+    pub fn burst(
+        &mut self,
+        n: usize,
+        fill: impl FnOnce(&mut Vec<u8>),
+        mut read: impl FnMut(&Frame<'_>) -> io::Result<()>,
+    ) -> io::Result<()> {
+        self.out.clear();
+        fill(&mut self.out);
+        self.stream.write_all(&self.out)?;
+        for _ in 0..n {
+            self.recv(&mut read)?;
+        }
+        Ok(())
+    }
+
     fn recv<T>(&mut self, read: impl FnOnce(&Frame<'_>) -> io::Result<T>) -> io::Result<T> {
         loop {
             if let Some(f) = self.reader.next() {

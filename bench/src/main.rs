@@ -9,6 +9,7 @@ mod context;
 mod drivers;
 mod echo;
 mod engine;
+mod flood;
 mod frames;
 mod load;
 mod priorities;
@@ -61,6 +62,9 @@ struct Cli {
     /// Waiting calls of `waiters`.
     #[arg(long, default_value_t = 10_000)]
     waiters: usize,
+    /// Sources of `status-flood`'s large scope.
+    #[arg(long, default_value_t = 3000)]
+    sources: usize,
     /// Concurrency of the driver scenarios (threads for sync, tasks for asyncio).
     #[arg(long, default_value_t = 64)]
     concurrency: usize,
@@ -157,10 +161,13 @@ pub enum Scenario {
     /// DESIGN §7a: upstream 429s of N sidecars against a fake provider (not in --all:
     /// it measures counts over minutes, not the cost budget).
     Fleet,
+    /// DESIGN §12: a healthy client's call latency with and without two clients
+    /// flooding `StatusJson` on a config of `--sources` sources.
+    StatusFlood,
 }
 
 impl Scenario {
-    const ALL: [Scenario; 9] = [
+    const ALL: [Scenario; 10] = [
         Scenario::Latency,
         Scenario::Throughput,
         Scenario::Redis,
@@ -170,6 +177,7 @@ impl Scenario {
         Scenario::Go,
         Scenario::Engine,
         Scenario::Priorities,
+        Scenario::StatusFlood,
     ];
 
     pub fn name(self) -> &'static str {
@@ -184,6 +192,7 @@ impl Scenario {
             Scenario::Engine => "engine",
             Scenario::Priorities => "priorities",
             Scenario::Fleet => "fleet",
+            Scenario::StatusFlood => "status_flood",
         }
     }
 
@@ -242,6 +251,15 @@ impl Scenario {
                 "interactive_p99_ms_without_classes",
                 "batch_calls_per_s",
             ],
+            Scenario::StatusFlood => &[
+                "sources",
+                "call_p50_us",
+                "call_p50_us_flooded",
+                "call_p99_us",
+                "call_p99_us_flooded",
+                "p50_ratio",
+                "status_replies_per_s",
+            ],
             Scenario::Engine => &[
                 "calls_per_s_1_task",
                 "calls_per_s_64_tasks",
@@ -262,6 +280,8 @@ pub struct Opts {
     pub socket: Option<PathBuf>,
     pub redis_url: Option<String>,
     pub waiters: usize,
+    /// Sources of `status-flood`'s large scope.
+    pub sources: usize,
     pub concurrency: usize,
     pub python: PathBuf,
     pub python_driver: PathBuf,
@@ -402,6 +422,7 @@ fn main() -> ExitCode {
         socket: cli.socket.clone(),
         redis_url: cli.redis_url.clone(),
         waiters: cli.waiters,
+        sources: cli.sources,
         concurrency: cli.concurrency,
         python: rel(&cli.python),
         python_driver: rel(&cli.python_driver),
@@ -421,6 +442,7 @@ fn main() -> ExitCode {
         opts.seconds = opts.seconds.min(0.2);
         opts.clients = vec![1, 4];
         opts.waiters = opts.waiters.min(200);
+        opts.sources = opts.sources.min(300);
         opts.concurrency = opts.concurrency.min(4);
         opts.repeat = 1;
     }

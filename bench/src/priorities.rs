@@ -129,6 +129,8 @@ pub fn run(rt: &tokio::runtime::Runtime, opts: &Opts) -> Result<Vec<Line>, Strin
             .num("interactive_p99_ms", pct_ms(&cls, 0.99))
             .num("interactive_p50_ms_without_classes", pct_ms(&fifo, 0.5))
             .num("interactive_p99_ms_without_classes", pct_ms(&fifo, 0.99))
+            .num("interactive_max_ms", pct_ms(&cls, 1.0))
+            .num("interactive_max_ms_without_classes", pct_ms(&fifo, 1.0))
             .num("interactive_calls", cls.len() as f64)
             .num("interactive_calls_without_classes", fifo.len() as f64)
             .num("batch_calls_per_s", cls_batch as f64 / secs)

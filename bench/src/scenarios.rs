@@ -24,6 +24,7 @@ pub fn run(ctx: &mut Ctx, s: Scenario) -> Vec<Line> {
         Scenario::Engine => crate::engine::run(&ctx.rt, ctx.opts),
         Scenario::Priorities => crate::priorities::run(&ctx.rt, ctx.opts),
         Scenario::Fleet => Ok(vec![fleet(ctx.opts)]),
+        Scenario::StatusFlood => crate::flood::run(ctx.opts),
         Scenario::Python | Scenario::Node | Scenario::Go => crate::drivers::run(ctx, s),
     };
     r.unwrap_or_else(|e| {

@@ -90,6 +90,16 @@ pub struct Sidecar {
 impl Sidecar {
     /// Start `bin` on `backend`, config and socket in `dir`. `pin`: run it on CPU 0.
     pub fn start(bin: &Path, dir: &Path, backend: &Backend) -> Result<Sidecar, String> {
+        Self::start_with(bin, dir, backend, "")
+    }
+
+    /// [`Sidecar::start`] with `extra` appended to the configuration (more scopes).
+    pub fn start_with(
+        bin: &Path,
+        dir: &Path,
+        backend: &Backend,
+        extra: &str,
+    ) -> Result<Sidecar, String> {
         if !bin.is_file() {
             return Err(format!(
                 "sidecar binary {} not found: build it with `cargo build --release -p \
@@ -99,7 +109,8 @@ impl Sidecar {
         }
         let socket = dir.join("sidecar.sock");
         let cfg = dir.join("bench.toml");
-        std::fs::write(&cfg, config(&socket, backend)).map_err(|e| e.to_string())?;
+        let text = format!("{}\n{extra}", config(&socket, backend));
+        std::fs::write(&cfg, text).map_err(|e| e.to_string())?;
         let mut cmd = Command::new(bin);
         cmd.arg("--config").arg(&cfg).env("RUST_LOG", "warn");
         let mut proc = Proc::spawn("polygate-sidecar", cmd, &dir.join("sidecar.log"))?;

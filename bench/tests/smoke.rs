@@ -54,6 +54,13 @@ fn keys(scenario: &str) -> &'static [&'static str] {
             "interactive_p99_ms_without_classes",
             "batch_calls_per_s",
         ],
+        "status_flood" => &[
+            "sources",
+            "call_p50_us",
+            "call_p50_us_flooded",
+            "p50_ratio",
+            "status_replies_per_s",
+        ],
         other => panic!("unexpected scenario {other:?}"),
     }
 }
@@ -113,6 +120,7 @@ fn every_scenario_prints_its_keys() {
         "go",
         "engine",
         "priorities",
+        "status_flood",
     ] {
         assert!(
             seen.iter().any(|x| x == s),

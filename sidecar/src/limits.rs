@@ -37,6 +37,42 @@ pub const MAX_NAME: usize = 200;
 /// of any size small, and one bad request from being kilobytes of log.
 pub const MAX_ECHO: usize = 128;
 
+/// Memory one waiting request may be assumed to hold (its future, its place in a
+/// line, its connection's share): measured ~2.5 KiB per waiting `Start` (issue 21),
+/// rounded up.
+pub const WAITER_BYTES: u64 = 4096;
+
+/// Share of the host's memory (or the cgroup's limit, whichever is smaller) that the
+/// default `sidecar.max_waiters` lets waiters take: one sixteenth.
+const WAITERS_MEMORY_SHARE: u64 = 16;
+
+/// Bounds of the derived `sidecar.max_waiters`: never fewer than §16's 10,000
+/// waiters, never more than a million.
+const DEFAULT_WAITERS_RANGE: (u64, u64) = (10_000, 1_000_000);
+
+/// The default `sidecar.max_waiters`: a sixteenth of the memory this process may
+/// use (the smaller of `MemTotal` and a cgroup v2 `memory.max`) at [`WAITER_BYTES`]
+/// each, within 10,000 ..= 1,000,000 (10,000 when neither can be read).
+pub fn default_max_waiters() -> u32 {
+    let meminfo = std::fs::read_to_string("/proc/meminfo").ok();
+    let total = meminfo.as_deref().and_then(|m| {
+        let line = m.lines().find(|l| l.starts_with("MemTotal:"))?;
+        let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+        kib.checked_mul(1024)
+    });
+    let cgroup = std::fs::read_to_string("/sys/fs/cgroup/memory.max")
+        .ok()
+        .and_then(|s| s.trim().parse::<u64>().ok());
+    waiters_for_memory([total, cgroup].into_iter().flatten().min())
+}
+
+/// [`default_max_waiters`] for `bytes` of memory (`None`: unknown).
+pub fn waiters_for_memory(bytes: Option<u64>) -> u32 {
+    let (lo, hi) = DEFAULT_WAITERS_RANGE;
+    let n = bytes.map_or(lo, |b| b / WAITERS_MEMORY_SHARE / WAITER_BYTES);
+    n.clamp(lo, hi) as u32
+}
+
 /// `s` cut to at most [`MAX_ECHO`] bytes on a character boundary, with `…` appended
 /// when something was cut.
 pub fn echo(s: &str) -> Cow<'_, str> {
@@ -70,5 +106,16 @@ mod tests {
         assert!(cut.starts_with("ää"));
         assert_eq!(truncate("abcdef", 3), "abc…(6 bytes)");
         assert_eq!(truncate("🚀🚀", 5), "🚀…(8 bytes)");
+    }
+
+    #[test]
+    fn the_default_waiter_cap_follows_memory_within_its_bounds() {
+        assert_eq!(waiters_for_memory(None), 10_000, "unknown memory");
+        assert_eq!(waiters_for_memory(Some(512 << 20)), 10_000, "a small host");
+        // 16 GiB: a sixteenth (1 GiB) at 4 KiB each.
+        assert_eq!(waiters_for_memory(Some(16 << 30)), 262_144);
+        assert_eq!(waiters_for_memory(Some(u64::MAX)), 1_000_000);
+        let here = default_max_waiters();
+        assert!((10_000..=1_000_000).contains(&here), "{here}");
     }
 }

@@ -420,3 +420,62 @@ async fn a_napper_leaving_while_the_head_is_mid_turn_leaves_a_looker() {
     })
     .await;
 }
+
+/// A scope ("p") whose one source has a pacer of exactly one slot, waiting on the
+/// pacer (quota_full = wait), no classes.
+fn one_slot() -> Arc<Engine<MemoryBackend>> {
+    let mut p = scope("p", vec![source("s")]);
+    p.poll_interval = ms(50);
+    p.stall_window = secs(3600);
+    p.pacer.initial = 1.0;
+    p.pacer.min = 1.0;
+    p.pacer.max = 1.0;
+    engine(&config(vec![p]))
+}
+
+fn ok() -> Outcome {
+    Outcome::Success {
+        tokens: Some(1),
+        split: None,
+        count_attempt: true,
+    }
+}
+
+/// §5 "waiters keep their place" (issue 21 item 7): a new Acquire that asks in the
+/// instant a slot frees joins the line behind the waiter the slot was freed for,
+/// instead of taking it. Before, its first pass took the slot at once, ahead of the
+/// woken waiter (in the priorities bench one call waited a whole 3 s run).
+#[tokio::test(start_paused = true)]
+async fn a_new_acquire_does_not_take_a_slot_freed_for_a_waiter() {
+    within(secs(60), async {
+        let e = one_slot();
+        let holder = e.begin_call(OWNER, "p", None).unwrap();
+        let held = e.acquire(OWNER, holder).await.unwrap();
+        let waiter_call = e.begin_call(OWNER, "p", None).unwrap();
+        let e2 = e.clone();
+        let waiter = tokio::spawn(async move { e2.acquire(OWNER, waiter_call).await });
+        tokio::time::sleep(ms(5)).await;
+        assert_eq!(e.status_local()[0].waiters, 1);
+
+        // The slot frees; in the same instant (no yield) a new call asks.
+        e.report(OWNER, held.permit, ok()).await.unwrap();
+        let newcomer = e.begin_call(OWNER, "p", None).unwrap();
+        let mut late = Box::pin(e.acquire(OWNER, newcomer));
+        let first = tokio::select! {
+            biased;
+            r = &mut late => Some(r),
+            _ = std::future::ready(()) => None,
+        };
+        assert!(
+            first.is_none(),
+            "the newcomer took the slot freed for the waiter: {first:?}"
+        );
+        let w = waiter.await.unwrap().expect("the waiter is granted");
+        assert_eq!(e.status_local()[0].waiters, 1, "the newcomer waits in line");
+        // The waiter's permit goes back: now it is the newcomer's turn.
+        e.report(OWNER, w.permit, ok()).await.unwrap();
+        let g = late.await.expect("granted after the waiter");
+        assert_eq!(&*g.source, "s");
+    })
+    .await
+}

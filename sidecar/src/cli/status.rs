@@ -89,6 +89,24 @@ enum Printable {
     Json(String),
 }
 
+/// A frame of id 0 — the sidecar's word on the whole connection, sent before it
+/// closes it — in words.
+fn refusal(reply: &Reply) -> String {
+    match reply {
+        Reply::Error(e) if e.kind == ipc_protocol::ErrorKind::Overloaded => {
+            format!(
+                "the sidecar refused the connection (Overloaded): {}",
+                e.message
+            )
+        }
+        Reply::Error(e) => format!(
+            "the sidecar refused the connection ({:?}): {}",
+            e.kind, e.message
+        ),
+        other => format!("unexpected frame for the whole connection: {other:?}"),
+    }
+}
+
 /// Hello, then `request` (`Status` or `StatusJson`), on one connection.
 async fn fetch(socket: &Path, request: Request) -> Result<Printable, String> {
     let stream = UnixStream::connect(socket).await.map_err(|e| {
@@ -109,16 +127,28 @@ async fn fetch(socket: &Path, request: Request) -> Result<Printable, String> {
     // A status report may be larger than a request frame: accept up to the decoder's limit.
     let mut framed = Framed::new(stream, ClientCodec::new(ipc_protocol::codec::DECODE_LIMIT));
     let mut ask = async |id: u64, request: Request| -> Result<Reply, String> {
-        framed
-            .send(ClientFrame { id, request })
-            .await
-            .map_err(|e| format!("send failed: {e}"))?;
+        // A send that fails may still have a refusal waiting to be read (the
+        // sidecar refuses before any Hello, then closes): read it before giving up.
+        let sent = framed.send(ClientFrame { id, request }).await;
         loop {
             match framed.next().await {
                 Some(Ok(f)) if f.id == id => return Ok(f.reply),
+                // Id 0: the sidecar speaks for the connection (a refusal, then it
+                // closes): say it in words.
+                Some(Ok(f)) if f.id == 0 => return Err(refusal(&f.reply)),
                 Some(Ok(_)) => continue,
-                Some(Err(e)) => return Err(format!("receive failed: {e}")),
-                None => return Err("the sidecar closed the connection".into()),
+                Some(Err(e)) => {
+                    return Err(match sent {
+                        Err(s) => format!("send failed: {s}"),
+                        Ok(()) => format!("receive failed: {e}"),
+                    })
+                }
+                None => {
+                    return Err(match sent {
+                        Err(s) => format!("send failed: {s}"),
+                        Ok(()) => "the sidecar closed the connection".into(),
+                    })
+                }
             }
         }
     };

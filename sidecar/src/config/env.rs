@@ -104,6 +104,7 @@ const SIDECAR_KEYS: &[(&str, Slot<RawSidecar>)] = &[
     ("MAX_CONNECTIONS", Slot::Int(|s| &mut s.max_connections)),
     ("IDLE_TIMEOUT", Slot::Text(|s| &mut s.idle_timeout)),
     ("MAX_BUFFERED", Slot::Int(|s| &mut s.max_buffered)),
+    ("MAX_WAITERS", Slot::Int(|s| &mut s.max_waiters)),
     ("WORKER_THREADS", Slot::Int(|s| &mut s.worker_threads)),
 ];
 

@@ -179,6 +179,12 @@ pub struct SidecarConfig {
     /// Sidecar-wide bytes of unsent replies plus requests in progress, over every
     /// connection: past it no connection's frames are read until replies drain.
     pub max_buffered: u64,
+    /// §12: most requests (Acquire, Start, Retry) waiting at once over every
+    /// connection; one more that would wait is refused `Overloaded`. Each waiter
+    /// holds a few KiB, and the per-connection caps alone allowed ~245 GB. `None`
+    /// derives it at start-up from the host's memory
+    /// ([`crate::limits::default_max_waiters`]).
+    pub max_waiters: Option<u32>,
     /// Threads that run connections, requests and timers (§16): `Some(1)` (the
     /// default) is a single-threaded runtime — no work stealing, no cross-thread
     /// wake-ups, the least CPU per request and the most calls per second measured
@@ -387,6 +393,7 @@ impl Default for SidecarConfig {
             max_connections: None,
             idle_timeout: DEFAULT_IDLE_TIMEOUT,
             max_buffered: DEFAULT_MAX_BUFFERED,
+            max_waiters: None,
             worker_threads: DEFAULT_WORKER_THREADS,
         }
     }

@@ -69,6 +69,9 @@ pub(super) struct RawSidecar {
     pub idle_timeout: Option<String>,
     /// Global buffer budget in bytes; signed so a negative value is reported by key.
     pub max_buffered: Option<i64>,
+    /// Sidecar-wide cap on waiting requests (0 = derived from memory); signed so a
+    /// negative value is reported by key.
+    pub max_waiters: Option<i64>,
     /// Runtime threads; signed so a negative value is reported by key.
     pub worker_threads: Option<i64>,
 }

@@ -14,8 +14,8 @@ use tracing::info;
 /// connections, the admin HTTP listener's connections (at most 64), stdio, epoll.
 pub const FD_HEADROOM: u64 = 160;
 
-/// Connections accepted beyond `max_connections`, for peers in `admin_uids` and for
-/// Status/Ping-only use (bindings/PROTOCOL.md §1, "Connection limit").
+/// Connections accepted beyond `max_connections`, for peers in `admin_uids` only
+/// (bindings/PROTOCOL.md §1, "Connection limit").
 pub const RESERVED_CONNECTIONS: u32 = 8;
 
 /// The cap when `max_connections` is unset and the fd limit allows more.

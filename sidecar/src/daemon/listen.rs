@@ -41,14 +41,33 @@ pub(super) async fn admin(
             .and_then(|()| TcpListener::from_std(l));
         let l = tokio.map_err(|e| format!("socket-activated admin listener: {e}"))?;
         info!("using the admin socket passed by systemd (socket activation)");
+        if let Ok(addr) = l.local_addr() {
+            warn_if_exposed(addr);
+        }
         return Ok(Some(l));
     }
     match c.sidecar.admin_listen {
         None => Ok(None),
-        Some(addr) => TcpListener::bind(addr)
-            .await
-            .map(Some)
-            .map_err(|e| format!("sidecar.admin_listen = {addr}: cannot bind: {e}")),
+        Some(addr) => {
+            let l = TcpListener::bind(addr)
+                .await
+                .map_err(|e| format!("sidecar.admin_listen = {addr}: cannot bind: {e}"))?;
+            warn_if_exposed(addr);
+            Ok(Some(l))
+        }
+    }
+}
+
+/// §12: the admin listener has no authentication (`/metrics` names every source and
+/// its state), so one reachable beyond this host is worth a warning at start.
+fn warn_if_exposed(addr: std::net::SocketAddr) {
+    if !addr.ip().is_loopback() {
+        tracing::warn!(
+            %addr,
+            "sidecar.admin_listen is not a loopback address: /live, /ready and /metrics \
+             are served without authentication to anyone who can reach it (source names, \
+             breaker and quota state); bind 127.0.0.1 or ::1, or firewall the port"
+        );
     }
 }
 

@@ -9,9 +9,14 @@
 //! - An Acquire whose pass is refused on the quota branch joins the scope's **quota
 //!   line** ([`super::queue::QuotaLine`]), FIFO within the size class of its
 //!   estimate (estimates within 2× of each other share a class; the estimate is the
-//!   largest over the scope's sources). A new Acquire always checks its budgets and
-//!   runs its first pass as before (so `fail_fast` dispatch is unchanged); the line
-//!   orders only calls that already wait.
+//!   largest over the scope's sources). A new Acquire always checks its budgets
+//!   first. **No barging** (§5, issue 21): while the scope's line has members, a new
+//!   Acquire joins the back of its size line instead of running its first pass, so
+//!   capacity freed for the waiters goes to them, oldest first; it runs that pass
+//!   when it becomes its size line's poller. With nobody waiting it runs its first
+//!   pass at once, as before (so `fail_fast` dispatch is unchanged). A waiter
+//!   refused only for circuit reasons leaves the line (no head-of-line blocking:
+//!   it naps on its §6 hint, and the next of its size line takes the poller turn).
 //! - The front of each size line is its **poller**: it naps and passes exactly as
 //!   §5 says (`nap(hint)`; the quota hint still answers most passes without a
 //!   backend round trip). The others, **followers**, run no pass and set no timer
@@ -53,7 +58,8 @@
 //! a pass's hold back unless it became a permit (no await between the two).
 
 use std::pin::pin;
-use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering};
+use std::sync::Arc;
 use std::time::Duration;
 
 use super::error::{EngineError, Exhaustion, SkipReason};
@@ -69,6 +75,7 @@ use crate::clock::Clock;
 use crate::config::{Mode, ScopeConfig};
 use crate::gate::pacer::Signal;
 use crate::metrics::histogram::Histogram;
+use tokio::sync::Notify;
 
 impl<B: Backend> Engine<B> {
     /// Start a call in `scope` (its default priority class); the stall clock
@@ -207,6 +214,31 @@ impl<B: Backend> Engine<B> {
                     reasons: self.reasons_of(si, &reasons),
                 });
             }
+            if check_budgets && place.is_none() && self.quota_lines[si].has_members() {
+                // §5 no barging: the scope has quota waiters, so this new Acquire
+                // joins the line behind them instead of taking capacity freed for
+                // them; it runs its first pass when its size line makes it poller
+                // (at once if its size line was empty).
+                let s = self.quota_lines[si].join(self.size_class_of(si, budget.est));
+                let follower = !s.is_poller();
+                spot = Some(s);
+                if follower {
+                    let edge = stall_edge(cfg, budget.stall);
+                    if let Some(f) = on_wait.take() {
+                        f();
+                    }
+                    waiting = Some(self.start_waiting(si, class, call, edge, &reasons)?);
+                    notified.set(None);
+                    let s = spot.as_ref().expect("just set");
+                    tokio::select! {
+                        _ = s.woken() => {}
+                        _ = tokio::time::sleep(edge) => {}
+                        _ = self.shutdown.cancelled() => return Err(EngineError::ShuttingDown),
+                        _ = ended(&waiting) => return Err(EngineError::CallEnded(call)),
+                    }
+                    continue;
+                }
+            }
             if !my_turn {
                 // Not this waiter's turn (it went to the one fair order put first):
                 // no pass, only the stall budget, then nap on.
@@ -232,9 +264,11 @@ impl<B: Backend> Engine<B> {
                     if let Some(f) = on_wait.take() {
                         f();
                     }
-                    waiting = Some(self.start_waiting(si, class, sleep, &reasons));
+                    waiting = Some(self.start_waiting(si, class, call, sleep, &reasons)?);
                 }
-                my_turn = self.wait_turn(place.as_ref(), sleep).await?;
+                my_turn = self
+                    .wait_turn(place.as_ref(), sleep, &waiting, call)
+                    .await?;
                 continue;
             }
             let refused = match self
@@ -276,6 +310,12 @@ impl<B: Backend> Engine<B> {
             // here: the min over the sources of when each would certainly pass.
             let retry_after = refused.retry_after();
             let quota_wait = refused.gate_rejections != sc.sources.len();
+            if !quota_wait {
+                // §5: refused only for circuit reasons, it leaves the quota line (the
+                // next takes the poller turn): it must not hold up the waiters
+                // behind it, who may fit where it cannot.
+                spot = None;
+            }
             let hint = if !quota_wait {
                 // Every source refused for circuit reasons: the min is the breakers'.
                 if cfg.circuit_open == Mode::FailFast {
@@ -315,7 +355,7 @@ impl<B: Backend> Engine<B> {
                 if let Some(f) = on_wait.take() {
                     f();
                 }
-                waiting = Some(self.start_waiting(si, class, sleep, &reasons));
+                waiting = Some(self.start_waiting(si, class, call, sleep, &reasons)?);
             }
             if let Some(p) = &place {
                 // §15 queue: only its napper keeps the §5 nap; the others sleep
@@ -325,7 +365,9 @@ impl<B: Backend> Engine<B> {
                 } else {
                     stall_edge(cfg, stall)
                 };
-                my_turn = self.wait_turn(place.as_ref(), sleep).await?;
+                my_turn = self
+                    .wait_turn(place.as_ref(), sleep, &waiting, call)
+                    .await?;
                 continue;
             }
             if quota_wait && spot.is_none() {
@@ -343,6 +385,7 @@ impl<B: Backend> Engine<B> {
                         _ = s.woken() => {}
                         _ = tokio::time::sleep(edge) => {}
                         _ = self.shutdown.cancelled() => return Err(EngineError::ShuttingDown),
+                        _ = ended(&waiting) => return Err(EngineError::CallEnded(call)),
                     }
                 }
                 // The poller (or a call not in the quota wait): nap as §5 says.
@@ -363,6 +406,7 @@ impl<B: Backend> Engine<B> {
                         _ = notified => {}
                         _ = turn => {}
                         _ = self.shutdown.cancelled() => return Err(EngineError::ShuttingDown),
+                        _ = ended(&waiting) => return Err(EngineError::CallEnded(call)),
                     }
                 }
             }
@@ -381,15 +425,29 @@ impl<B: Backend> Engine<B> {
         size_class(tokens)
     }
 
-    /// The Acquire starts sleeping: count it and log the one "wait started" line.
+    /// The Acquire starts sleeping: count it against `sidecar.max_waiters` (past it
+    /// [`EngineError::TooManyWaiters`]), let `EndCall` of `call` end the wait
+    /// ([`EngineError::CallEnded`] if it already did), and log the one "wait
+    /// started" line.
     fn start_waiting(
         &self,
         si: usize,
         class: usize,
+        call: u64,
         sleep: Duration,
         reasons: &[Option<SkipReason>],
-    ) -> WaiterGuard<'_> {
+    ) -> Result<WaiterGuard<'_>, EngineError> {
         let sc = &self.scopes[si];
+        let max = self.max_waiters.load(Ordering::Relaxed);
+        if self.waiting.fetch_add(1, Ordering::Relaxed) >= max {
+            self.waiting.fetch_sub(1, Ordering::Relaxed);
+            return Err(EngineError::TooManyWaiters(max));
+        }
+        let ended = Arc::new(Notify::new());
+        if let Err(e) = self.lock().watch_end(call, ended.clone()) {
+            self.waiting.fetch_sub(1, Ordering::Relaxed);
+            return Err(e);
+        }
         sc.waiters.fetch_add(1, Ordering::Relaxed);
         bump(&sc.counters.waits);
         if let Some(c) = sc.class_counters.get(class) {
@@ -404,7 +462,11 @@ impl<B: Backend> Engine<B> {
                 "wait started"
             );
         }
-        WaiterGuard(&sc.waiters)
+        Ok(WaiterGuard {
+            scope: &sc.waiters,
+            total: &self.waiting,
+            ended,
+        })
     }
 
     /// §15: sleep until the nap ends or another waiter hands this one its turn, then
@@ -413,12 +475,15 @@ impl<B: Backend> Engine<B> {
         &self,
         place: Option<&super::queue::Place<'_>>,
         sleep: Duration,
+        waiting: &Option<WaiterGuard<'_>>,
+        call: u64,
     ) -> Result<bool, EngineError> {
         let Some(p) = place else { return Ok(true) };
         tokio::select! {
             _ = tokio::time::sleep(sleep) => {}
             _ = p.woken() => {}
             _ = self.shutdown.cancelled() => return Err(EngineError::ShuttingDown),
+            _ = ended(waiting) => return Err(EngineError::CallEnded(call)),
         }
         Ok(p.turn())
     }
@@ -595,15 +660,28 @@ impl Drop for WaitTimer<'_> {
     }
 }
 
-/// Counts a sleeping Acquire in its scope's `waiters`.
-struct WaiterGuard<'a>(
+/// Counts a sleeping Acquire in its scope's `waiters` and the engine's total.
+struct WaiterGuard<'a> {
     /// The scope's waiter count, decremented on drop.
-    &'a AtomicU32,
-);
+    scope: &'a AtomicU32,
+    /// The engine's count of waiting requests (`sidecar.max_waiters`).
+    total: &'a AtomicUsize,
+    /// Woken by `EndCall` of the call: the wait ends at once (§12).
+    ended: Arc<Notify>,
+}
 
 impl Drop for WaiterGuard<'_> {
     fn drop(&mut self) {
-        self.0.fetch_sub(1, Ordering::Relaxed);
+        self.scope.fetch_sub(1, Ordering::Relaxed);
+        self.total.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+/// Resolves when `EndCall` ended the waiting Acquire's call; never before it waits.
+async fn ended(waiting: &Option<WaiterGuard<'_>>) {
+    match waiting {
+        Some(w) => w.ended.notified().await,
+        None => std::future::pending().await,
     }
 }
 

@@ -105,6 +105,14 @@ pub enum EngineError {
     /// The engine is shutting down.
     #[error("sidecar is shutting down")]
     ShuttingDown,
+    /// §12: `EndCall` ended the call while this Acquire (or Retry) of it waited;
+    /// answered at once, like a `Cancel`.
+    #[error("call {0} was ended (EndCall) while its request waited")]
+    CallEnded(u64),
+    /// §12: the sidecar already has `sidecar.max_waiters` requests waiting; this one
+    /// would have waited too and is refused instead.
+    #[error("the sidecar already has {0} requests waiting (sidecar.max_waiters); retry later")]
+    TooManyWaiters(usize),
 }
 
 /// `scope "x": message`, or just the message for errors outside a call (admin).

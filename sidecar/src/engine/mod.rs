@@ -220,6 +220,12 @@ pub struct Engine<B: Backend> {
     /// Admission passes run (§4), for tests and debugging: a waiter's cost is its
     /// passes, which the backend's counters do not see (the quota hint answers most).
     passes: std::sync::atomic::AtomicU64,
+    /// §12: requests sleeping in a wait now, over every scope (counted only when a
+    /// wait starts, never on the no-wait path).
+    waiting: std::sync::atomic::AtomicUsize,
+    /// §12 `sidecar.max_waiters`: past it a request that would wait is refused
+    /// `Overloaded` (reloadable).
+    max_waiters: std::sync::atomic::AtomicUsize,
 }
 
 impl<B: Backend> Engine<B> {
@@ -245,6 +251,8 @@ impl<B: Backend> Engine<B> {
             shutdown: CancellationToken::new(),
             quota_lines,
             passes: std::sync::atomic::AtomicU64::new(0),
+            waiting: std::sync::atomic::AtomicUsize::new(0),
+            max_waiters: std::sync::atomic::AtomicUsize::new(max_waiters(config)),
         })
     }
 
@@ -255,7 +263,12 @@ impl<B: Backend> Engine<B> {
     /// removing, renaming or reordering them needs a restart): such a config is refused
     /// whole and nothing changes. Returns what changed, one line each.
     pub fn reload(&self, config: &Config) -> Result<Vec<String>, ReloadError> {
-        let changes = runtime::reload(&self.scopes, &self.sources, config)?;
+        let mut changes = runtime::reload(&self.scopes, &self.sources, config)?;
+        let waiters = max_waiters(config);
+        let was = self.max_waiters.swap(waiters, Ordering::Relaxed);
+        if was != waiters {
+            changes.push(format!("sidecar.max_waiters: {was} -> {waiters}"));
+        }
         // Quota waiters re-read the policy too (a new quota, poll interval or
         // stall window): each runs one pass now.
         for line in &self.quota_lines {
@@ -279,6 +292,11 @@ impl<B: Backend> Engine<B> {
         for line in &self.quota_lines {
             line.wake_all();
         }
+    }
+
+    /// Requests waiting now over every scope (§12 `max_waiters` counts these).
+    pub fn waiting(&self) -> usize {
+        self.waiting.load(Ordering::Relaxed)
     }
 
     /// `true` once [`Engine::shutdown`] ran.
@@ -415,4 +433,12 @@ impl<B: Backend> Engine<B> {
             _ => {}
         }
     }
+}
+
+/// §12: the configured `sidecar.max_waiters`, or the default derived from memory.
+fn max_waiters(config: &Config) -> usize {
+    config
+        .sidecar
+        .max_waiters
+        .unwrap_or_else(crate::limits::default_max_waiters) as usize
 }

@@ -31,7 +31,7 @@
 //! waiter neither keeps its place nor swallows the wake-up meant for the next one.
 
 use std::collections::VecDeque;
-use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU8, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use tokio::sync::Notify;
@@ -457,6 +457,9 @@ impl Drop for Place<'_> {
 pub(crate) struct QuotaLine {
     /// The size lines in use (empty ones are dropped).
     lines: Mutex<Vec<SizeLine>>,
+    /// Members over every size line, written under the lock and read without it:
+    /// a new Acquire's one look (§5 "no barging": it joins behind them).
+    members: AtomicU32,
 }
 
 /// A spot holds the poller turn.
@@ -523,6 +526,7 @@ impl QuotaLine {
         });
         l.entries.push_back(me.clone());
         l.live += 1;
+        self.members.fetch_add(1, Ordering::Relaxed);
         drop(lines);
         Spot {
             line: self,
@@ -558,6 +562,12 @@ impl QuotaLine {
     pub(crate) fn len(&self) -> usize {
         self.lock().iter().map(|l| l.live as usize).sum()
     }
+
+    /// Anyone waits in the line (one atomic load, no lock): a new Acquire then
+    /// joins behind them instead of running its first pass (§5 "no barging").
+    pub(crate) fn has_members(&self) -> bool {
+        self.members.load(Ordering::Relaxed) > 0
+    }
 }
 
 /// An Acquire's place in its scope's [`QuotaLine`]; leaves it when dropped.
@@ -592,6 +602,7 @@ impl Drop for Spot<'_> {
         let l = &mut lines[i];
         self.me.state.store(GONE, Ordering::Relaxed);
         l.live -= 1;
+        self.line.members.fetch_sub(1, Ordering::Relaxed);
         let was_front = l.entries.front().is_some_and(|f| Arc::ptr_eq(f, &self.me));
         while l
             .entries

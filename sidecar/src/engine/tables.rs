@@ -6,7 +6,10 @@
 // foldhash: these maps are keyed by our own ids and config names (nothing a peer
 // inserts), and SipHash was ~1.5 % of the per-frame CPU (§16).
 use foldhash::HashMap;
+use std::sync::Arc;
 use std::time::Duration;
+
+use tokio::sync::Notify;
 
 use super::error::EngineError;
 use super::CallEst;
@@ -43,6 +46,9 @@ pub(crate) struct CallRec {
     permit: Option<u64>,
     /// §15: index of the call's priority class in its scope (0 without classes).
     pub(crate) class: usize,
+    /// §12: set while an Acquire of the call sleeps (never on the no-wait path):
+    /// `EndCall` wakes it so the wait ends at once with an error.
+    ended: Option<Arc<Notify>>,
 }
 
 impl CallRec {
@@ -179,6 +185,7 @@ impl Tables {
                 acquiring: false,
                 permit: None,
                 class,
+                ended: None,
             },
         );
         Ok(id)
@@ -212,7 +219,19 @@ impl Tables {
     pub(crate) fn end_acquire(&mut self, call: u64) {
         if let Some(c) = self.calls.get_mut(&call) {
             c.acquiring = false;
+            c.ended = None;
         }
+    }
+
+    /// §12: the Acquire of `call` goes to sleep; `EndCall` will wake `ended`.
+    /// [`EngineError::CallEnded`] when the call is already gone.
+    pub(crate) fn watch_end(&mut self, call: u64, ended: Arc<Notify>) -> Result<(), EngineError> {
+        let c = self
+            .calls
+            .get_mut(&call)
+            .ok_or(EngineError::CallEnded(call))?;
+        c.ended = Some(ended);
+        Ok(())
     }
 
     /// The call's budgets at `now`; its failed sources are copied into `failed`.
@@ -342,6 +361,11 @@ impl Tables {
         let c = self.calls.remove(&call).expect("checked");
         if let Some(n) = self.owner_calls.get_mut(&owner) {
             *n = n.saturating_sub(1);
+        }
+        // §12: a sleeping Acquire of the call ends now (a stored permit if it is
+        // between two sleeps: it sees it at its next one).
+        if let Some(ended) = &c.ended {
+            ended.notify_one();
         }
         Ok(c.permit.and_then(|id| self.permits.remove(&id)))
     }

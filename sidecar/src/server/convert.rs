@@ -13,7 +13,7 @@ pub use crate::limits::MAX_TOKENS;
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
 pub enum ArgumentError {
     /// A `seconds` / `retry_after_s` value that is NaN, infinite, negative or too big.
-    #[error("{name} must be a finite number {bound}, got {value}")]
+    #[error("{name} must be a finite number {bound}, got {}", shown(*value))]
     Seconds {
         /// The field name as it appears on the wire.
         name: &'static str,
@@ -29,6 +29,25 @@ pub enum ArgumentError {
         name: &'static str,
         /// What the client sent.
         value: u64,
+    },
+    /// A value above its bound (`ForceOpen.seconds` past [`crate::limits::MAX_FORCE_OPEN`]):
+    /// the message states the bound, not the value's hundreds of digits.
+    #[error("{name} must be > 0 and at most {max_s} ({days} days), got {}", shown(*value), days = max_s / 86_400)]
+    SecondsAbove {
+        /// The field name as it appears on the wire.
+        name: &'static str,
+        /// The bound, in whole seconds.
+        max_s: u64,
+        /// What the client sent.
+        value: f64,
+    },
+    /// A usage whose split (input + output) exceeds the total it gives.
+    #[error("input_tokens + output_tokens ({split}) exceed tokens ({tokens}): the split is part of the total")]
+    SplitAboveTotal {
+        /// The total given.
+        tokens: u64,
+        /// The split's sum.
+        split: u64,
     },
     /// A split token count whose sum does not fit.
     #[error("est_input_tokens + est_output_tokens must be at most {max}", max = MAX_TOKENS)]
@@ -104,6 +123,14 @@ fn usage_tokens(u: wire::Usage) -> Result<(Option<u64>, Option<backend::Split>),
         name: "input_tokens + output_tokens",
         value: input.unwrap_or(0) + output.unwrap_or(0),
     })?;
+    if let (Some(t), Some(s)) = (total, split_total) {
+        if s > t {
+            return Err(ArgumentError::SplitAboveTotal {
+                tokens: t,
+                split: s,
+            });
+        }
+    }
     let split = match (input, output) {
         (None, None) => None,
         (i, o) => {
@@ -123,6 +150,30 @@ pub fn tokens(name: &'static str, value: u64) -> Result<u64, ArgumentError> {
         return Err(ArgumentError::Tokens { name, value });
     }
     Ok(value)
+}
+
+/// A client's number as a message shows it: plain when short, else in scientific
+/// notation (1e300 is not repeated as 301 digits).
+fn shown(v: f64) -> String {
+    if v.is_finite() && v.abs() >= 1e15 {
+        format!("{v:e}")
+    } else {
+        format!("{v}")
+    }
+}
+
+/// `ForceOpen.seconds` → `Duration`: finite, > 0 and at most
+/// [`crate::limits::MAX_FORCE_OPEN`], checked before any conversion.
+pub fn force_open_seconds(value: f64) -> Result<Duration, ArgumentError> {
+    let max = crate::limits::MAX_FORCE_OPEN;
+    if value.is_finite() && value > max.as_secs_f64() {
+        return Err(ArgumentError::SecondsAbove {
+            name: "seconds",
+            max_s: max.as_secs(),
+            value,
+        });
+    }
+    seconds("seconds", value, true)
 }
 
 /// A wire `f64` seconds value → `Duration`; `positive` additionally refuses 0.
@@ -295,6 +346,8 @@ pub fn engine_error(e: &EngineError) -> wire::ErrorReply {
         },
         EngineError::Busy(_) => error(K::Busy, ""),
         EngineError::ShuttingDown => error(K::ShuttingDown, ""),
+        EngineError::CallEnded(_) => error(K::Cancelled, ""),
+        EngineError::TooManyWaiters(_) => error(K::Overloaded, ""),
     };
     reply.message = message;
     reply

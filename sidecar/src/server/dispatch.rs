@@ -28,6 +28,7 @@ use tracing::{debug, info, warn};
 
 use super::budget::{Budget, SlotGuard};
 use super::convert;
+use super::snapshot::Report as StatusKind;
 use super::Shared;
 use crate::backend::{Applied, Backend, Outcome};
 use crate::engine::{Engine, EngineError, OwnerId};
@@ -42,6 +43,10 @@ pub(super) struct Ctx<B: Backend> {
     pub uid: u32,
     pub shared: Arc<Shared>,
     pub budget: Arc<Budget>,
+    /// The connection sent a request other than a status request or `Ping` since
+    /// its last status (or it is new): its next status is built fresh, so it reads
+    /// its own writes (`snapshot`).
+    pub acted: bool,
 }
 
 /// How a request is answered.
@@ -278,19 +283,21 @@ pub(super) fn dispatch<B: Backend>(cx: &Ctx<B>, request: Request) -> Step {
                 reply
             })
         }
-        Request::Status => job!(&cx.budget, CancelBy::Abort, false, |slot| {
-            let scopes = engine.status().await;
-            Reply::Status(convert::status_report(engine.backend_name(), scopes))
-        }),
-        Request::StatusJson => job!(&cx.budget, CancelBy::Abort, false, |slot| {
-            let scopes = engine.status().await;
-            Reply::StatusJson(convert::status_json(engine.backend_name(), &scopes))
-        }),
+        Request::Status | Request::StatusJson => {
+            let kind = match request {
+                Request::Status => StatusKind::Status,
+                _ => StatusKind::Json,
+            };
+            let (shared, fresh) = (cx.shared.clone(), cx.acted);
+            job!(&cx.budget, CancelBy::Abort, false, |slot| {
+                shared.status.get(kind, &engine, fresh).await
+            })
+        }
         Request::ForceOpen { source, seconds } => {
             if let Some(denied) = admin_denied("force-open a source") {
                 return denied;
             }
-            let d = match convert::seconds("seconds", seconds, true) {
+            let d = match convert::force_open_seconds(seconds) {
                 Ok(d) => d,
                 Err(e) => return Step::Now(invalid(e)),
             };

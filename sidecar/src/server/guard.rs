@@ -1,9 +1,11 @@
 //! The bounds one connection is held to under abuse (DESIGN §12 "Bounded under
 //! abuse"; README's limits table; bindings/PROTOCOL.md "Refusals").
 //!
-//! - the connection cap: past `max_connections` and its reserve a connection is
-//!   refused `Overloaded` before `Hello` ([`refuse`]); inside the reserve a non-admin
-//!   may only send `Status`, `StatusJson`, `Ping` (and `Cancel`) ([`reserve_allows`]);
+//! - the connection cap: past `max_connections` a connection is refused `Overloaded`
+//!   before `Hello` ([`refuse`]), except that up to `RESERVED_CONNECTIONS` more are
+//!   served to `admin_uids` peers, decided from the peer's credentials at accept
+//!   ([`refuse_reserve`] for anyone else); a refused peer reads its refusal (its
+//!   `Hello` is read and dropped, so the close is no reset: [`write_refusal`]);
 //! - `idle_timeout`: a connection that holds nothing, or whose partial frame does not
 //!   complete, is closed ([`IdleWatch`], checked periodically, no timer per frame);
 //! - unsent bytes: past [`MAX_UNSENT`] of its own (or the sidecar-wide
@@ -14,11 +16,11 @@
 
 use std::future::Future;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::task::Context;
 use std::time::Duration;
 
-use ipc_protocol::{ErrorKind, Reply, Request};
+use ipc_protocol::{ErrorKind, Reply};
 use tokio::net::UnixStream;
 use tracing::warn;
 
@@ -36,14 +38,24 @@ const STALL_TIMEOUT: Duration = Duration::from_secs(2);
 /// While the sidecar-wide budget (`max_buffered`) is spent, how often a connection
 /// that stopped reading looks again.
 const BUDGET_RETRY: Duration = Duration::from_millis(20);
-/// How long a refusal waits to be written: a peer that does not read cannot hold
-/// the connection open.
+/// How long a refusal waits to be written (and its peer's bytes read): a peer that
+/// does not read or does not close cannot hold the connection open.
 const REFUSAL_FLUSH: Duration = Duration::from_secs(1);
+/// Refusals that may wait for their peer at once (each holds an fd for up to
+/// [`REFUSAL_FLUSH`], outside the connection count); past it a refusal is written
+/// and closed without reading the peer's bytes (it may then see a reset).
+const MAX_REFUSING: usize = 32;
+/// Refusals waiting for their peer now, process-wide.
+static REFUSING: AtomicUsize = AtomicUsize::new(0);
 
 /// Refuse a connection past `max_connections` and its reserve: one `Overloaded`
 /// error (id 0: the connection is closed), written without waiting for `Hello`.
 pub(super) async fn refuse(stream: UnixStream, id: OwnerId, slot: ConnSlot) {
-    let max = slot.0.opts.max_connections;
+    let shared = slot.0.clone();
+    // A refusal does not hold a connection's place while it is written and its
+    // peer's Hello read: it is bounded by [`MAX_REFUSING`] instead.
+    drop(slot);
+    let max = shared.opts.max_connections;
     if logs::allow(Kind::Overloaded) {
         warn!(
             conn = id,
@@ -53,14 +65,39 @@ pub(super) async fn refuse(stream: UnixStream, id: OwnerId, slot: ConnSlot) {
     }
     let message = format!(
         "the sidecar serves at most {max} connections (sidecar.max_connections) plus \
-         {RESERVED_CONNECTIONS} reserved for admin and status; retry later"
+         {RESERVED_CONNECTIONS} reserved for admin_uids; retry later"
     );
-    let max_frame = slot.0.opts.max_frame as usize;
+    let max_frame = shared.opts.max_frame as usize;
     write_refusal(stream, id, max_frame, ErrorKind::Overloaded, message).await;
 }
 
-/// Write one error with id 0 before any `Hello` (bounded by [`REFUSAL_FLUSH`]); the
-/// caller then drops the connection.
+/// Refuse a non-admin peer (`uid`) past `max_connections`: the reserve beyond it
+/// serves `admin_uids` only, so an operator's `status` works however many worker
+/// connections a local client opens.
+pub(super) async fn refuse_reserve(stream: UnixStream, id: OwnerId, shared: &Shared, uid: u32) {
+    let max = shared.opts.max_connections;
+    if logs::allow(Kind::Overloaded) {
+        warn!(
+            conn = id,
+            uid,
+            max_connections = max,
+            "connection refused: the sidecar is at max_connections and the reserve is for admin_uids"
+        );
+    }
+    let message = format!(
+        "the sidecar serves at most {max} connections (sidecar.max_connections); the \
+         {RESERVED_CONNECTIONS} beyond them are reserved for admin_uids, and uid {uid} is not \
+         one; retry later"
+    );
+    let max_frame = shared.opts.max_frame as usize;
+    write_refusal(stream, id, max_frame, ErrorKind::Overloaded, message).await;
+}
+
+/// Write one error with id 0 before any `Hello`, then read and drop what the peer
+/// sends (its `Hello`) until it closes, all within [`REFUSAL_FLUSH`]; the caller
+/// then drops the connection. Closing a Unix socket with unread bytes makes the
+/// peer's next read fail with "connection reset" — the refusal would be lost to
+/// a client that reads past it — so the peer's bytes are read first.
 pub(super) async fn write_refusal(
     stream: UnixStream,
     id: OwnerId,
@@ -68,28 +105,31 @@ pub(super) async fn write_refusal(
     kind: ErrorKind,
     message: String,
 ) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let mut out = Outbox::new(max_frame);
     out.push(id, 0, Reply::Error(convert::error(kind, message)));
-    if let Ok(s) = transport::socket(stream) {
-        let _ = tokio::time::timeout(REFUSAL_FLUSH, out.flush(&s)).await;
-    }
-}
-
-/// What a connection accepted into the reserve by a non-admin peer may send.
-pub(super) fn reserve_allows(request: &Request) -> bool {
-    matches!(
-        request,
-        Request::Status | Request::StatusJson | Request::Ping | Request::Cancel { .. }
-    )
-}
-
-/// The message a limited (reserve) connection gets for any other request.
-pub(super) fn reserve_message(max_connections: usize) -> String {
-    format!(
-        "the sidecar serves at most {max_connections} connections (sidecar.max_connections); \
-         this one is in the reserve for admin and status and may only send \
-         Status or Ping; retry later"
-    )
+    let Ok(s) = transport::socket(stream) else {
+        return;
+    };
+    let drain = REFUSING.fetch_add(1, Ordering::Relaxed) < MAX_REFUSING;
+    let _ = tokio::time::timeout(REFUSAL_FLUSH, async {
+        if out.flush(&s).await.is_err() || !drain {
+            return;
+        }
+        let Ok(mut stream) = UnixStream::from_std(s.into_inner()) else {
+            return;
+        };
+        let _ = stream.shutdown().await;
+        let mut sink = [0u8; 1024];
+        // Until EOF (the peer read the refusal and closed) or an error.
+        while let Ok(n) = stream.read(&mut sink).await {
+            if n == 0 {
+                break;
+            }
+        }
+    })
+    .await;
+    REFUSING.fetch_sub(1, Ordering::Relaxed);
 }
 
 /// The reply that closes a connection for a sidecar-wide limit: `Overloaded` (id 0),

@@ -31,6 +31,7 @@ mod conn;
 pub mod convert;
 mod dispatch;
 mod guard;
+mod snapshot;
 mod transport;
 
 use std::future::Future;
@@ -70,8 +71,9 @@ pub struct ServerOptions {
     /// does not count while it waits). At least 1.
     pub max_in_flight: usize,
     /// Worker connections served at once (`sidecar.max_connections`). Up to
-    /// [`RESERVED_CONNECTIONS`] more are accepted for admins (full service) and for
-    /// `Status`/`StatusJson`/`Ping`; past that a connection is refused `Overloaded`.
+    /// [`RESERVED_CONNECTIONS`] more are served to `admin_uids` peers only (decided
+    /// from the peer's credentials at accept); any other peer past the cap, and
+    /// everyone past the reserve, is refused `Overloaded`.
     pub max_connections: usize,
     /// A connection that holds no call, no permit and no request for this long is
     /// closed; so is one whose partial frame does not complete within it.
@@ -79,6 +81,9 @@ pub struct ServerOptions {
     /// Sidecar-wide bytes of unsent replies (`sidecar.max_buffered`): past it no
     /// connection's frames are read until replies drain.
     pub max_buffered: u64,
+    /// `sidecar.metrics_refresh`: the oldest a `Status`/`StatusJson` snapshot served
+    /// to a client may be (§12; `snapshot`).
+    pub status_refresh: Duration,
     /// Counters the server keeps (tests, debugging); shared by clones of the options.
     #[doc(hidden)]
     pub stats: Arc<ServerStats>,
@@ -120,6 +125,7 @@ impl ServerOptions {
             max_connections: crate::daemon::fdlimit::DEFAULT_MAX_CONNECTIONS as usize,
             idle_timeout: crate::config::DEFAULT_IDLE_TIMEOUT,
             max_buffered: crate::config::DEFAULT_MAX_BUFFERED,
+            status_refresh: Duration::from_secs(5),
             stats: Arc::default(),
             metrics: Arc::default(),
         }
@@ -135,6 +141,7 @@ impl ServerOptions {
                 as usize,
             idle_timeout: c.idle_timeout,
             max_buffered: c.max_buffered,
+            status_refresh: c.metrics_refresh,
             ..Self::new(c.max_frame, AccessPolicy::from_config(c))
         }
     }
@@ -156,6 +163,8 @@ pub(crate) struct Shared {
     /// Bytes of unsent replies over every connection (each connection brings its
     /// share up to date every time it has run): the global budget `max_buffered`.
     pub buffered: AtomicU64,
+    /// §12: the `Status`/`StatusJson` snapshots every connection is served from.
+    pub status: snapshot::StatusCache,
 }
 
 /// One accepted connection in [`Shared::connections`]; counts down when dropped.
@@ -167,12 +176,13 @@ impl Drop for ConnSlot {
     }
 }
 
-/// Connections accepted beyond `max_connections` for admins and `Status`/`Ping`.
+/// Connections accepted beyond `max_connections` for `admin_uids` peers only.
 pub use crate::daemon::fdlimit::RESERVED_CONNECTIONS;
 
 impl Shared {
     pub fn new(opts: ServerOptions) -> Shared {
         Shared {
+            status: snapshot::StatusCache::new(opts.status_refresh),
             opts,
             draining: CancellationToken::new(),
             hard_stop: CancellationToken::new(),

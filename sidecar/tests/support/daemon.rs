@@ -56,10 +56,15 @@ impl Daemon {
         let socket = dir.path().join("sidecar.sock");
         let log = dir.path().join("stderr.log");
         let config = dir.path().join("polygate.toml");
+        // `socket_mode` defaults to 0600 here unless the test sets its own.
+        let mode = match sidecar.contains("socket_mode") {
+            true => "",
+            false => "socket_mode = \"0600\"\n",
+        };
         std::fs::write(
             &config,
             format!(
-                "[sidecar]\nsocket = \"{}\"\nsocket_mode = \"0600\"\nshutdown_grace = \"1s\"\n{sidecar}\n\n{scopes}\n",
+                "[sidecar]\nsocket = \"{}\"\n{mode}shutdown_grace = \"1s\"\n{sidecar}\n\n{scopes}\n",
                 socket.display()
             ),
         )

@@ -135,7 +135,21 @@ impl Connection {
         }
     }
 
+    /// One call; a call that found its link dropped (`CLIENT KILL`, a proxy or
+    /// server restart: broken pipe, reset, EOF — the command was not run) is sent
+    /// again, once, on the reconnected link, within the same outer timeout. A
+    /// timeout is never retried: that command may have run.
     async fn invoke(&self, call: &Call<'_>) -> Result<Vec<Value>, RedisError> {
+        match self.invoke_once(call).await {
+            Err(e) if e.is_connection_dropped() => {
+                tracing::debug!(redis = %self.describe, error = %e, "redis link dropped; sending the call again");
+                self.invoke_once(call).await
+            }
+            r => r,
+        }
+    }
+
+    async fn invoke_once(&self, call: &Call<'_>) -> Result<Vec<Value>, RedisError> {
         match &mut self.get().await? {
             Conn::Single(m) => self.invoke_on(m, call).await,
             Conn::Cluster(cl) => self.invoke_on(cl, call).await,

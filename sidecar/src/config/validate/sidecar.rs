@@ -19,6 +19,9 @@ const MAX_WORKER_THREADS: i64 = 1024;
 /// Accepted `sidecar.max_buffered`: 1 MiB ..= 64 GiB.
 const MAX_BUFFERED_RANGE: std::ops::RangeInclusive<i64> = (1 << 20)..=(64 << 30);
 
+/// Largest accepted `sidecar.max_waiters`.
+const MAX_MAX_WAITERS: i64 = 100_000_000;
+
 /// Longest socket path the kernel accepts (`sun_path` is 108 bytes with its NUL).
 const MAX_SOCKET_PATH: usize = 107;
 
@@ -176,6 +179,20 @@ pub(super) fn validate_sidecar(
             ))
         }
     };
+    let max_waiters = match raw.max_waiters {
+        None | Some(0) => d.max_waiters,
+        Some(v) if (1..=MAX_MAX_WAITERS).contains(&v) => Some(v as u32),
+        Some(v) => {
+            return Err(ctx.err(
+                "sidecar.max_waiters",
+                v,
+                format!(
+                    "must be between 1 and {MAX_MAX_WAITERS}, or 0 to derive it from the \
+                     host's memory"
+                ),
+            ))
+        }
+    };
     let worker_threads = match raw.worker_threads {
         None => d.worker_threads,
         Some(0) => None,
@@ -194,6 +211,7 @@ pub(super) fn validate_sidecar(
         max_connections,
         idle_timeout,
         max_buffered,
+        max_waiters,
         admin_listen,
         log_format,
         metrics_refresh,

@@ -92,9 +92,6 @@ struct Conn<B: Backend> {
     published: usize,
     /// The most requests this connection has had in flight.
     peak: usize,
-    /// Accepted into the reserve past `max_connections` by a non-admin peer: only
-    /// `Status`, `StatusJson` and `Ping` are served (§12 "Bounded under abuse").
-    limited: bool,
     /// The idle check's memory (`sidecar.idle_timeout`, [`guard::IdleWatch`]).
     idle: IdleWatch,
     /// Unsent reply bytes against [`guard::MAX_UNSENT`] and `max_buffered`.
@@ -104,7 +101,8 @@ struct Conn<B: Backend> {
 }
 
 /// Serve one accepted connection to the end, then release what it held. `reserved`:
-/// it was accepted past `max_connections`, into the reserve for admins and status.
+/// it was accepted past `max_connections`, into the reserve for admins (any other
+/// peer is refused `Overloaded` there).
 pub(super) async fn serve<B: Backend>(
     stream: UnixStream,
     id: OwnerId,
@@ -137,6 +135,13 @@ pub(super) async fn serve<B: Backend>(
         guard::write_refusal(stream, id, max_frame, ErrorKind::PermissionDenied, message).await;
         return;
     }
+    // §12: the reserve past `max_connections` is the admins' (decided here, from
+    // the peer's credentials, before anything is read or served).
+    if reserved && !shared.opts.access.may_admin(peer.uid) {
+        drop(slot); // a refusal holds no connection's place
+        guard::refuse_reserve(stream, id, &shared, peer.uid).await;
+        return;
+    }
     let stream = match transport::socket(stream) {
         Ok(s) => s,
         Err(e) => {
@@ -146,7 +151,6 @@ pub(super) async fn serve<B: Backend>(
     };
     debug!(conn = id, uid = peer.uid, gid = peer.gid, pid = ?peer.pid, "connected");
     let budget = Budget::new(shared.opts.max_in_flight);
-    let limited = reserved && !shared.opts.access.may_admin(peer.uid);
     let mut conn = Conn {
         ctx: Ctx {
             engine,
@@ -154,6 +158,7 @@ pub(super) async fn serve<B: Backend>(
             uid: peer.uid,
             shared,
             budget,
+            acted: true,
         },
         stream,
         inbox: Inbox::new(max_frame),
@@ -165,7 +170,6 @@ pub(super) async fn serve<B: Backend>(
         draining: false,
         published: 0,
         peak: 0,
-        limited,
         idle: IdleWatch::default(),
         unsent: Unsent::default(),
         seq: 0,
@@ -189,7 +193,16 @@ impl<B: Backend> Conn<B> {
     }
 
     /// Buffer a reply (its slot is already counted by the caller's rules).
-    fn reply(&mut self, id: u64, reply: Reply) {
+    fn reply(&mut self, id: u64, mut reply: Reply) {
+        if self.version.is_some_and(|v| v < 2) {
+            // §11b: `Overloaded` (an engine refusal: `max_waiters`) is protocol 2's;
+            // a version-1 client gets `Busy`.
+            if let Reply::Error(e) = &mut reply {
+                if e.kind == ErrorKind::Overloaded {
+                    e.kind = ErrorKind::Busy;
+                }
+            }
+        }
         dispatch::log_error(self.id(), id, &reply);
         self.out.push(self.id(), id, reply);
         let n = self.in_flight();
@@ -477,11 +490,6 @@ impl<B: Backend> Conn<B> {
             );
             return None;
         }
-        if self.limited && !guard::reserve_allows(&request) {
-            let max = self.ctx.shared.opts.max_connections;
-            self.overloaded(guard::reserve_message(max));
-            return Some(End::Violation);
-        }
         match request {
             Request::Hello { .. } => {
                 Some(self.violation(id, "Hello may only be the first frame".into()))
@@ -504,7 +512,13 @@ impl<B: Backend> Conn<B> {
                     ty: crate::metrics::request_type(&request),
                     started: crate::clock::monotonic_nanos(),
                 };
-                match dispatch::dispatch(&self.ctx, request) {
+                let status = matches!(request, Request::Status | Request::StatusJson);
+                self.ctx.acted |= !status && !matches!(request, Request::Ping);
+                let step = dispatch::dispatch(&self.ctx, request);
+                if status {
+                    self.ctx.acted = false;
+                }
+                match step {
                     Step::Now(reply) => {
                         self.observe(timer);
                         self.reply(id, reply)
