@@ -87,7 +87,10 @@
 //!   (may go negative: debt). `RefundTokens` → token level += reserved. `RefundAll` →
 //!   token level += reserved, request level += 1. Levels never exceed capacity, and
 //!   never fall below −capacity: debt delays later admissions by at most one more
-//!   minute of refill, so one absurd token count cannot lock a source for ages.
+//!   minute of refill, so one absurd token count cannot lock a source for ages;
+//!   and the extra debit of one settlement (`Charge` above the reservation) takes
+//!   at most [`QuotaParams::max_debt`] (`max_rate_limit_block`, §12) of refill time
+//!   from each bucket, per-day ones included.
 //! - `block_quota(d)`: blocked_until = max(blocked_until, now + d). The engine caps
 //!   `d` at `max_rate_limit_block` (§7) before it gets here.
 //! - `report` settles by [`Outcome::settlement`]: success or non-transient failure

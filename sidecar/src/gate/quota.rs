@@ -42,6 +42,11 @@ pub struct QuotaParams {
     /// §7a `tokens_charged = "estimate"`: the reservation is the charge, whatever
     /// usage is reported (refunds of §7 still apply).
     pub charge_estimate: bool,
+    /// §12: the extra debit one settlement makes (usage above the reservation) takes
+    /// at most this much refill time from any bucket, per-day ones included
+    /// (`sidecar.max_rate_limit_block`), so one report of an absurd token count cannot
+    /// block a source for longer than a 429 could.
+    pub max_debt: Duration,
 }
 
 impl Default for QuotaParams {
@@ -55,9 +60,13 @@ impl Default for QuotaParams {
             rpd: None,
             burst: MINUTE,
             charge_estimate: false,
+            max_debt: DEFAULT_MAX_DEBT,
         }
     }
 }
+
+/// Default [`QuotaParams::max_debt`]: `sidecar.max_rate_limit_block`'s default.
+pub const DEFAULT_MAX_DEBT: Duration = Duration::from_secs(600);
 
 /// A reservation's tokens (§7a): the total for `tpm`/`tpd`, and its input and
 /// output parts for `itpm`/`otpm`. A bare count is all input.
@@ -400,7 +409,13 @@ impl Level {
 
     /// Take `amount`, keeping the level ≥ −limit.
     fn debit(&mut self, s: &Shape, amount: u64, now: Duration) {
-        let deficit = (self.deficit(now) + s.refill_ns(amount)).min(s.floor_ns());
+        self.debit_at_most(s, amount, u128::MAX, now)
+    }
+
+    /// Take `amount`, but no more than `most` ns of refill time (§12: a settlement's
+    /// extra debit), keeping the level ≥ −limit.
+    fn debit_at_most(&mut self, s: &Shape, amount: u64, most: u128, now: Duration) {
+        let deficit = (self.deficit(now) + s.refill_ns(amount).min(most)).min(s.floor_ns());
         self.full_at = now + dur(deficit);
     }
 
@@ -409,13 +424,13 @@ impl Level {
         self.full_at = now + dur(self.deficit(now).saturating_sub(s.back_ns(amount)));
     }
 
-    /// Add `amount` (negative: debit).
-    fn add(&mut self, s: &Shape, amount: i128, now: Duration) {
+    /// Add `amount` (negative: a debit of at most `most` ns of refill time).
+    fn add(&mut self, s: &Shape, amount: i128, most: u128, now: Duration) {
         let n = amount.unsigned_abs().min(u64::MAX as u128) as u64;
         if amount >= 0 {
             self.credit(s, n, now)
         } else {
-            self.debit(s, n, now)
+            self.debit_at_most(s, n, most, now)
         }
     }
 
@@ -514,7 +529,8 @@ impl Quota {
         Reserve::Reserved
     }
 
-    /// Settle a reservation `reserved`.
+    /// Settle a reservation `reserved`. An extra debit takes at most
+    /// [`QuotaParams::max_debt`] of refill time from each bucket (§12).
     pub fn settle(
         &mut self,
         q: &QuotaParams,
@@ -523,12 +539,13 @@ impl Quota {
         now: Duration,
     ) {
         let c = q.credits(reserved.into(), how);
+        let most = q.max_debt.as_nanos();
         for (i, (b, counts, _)) in BUCKETS.into_iter().enumerate() {
             let credit = c.of(counts);
             match q.shape(b) {
                 Some(s) if credit != 0 => self.buckets[i]
                     .get_or_insert(Level { full_at: now })
-                    .add(&s, credit, now),
+                    .add(&s, credit, most, now),
                 Some(_) => {}
                 None => self.buckets[i] = None,
             }

@@ -261,6 +261,7 @@ impl Op for SettleArgs<'_> {
         Argv {
             quota: Some(self.q),
             credit: self.q.credits(self.reserved, self.how),
+            max_debt: Some(self.q.max_debt),
             ..Argv::default()
         }
     }
@@ -382,6 +383,7 @@ impl Op for ReportArgs<'_> {
                 .credits(self.reserved, self.outcome.settlement(self.reserved)),
             block,
             class: self.class,
+            max_debt: Some(self.q.max_debt),
             ..Argv::default()
         }
     }
