@@ -853,35 +853,28 @@ async fn admin_ops_are_refused_while_redis_is_unreachable() {
 }
 
 /// A permit granted by the local fallback must be fenced on Redis after the restore
-/// (and Redis's breaker left alone), even when both sides went through the same
-/// transitions and would otherwise sit at the same epoch.
+/// (and Redis's breaker left alone). The local fallback grants no probe (§10), so the
+/// local permit is a plain one, granted while Redis's breaker is CLOSED.
 #[tokio::test]
 async fn local_permits_are_fenced_on_redis_after_restore() {
     let Some(srv) = RedisServer::start() else {
         return;
     };
     let b = backend(&srv, &prefix(), ms(200), OnBackendError::Local).await;
-    // Drives a fresh breaker to a granted probe: 3 failures (open), cooldown, probe.
-    async fn to_probe(b: &RedisBackend) -> u64 {
-        for _ in 0..3 {
-            let e = b.try_enter("s1", &bp()).await.unwrap();
-            assert!(e.granted && !e.is_probe);
-            b.record_failure("s1", e.epoch, &bp()).await.unwrap();
-        }
-        tokio::time::sleep(ms(110)).await;
-        let e = b.try_enter("s1", &bp()).await.unwrap();
-        assert!(e.granted && e.is_probe, "{e:?}");
-        e.epoch
-    }
-    let redis_epoch = to_probe(&b).await;
-    assert!(!b.degraded("s1"));
-    // Redis stalls (state kept): the same story again, locally. The call that finds
-    // Redis stalled is a read: it still runs once Redis resumes, and must not move
-    // Redis's breaker.
+    let e = b.try_enter("s1", &bp()).await.unwrap();
+    assert!(e.granted && !e.is_probe);
+    let redis_epoch = e.epoch;
+    // Redis stalls (state kept). The call that finds Redis stalled is a read: it
+    // still runs once Redis resumes, and must not move Redis's breaker.
     srv.pause();
     b.retry_after(&["s1"]).await.unwrap();
-    let local_epoch = to_probe(&b).await;
     assert!(b.degraded("s1"));
+    let e = b.try_enter("s1", &bp()).await.unwrap();
+    assert!(
+        e.granted && !e.is_probe,
+        "known CLOSED: served locally: {e:?}"
+    );
+    let local_epoch = e.epoch;
     srv.resume();
     let deadline = Instant::now() + Duration::from_secs(4);
     while b.degraded("s1") {
@@ -889,38 +882,143 @@ async fn local_permits_are_fenced_on_redis_after_restore() {
         b.retry_after(&["s1"]).await.unwrap();
         tokio::time::sleep(ms(50)).await;
     }
-    let a = b
-        .report(
-            "s1",
-            ReportRequest::new(
-                &bp(),
-                &qp(),
-                local_epoch,
-                true,
-                10,
-                Outcome::Success {
-                    tokens: Some(10),
-                    split: None,
-                    count_attempt: true,
-                },
-            ),
-        )
-        .await
-        .unwrap();
+    let a = b.record_failure("s1", local_epoch, &bp()).await.unwrap();
     assert!(!a.applied, "a local permit is fenced on redis: {a:?}");
-    assert_eq!((a.state, a.epoch), (State::HalfOpen, redis_epoch));
-    let snap = b.snapshot("s1", &bp(), &qp()).await.unwrap();
-    assert_eq!((snap.state, snap.epoch), (State::HalfOpen, redis_epoch));
+    assert_eq!((a.state, a.epoch), (State::Closed, redis_epoch));
     assert!(
         local_epoch >= 1 << 62,
         "local epochs live elsewhere: {local_epoch}"
     );
-    // And Redis's own probe still reports normally.
-    let a = b
-        .record_success("s1", redis_epoch, true, &bp())
+    let snap = b.snapshot("s1", &bp(), &qp()).await.unwrap();
+    assert_eq!(
+        (snap.state, snap.epoch, snap.streak),
+        (State::Closed, redis_epoch, 0)
+    );
+}
+
+/// §10 (issue 21): degrading never forgets what the host knew. With Redis stalled
+/// (SIGSTOP), a source this host last saw OPEN — force-opened for an hour, opened by
+/// its breaker, blocked by a 429 — stays refused until that deadline; a source whose
+/// probe is due (its deadline passed, or HALF_OPEN) gets no probe; a source last
+/// seen CLOSED is served locally. Before the fix, the blank local state admitted
+/// all of them.
+#[tokio::test]
+async fn degraded_mode_keeps_what_the_host_knew() {
+    let Some(srv) = RedisServer::start() else {
+        return;
+    };
+    let sources = ["forced", "opened", "blocked", "due", "closed"];
+    let o = RedisOptions {
+        sources: sources.iter().map(|s| s.to_string()).collect(),
+        ..opts(&srv.url(), &prefix(), ms(200), OnBackendError::Local)
+    };
+    let b = RedisBackend::connect(o, Arc::new(TokioClock::new()))
         .await
         .unwrap();
-    assert!(a.applied && a.state == State::Closed);
+    let long = BreakerParams {
+        cooldown: Duration::from_secs(60),
+        max_cooldown: Duration::from_secs(600),
+        ..bp()
+    };
+    let hour = Duration::from_secs(3600);
+    b.force_open("forced", hour).await.unwrap();
+    for _ in 0..3 {
+        let e = b.try_enter("opened", &long).await.unwrap();
+        b.record_failure("opened", e.epoch, &long).await.unwrap();
+    }
+    let e = b.try_enter("blocked", &bp()).await.unwrap();
+    let r429 = Outcome::RateLimited {
+        retry_after: Some(hour),
+    };
+    b.report(
+        "blocked",
+        ReportRequest::new(&bp(), &qp(), e.epoch, false, 0, r429),
+    )
+    .await
+    .unwrap();
+    for _ in 0..3 {
+        let e = b.try_enter("due", &bp()).await.unwrap();
+        b.record_failure("due", e.epoch, &bp()).await.unwrap();
+    }
+    assert!(b.try_enter("closed", &bp()).await.unwrap().granted);
+
+    srv.pause();
+    let admit = |s: &'static str, p: BreakerParams| {
+        let b = &b;
+        async move { b.admit(s, AdmitRequest::new(&p, &qp(), 10)).await.unwrap() }
+    };
+    match admit("forced", bp()).await {
+        Admit::CircuitOpen {
+            state: State::Open,
+            retry_after,
+            ..
+        } => assert!(
+            retry_after > hour - Duration::from_secs(60),
+            "{retry_after:?}"
+        ),
+        a => panic!("force-opened for an hour: refused while redis is stalled: {a:?}"),
+    }
+    assert!(b.degraded("forced"), "served from local state");
+    let p = b.peek("forced").await.unwrap();
+    assert_eq!(p.state, State::Open, "the memo re-check reads it OPEN too");
+    assert!(p.retry_after > hour - Duration::from_secs(60));
+    match admit("opened", long).await {
+        Admit::CircuitOpen {
+            state: State::Open,
+            retry_after,
+            ..
+        } => assert!(retry_after > Duration::from_secs(50), "{retry_after:?}"),
+        a => panic!("opened by its breaker: refused: {a:?}"),
+    }
+    match admit("blocked", bp()).await {
+        Admit::RateLimited { retry_after } => {
+            assert!(
+                retry_after > hour - Duration::from_secs(60),
+                "{retry_after:?}"
+            )
+        }
+        a => panic!("a 429 block holds while degraded: {a:?}"),
+    }
+    // Its 100 ms cooldown is over: a probe is due, and none is granted locally,
+    // however often asked (neither by admit nor by try_enter).
+    tokio::time::sleep(ms(150)).await;
+    for _ in 0..5 {
+        match admit("due", bp()).await {
+            Admit::CircuitOpen {
+                state: State::HalfOpen,
+                retry_after,
+                ..
+            } => assert_eq!(retry_after, Duration::ZERO),
+            a => panic!("no probe on a source whose shared state is unknown: {a:?}"),
+        }
+        let e = b.try_enter("due", &bp()).await.unwrap();
+        assert!(!e.granted, "no probe by try_enter either: {e:?}");
+    }
+    assert!(
+        matches!(
+            admit("closed", bp()).await,
+            Admit::Admitted {
+                is_probe: false,
+                ..
+            }
+        ),
+        "a source last seen CLOSED is served locally"
+    );
+    srv.resume();
+    // Redis answers again: its own state is served (still OPEN for the hour).
+    let deadline = Instant::now() + Duration::from_secs(4);
+    loop {
+        let a = admit("forced", bp()).await;
+        if !b.degraded("forced") {
+            assert!(
+                matches!(a, Admit::CircuitOpen { state: State::Open, epoch, .. } if epoch < 1 << 62),
+                "{a:?}"
+            );
+            break;
+        }
+        assert!(Instant::now() < deadline, "not restored after SIGCONT");
+        tokio::time::sleep(ms(100)).await;
+    }
 }
 
 /// A server error reply (here: a key of the wrong type, so the script fails) is not an

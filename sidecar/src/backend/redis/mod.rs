@@ -105,6 +105,9 @@ pub struct RedisBackend {
     local: MemoryBackend,
     /// The admin broadcast (its subscriber stops when the backend is dropped).
     admin: AdminFeed,
+    /// The local fallback's clock: what a Redis answer said is remembered on it
+    /// (§10, `reach::Known`).
+    clock: Arc<dyn Clock>,
 }
 
 impl std::fmt::Debug for RedisBackend {
@@ -141,11 +144,12 @@ impl RedisBackend {
             // a permit granted on one side is always fenced on the other across a
             // degrade/restore.
             local: MemoryBackend::with_epoch_base(
-                local_clock,
+                local_clock.clone(),
                 opts.sources,
                 reach::local_epoch_base(),
             ),
             admin,
+            clock: local_clock,
         })
     }
 
@@ -198,8 +202,10 @@ impl RedisBackend {
         let inv = script::invocation(keys, &op);
         match self.conn.run(&inv).await {
             Ok(v) => {
-                self.reach.answered(source);
-                O::read(&v).map(Some)
+                let reply = O::read(&v)?;
+                self.reach
+                    .answered(source, op.seen(&reply), self.clock.now());
+                Ok(Some(reply))
             }
             // Redis answered: not a reachability problem, so neither degrade nor
             // retry; the caller gets the server's message.
@@ -209,7 +215,14 @@ impl RedisBackend {
                 O::NAME
             ))),
             Err(Fault::Unreachable(msg)) => {
-                self.reach.unreachable(source, &msg);
+                // §10: the local fallback starts from what this host knew, not blank
+                // (a source last seen OPEN stays refused).
+                self.reach.unreachable(source, &msg, |known| {
+                    if self.on_error == OnBackendError::Local {
+                        // A configured source (reach knows it): its cell exists.
+                        let _ = self.local.seed(source, known.seed(self.clock.now()));
+                    }
+                });
                 self.conn.invalidate();
                 if admin {
                     return Err(self.reach.admin_not_applied(&msg));
@@ -257,7 +270,7 @@ impl Backend for RedisBackend {
     async fn try_enter(&self, source: &str, p: &BreakerParams) -> BResult<Entry> {
         match self.exec(source, TryEnterArgs { p }).await? {
             Some(e) => Ok(e),
-            None => self.local.try_enter(source, p).await,
+            None => self.local.try_enter_no_probe(source, p).await,
         }
     }
 
@@ -406,7 +419,7 @@ impl Backend for RedisBackend {
         };
         match self.exec(source, op).await? {
             Some(a) => Ok(a),
-            None => self.local.admit(source, r).await,
+            None => self.local.admit_no_probe(source, r).await,
         }
     }
 

@@ -52,6 +52,7 @@ use std::time::Duration;
 
 use ::redis::{Cmd, RedisWrite, Script, ToRedisArgs, Value};
 
+use super::reach::Seen;
 use crate::backend::{
     Applied, BResult, BackendError, BreakerParams, ClassShares, QuotaParams, State, Tokens,
 };
@@ -505,6 +506,19 @@ pub(super) trait Op {
     fn argv(&self) -> Argv<'_>;
     /// Read the script's reply.
     fn read(v: &[Value]) -> BResult<Self::Reply>;
+    /// What the reply says of the source's shared state (§10: remembered for the
+    /// local fallback). Nothing by default.
+    fn seen(&self, _reply: &Self::Reply) -> Seen {
+        Seen::default()
+    }
+}
+
+/// What an [`Applied`] says of the breaker.
+pub(super) fn seen_applied(a: &Applied) -> Seen {
+    Seen {
+        breaker: Some((a.state, a.retry_after)),
+        quota: None,
+    }
 }
 
 // ------------------------------------------------------------------ reply values
