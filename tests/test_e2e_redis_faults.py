@@ -277,3 +277,47 @@ def test_paused_redis_keeps_an_open_source_refused_through_reload_and_shutdown(s
         assert len(errors) == 30, errors
     finally:
         _sigcont(redis_server)
+
+
+@pytest.mark.timeout(60)
+def test_two_degraded_sidecars_together_admit_the_limit_not_twice_it(sidecars, redis_server):
+    """§10, issue 25: each sidecar keeps a heartbeat in Redis; while Redis is paused
+    each uses only its share of every shared quota (auto: 1 / the 2 live hosts), so
+    together they admit at most the limit plus one call each — not the whole limit
+    each, as before. Status shows the share in force."""
+    hosts = []
+    for name in ("host-a", "host-b"):
+        s = sidecars.new(name)
+        s.write_config({"chat": scope({"name": "s1", "timeout": "5s", "rpm": 10}, quota_full="fail_fast")},
+                       backend="redis", redis_url=redis_server.url, key_prefix="pg-share",
+                       on_backend_error="local", redis_timeout="200ms")
+        s.start()
+        hosts.append((s, s.client()))
+
+    def both_counted():
+        return all(c.status().get("degraded_share", {}).get("live_hosts") == 2 for _, c in hosts)
+
+    wait_until(both_counted, timeout=5.0, what="both heartbeats counted")
+    for _, c in hosts:
+        share = c.status()["degraded_share"]
+        assert share["setting"] == "auto" and share["share"] == 0.5, share
+
+    _sigstop(redis_server)
+    try:
+        admitted = {}
+        for s, c in hosts:
+            n = 0
+            for _ in range(30):
+                with c.call("chat") as call:
+                    try:
+                        call.acquire().success()
+                        n += 1
+                    except polygate.AllSourcesExhausted:
+                        pass
+            admitted[s.name] = n
+            assert s.source_status(c, "s1")["degraded"] is True
+        total = sum(admitted.values())
+        assert total <= 10 + 2, "two degraded hosts admitted %r of a 10 rpm limit" % admitted
+        assert all(n >= 1 for n in admitted.values()), admitted
+    finally:
+        _sigcont(redis_server)

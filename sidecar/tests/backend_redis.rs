@@ -63,6 +63,7 @@ fn opts(url: &str, prefix: &str, timeout: Duration, on: OnBackendError) -> Redis
         timeout,
         on_backend_error: on,
         sources: SOURCES.iter().map(|s| s.to_string()).collect(),
+        degraded_share: polygate::config::DegradedShare::Auto,
     }
 }
 
@@ -162,6 +163,7 @@ async fn one_script_call_per_admit_and_per_report_within_the_command_budget() {
         return;
     };
     let b = backend(&srv, &prefix(), ms(500), OnBackendError::FailClosed).await;
+    b.stop_heartbeat(); // its once-a-second script is not a call's cost
     admit_report(&b, "s1").await; // loads the library (Function not found once)
     srv.cli(&["CONFIG", "RESETSTAT"]);
     for _ in 0..10 {
@@ -209,6 +211,11 @@ async fn keys_are_hash_tagged_and_expire() {
         .map(str::to_string)
         .collect();
     keys.sort();
+    // Beside the source's two keys, at most the prefix's heartbeat set (§10, hash
+    // tag `{<prefix>}`: never a source's slot).
+    let hk = polygate::backend::redis::hosts_key(&p);
+    assert_eq!(hk, format!("{{{p}}}:hosts"));
+    keys.retain(|k| *k != hk);
     assert_eq!(keys, vec![bk.clone(), qk.clone()]);
     assert_eq!(
         srv.cli(&["CLUSTER", "KEYSLOT", &bk]).trim(),
@@ -520,6 +527,7 @@ async fn a_server_without_functions_runs_the_script_form() {
         return;
     };
     let b = backend(&srv, &prefix(), ms(500), OnBackendError::FailClosed).await;
+    b.stop_heartbeat(); // its script's commands are not a call's
     admit_report(&b, "s1").await; // FCALL refused once, then the script form
     srv.cli(&["CONFIG", "RESETSTAT"]);
     for _ in 0..5 {
@@ -1098,6 +1106,7 @@ async fn cluster_ops_admin_and_routing() {
             timeout: ms(500),
             on_backend_error: OnBackendError::FailClosed,
             sources: SOURCES.iter().map(|s| s.to_string()).collect(),
+            degraded_share: polygate::config::DegradedShare::Auto,
         };
         RedisBackend::connect(o, Arc::new(TokioClock::new()))
     };
@@ -1161,6 +1170,7 @@ async fn cluster_node_down_degrades_only_its_sources() {
         timeout: ms(200),
         on_backend_error: OnBackendError::Local,
         sources: SOURCES.iter().map(|s| s.to_string()).collect(),
+        degraded_share: polygate::config::DegradedShare::Auto,
     };
     let b = RedisBackend::connect(o, Arc::new(TokioClock::new()))
         .await
@@ -1255,4 +1265,136 @@ timeout = "1s"
         b.try_enter("s1", &bp()).await,
         Err(BackendError::UnknownSource(_))
     ));
+}
+
+/// §10 heartbeats: every backend (host) on a key prefix keeps a heartbeat under
+/// `{<prefix>}:hosts`, refreshed every second; each host reads the live count with
+/// no round trip of its own on a call's path, and a host that stops falls out of
+/// the count within the TTL. Another prefix is another fleet.
+#[tokio::test]
+async fn heartbeats_count_live_hosts_and_expire() {
+    use polygate::backend::redis::{hosts_key, HEARTBEAT_EVERY, HEARTBEAT_TTL};
+    let Some(srv) = RedisServer::start() else {
+        return;
+    };
+    let p = prefix();
+    let a = backend(&srv, &p, ms(500), OnBackendError::Local).await;
+    let b = backend(&srv, &p, ms(500), OnBackendError::Local).await;
+    let c = backend(&srv, &p, ms(500), OnBackendError::Local).await;
+    let other = backend(&srv, &prefix(), ms(500), OnBackendError::Local).await;
+    let live = |x: &RedisBackend| x.degraded_share().expect("redis shows a share").live_hosts;
+    let deadline = Instant::now() + HEARTBEAT_EVERY * 4;
+    while live(&a) != 3 || live(&c) != 3 {
+        assert!(
+            Instant::now() < deadline,
+            "3 hosts never counted: {}",
+            live(&a)
+        );
+        tokio::time::sleep(ms(50)).await;
+    }
+    let v = a.degraded_share().unwrap();
+    assert!(
+        (v.share - 1.0 / 3.0).abs() < 1e-9,
+        "auto: 1 / live hosts: {v:?}"
+    );
+    assert_eq!(live(&other), 1, "another prefix is another fleet");
+    assert_eq!(srv.cli(&["ZCARD", &hosts_key(&p)]).trim(), "3");
+    let ttl: i64 = srv.cli(&["PTTL", &hosts_key(&p)]).trim().parse().unwrap();
+    assert!(ttl > 0 && ttl <= HEARTBEAT_TTL.as_millis() as i64, "{ttl}");
+    // One host stops: it no longer counts once its heartbeat expired.
+    drop(c);
+    let stopped = Instant::now();
+    while live(&a) != 2 || live(&b) != 2 {
+        assert!(
+            stopped.elapsed() < HEARTBEAT_TTL + HEARTBEAT_EVERY * 3,
+            "a stopped host still counted after {:?}",
+            stopped.elapsed()
+        );
+        tokio::time::sleep(ms(50)).await;
+    }
+    assert!(stopped.elapsed() >= HEARTBEAT_TTL - HEARTBEAT_EVERY * 2);
+    // Redis stalls: the last count stands.
+    srv.pause();
+    tokio::time::sleep(HEARTBEAT_TTL).await;
+    assert_eq!(live(&a), 2, "the share is the fleet last seen");
+    srv.resume();
+}
+
+/// §10 degraded share: two hosts on one Redis, rpm = 10 (a 10-request bucket, one
+/// request back every 6 s). While Redis is stalled each host admits only its share
+/// of the bucket (auto: 1 / 2 live hosts = 5), so together they admit the limit —
+/// not twice it, as two hosts each enforcing the whole limit locally did.
+#[tokio::test]
+async fn a_degraded_host_uses_only_its_share_of_each_quota() {
+    use polygate::backend::redis::HEARTBEAT_EVERY;
+    let Some(srv) = RedisServer::start() else {
+        return;
+    };
+    let p = prefix();
+    let a = backend(&srv, &p, ms(200), OnBackendError::Local).await;
+    let b = backend(&srv, &p, ms(200), OnBackendError::Local).await;
+    let deadline = Instant::now() + HEARTBEAT_EVERY * 4;
+    while a.degraded_share().unwrap().live_hosts != 2 || b.degraded_share().unwrap().live_hosts != 2
+    {
+        assert!(Instant::now() < deadline, "2 hosts never counted");
+        tokio::time::sleep(ms(50)).await;
+    }
+    let q = QuotaParams {
+        rpm: Some(10),
+        ..QuotaParams::default()
+    };
+    srv.pause();
+    let mut admitted = 0;
+    for h in [&a, &b] {
+        for _ in 0..20 {
+            if let Admit::Admitted { .. } = h
+                .admit("s1", AdmitRequest::new(&bp(), &q, 0))
+                .await
+                .unwrap()
+            {
+                admitted += 1;
+            }
+        }
+        assert!(h.degraded("s1"));
+        let snap = h.snapshot("s1", &bp(), &q).await.unwrap();
+        assert!(
+            snap.requests_available.unwrap() < 1.0,
+            "each host's share is spent: {snap:?}"
+        );
+    }
+    srv.resume();
+    assert_eq!(admitted, 10, "together: the limit, 5 each");
+}
+
+/// A fixed `degraded_share` applies whatever the host count.
+#[tokio::test]
+async fn a_fixed_degraded_share_applies_as_configured() {
+    let Some(srv) = RedisServer::start() else {
+        return;
+    };
+    let o = RedisOptions {
+        degraded_share: polygate::config::DegradedShare::Fraction(0.3),
+        ..opts(&srv.url(), &prefix(), ms(200), OnBackendError::Local)
+    };
+    let b = RedisBackend::connect(o, Arc::new(TokioClock::new()))
+        .await
+        .unwrap();
+    assert_eq!(b.degraded_share().unwrap().share, 0.3);
+    let q = QuotaParams {
+        rpm: Some(10),
+        ..QuotaParams::default()
+    };
+    srv.pause();
+    let mut admitted = 0;
+    for _ in 0..10 {
+        if let Admit::Admitted { .. } = b
+            .admit("s1", AdmitRequest::new(&bp(), &q, 0))
+            .await
+            .unwrap()
+        {
+            admitted += 1;
+        }
+    }
+    srv.resume();
+    assert_eq!(admitted, 3, "0.3 of 10");
 }

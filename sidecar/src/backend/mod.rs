@@ -160,6 +160,18 @@ impl Default for SourceSnapshot {
     }
 }
 
+/// §10: the share of every shared quota a degraded host uses, for status and
+/// metrics.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct ShareView {
+    /// The share in force (1 / live hosts under `"auto"`, else the fraction).
+    pub share: f64,
+    /// Live hosts last seen (heartbeats; at least 1).
+    pub live_hosts: u64,
+    /// `degraded_share` as configured.
+    pub setting: crate::config::DegradedShare,
+}
+
 /// Backend failures. The engine maps them per `on_backend_error` (§10).
 #[derive(Debug, Clone, thiserror::Error, PartialEq)]
 pub enum BackendError {
@@ -186,6 +198,12 @@ pub trait Backend: Send + Sync + 'static {
     /// unreachable (always `false` for the memory backend).
     fn degraded(&self, _source: &str) -> bool {
         false
+    }
+
+    /// §10: the share of every shared quota this host uses while degraded (`None`:
+    /// not a shared backend).
+    fn degraded_share(&self) -> Option<ShareView> {
+        None
     }
 
     /// `true` when operations really wait on I/O (Redis). The engine then runs each

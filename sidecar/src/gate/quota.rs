@@ -287,6 +287,26 @@ impl QuotaParams {
         }
     }
 
+    /// §10: these parameters with every limit cut to `share` of itself (rounded
+    /// down, at least 1): what one of the hosts sharing a quota may use alone while
+    /// the shared state cannot be read (`degraded_share`). A share of 1 or more
+    /// changes nothing.
+    pub fn share(&self, share: f64) -> QuotaParams {
+        if share.is_nan() || share >= 1.0 {
+            return *self;
+        }
+        let cut = |l: Option<u64>| l.map(|l| ((l as f64 * share.max(0.0)) as u64).max(1));
+        QuotaParams {
+            tpm: cut(self.tpm),
+            rpm: cut(self.rpm),
+            itpm: cut(self.itpm),
+            otpm: cut(self.otpm),
+            tpd: cut(self.tpd),
+            rpd: cut(self.rpd),
+            ..*self
+        }
+    }
+
     /// `b`'s shape when configured.
     pub fn shape(&self, b: Bucket) -> Option<Shape> {
         let (_, _, period) = BUCKETS[b as usize];
@@ -690,6 +710,25 @@ mod provider_tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn a_share_cuts_every_limit_down_and_keeps_at_least_one() {
+        let q = QuotaParams {
+            tpm: Some(10_000),
+            rpm: Some(10),
+            otpm: Some(3),
+            rpd: Some(1_000),
+            ..QuotaParams::default()
+        };
+        let h = q.share(0.25);
+        assert_eq!(
+            (h.tpm, h.rpm, h.itpm, h.otpm, h.tpd, h.rpd),
+            (Some(2_500), Some(2), None, Some(1), None, Some(250))
+        );
+        assert_eq!((h.burst, h.max_debt), (q.burst, q.max_debt));
+        assert_eq!(q.share(1.0), q);
+        assert_eq!(q.share(f64::NAN), q, "no share is the whole");
     }
 
     #[test]

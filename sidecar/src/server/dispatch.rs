@@ -284,7 +284,11 @@ pub(super) fn dispatch<B: Backend>(cx: &Ctx<B>, request: Request) -> Step {
         }),
         Request::StatusJson => job!(&cx.budget, CancelBy::Abort, false, |slot| {
             let scopes = engine.status().await;
-            Reply::StatusJson(convert::status_json(engine.backend_name(), &scopes))
+            Reply::StatusJson(convert::status_json(
+                engine.backend_name(),
+                engine.degraded_share(),
+                &scopes,
+            ))
         }),
         Request::ForceOpen { source, seconds } => {
             if let Some(denied) = admin_denied("force-open a source") {
