@@ -986,7 +986,11 @@ fn the_provider_examples_parse_as_the_rules_they_name() {
     let by = |n: &str| s.iter().find(|x| x.name == n).unwrap();
     let anthropic = by("anthropic-sonnet");
     assert!(anthropic.itpm.is_some() && anthropic.otpm.is_some());
-    assert_eq!(anthropic.burst, Duration::from_secs(60));
+    assert_eq!(
+        anthropic.burst,
+        Duration::from_millis(58_800),
+        "60 s - 60 s / 50 rpm: one request of headroom"
+    );
     assert_eq!(anthropic.tokens_charged, TokensCharged::Actual);
     let azure = by("azure-gpt4o");
     assert_eq!(azure.burst, Duration::from_millis(100), "60 s / 600 rpm");
