@@ -1398,3 +1398,50 @@ async fn a_fixed_degraded_share_applies_as_configured() {
     srv.resume();
     assert_eq!(admitted, 3, "0.3 of 10");
 }
+
+/// §10: a host that last saw the shared quota refuse takes it as spent when it
+/// degrades: its local buckets start empty and it gets its share of the refill, not
+/// a fresh full bucket on top of what the fleet already used.
+#[tokio::test]
+async fn a_quota_last_seen_spent_starts_empty_when_degraded() {
+    let Some(srv) = RedisServer::start() else {
+        return;
+    };
+    let b = backend(&srv, &prefix(), ms(200), OnBackendError::Local).await;
+    let q = QuotaParams {
+        rpm: Some(60),
+        ..QuotaParams::default()
+    };
+    let admit = || async {
+        b.admit("s1", AdmitRequest::new(&bp(), &q, 0))
+            .await
+            .unwrap()
+    };
+    let mut spent = false;
+    for _ in 0..70 {
+        if let Admit::RateLimited { .. } = admit().await {
+            spent = true;
+            break;
+        }
+    }
+    assert!(spent, "60 rpm: the shared bucket refuses after 60");
+    srv.pause();
+    let first = admit().await;
+    assert!(b.degraded("s1"));
+    assert!(
+        matches!(first, Admit::RateLimited { retry_after } if retry_after <= ms(1000)),
+        "empty, one request's refill away: {first:?}"
+    );
+    tokio::time::sleep(ms(1100)).await;
+    let mut n = 0;
+    for _ in 0..10 {
+        if let Admit::Admitted { .. } = admit().await {
+            n += 1;
+        }
+    }
+    srv.resume();
+    assert_eq!(
+        n, 1,
+        "a second's refill: one request, not a fresh bucket of 60"
+    );
+}

@@ -9,6 +9,7 @@
 // foldhash: these maps are keyed by our own ids and config names (nothing a peer
 // inserts), and SipHash was ~1.5 % of the per-frame CPU (§16).
 use foldhash::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -24,6 +25,10 @@ pub struct MemoryBackend {
     clock: Arc<dyn Clock>,
     /// One cell per configured source; the map itself never changes after start-up.
     cells: HashMap<String, Mutex<Gates>>,
+    /// §10: sources [`MemoryBackend::seed`]ed with a spent quota whose buckets are
+    /// drained by the next admission (which carries the quota parameters), under the
+    /// source's lock.
+    drain: HashMap<String, AtomicBool>,
 }
 
 impl MemoryBackend {
@@ -46,11 +51,19 @@ impl MemoryBackend {
         base: u64,
     ) -> Self {
         let now = clock.now();
-        let cells = sources
+        let cells: HashMap<String, Mutex<Gates>> = sources
             .into_iter()
             .map(|s| (s.into(), Mutex::new(Gates::new(now, base))))
             .collect();
-        MemoryBackend { clock, cells }
+        let drain = cells
+            .keys()
+            .map(|k| (k.clone(), AtomicBool::new(false)))
+            .collect();
+        MemoryBackend {
+            clock,
+            cells,
+            drain,
+        }
     }
 
     /// Forget every source's state, as a restarted process (or a shared store that
@@ -86,7 +99,21 @@ impl MemoryBackend {
             if !seed.blocked_for.is_zero() {
                 c.quota.block(seed.blocked_for, now);
             }
+            if let Some(d) = self.drain.get(source) {
+                d.store(seed.quota_spent, Ordering::Relaxed);
+            }
         })
+    }
+
+    /// Drain `source`'s buckets (under its lock) if its seed said the quota was spent.
+    fn drain_if_seeded(&self, source: &str, c: &mut Gates, q: &QuotaParams, now: Duration) {
+        if self
+            .drain
+            .get(source)
+            .is_some_and(|d| d.swap(false, Ordering::Relaxed))
+        {
+            c.quota.drain(q, now);
+        }
     }
 
     /// [`Backend::try_enter`], except that a probe is never granted (§10: not on a
@@ -114,7 +141,10 @@ impl MemoryBackend {
                 epoch,
                 retry_after: Duration::ZERO,
             },
-            None => c.admit(now, r),
+            None => {
+                self.drain_if_seeded(source, c, r.q, now);
+                c.admit(now, r)
+            }
         })
     }
 
@@ -139,6 +169,9 @@ pub struct Seed {
     pub probe_due: bool,
     /// The quota refuses this much longer (a 429 block, or the shared bucket's wait).
     pub blocked_for: Duration,
+    /// The shared quota was seen refusing lately: the buckets start empty (drained
+    /// by the next admission), not full.
+    pub quota_spent: bool,
 }
 
 /// The epoch, when the next `try_enter` would grant a probe (HALF_OPEN, or OPEN past
@@ -217,7 +250,10 @@ impl Backend for MemoryBackend {
         q: &QuotaParams,
         tokens: impl Into<Tokens> + Send,
     ) -> BResult<Reserve> {
-        self.with(source, |c, now| c.quota.reserve(q, tokens, now))
+        self.with(source, |c, now| {
+            self.drain_if_seeded(source, c, q, now);
+            c.quota.reserve(q, tokens, now)
+        })
     }
 
     async fn settle(

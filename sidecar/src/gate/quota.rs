@@ -572,6 +572,19 @@ impl Quota {
         }
     }
 
+    /// §10: every configured bucket empty at `now` (never fuller than it was): a
+    /// degraded host that last saw the shared quota refuse takes it as spent, and
+    /// gets its share of the refill from there, not a fresh burst.
+    pub fn drain(&mut self, q: &QuotaParams, now: Duration) {
+        for (i, (b, _, _)) in BUCKETS.into_iter().enumerate() {
+            if let Some(s) = q.shape(b) {
+                let empty = now + dur(s.refill_ns(s.capacity));
+                let l = self.buckets[i].get_or_insert(Level { full_at: now });
+                l.full_at = l.full_at.max(empty);
+            }
+        }
+    }
+
     /// 429: block until `now + d` (only moves forward; `d` at most
     /// [`MAX_QUOTA_BLOCK`]).
     pub fn block(&mut self, d: Duration, now: Duration) {
@@ -649,6 +662,25 @@ mod tests {
             q.reserve(&qp, 10, s(1)),
             Reserve::Denied { retry_after: s(99) }
         );
+    }
+
+    #[test]
+    fn a_drained_quota_is_empty_and_refills_from_there() {
+        let qp = QuotaParams {
+            rpm: Some(60),
+            ..q60()
+        };
+        let mut q = Quota::new();
+        q.drain(&qp, s(10));
+        let v = q.view(&qp, s(10));
+        assert_eq!((v.tokens(), v.requests()), (Some(0.0), Some(0.0)));
+        assert_eq!(q.wait(&qp, 1, s(10)), s(1), "one request's refill");
+        let v = q.view(&qp, s(40));
+        assert_eq!((v.tokens(), v.requests()), (Some(30.0), Some(30.0)));
+        // Never fuller than it was: a bucket in debt stays in debt.
+        q.settle(&qp, 0, Settlement::charge(120), s(40));
+        q.drain(&qp, s(40));
+        assert_eq!(q.view(&qp, s(40)).tokens(), Some(-60.0));
     }
 
     #[test]

@@ -63,7 +63,14 @@ pub(super) struct Known {
     probe_due: bool,
     /// The quota refused until then (a 429 block, or the shared bucket's wait).
     quota_until: Option<Duration>,
+    /// When the shared quota last refused (its buckets were spent then).
+    quota_refused_at: Option<Duration>,
 }
+
+/// A shared quota seen refusing within this long is taken as spent when the host
+/// degrades: its local buckets start empty, not full (§10: a degraded fleet gets its
+/// share of the refill, not a fresh burst on top of what it already used).
+pub(super) const SPENT_MEMORY: Duration = Duration::from_secs(60);
 
 /// What one Redis answer says of the shared state (nothing, when `None`).
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
@@ -86,11 +93,15 @@ impl Known {
         }
         if let Some(wait) = seen.quota {
             self.quota_until = (!wait.is_zero()).then(|| now + wait);
+            if !wait.is_zero() {
+                self.quota_refused_at = Some(now);
+            }
         }
     }
 
     /// The local fallback's starting state at `now`: OPEN until the known deadline
-    /// (a passed one is a probe's turn), the quota's known refusal.
+    /// (a passed one is a probe's turn), the quota's known refusal, and whether the
+    /// quota was seen spent lately.
     pub(super) fn seed(&self, now: Duration) -> Seed {
         let open_for = self.open_until.map(|u| u.saturating_sub(now));
         Seed {
@@ -99,6 +110,9 @@ impl Known {
             blocked_for: self
                 .quota_until
                 .map_or(Duration::ZERO, |u| u.saturating_sub(now)),
+            quota_spent: self
+                .quota_refused_at
+                .is_some_and(|t| now.saturating_sub(t) < SPENT_MEMORY),
         }
     }
 }
@@ -325,8 +339,11 @@ mod tests {
                 open_for: None,
                 probe_due: false,
                 blocked_for: s(15),
+                quota_spent: true,
             }
         );
+        // Seen refusing more than SPENT_MEMORY ago: the buckets start full again.
+        assert!(!k.seed(s(10) + SPENT_MEMORY).quota_spent);
         for state in [State::HalfOpen, State::Open] {
             k.learn(
                 Seen {
@@ -341,6 +358,7 @@ mod tests {
                     open_for: None,
                     probe_due: true,
                     blocked_for: Duration::ZERO,
+                    quota_spent: true,
                 },
                 "{state:?}"
             );
