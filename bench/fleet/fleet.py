@@ -114,16 +114,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def wait_port(port: int, what: str) -> None:
-    deadline = time.monotonic() + 10
-    while True:
+def wait_port(port: int, proc: subprocess.Popen, seconds: float = 10) -> bool:
+    """`True` once `port` accepts; `False` if `proc` exited or time ran out."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
         try:
             socket.create_connection(("127.0.0.1", port), 0.2).close()
-            return
+            return True
         except OSError:
-            if time.monotonic() > deadline:
-                raise SystemExit("%s did not start" % what)
+            if proc.poll() is not None:
+                return False
             time.sleep(0.05)
+    return False
 
 
 def cli(port: int, *args: str) -> str:
@@ -140,17 +142,25 @@ class Redis:
         self.procs = {}  # port -> Popen
         n = 6 if cluster else 1
         for i in range(n):
-            port = free_port()
             d = tmp / ("redis%d" % i)
             d.mkdir()
-            args = ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-                    "--appendonly", "no", "--dir", str(d)]
-            if cluster:
-                args += ["--cluster-enabled", "yes", "--cluster-config-file",
-                         str(d / "nodes.conf"), "--cluster-node-timeout", "2000"]
-            self.procs[port] = subprocess.Popen(args, stdout=subprocess.DEVNULL,
-                                                stderr=subprocess.DEVNULL)
-            wait_port(port, "redis-server")
+            # A free port may be taken again before the server binds it: retry.
+            for _ in range(5):
+                port = free_port()
+                args = ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+                        "--appendonly", "no", "--dir", str(d)]
+                if cluster:
+                    args += ["--cluster-enabled", "yes", "--cluster-config-file",
+                             str(d / "nodes.conf"), "--cluster-node-timeout", "2000"]
+                proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                self.procs[port] = proc
+                if wait_port(port, proc):
+                    break
+                proc.kill()
+                proc.wait()
+                del self.procs[port]
+            else:
+                raise SystemExit("redis-server did not start")
         self.ports = list(self.procs)
         if cluster:
             self._join()
