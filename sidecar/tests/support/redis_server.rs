@@ -390,11 +390,14 @@ impl RedisCluster {
             .collect()
     }
 
-    /// Index of the master holding `key`'s slot (in [`RedisCluster::nodes`]).
+    /// Index of the master (in [`RedisCluster::nodes`]) that held `key`'s slot at
+    /// the start (asked of any node still answering: one may have been killed).
     pub fn master_index(&self, key: &str) -> usize {
-        let slot: u32 = cli(self.nodes[0].port, &["CLUSTER", "KEYSLOT", key])
-            .trim()
-            .parse()
+        let slot: u32 = self
+            .nodes
+            .iter()
+            .chain(&self.replicas)
+            .find_map(|n| n.cli(&["CLUSTER", "KEYSLOT", key]).trim().parse().ok())
             .expect("CLUSTER KEYSLOT");
         match slot {
             0..=5460 => 0,
