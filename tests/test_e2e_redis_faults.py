@@ -175,3 +175,149 @@ def test_fail_closed_message_does_not_repeat_itself(sidecars, redis_server):
             call.acquire()
     msg = str(ei.value)
     assert msg.count("shared backend unreachable") <= 1, "duplicated prefix in the error message: %r" % msg
+
+
+def _sigstop(redis_server):
+    import os
+    import signal
+
+    os.kill(redis_server.proc.pid, signal.SIGSTOP)
+
+
+def _sigcont(redis_server):
+    import os
+    import signal
+
+    os.kill(redis_server.proc.pid, signal.SIGCONT)
+
+
+@pytest.mark.timeout(60)
+def test_paused_redis_keeps_an_open_source_refused_through_reload_and_shutdown(sidecars, redis_server):
+    """§10, issue 21 item 1: with Redis paused (SIGSTOP), a source the host last saw
+    OPEN — force-opened for an hour, or opened by its own breaker — stays refused:
+    no call is granted on it, not by a fail-fast call, not to a waiter woken by a
+    SIGHUP reload, not during SIGTERM's drain. Before the fix the blank local
+    fallback admitted them all (194 of 194 calls, 50 waiters on SIGHUP, 1 of 200 on
+    SIGTERM)."""
+    import os
+    import signal
+
+    s = sidecars.new("host-a")
+    s.write_config(
+        {
+            "forced": scope("s1"),
+            "waiting": scope("s1", circuit_open="wait", stall_window="20s"),
+            "opened": scope({"name": "s2", "timeout": "5s"},
+                            breaker={"failure_threshold": 2, "cooldown": "60s", "max_cooldown": "10m"}),
+        },
+        backend="redis", redis_url=redis_server.url, key_prefix="pg-remember",
+        on_backend_error="local", redis_timeout="200ms", shutdown_grace="2s")
+    s.start()
+    c = s.client()
+    c.force_open("s1", seconds=3600)
+    for _ in range(2):
+        with c.call("opened") as call:
+            call.acquire().failure("server_error")
+    assert s.source_status(c, "s2")["state"] == "open"
+
+    granted = []
+    errors = []
+    lock = threading.Lock()
+
+    def waiter():
+        cw = s.client()
+        try:
+            with cw.call("waiting") as call:
+                permit = call.acquire()
+                with lock:
+                    granted.append("waiter")
+                permit.success()
+        except polygate.PolyGateError as e:
+            with lock:
+                errors.append(e)
+        except OSError as e:  # the daemon went away mid-wait
+            with lock:
+                errors.append(e)
+
+    _sigstop(redis_server)
+    try:
+        threads = [threading.Thread(target=waiter, daemon=True) for _ in range(30)]
+        for t in threads:
+            t.start()
+        # Fail-fast calls on both sources, for longer than the memo's re-check
+        # (1 s): it reads the degraded state, which must still say OPEN.
+        until = time.monotonic() + 2.5
+        calls = 0
+        while time.monotonic() < until:
+            for sc in ("forced", "opened"):
+                with c.call(sc) as call:
+                    try:
+                        permit = call.acquire()
+                        granted.append(sc)
+                        permit.success()
+                    except polygate.CircuitOpenError as e:
+                        assert e.retry_after_s > 30, (sc, e.retry_after_s)
+                calls += 1
+            time.sleep(0.01)
+        assert calls > 50
+        assert granted == [], "granted on a source last seen OPEN while Redis is paused: %r" % granted
+        st = s.source_status(c, "s1")
+        assert st["degraded"] is True and st["state"] == "open", st
+        # A reload wakes every waiter: none may be let through.
+        os.kill(s.proc.pid, signal.SIGHUP)
+        time.sleep(1.5)
+        assert granted == [], "SIGHUP released waiters onto an OPEN source: %r" % granted
+        assert s.alive()
+        # Shutdown ends the waits; none with a grant.
+        os.kill(s.proc.pid, signal.SIGTERM)
+        for t in threads:
+            t.join(15)
+        assert not any(t.is_alive() for t in threads), "a waiter outlived SIGTERM"
+        assert granted == [], "SIGTERM granted an OPEN source to a waiter: %r" % granted
+        assert len(errors) == 30, errors
+    finally:
+        _sigcont(redis_server)
+
+
+@pytest.mark.timeout(60)
+def test_two_degraded_sidecars_together_admit_the_limit_not_twice_it(sidecars, redis_server):
+    """§10, issue 25: each sidecar keeps a heartbeat in Redis; while Redis is paused
+    each uses only its share of every shared quota (auto: 1 / the 2 live hosts), so
+    together they admit at most the limit plus one call each — not the whole limit
+    each, as before. Status shows the share in force."""
+    hosts = []
+    for name in ("host-a", "host-b"):
+        s = sidecars.new(name)
+        s.write_config({"chat": scope({"name": "s1", "timeout": "5s", "rpm": 10}, quota_full="fail_fast")},
+                       backend="redis", redis_url=redis_server.url, key_prefix="pg-share",
+                       on_backend_error="local", redis_timeout="200ms")
+        s.start()
+        hosts.append((s, s.client()))
+
+    def both_counted():
+        return all(c.status().get("degraded_share", {}).get("live_hosts") == 2 for _, c in hosts)
+
+    wait_until(both_counted, timeout=5.0, what="both heartbeats counted")
+    for _, c in hosts:
+        share = c.status()["degraded_share"]
+        assert share["setting"] == "auto" and share["share"] == 0.5, share
+
+    _sigstop(redis_server)
+    try:
+        admitted = {}
+        for s, c in hosts:
+            n = 0
+            for _ in range(30):
+                with c.call("chat") as call:
+                    try:
+                        call.acquire().success()
+                        n += 1
+                    except polygate.AllSourcesExhausted:
+                        pass
+            admitted[s.name] = n
+            assert s.source_status(c, "s1")["degraded"] is True
+        total = sum(admitted.values())
+        assert total <= 10 + 2, "two degraded hosts admitted %r of a 10 rpm limit" % admitted
+        assert all(n >= 1 for n in admitted.values()), admitted
+    finally:
+        _sigcont(redis_server)

@@ -15,6 +15,17 @@ Upstream rules (limits per deployment, as `--rpm` / `--tpm` say):
 
 `--config matching` writes the source block examples/providers.toml recommends for
 the rule; `--config default` is today's configuration (rpm + tpm only) as the control.
+
+Redis faults (DESIGN §10, issue 25): `--cluster` runs a throwaway 3-master /
+3-replica Redis Cluster instead of one server, and `--fault` strikes at `--fault-at`
+seconds: `redis-pause` stops every Redis process (SIGSTOP) for `--fault-for` seconds,
+`master-kill` kills the master holding the source (kill -9; its replica takes over),
+`failover` moves it to its replica (`CLUSTER FAILOVER`). The line then adds
+`max_rolling_60s_over_allowed` (the most requests the fleet sent in any rolling
+window of min(60 s, run) over what the provider's rule admits in such a window),
+`calls_lost` (calls that ended in an error), `max_concurrent_probes` (half-open probe
+permits held at once, per source) and `recovery_s` (from the end of the fault to
+every host serving the source from Redis again).
 Standard library only (plus the polygate binding on sys.path)."""
 
 from __future__ import annotations
@@ -51,11 +62,13 @@ class Upstream:
         self.levels = {"r": float(rpm), "i": float(self.itpm), "o": float(self.otpm)}
         self.last = self.t0
         self.window = (-1, 0, 0)  # (index, requests, tokens)
+        self.arrivals = []  # every request's arrival (monotonic), accepted or not
 
     def call(self) -> tuple:
         """One request arriving now: (ok, retry_after_s, input, output)."""
         with self.lock:
             now = time.monotonic()
+            self.arrivals.append(now)
             retry = self._admit(now)
             if retry is None:
                 self.ok += 1
@@ -101,13 +114,158 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def wait_port(port: int, proc: subprocess.Popen, seconds: float = 10) -> bool:
+    """`True` once `port` accepts; `False` if `proc` exited or time ran out."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        try:
+            socket.create_connection(("127.0.0.1", port), 0.2).close()
+            return True
+        except OSError:
+            if proc.poll() is not None:
+                return False
+            time.sleep(0.05)
+    return False
+
+
+def cli(port: int, *args: str) -> str:
+    out = subprocess.run(["redis-cli", "-p", str(port), *args], capture_output=True,
+                         text=True, timeout=10)
+    return out.stdout
+
+
+class Redis:
+    """One throwaway redis-server, or a 3-master / 3-replica cluster."""
+
+    def __init__(self, tmp: Path, cluster: bool) -> None:
+        self.cluster = cluster
+        self.procs = {}  # port -> Popen
+        n = 6 if cluster else 1
+        for i in range(n):
+            d = tmp / ("redis%d" % i)
+            d.mkdir()
+            # A free port may be taken again before the server binds it: retry.
+            for _ in range(5):
+                port = free_port()
+                args = ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+                        "--appendonly", "no", "--dir", str(d)]
+                if cluster:
+                    args += ["--cluster-enabled", "yes", "--cluster-config-file",
+                             str(d / "nodes.conf"), "--cluster-node-timeout", "2000"]
+                proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                self.procs[port] = proc
+                if wait_port(port, proc):
+                    break
+                proc.kill()
+                proc.wait()
+                del self.procs[port]
+            else:
+                raise SystemExit("redis-server did not start")
+        self.ports = list(self.procs)
+        if cluster:
+            self._join()
+
+    def _join(self) -> None:
+        masters, replicas = self.ports[:3], self.ports[3:]
+        for port, (lo, hi) in zip(masters, [(0, 5460), (5461, 10922), (10923, 16383)]):
+            cli(port, "CLUSTER", "ADDSLOTSRANGE", str(lo), str(hi))
+        for port in self.ports[1:]:
+            cli(port, "CLUSTER", "MEET", "127.0.0.1", str(self.ports[0]))
+        deadline = time.monotonic() + 30
+        for m, r in zip(masters, replicas):
+            mid = cli(m, "CLUSTER", "MYID").strip()
+            while "OK" not in cli(r, "CLUSTER", "REPLICATE", mid):
+                if time.monotonic() > deadline:
+                    raise SystemExit("cluster replicas did not attach")
+                time.sleep(0.1)
+        while not all("cluster_state:ok" in cli(p, "CLUSTER", "INFO") for p in self.ports) \
+                or not all("master_link_status:up" in cli(r, "INFO", "replication") for r in replicas):
+            if time.monotonic() > deadline:
+                raise SystemExit("cluster did not come up")
+            time.sleep(0.1)
+
+    def sidecar_keys(self) -> str:
+        if self.cluster:
+            nodes = ", ".join('"redis://127.0.0.1:%d"' % p for p in self.ports)
+            return "redis_cluster_nodes = [%s]\n" % nodes
+        return 'redis_url = "redis://127.0.0.1:%d/0"\n' % self.ports[0]
+
+    def master_of(self, key: str) -> tuple:
+        """(port of the master holding `key`'s slot, port of its replica)."""
+        live = [p for p, pr in self.procs.items() if pr.poll() is None]
+        slot = int(cli(live[0], "CLUSTER", "KEYSLOT", key).strip())
+        rows = [line.split() for line in cli(live[0], "CLUSTER", "NODES").splitlines()]
+
+        def port(f: list) -> int:
+            return int(f[1].split("@")[0].rsplit(":", 1)[1])
+
+        master = None
+        for f in rows:
+            if "master" in f[2] and "fail" not in f[2]:
+                for r in f[8:]:
+                    lo, _, hi = r.partition("-")
+                    if lo.isdigit() and int(lo) <= slot <= int(hi or lo):
+                        master = f
+        if master is None:
+            raise SystemExit("no master holds slot %d" % slot)
+        replica = next((port(f) for f in rows if f[3] == master[0]), None)
+        return port(master), replica
+
+    def signal_all(self, sig: int) -> None:
+        for p in self.procs.values():
+            if p.poll() is None:
+                os.kill(p.pid, sig)
+
+    def kill(self, port: int) -> None:
+        self.procs[port].kill()
+        self.procs[port].wait()
+
+    def is_master(self, port: int) -> bool:
+        return "role:master" in cli(port, "INFO", "replication")
+
+    def stop(self) -> None:
+        self.signal_all(signal.SIGCONT)
+        for p in self.procs.values():
+            p.terminate()
+        for p in self.procs.values():
+            try:
+                p.wait(5)
+            except subprocess.TimeoutExpired:
+                p.kill()
+
+
+def max_rolling(arrivals: list, t0: float, end: float, rule: str, rpm: int) -> float:
+    """The most requests sent in any window of min(60 s, the run) over what the rule
+    admits in such a window (token-bucket: a full bucket plus the window's refill)."""
+    span = min(60.0, max(end - t0, 1e-9))
+    if rule == "token-bucket":
+        allowed = rpm + rpm * span / 60
+    elif rule == "per-second":
+        allowed = rpm / 60 * math.ceil(span)
+    else:
+        allowed = rpm * math.ceil(span / 60)
+    times = sorted(arrivals)
+    best, j = 0, 0
+    for i, t in enumerate(times):
+        while times[j] < t - span:
+            j += 1
+        best = max(best, i - j + 1)
+    return best / allowed
+
+
 def source_block(rule: str, config: str, rpm: int, tpm: int) -> str:
     lines = ['name = "deploy"', 'timeout = "10s"', f"rpm = {rpm}"]
     if config == "default":
         return "\n".join(lines + [f"tpm = {tpm}"])
     if rule == "token-bucket":
         itpm, otpm = tpm * PROMPT // (PROMPT + OUTPUT), tpm * OUTPUT // (PROMPT + OUTPUT)
-        return "\n".join(lines + [f"itpm = {itpm}", f"otpm = {otpm}"])
+        # A bucket one request's interval short of a minute (capacity rpm - 1): the
+        # provider's bucket runs on arrivals, PolyGate's on grants, and the first
+        # request of a burst reaches the provider later after its grant than the
+        # ones after it; a full minute's bucket let the grant due one refill later
+        # arrive just before the provider had refilled it (docs/benchmarks.md).
+        burst_ms = 60_000 - max(1, 60_000 // rpm)
+        return "\n".join(lines + [f"itpm = {itpm}", f"otpm = {otpm}", f'burst = "{burst_ms}ms"'])
     if rule == "per-second":
         # One request's interval: a bucket of one request never sends more than
         # limit/60 in a fixed second (a bucket of a second's worth could send ~2x).
@@ -115,6 +273,59 @@ def source_block(rule: str, config: str, rpm: int, tpm: int) -> str:
         return "\n".join(lines + [f"tpm = {tpm}", f'burst = "{burst_ms}ms"',
                                   'tokens_charged = "estimate"'])
     return "\n".join(lines + [f"tpm = {tpm}", f'burst = "{max(1, 60_000 // rpm)}ms"'])
+
+
+def degraded_hosts(socks: list) -> int:
+    """How many hosts serve the source from local state now (unknown: counted)."""
+    n = 0
+    for sock in socks:
+        try:
+            c = polygate.connect(str(sock))
+            try:
+                st = c.status()
+            finally:
+                c.close()
+            srcs = [s for sc in st["scopes"].values() for s in sc["sources"].values()]
+            n += any(s["degraded"] for s in srcs)
+        except (polygate.PolyGateError, OSError):
+            n += 1
+    return n
+
+
+def run_fault(a, redis: "Redis", socks: list, t0: float, stop_at: float) -> dict:
+    """Strike `a.fault` at `a.fault_at`; return when it ended and how long the
+    fleet took to serve from Redis again."""
+    if a.fault == "none":
+        return {"fault_at_s": None, "fault_end_s": None, "recovery_s": None}
+    at = t0 + (a.fault_at if a.fault_at is not None else a.seconds / 2)
+    time.sleep(max(0.0, at - time.monotonic()))
+    struck = time.monotonic()
+    if a.fault == "redis-pause":
+        redis.signal_all(signal.SIGSTOP)
+        time.sleep(a.fault_for)
+        redis.signal_all(signal.SIGCONT)
+    else:
+        master, replica = redis.master_of("{fleet:deploy}:b")
+        if replica is None:
+            raise SystemExit("the source's master has no replica")
+        if a.fault == "master-kill":
+            redis.kill(master)
+        else:
+            cli(replica, "CLUSTER", "FAILOVER")
+        deadline = time.monotonic() + 30
+        while not redis.is_master(replica):
+            if time.monotonic() > deadline:
+                raise SystemExit("no failover within 30 s")
+            time.sleep(0.05)
+    ended = time.monotonic()
+    recovered = None
+    while time.monotonic() < stop_at:
+        if degraded_hosts(socks) == 0:
+            recovered = time.monotonic() - ended
+            break
+        time.sleep(0.05)
+    return {"fault_at_s": round(struck - t0, 2), "fault_end_s": round(ended - t0, 2),
+            "recovery_s": None if recovered is None else round(recovered, 2)}
 
 
 def main() -> int:
@@ -129,29 +340,33 @@ def main() -> int:
                     help="override the matching block's burst (e.g. 1s, to compare)")
     ap.add_argument("--rpm", type=int, default=60)
     ap.add_argument("--tpm", type=int, default=6000)
+    ap.add_argument("--cluster", action="store_true",
+                    help="a throwaway 3-master / 3-replica Redis Cluster instead of one server")
+    ap.add_argument("--fault", choices=["none", "redis-pause", "master-kill", "failover"],
+                    default="none")
+    ap.add_argument("--fault-at", type=float, default=None,
+                    help="seconds into the run (default: half of it)")
+    ap.add_argument("--fault-for", type=float, default=10.0,
+                    help="redis-pause: how long Redis stays stopped")
+    ap.add_argument("--degraded-share", default="auto",
+                    help='sidecar.degraded_share: "auto" or a fraction (1 = the whole limit '
+                         'per host, the control)')
     ap.add_argument("--sidecar", default=os.environ.get(
         "POLYGATE_SIDECAR_BIN", str(ROOT / "target" / "debug" / "polygate-sidecar")))
     a = ap.parse_args()
+    if a.fault in ("master-kill", "failover") and not a.cluster:
+        ap.error("--fault %s needs --cluster (a master with a replica)" % a.fault)
     # SIGTERM (a timeout, the bench's own stop) still stops what this run started.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     tmp = Path(tempfile.mkdtemp(prefix="pg-fleet-"))
     procs = []
+    redis = None
     try:
-        port = free_port()
-        procs.append(subprocess.Popen(
-            ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-             "--appendonly", "no", "--dir", str(tmp)],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
-        deadline = time.monotonic() + 10
-        while True:
-            try:
-                socket.create_connection(("127.0.0.1", port), 0.2).close()
-                break
-            except OSError:
-                if time.monotonic() > deadline:
-                    raise SystemExit("redis-server did not start")
-                time.sleep(0.05)
+        redis = Redis(tmp, a.cluster)
         socks = []
+        # A fault is noticed within one timeout per source; a run without one keeps
+        # the slack a loaded machine needs.
+        timeout = "2s" if a.fault == "none" else "500ms"
         block = source_block(a.upstream, a.config, a.rpm, a.tpm)
         if a.burst is not None:
             block = "\n".join(l for l in block.splitlines() if not l.startswith("burst"))
@@ -161,7 +376,8 @@ def main() -> int:
             cfg = tmp / f"h{h}.toml"
             cfg.write_text(
                 f'[sidecar]\nsocket = "{sock}"\nbackend = "redis"\n'
-                f'redis_url = "redis://127.0.0.1:{port}/0"\nredis_timeout = "2s"\n'
+                f'{redis.sidecar_keys()}redis_timeout = "{timeout}"\n'
+                f'degraded_share = "{a.degraded_share}"\n'
                 f'key_prefix = "fleet"\n\n[scopes.chat]\nquota_full = "wait"\n'
                 f'stall_window = "600s"\npoll_interval = "20ms"\nmax_attempts = 10\n'
                 f'[scopes.chat.pacer]\ninitial = {a.workers}\nmax = {a.workers}\n'
@@ -178,6 +394,7 @@ def main() -> int:
         stop_at = up.t0 + a.seconds
         counts = {"ok": 0, "failed": 0}
         lock = threading.Lock()
+        probes = {"now": 0, "max": 0}
 
         def worker(sock: Path) -> None:
             client = polygate.connect(str(sock))
@@ -191,7 +408,14 @@ def main() -> int:
                                 if time.monotonic() >= stop_at:
                                     p.cancel()
                                     return
+                                if p.is_probe:
+                                    with lock:
+                                        probes["now"] += 1
+                                        probes["max"] = max(probes["max"], probes["now"])
                                 ok, retry, i, o = up.call()
+                                if p.is_probe:
+                                    with lock:
+                                        probes["now"] -= 1
                                 if ok:
                                     p.success(input_tokens=i, output_tokens=o)
                                     break
@@ -208,6 +432,7 @@ def main() -> int:
                    for s in socks for _ in range(a.workers)]
         for t in threads:
             t.start()
+        fault = run_fault(a, redis, socks, up.t0, stop_at)
         # A worker still waiting out a 429 at the end is left behind (a daemon
         # thread): the upstream's counts are the result.
         for t in threads:
@@ -232,9 +457,17 @@ def main() -> int:
             "startup_429s": startup,
             "utilisation": round(ok / allowed, 4),
             "calls_ok": counts["ok"], "calls_failed": counts["failed"],
+            "cluster": a.cluster, "fault": a.fault, "degraded_share": a.degraded_share,
+            "max_rolling_60s_over_allowed": round(
+                max_rolling(up.arrivals, up.t0, up.t0 + elapsed, a.upstream, a.rpm), 4),
+            "calls_lost": counts["failed"],
+            "max_concurrent_probes": probes["max"],
+            **fault,
         }))
         return 0
     finally:
+        if redis is not None:
+            redis.stop()
         for p in reversed(procs):
             p.terminate()
         for p in procs:

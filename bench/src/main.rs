@@ -101,6 +101,19 @@ struct Cli {
     /// `fleet`: the driver (bench/fleet/fleet.py).
     #[arg(long, default_value = "bench/fleet/fleet.py")]
     fleet_driver: PathBuf,
+    /// `fleet`: a throwaway 3-master / 3-replica Redis Cluster instead of one server.
+    #[arg(long)]
+    cluster: bool,
+    /// `fleet`: a Redis fault at mid-run (DESIGN §10): `none`, `redis-pause`
+    /// (SIGSTOP for `--fault-for` seconds), `master-kill` or `failover` (`--cluster`).
+    #[arg(long, default_value = "none")]
+    fault: String,
+    /// `fleet`: how long `redis-pause` stops Redis, in seconds.
+    #[arg(long, default_value_t = 10.0)]
+    fault_for: f64,
+    /// `fleet`: `sidecar.degraded_share` of every host (`auto` or a fraction).
+    #[arg(long, default_value = "auto")]
+    degraded_share: String,
     /// Tiny durations and counts: checks that every scenario runs and prints its keys.
     #[arg(long)]
     smoke: bool,
@@ -300,6 +313,14 @@ pub struct Fleet {
     pub rpm: u64,
     pub tpm: u64,
     pub driver: PathBuf,
+    /// A Redis Cluster with replicas instead of one server.
+    pub cluster: bool,
+    /// The Redis fault struck at mid-run.
+    pub fault: String,
+    /// How long `redis-pause` lasts, in seconds.
+    pub fault_for: f64,
+    /// `sidecar.degraded_share`.
+    pub degraded_share: String,
 }
 
 impl Opts {
@@ -436,6 +457,10 @@ fn main() -> ExitCode {
             rpm: cli.rpm,
             tpm: cli.tpm,
             driver: rel(&cli.fleet_driver),
+            cluster: cli.cluster,
+            fault: cli.fault.clone(),
+            fault_for: cli.fault_for,
+            degraded_share: cli.degraded_share.clone(),
         },
     };
     if cli.smoke {

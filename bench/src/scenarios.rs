@@ -491,7 +491,11 @@ fn fleet(opts: &Opts) -> Line {
             f.upstream.name(),
         ])
         .args(["--rpm", &f.rpm.to_string(), "--tpm", &f.tpm.to_string()])
-        .args(["--config", &f.config, "--sidecar"])
+        .args(["--config", &f.config, "--fault", &f.fault])
+        .args(["--fault-for", &f.fault_for.to_string()])
+        .args(["--degraded-share", &f.degraded_share])
+        .args(f.cluster.then_some("--cluster"))
+        .arg("--sidecar")
         .arg(&opts.sidecar_bin)
         .output();
     let parsed = out.as_ref().ok().and_then(|o| {

@@ -158,6 +158,7 @@ async fn main() {
         timeout: Duration::from_secs(2),
         on_backend_error: OnBackendError::FailClosed,
         sources: sources.clone(),
+        degraded_share: polygate::config::DegradedShare::Auto,
     };
     let backend = Arc::new(
         RedisBackend::connect(opts, Arc::new(TokioClock::new()))

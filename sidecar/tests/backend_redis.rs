@@ -63,6 +63,7 @@ fn opts(url: &str, prefix: &str, timeout: Duration, on: OnBackendError) -> Redis
         timeout,
         on_backend_error: on,
         sources: SOURCES.iter().map(|s| s.to_string()).collect(),
+        degraded_share: polygate::config::DegradedShare::Auto,
     }
 }
 
@@ -162,6 +163,7 @@ async fn one_script_call_per_admit_and_per_report_within_the_command_budget() {
         return;
     };
     let b = backend(&srv, &prefix(), ms(500), OnBackendError::FailClosed).await;
+    b.stop_heartbeat(); // its once-a-second script is not a call's cost
     admit_report(&b, "s1").await; // loads the library (Function not found once)
     srv.cli(&["CONFIG", "RESETSTAT"]);
     for _ in 0..10 {
@@ -209,6 +211,11 @@ async fn keys_are_hash_tagged_and_expire() {
         .map(str::to_string)
         .collect();
     keys.sort();
+    // Beside the source's two keys, at most the prefix's heartbeat set (§10, hash
+    // tag `{<prefix>}`: never a source's slot).
+    let hk = polygate::backend::redis::hosts_key(&p);
+    assert_eq!(hk, format!("{{{p}}}:hosts"));
+    keys.retain(|k| *k != hk);
     assert_eq!(keys, vec![bk.clone(), qk.clone()]);
     assert_eq!(
         srv.cli(&["CLUSTER", "KEYSLOT", &bk]).trim(),
@@ -520,6 +527,7 @@ async fn a_server_without_functions_runs_the_script_form() {
         return;
     };
     let b = backend(&srv, &prefix(), ms(500), OnBackendError::FailClosed).await;
+    b.stop_heartbeat(); // its script's commands are not a call's
     admit_report(&b, "s1").await; // FCALL refused once, then the script form
     srv.cli(&["CONFIG", "RESETSTAT"]);
     for _ in 0..5 {
@@ -853,35 +861,28 @@ async fn admin_ops_are_refused_while_redis_is_unreachable() {
 }
 
 /// A permit granted by the local fallback must be fenced on Redis after the restore
-/// (and Redis's breaker left alone), even when both sides went through the same
-/// transitions and would otherwise sit at the same epoch.
+/// (and Redis's breaker left alone). The local fallback grants no probe (§10), so the
+/// local permit is a plain one, granted while Redis's breaker is CLOSED.
 #[tokio::test]
 async fn local_permits_are_fenced_on_redis_after_restore() {
     let Some(srv) = RedisServer::start() else {
         return;
     };
     let b = backend(&srv, &prefix(), ms(200), OnBackendError::Local).await;
-    // Drives a fresh breaker to a granted probe: 3 failures (open), cooldown, probe.
-    async fn to_probe(b: &RedisBackend) -> u64 {
-        for _ in 0..3 {
-            let e = b.try_enter("s1", &bp()).await.unwrap();
-            assert!(e.granted && !e.is_probe);
-            b.record_failure("s1", e.epoch, &bp()).await.unwrap();
-        }
-        tokio::time::sleep(ms(110)).await;
-        let e = b.try_enter("s1", &bp()).await.unwrap();
-        assert!(e.granted && e.is_probe, "{e:?}");
-        e.epoch
-    }
-    let redis_epoch = to_probe(&b).await;
-    assert!(!b.degraded("s1"));
-    // Redis stalls (state kept): the same story again, locally. The call that finds
-    // Redis stalled is a read: it still runs once Redis resumes, and must not move
-    // Redis's breaker.
+    let e = b.try_enter("s1", &bp()).await.unwrap();
+    assert!(e.granted && !e.is_probe);
+    let redis_epoch = e.epoch;
+    // Redis stalls (state kept). The call that finds Redis stalled is a read: it
+    // still runs once Redis resumes, and must not move Redis's breaker.
     srv.pause();
     b.retry_after(&["s1"]).await.unwrap();
-    let local_epoch = to_probe(&b).await;
     assert!(b.degraded("s1"));
+    let e = b.try_enter("s1", &bp()).await.unwrap();
+    assert!(
+        e.granted && !e.is_probe,
+        "known CLOSED: served locally: {e:?}"
+    );
+    let local_epoch = e.epoch;
     srv.resume();
     let deadline = Instant::now() + Duration::from_secs(4);
     while b.degraded("s1") {
@@ -889,38 +890,143 @@ async fn local_permits_are_fenced_on_redis_after_restore() {
         b.retry_after(&["s1"]).await.unwrap();
         tokio::time::sleep(ms(50)).await;
     }
-    let a = b
-        .report(
-            "s1",
-            ReportRequest::new(
-                &bp(),
-                &qp(),
-                local_epoch,
-                true,
-                10,
-                Outcome::Success {
-                    tokens: Some(10),
-                    split: None,
-                    count_attempt: true,
-                },
-            ),
-        )
-        .await
-        .unwrap();
+    let a = b.record_failure("s1", local_epoch, &bp()).await.unwrap();
     assert!(!a.applied, "a local permit is fenced on redis: {a:?}");
-    assert_eq!((a.state, a.epoch), (State::HalfOpen, redis_epoch));
-    let snap = b.snapshot("s1", &bp(), &qp()).await.unwrap();
-    assert_eq!((snap.state, snap.epoch), (State::HalfOpen, redis_epoch));
+    assert_eq!((a.state, a.epoch), (State::Closed, redis_epoch));
     assert!(
         local_epoch >= 1 << 62,
         "local epochs live elsewhere: {local_epoch}"
     );
-    // And Redis's own probe still reports normally.
-    let a = b
-        .record_success("s1", redis_epoch, true, &bp())
+    let snap = b.snapshot("s1", &bp(), &qp()).await.unwrap();
+    assert_eq!(
+        (snap.state, snap.epoch, snap.streak),
+        (State::Closed, redis_epoch, 0)
+    );
+}
+
+/// §10 (issue 21): degrading never forgets what the host knew. With Redis stalled
+/// (SIGSTOP), a source this host last saw OPEN — force-opened for an hour, opened by
+/// its breaker, blocked by a 429 — stays refused until that deadline; a source whose
+/// probe is due (its deadline passed, or HALF_OPEN) gets no probe; a source last
+/// seen CLOSED is served locally. Before the fix, the blank local state admitted
+/// all of them.
+#[tokio::test]
+async fn degraded_mode_keeps_what_the_host_knew() {
+    let Some(srv) = RedisServer::start() else {
+        return;
+    };
+    let sources = ["forced", "opened", "blocked", "due", "closed"];
+    let o = RedisOptions {
+        sources: sources.iter().map(|s| s.to_string()).collect(),
+        ..opts(&srv.url(), &prefix(), ms(200), OnBackendError::Local)
+    };
+    let b = RedisBackend::connect(o, Arc::new(TokioClock::new()))
         .await
         .unwrap();
-    assert!(a.applied && a.state == State::Closed);
+    let long = BreakerParams {
+        cooldown: Duration::from_secs(60),
+        max_cooldown: Duration::from_secs(600),
+        ..bp()
+    };
+    let hour = Duration::from_secs(3600);
+    b.force_open("forced", hour).await.unwrap();
+    for _ in 0..3 {
+        let e = b.try_enter("opened", &long).await.unwrap();
+        b.record_failure("opened", e.epoch, &long).await.unwrap();
+    }
+    let e = b.try_enter("blocked", &bp()).await.unwrap();
+    let r429 = Outcome::RateLimited {
+        retry_after: Some(hour),
+    };
+    b.report(
+        "blocked",
+        ReportRequest::new(&bp(), &qp(), e.epoch, false, 0, r429),
+    )
+    .await
+    .unwrap();
+    for _ in 0..3 {
+        let e = b.try_enter("due", &bp()).await.unwrap();
+        b.record_failure("due", e.epoch, &bp()).await.unwrap();
+    }
+    assert!(b.try_enter("closed", &bp()).await.unwrap().granted);
+
+    srv.pause();
+    let admit = |s: &'static str, p: BreakerParams| {
+        let b = &b;
+        async move { b.admit(s, AdmitRequest::new(&p, &qp(), 10)).await.unwrap() }
+    };
+    match admit("forced", bp()).await {
+        Admit::CircuitOpen {
+            state: State::Open,
+            retry_after,
+            ..
+        } => assert!(
+            retry_after > hour - Duration::from_secs(60),
+            "{retry_after:?}"
+        ),
+        a => panic!("force-opened for an hour: refused while redis is stalled: {a:?}"),
+    }
+    assert!(b.degraded("forced"), "served from local state");
+    let p = b.peek("forced").await.unwrap();
+    assert_eq!(p.state, State::Open, "the memo re-check reads it OPEN too");
+    assert!(p.retry_after > hour - Duration::from_secs(60));
+    match admit("opened", long).await {
+        Admit::CircuitOpen {
+            state: State::Open,
+            retry_after,
+            ..
+        } => assert!(retry_after > Duration::from_secs(50), "{retry_after:?}"),
+        a => panic!("opened by its breaker: refused: {a:?}"),
+    }
+    match admit("blocked", bp()).await {
+        Admit::RateLimited { retry_after } => {
+            assert!(
+                retry_after > hour - Duration::from_secs(60),
+                "{retry_after:?}"
+            )
+        }
+        a => panic!("a 429 block holds while degraded: {a:?}"),
+    }
+    // Its 100 ms cooldown is over: a probe is due, and none is granted locally,
+    // however often asked (neither by admit nor by try_enter).
+    tokio::time::sleep(ms(150)).await;
+    for _ in 0..5 {
+        match admit("due", bp()).await {
+            Admit::CircuitOpen {
+                state: State::HalfOpen,
+                retry_after,
+                ..
+            } => assert_eq!(retry_after, Duration::ZERO),
+            a => panic!("no probe on a source whose shared state is unknown: {a:?}"),
+        }
+        let e = b.try_enter("due", &bp()).await.unwrap();
+        assert!(!e.granted, "no probe by try_enter either: {e:?}");
+    }
+    assert!(
+        matches!(
+            admit("closed", bp()).await,
+            Admit::Admitted {
+                is_probe: false,
+                ..
+            }
+        ),
+        "a source last seen CLOSED is served locally"
+    );
+    srv.resume();
+    // Redis answers again: its own state is served (still OPEN for the hour).
+    let deadline = Instant::now() + Duration::from_secs(4);
+    loop {
+        let a = admit("forced", bp()).await;
+        if !b.degraded("forced") {
+            assert!(
+                matches!(a, Admit::CircuitOpen { state: State::Open, epoch, .. } if epoch < 1 << 62),
+                "{a:?}"
+            );
+            break;
+        }
+        assert!(Instant::now() < deadline, "not restored after SIGCONT");
+        tokio::time::sleep(ms(100)).await;
+    }
 }
 
 /// A server error reply (here: a key of the wrong type, so the script fails) is not an
@@ -1000,6 +1106,7 @@ async fn cluster_ops_admin_and_routing() {
             timeout: ms(500),
             on_backend_error: OnBackendError::FailClosed,
             sources: SOURCES.iter().map(|s| s.to_string()).collect(),
+            degraded_share: polygate::config::DegradedShare::Auto,
         };
         RedisBackend::connect(o, Arc::new(TokioClock::new()))
     };
@@ -1063,6 +1170,7 @@ async fn cluster_node_down_degrades_only_its_sources() {
         timeout: ms(200),
         on_backend_error: OnBackendError::Local,
         sources: SOURCES.iter().map(|s| s.to_string()).collect(),
+        degraded_share: polygate::config::DegradedShare::Auto,
     };
     let b = RedisBackend::connect(o, Arc::new(TokioClock::new()))
         .await
@@ -1157,4 +1265,183 @@ timeout = "1s"
         b.try_enter("s1", &bp()).await,
         Err(BackendError::UnknownSource(_))
     ));
+}
+
+/// §10 heartbeats: every backend (host) on a key prefix keeps a heartbeat under
+/// `{<prefix>}:hosts`, refreshed every second; each host reads the live count with
+/// no round trip of its own on a call's path, and a host that stops falls out of
+/// the count within the TTL. Another prefix is another fleet.
+#[tokio::test]
+async fn heartbeats_count_live_hosts_and_expire() {
+    use polygate::backend::redis::{hosts_key, HEARTBEAT_EVERY, HEARTBEAT_TTL};
+    let Some(srv) = RedisServer::start() else {
+        return;
+    };
+    let p = prefix();
+    let a = backend(&srv, &p, ms(500), OnBackendError::Local).await;
+    let b = backend(&srv, &p, ms(500), OnBackendError::Local).await;
+    let c = backend(&srv, &p, ms(500), OnBackendError::Local).await;
+    let other = backend(&srv, &prefix(), ms(500), OnBackendError::Local).await;
+    let live = |x: &RedisBackend| x.degraded_share().expect("redis shows a share").live_hosts;
+    let deadline = Instant::now() + HEARTBEAT_EVERY * 4;
+    while live(&a) != 3 || live(&c) != 3 {
+        assert!(
+            Instant::now() < deadline,
+            "3 hosts never counted: {}",
+            live(&a)
+        );
+        tokio::time::sleep(ms(50)).await;
+    }
+    let v = a.degraded_share().unwrap();
+    assert!(
+        (v.share - 1.0 / 3.0).abs() < 1e-9,
+        "auto: 1 / live hosts: {v:?}"
+    );
+    assert_eq!(live(&other), 1, "another prefix is another fleet");
+    assert_eq!(srv.cli(&["ZCARD", &hosts_key(&p)]).trim(), "3");
+    let ttl: i64 = srv.cli(&["PTTL", &hosts_key(&p)]).trim().parse().unwrap();
+    assert!(ttl > 0 && ttl <= HEARTBEAT_TTL.as_millis() as i64, "{ttl}");
+    // One host stops: it no longer counts once its heartbeat expired.
+    drop(c);
+    let stopped = Instant::now();
+    while live(&a) != 2 || live(&b) != 2 {
+        assert!(
+            stopped.elapsed() < HEARTBEAT_TTL + HEARTBEAT_EVERY * 3,
+            "a stopped host still counted after {:?}",
+            stopped.elapsed()
+        );
+        tokio::time::sleep(ms(50)).await;
+    }
+    assert!(stopped.elapsed() >= HEARTBEAT_TTL - HEARTBEAT_EVERY * 2);
+    // Redis stalls: the last count stands.
+    srv.pause();
+    tokio::time::sleep(HEARTBEAT_TTL).await;
+    assert_eq!(live(&a), 2, "the share is the fleet last seen");
+    srv.resume();
+}
+
+/// §10 degraded share: two hosts on one Redis, rpm = 10 (a 10-request bucket, one
+/// request back every 6 s). While Redis is stalled each host admits only its share
+/// of the bucket (auto: 1 / 2 live hosts = 5), so together they admit the limit —
+/// not twice it, as two hosts each enforcing the whole limit locally did.
+#[tokio::test]
+async fn a_degraded_host_uses_only_its_share_of_each_quota() {
+    use polygate::backend::redis::HEARTBEAT_EVERY;
+    let Some(srv) = RedisServer::start() else {
+        return;
+    };
+    let p = prefix();
+    let a = backend(&srv, &p, ms(200), OnBackendError::Local).await;
+    let b = backend(&srv, &p, ms(200), OnBackendError::Local).await;
+    let deadline = Instant::now() + HEARTBEAT_EVERY * 4;
+    while a.degraded_share().unwrap().live_hosts != 2 || b.degraded_share().unwrap().live_hosts != 2
+    {
+        assert!(Instant::now() < deadline, "2 hosts never counted");
+        tokio::time::sleep(ms(50)).await;
+    }
+    let q = QuotaParams {
+        rpm: Some(10),
+        ..QuotaParams::default()
+    };
+    srv.pause();
+    let mut admitted = 0;
+    for h in [&a, &b] {
+        for _ in 0..20 {
+            if let Admit::Admitted { .. } = h
+                .admit("s1", AdmitRequest::new(&bp(), &q, 0))
+                .await
+                .unwrap()
+            {
+                admitted += 1;
+            }
+        }
+        assert!(h.degraded("s1"));
+        let snap = h.snapshot("s1", &bp(), &q).await.unwrap();
+        assert!(
+            snap.requests_available.unwrap() < 1.0,
+            "each host's share is spent: {snap:?}"
+        );
+    }
+    srv.resume();
+    assert_eq!(admitted, 10, "together: the limit, 5 each");
+}
+
+/// A fixed `degraded_share` applies whatever the host count.
+#[tokio::test]
+async fn a_fixed_degraded_share_applies_as_configured() {
+    let Some(srv) = RedisServer::start() else {
+        return;
+    };
+    let o = RedisOptions {
+        degraded_share: polygate::config::DegradedShare::Fraction(0.3),
+        ..opts(&srv.url(), &prefix(), ms(200), OnBackendError::Local)
+    };
+    let b = RedisBackend::connect(o, Arc::new(TokioClock::new()))
+        .await
+        .unwrap();
+    assert_eq!(b.degraded_share().unwrap().share, 0.3);
+    let q = QuotaParams {
+        rpm: Some(10),
+        ..QuotaParams::default()
+    };
+    srv.pause();
+    let mut admitted = 0;
+    for _ in 0..10 {
+        if let Admit::Admitted { .. } = b
+            .admit("s1", AdmitRequest::new(&bp(), &q, 0))
+            .await
+            .unwrap()
+        {
+            admitted += 1;
+        }
+    }
+    srv.resume();
+    assert_eq!(admitted, 3, "0.3 of 10");
+}
+
+/// §10: a host that last saw the shared quota refuse takes it as spent when it
+/// degrades: its local buckets start empty and it gets its share of the refill, not
+/// a fresh full bucket on top of what the fleet already used.
+#[tokio::test]
+async fn a_quota_last_seen_spent_starts_empty_when_degraded() {
+    let Some(srv) = RedisServer::start() else {
+        return;
+    };
+    let b = backend(&srv, &prefix(), ms(200), OnBackendError::Local).await;
+    let q = QuotaParams {
+        rpm: Some(60),
+        ..QuotaParams::default()
+    };
+    let admit = || async {
+        b.admit("s1", AdmitRequest::new(&bp(), &q, 0))
+            .await
+            .unwrap()
+    };
+    let mut spent = false;
+    for _ in 0..70 {
+        if let Admit::RateLimited { .. } = admit().await {
+            spent = true;
+            break;
+        }
+    }
+    assert!(spent, "60 rpm: the shared bucket refuses after 60");
+    srv.pause();
+    let first = admit().await;
+    assert!(b.degraded("s1"));
+    assert!(
+        matches!(first, Admit::RateLimited { retry_after } if retry_after <= ms(1000)),
+        "empty, one request's refill away: {first:?}"
+    );
+    tokio::time::sleep(ms(1100)).await;
+    let mut n = 0;
+    for _ in 0..10 {
+        if let Admit::Admitted { .. } = admit().await {
+            n += 1;
+        }
+    }
+    srv.resume();
+    assert_eq!(
+        n, 1,
+        "a second's refill: one request, not a fresh bucket of 60"
+    );
 }

@@ -57,6 +57,7 @@ impl Harness for RedisHarness {
             timeout: Duration::from_secs(2),
             on_backend_error: OnBackendError::FailClosed,
             sources: SOURCES.iter().map(|s| s.to_string()).collect(),
+            degraded_share: polygate::config::DegradedShare::Auto,
         };
         RedisBackend::connect(opts, Arc::new(TokioClock::new()))
             .await
@@ -81,6 +82,7 @@ impl Harness for RedisHarness {
             timeout: Duration::from_secs(2),
             on_backend_error: OnBackendError::FailClosed,
             sources: SOURCES.iter().map(|s| s.to_string()).collect(),
+            degraded_share: polygate::config::DegradedShare::Auto,
         };
         Some(
             RedisBackend::connect(opts, Arc::new(TokioClock::new()))

@@ -810,6 +810,45 @@ fn max_rate_limit_block_defaults_parses_and_overrides() {
     );
 }
 
+/// DESIGN §10: `sidecar.degraded_share` is "auto" (the default) or a fraction in
+/// (0, 1], from the file (string or number) and `SIDECAR__DEGRADED_SHARE`; a bad
+/// value names the key and what is allowed.
+#[test]
+fn degraded_share_defaults_parses_and_overrides() {
+    use polygate::config::DegradedShare;
+    assert_eq!(
+        parse(MINIMAL).unwrap().sidecar.degraded_share,
+        DegradedShare::Auto
+    );
+    let share = |line: &str| parse(&sidecar_with(line)).unwrap().sidecar.degraded_share;
+    assert_eq!(share("degraded_share = \"auto\""), DegradedShare::Auto);
+    assert_eq!(
+        share("degraded_share = 0.25"),
+        DegradedShare::Fraction(0.25)
+    );
+    assert_eq!(share("degraded_share = 1"), DegradedShare::Fraction(1.0));
+    assert_eq!(
+        share("degraded_share = \"0.5\""),
+        DegradedShare::Fraction(0.5)
+    );
+    let c = parse_str(MINIMAL, env(&[("SIDECAR__DEGRADED_SHARE", "0.1")])).unwrap();
+    assert_eq!(c.sidecar.degraded_share, DegradedShare::Fraction(0.1));
+    assert_eq!(DegradedShare::Auto.of(4), 0.25);
+    assert_eq!(DegradedShare::Auto.of(0), 1.0, "this host at least");
+    assert_eq!(DegradedShare::Fraction(0.3).of(10), 0.3);
+    for bad in ["0", "1.5", "-0.2", "\"half\"", "\"nan\""] {
+        err(
+            &sidecar_with(&format!("degraded_share = {bad}")),
+            &["sidecar.degraded_share", "\"auto\"", "at most 1"],
+        );
+    }
+    err_env(
+        MINIMAL,
+        &[("SIDECAR__DEGRADED_SHARE", "all")],
+        &["SIDECAR__DEGRADED_SHARE=all", "\"auto\""],
+    );
+}
+
 #[test]
 fn provider_quota_keys_default_parse_and_override() {
     use polygate::config::{TokensCharged, DEFAULT_BURST};
@@ -951,7 +990,11 @@ fn the_provider_examples_parse_as_the_rules_they_name() {
     let by = |n: &str| s.iter().find(|x| x.name == n).unwrap();
     let anthropic = by("anthropic-sonnet");
     assert!(anthropic.itpm.is_some() && anthropic.otpm.is_some());
-    assert_eq!(anthropic.burst, Duration::from_secs(60));
+    assert_eq!(
+        anthropic.burst,
+        Duration::from_millis(58_800),
+        "60 s - 60 s / 50 rpm: one request of headroom"
+    );
     assert_eq!(anthropic.tokens_charged, TokensCharged::Actual);
     let azure = by("azure-gpt4o");
     assert_eq!(azure.burst, Duration::from_millis(100), "60 s / 600 rpm");

@@ -696,6 +696,7 @@ async fn fail_closed_calls_survive_a_client_kill() {
                 timeout: Duration::from_millis(500),
                 on_backend_error: polygate::config::OnBackendError::FailClosed,
                 sources: vec!["s1".into()],
+                degraded_share: polygate::config::DegradedShare::Auto,
             },
             std::sync::Arc::new(polygate::clock::TokioClock::new()),
         )

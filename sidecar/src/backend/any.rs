@@ -106,6 +106,10 @@ impl Backend for AnyBackend {
         delegate!(self, b => b.degraded(source))
     }
 
+    fn degraded_share(&self) -> Option<super::ShareView> {
+        delegate!(self, b => b.degraded_share())
+    }
+
     fn is_remote(&self) -> bool {
         delegate!(self, b => b.is_remote())
     }

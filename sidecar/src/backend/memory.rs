@@ -9,12 +9,13 @@
 // foldhash: these maps are keyed by our own ids and config names (nothing a peer
 // inserts), and SipHash was ~1.5 % of the per-frame CPU (§16).
 use foldhash::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use super::{BResult, Backend, BackendError, SourceSnapshot};
 use crate::clock::Clock;
-use crate::gate::breaker::{Applied, BreakerParams, Entry, Peek};
+use crate::gate::breaker::{Applied, BreakerParams, Entry, Peek, State};
 use crate::gate::quota::{QuotaParams, Reserve, Settlement, Tokens};
 use crate::gate::{Admit, AdmitRequest, Gates, ReportRequest};
 
@@ -24,6 +25,10 @@ pub struct MemoryBackend {
     clock: Arc<dyn Clock>,
     /// One cell per configured source; the map itself never changes after start-up.
     cells: HashMap<String, Mutex<Gates>>,
+    /// §10: sources [`MemoryBackend::seed`]ed with a spent quota whose buckets are
+    /// drained by the next admission (which carries the quota parameters), under the
+    /// source's lock.
+    drain: HashMap<String, AtomicBool>,
 }
 
 impl MemoryBackend {
@@ -46,11 +51,19 @@ impl MemoryBackend {
         base: u64,
     ) -> Self {
         let now = clock.now();
-        let cells = sources
+        let cells: HashMap<String, Mutex<Gates>> = sources
             .into_iter()
             .map(|s| (s.into(), Mutex::new(Gates::new(now, base))))
             .collect();
-        MemoryBackend { clock, cells }
+        let drain = cells
+            .keys()
+            .map(|k| (k.clone(), AtomicBool::new(false)))
+            .collect();
+        MemoryBackend {
+            clock,
+            cells,
+            drain,
+        }
     }
 
     /// Forget every source's state, as a restarted process (or a shared store that
@@ -64,6 +77,77 @@ impl MemoryBackend {
         }
     }
 
+    /// §10: start `source` afresh from what a shared backend's host last read of it
+    /// (its local fallback's state when Redis cannot be read): OPEN until the known
+    /// deadline, or with a probe due (which [`MemoryBackend::admit_no_probe`] never
+    /// grants), the quota blocked as long as it was known to be; buckets full. The
+    /// epoch moves on from the cell's (never back: a permit granted by an earlier
+    /// fallback period stays fenced).
+    pub fn seed(&self, source: &str, seed: Seed) -> BResult<()> {
+        self.with(source, |c, now| {
+            let epoch = c.breaker.peek(now).epoch;
+            *c = Gates::new(now, epoch.saturating_add(1));
+            match seed.open_for {
+                Some(d) if !d.is_zero() => {
+                    c.breaker.force_open(now, d);
+                }
+                _ if seed.probe_due => {
+                    c.breaker.force_open(now, Duration::ZERO);
+                }
+                _ => {}
+            }
+            if !seed.blocked_for.is_zero() {
+                c.quota.block(seed.blocked_for, now);
+            }
+            if let Some(d) = self.drain.get(source) {
+                d.store(seed.quota_spent, Ordering::Relaxed);
+            }
+        })
+    }
+
+    /// Drain `source`'s buckets (under its lock) if its seed said the quota was spent.
+    fn drain_if_seeded(&self, source: &str, c: &mut Gates, q: &QuotaParams, now: Duration) {
+        if self
+            .drain
+            .get(source)
+            .is_some_and(|d| d.swap(false, Ordering::Relaxed))
+        {
+            c.quota.drain(q, now);
+        }
+    }
+
+    /// [`Backend::try_enter`], except that a probe is never granted (§10: not on a
+    /// source whose shared state is unknown): where it would be, the answer is the
+    /// HALF_OPEN refusal (retry_after 0).
+    pub async fn try_enter_no_probe(&self, source: &str, p: &BreakerParams) -> BResult<Entry> {
+        self.with(source, |c, now| match probe_due(c, now) {
+            Some(epoch) => Entry {
+                granted: false,
+                is_probe: false,
+                epoch,
+                state: State::HalfOpen,
+                retry_after: Duration::ZERO,
+            },
+            None => c.breaker.try_enter(now, p),
+        })
+    }
+
+    /// [`Backend::admit`], except that a probe is never granted (as
+    /// [`MemoryBackend::try_enter_no_probe`]); nothing is reserved then.
+    pub async fn admit_no_probe(&self, source: &str, r: AdmitRequest<'_>) -> BResult<Admit> {
+        self.with(source, |c, now| match probe_due(c, now) {
+            Some(epoch) => Admit::CircuitOpen {
+                state: State::HalfOpen,
+                epoch,
+                retry_after: Duration::ZERO,
+            },
+            None => {
+                self.drain_if_seeded(source, c, r.q, now);
+                c.admit(now, r)
+            }
+        })
+    }
+
     fn with<T>(&self, source: &str, f: impl FnOnce(&mut Gates, Duration) -> T) -> BResult<T> {
         let cell = self
             .cells
@@ -72,6 +156,32 @@ impl MemoryBackend {
         let mut guard = cell.lock().unwrap_or_else(|e| e.into_inner());
         let now = self.clock.now();
         Ok(f(&mut guard, now))
+    }
+}
+
+/// What a shared backend's host last knew of a source, for
+/// [`MemoryBackend::seed`] (§10).
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct Seed {
+    /// OPEN for this much longer.
+    pub open_for: Option<Duration>,
+    /// A probe is due (HALF_OPEN, or OPEN past its deadline): refused locally.
+    pub probe_due: bool,
+    /// The quota refuses this much longer (a 429 block, or the shared bucket's wait).
+    pub blocked_for: Duration,
+    /// The shared quota was seen refusing lately: the buckets start empty (drained
+    /// by the next admission), not full.
+    pub quota_spent: bool,
+}
+
+/// The epoch, when the next `try_enter` would grant a probe (HALF_OPEN, or OPEN past
+/// its deadline).
+fn probe_due(c: &Gates, now: Duration) -> Option<u64> {
+    let p = c.breaker.peek(now);
+    match p.state {
+        State::HalfOpen => Some(p.epoch),
+        State::Open if p.retry_after.is_zero() => Some(p.epoch),
+        _ => None,
     }
 }
 
@@ -140,7 +250,10 @@ impl Backend for MemoryBackend {
         q: &QuotaParams,
         tokens: impl Into<Tokens> + Send,
     ) -> BResult<Reserve> {
-        self.with(source, |c, now| c.quota.reserve(q, tokens, now))
+        self.with(source, |c, now| {
+            self.drain_if_seeded(source, c, q, now);
+            c.quota.reserve(q, tokens, now)
+        })
     }
 
     async fn settle(

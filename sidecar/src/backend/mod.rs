@@ -87,7 +87,10 @@
 //!   (may go negative: debt). `RefundTokens` → token level += reserved. `RefundAll` →
 //!   token level += reserved, request level += 1. Levels never exceed capacity, and
 //!   never fall below −capacity: debt delays later admissions by at most one more
-//!   minute of refill, so one absurd token count cannot lock a source for ages.
+//!   minute of refill, so one absurd token count cannot lock a source for ages;
+//!   and the extra debit of one settlement (`Charge` above the reservation) takes
+//!   at most [`QuotaParams::max_debt`] (`max_rate_limit_block`, §12) of refill time
+//!   from each bucket, per-day ones included.
 //! - `block_quota(d)`: blocked_until = max(blocked_until, now + d). The engine caps
 //!   `d` at `max_rate_limit_block` (§7) before it gets here.
 //! - `report` settles by [`Outcome::settlement`]: success or non-transient failure
@@ -157,6 +160,18 @@ impl Default for SourceSnapshot {
     }
 }
 
+/// §10: the share of every shared quota a degraded host uses, for status and
+/// metrics.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct ShareView {
+    /// The share in force (1 / live hosts under `"auto"`, else the fraction).
+    pub share: f64,
+    /// Live hosts last seen (heartbeats; at least 1).
+    pub live_hosts: u64,
+    /// `degraded_share` as configured.
+    pub setting: crate::config::DegradedShare,
+}
+
 /// Backend failures. The engine maps them per `on_backend_error` (§10).
 #[derive(Debug, Clone, thiserror::Error, PartialEq)]
 pub enum BackendError {
@@ -183,6 +198,12 @@ pub trait Backend: Send + Sync + 'static {
     /// unreachable (always `false` for the memory backend).
     fn degraded(&self, _source: &str) -> bool {
         false
+    }
+
+    /// §10: the share of every shared quota this host uses while degraded (`None`:
+    /// not a shared backend).
+    fn degraded_share(&self) -> Option<ShareView> {
+        None
     }
 
     /// `true` when operations really wait on I/O (Redis). The engine then runs each

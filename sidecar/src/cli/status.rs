@@ -60,6 +60,7 @@ pub fn run(socket: &Path, json: bool) -> ExitCode {
             let classes = doc.as_deref().map(classes_of).unwrap_or_default();
             let mut text = render_with_classes(&report, &classes);
             if let Some(doc) = doc {
+                text.push_str(&render_share(&doc));
                 text.push_str(&render_buckets(&doc));
             }
             super::print_out(&text)
@@ -211,6 +212,26 @@ fn classes_of(doc: &str) -> Classes {
 
 // ---------------------------------------------------------------------------------
 // rendering
+
+/// §10: the share of every shared quota this host uses while degraded, as one line
+/// (nothing for a backend without one).
+pub fn render_share(doc: &str) -> String {
+    let Ok(v) = serde_json::from_str::<serde_json::Value>(doc) else {
+        return String::new();
+    };
+    let s = &v["degraded_share"];
+    match (
+        s["share"].as_f64(),
+        s["live_hosts"].as_u64(),
+        s["setting"].as_str(),
+    ) {
+        (Some(share), Some(hosts), Some(setting)) => format!(
+            "\ndegraded share: {share:.4} of every shared quota while redis cannot be read \
+             (degraded_share = {setting}; live hosts last seen: {hosts})\n"
+        ),
+        _ => String::new(),
+    }
+}
 
 /// Column alignment.
 #[derive(Clone, Copy)]
@@ -546,6 +567,18 @@ mod tests {
             "{rpm:?}"
         );
         assert_eq!(render_buckets("not json"), "");
+    }
+
+    #[test]
+    fn the_degraded_share_renders_in_one_line_or_not_at_all() {
+        let doc = r#"{"degraded_share":{"share":0.25,"live_hosts":4,"setting":"auto"}}"#;
+        assert_eq!(
+            render_share(doc),
+            "\ndegraded share: 0.2500 of every shared quota while redis cannot be read \
+             (degraded_share = auto; live hosts last seen: 4)\n"
+        );
+        assert_eq!(render_share(r#"{"backend":"memory"}"#), "");
+        assert_eq!(render_share("not json"), "");
     }
 
     #[test]

@@ -101,6 +101,7 @@ const SIDECAR_KEYS: &[(&str, Slot<RawSidecar>)] = &[
         "MAX_RATE_LIMIT_BLOCK",
         Slot::Text(|s| &mut s.max_rate_limit_block),
     ),
+    ("DEGRADED_SHARE", Slot::Text(|s| &mut s.degraded_share)),
     ("MAX_CONNECTIONS", Slot::Int(|s| &mut s.max_connections)),
     ("IDLE_TIMEOUT", Slot::Text(|s| &mut s.idle_timeout)),
     ("MAX_BUFFERED", Slot::Int(|s| &mut s.max_buffered)),

@@ -97,6 +97,34 @@ spelled! {
     }
 }
 
+/// `sidecar.degraded_share` (§10): how much of every shared quota a degraded host
+/// uses.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum DegradedShare {
+    /// 1 / the number of live hosts last seen (per-host heartbeats in Redis).
+    Auto,
+    /// This fraction, in (0, 1].
+    Fraction(f64),
+}
+
+impl DegradedShare {
+    /// The share in force with `live_hosts` hosts last seen (at least one: this).
+    pub fn of(self, live_hosts: u64) -> f64 {
+        match self {
+            DegradedShare::Auto => 1.0 / live_hosts.max(1) as f64,
+            DegradedShare::Fraction(f) => f,
+        }
+    }
+
+    /// As written in the config (`"auto"`, or the fraction).
+    pub fn spelled(self) -> String {
+        match self {
+            DegradedShare::Auto => "auto".into(),
+            DegradedShare::Fraction(f) => f.to_string(),
+        }
+    }
+}
+
 spelled! {
     /// What a source's token buckets are finally charged (§7a `tokens_charged`).
     pub enum TokensCharged {
@@ -170,6 +198,10 @@ pub struct SidecarConfig {
     /// this long (longer values are cut to it), so one buggy worker or a provider's
     /// daily `Retry-After` cannot block a source for a day.
     pub max_rate_limit_block: Duration,
+    /// §10: the share of every shared quota this host uses while degraded (Redis
+    /// unreachable, `on_backend_error = "local"`), so N hosts do not admit N × the
+    /// limit during an outage.
+    pub degraded_share: DegradedShare,
     /// Most worker connections served at once (§12 "Bounded under abuse"); `None`
     /// derives it at start-up from the fd limit (`RLIMIT_NOFILE`), which an explicit
     /// value must also stay below.
@@ -390,6 +422,7 @@ impl Default for SidecarConfig {
             log_format: LogFormat::Text,
             metrics_refresh: Duration::from_secs(5),
             max_rate_limit_block: DEFAULT_MAX_RATE_LIMIT_BLOCK,
+            degraded_share: DegradedShare::Auto,
             max_connections: None,
             idle_timeout: DEFAULT_IDLE_TIMEOUT,
             max_buffered: DEFAULT_MAX_BUFFERED,

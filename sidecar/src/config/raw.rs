@@ -63,6 +63,9 @@ pub(super) struct RawSidecar {
     pub metrics_refresh: Option<String>,
     /// Cap of a 429's quota block, a duration string.
     pub max_rate_limit_block: Option<String>,
+    /// `"auto"` or a fraction; a number is kept as its text (validation parses it).
+    #[serde(default, deserialize_with = "text_or_number")]
+    pub degraded_share: Option<String>,
     /// Connection cap; signed so a negative value is reported by key.
     pub max_connections: Option<i64>,
     /// Idle connection timeout, a duration string.
@@ -74,6 +77,23 @@ pub(super) struct RawSidecar {
     pub max_waiters: Option<i64>,
     /// Runtime threads; signed so a negative value is reported by key.
     pub worker_threads: Option<i64>,
+}
+
+/// A key that is a string or a number (`degraded_share = "auto"` or `= 0.25`), kept
+/// as text so that the environment's override (always text) takes the same path.
+fn text_or_number<'de, D: Deserializer<'de>>(d: D) -> Result<Option<String>, D::Error> {
+    #[derive(Deserialize)]
+    #[serde(untagged)]
+    enum TextOrNumber {
+        Text(String),
+        Int(i64),
+        Float(f64),
+    }
+    Ok(Some(match TextOrNumber::deserialize(d)? {
+        TextOrNumber::Text(t) => t,
+        TextOrNumber::Int(n) => n.to_string(),
+        TextOrNumber::Float(f) => f.to_string(),
+    }))
 }
 
 /// `[scopes.NAME]` as written; see [`ScopeConfig`](super::ScopeConfig).

@@ -314,6 +314,12 @@ impl<B: Backend> Engine<B> {
         self.backend.name()
     }
 
+    /// §10: the share of every shared quota this host uses while degraded (`None`:
+    /// not a shared backend).
+    pub fn degraded_share(&self) -> Option<crate::backend::ShareView> {
+        self.backend.degraded_share()
+    }
+
     fn lock(&self) -> MutexGuard<'_, Tables> {
         self.tables.lock().unwrap_or_else(|e| e.into_inner())
     }

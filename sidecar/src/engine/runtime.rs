@@ -97,7 +97,8 @@ pub(crate) struct SourceParams {
 }
 
 impl SourceParams {
-    fn new(s: &SourceConfig) -> Self {
+    /// `max_debt`: `sidecar.max_rate_limit_block` (§12, one report's debt).
+    fn new(s: &SourceConfig, max_debt: Duration) -> Self {
         SourceParams {
             qp: QuotaParams {
                 tpm: s.tpm,
@@ -108,6 +109,7 @@ impl SourceParams {
                 rpd: s.rpd,
                 burst: s.burst,
                 charge_estimate: s.tokens_charged == TokensCharged::Estimate,
+                max_debt,
             },
             est_tokens: s.default_est_tokens(),
             est_input_tokens: s.default_est_input_tokens(),
@@ -358,7 +360,10 @@ impl Topology {
                 let idx = *source_index.entry(s.name.clone()).or_insert_with(|| {
                     sources.push(SourceRt {
                         name: Arc::from(s.name.as_str()),
-                        params: RwLock::new(SourceParams::new(s)),
+                        params: RwLock::new(SourceParams::new(
+                            s,
+                            config.sidecar.max_rate_limit_block,
+                        )),
                         pacer: Pacer::new(sc.pacer),
                         memo: Memo::default(),
                         quota_hint: QuotaHint::default(),
@@ -467,7 +472,7 @@ pub(crate) fn reload(
                 continue;
             }
             let src = &sources[idx];
-            let p = SourceParams::new(s);
+            let p = SourceParams::new(s, config.sidecar.max_rate_limit_block);
             if src.params() != p {
                 changes.push(format!(
                     "source {}: quota/estimate/timeout updated",

@@ -269,6 +269,7 @@ mod tests {
         rpd: None,
         burst: crate::gate::quota::MINUTE,
         charge_estimate: false,
+        max_debt: crate::gate::quota::DEFAULT_MAX_DEBT,
     };
 
     /// Deficits with only the rpm bucket (index 1) configured.

@@ -42,6 +42,11 @@ pub struct QuotaParams {
     /// §7a `tokens_charged = "estimate"`: the reservation is the charge, whatever
     /// usage is reported (refunds of §7 still apply).
     pub charge_estimate: bool,
+    /// §12: the extra debit one settlement makes (usage above the reservation) takes
+    /// at most this much refill time from any bucket, per-day ones included
+    /// (`sidecar.max_rate_limit_block`), so one report of an absurd token count cannot
+    /// block a source for longer than a 429 could.
+    pub max_debt: Duration,
 }
 
 impl Default for QuotaParams {
@@ -55,9 +60,13 @@ impl Default for QuotaParams {
             rpd: None,
             burst: MINUTE,
             charge_estimate: false,
+            max_debt: DEFAULT_MAX_DEBT,
         }
     }
 }
+
+/// Default [`QuotaParams::max_debt`]: `sidecar.max_rate_limit_block`'s default.
+pub const DEFAULT_MAX_DEBT: Duration = Duration::from_secs(600);
 
 /// A reservation's tokens (§7a): the total for `tpm`/`tpd`, and its input and
 /// output parts for `itpm`/`otpm`. A bare count is all input.
@@ -278,6 +287,26 @@ impl QuotaParams {
         }
     }
 
+    /// §10: these parameters with every limit cut to `share` of itself (rounded
+    /// down, at least 1): what one of the hosts sharing a quota may use alone while
+    /// the shared state cannot be read (`degraded_share`). A share of 1 or more
+    /// changes nothing.
+    pub fn share(&self, share: f64) -> QuotaParams {
+        if share.is_nan() || share >= 1.0 {
+            return *self;
+        }
+        let cut = |l: Option<u64>| l.map(|l| ((l as f64 * share.max(0.0)) as u64).max(1));
+        QuotaParams {
+            tpm: cut(self.tpm),
+            rpm: cut(self.rpm),
+            itpm: cut(self.itpm),
+            otpm: cut(self.otpm),
+            tpd: cut(self.tpd),
+            rpd: cut(self.rpd),
+            ..*self
+        }
+    }
+
     /// `b`'s shape when configured.
     pub fn shape(&self, b: Bucket) -> Option<Shape> {
         let (_, _, period) = BUCKETS[b as usize];
@@ -400,7 +429,13 @@ impl Level {
 
     /// Take `amount`, keeping the level ≥ −limit.
     fn debit(&mut self, s: &Shape, amount: u64, now: Duration) {
-        let deficit = (self.deficit(now) + s.refill_ns(amount)).min(s.floor_ns());
+        self.debit_at_most(s, amount, u128::MAX, now)
+    }
+
+    /// Take `amount`, but no more than `most` ns of refill time (§12: a settlement's
+    /// extra debit), keeping the level ≥ −limit.
+    fn debit_at_most(&mut self, s: &Shape, amount: u64, most: u128, now: Duration) {
+        let deficit = (self.deficit(now) + s.refill_ns(amount).min(most)).min(s.floor_ns());
         self.full_at = now + dur(deficit);
     }
 
@@ -409,13 +444,13 @@ impl Level {
         self.full_at = now + dur(self.deficit(now).saturating_sub(s.back_ns(amount)));
     }
 
-    /// Add `amount` (negative: debit).
-    fn add(&mut self, s: &Shape, amount: i128, now: Duration) {
+    /// Add `amount` (negative: a debit of at most `most` ns of refill time).
+    fn add(&mut self, s: &Shape, amount: i128, most: u128, now: Duration) {
         let n = amount.unsigned_abs().min(u64::MAX as u128) as u64;
         if amount >= 0 {
             self.credit(s, n, now)
         } else {
-            self.debit(s, n, now)
+            self.debit_at_most(s, n, most, now)
         }
     }
 
@@ -514,7 +549,8 @@ impl Quota {
         Reserve::Reserved
     }
 
-    /// Settle a reservation `reserved`.
+    /// Settle a reservation `reserved`. An extra debit takes at most
+    /// [`QuotaParams::max_debt`] of refill time from each bucket (§12).
     pub fn settle(
         &mut self,
         q: &QuotaParams,
@@ -523,14 +559,28 @@ impl Quota {
         now: Duration,
     ) {
         let c = q.credits(reserved.into(), how);
+        let most = q.max_debt.as_nanos();
         for (i, (b, counts, _)) in BUCKETS.into_iter().enumerate() {
             let credit = c.of(counts);
             match q.shape(b) {
                 Some(s) if credit != 0 => self.buckets[i]
                     .get_or_insert(Level { full_at: now })
-                    .add(&s, credit, now),
+                    .add(&s, credit, most, now),
                 Some(_) => {}
                 None => self.buckets[i] = None,
+            }
+        }
+    }
+
+    /// §10: every configured bucket empty at `now` (never fuller than it was): a
+    /// degraded host that last saw the shared quota refuse takes it as spent, and
+    /// gets its share of the refill from there, not a fresh burst.
+    pub fn drain(&mut self, q: &QuotaParams, now: Duration) {
+        for (i, (b, _, _)) in BUCKETS.into_iter().enumerate() {
+            if let Some(s) = q.shape(b) {
+                let empty = now + dur(s.refill_ns(s.capacity));
+                let l = self.buckets[i].get_or_insert(Level { full_at: now });
+                l.full_at = l.full_at.max(empty);
             }
         }
     }
@@ -615,6 +665,25 @@ mod tests {
     }
 
     #[test]
+    fn a_drained_quota_is_empty_and_refills_from_there() {
+        let qp = QuotaParams {
+            rpm: Some(60),
+            ..q60()
+        };
+        let mut q = Quota::new();
+        q.drain(&qp, s(10));
+        let v = q.view(&qp, s(10));
+        assert_eq!((v.tokens(), v.requests()), (Some(0.0), Some(0.0)));
+        assert_eq!(q.wait(&qp, 1, s(10)), s(1), "one request's refill");
+        let v = q.view(&qp, s(40));
+        assert_eq!((v.tokens(), v.requests()), (Some(30.0), Some(30.0)));
+        // Never fuller than it was: a bucket in debt stays in debt.
+        q.settle(&qp, 0, Settlement::charge(120), s(40));
+        q.drain(&qp, s(40));
+        assert_eq!(q.view(&qp, s(40)).tokens(), Some(-60.0));
+    }
+
+    #[test]
     fn levels_stay_within_plus_minus_capacity_and_refill_continuously() {
         let qp = q60();
         let mut q = Quota::new();
@@ -673,6 +742,25 @@ mod provider_tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn a_share_cuts_every_limit_down_and_keeps_at_least_one() {
+        let q = QuotaParams {
+            tpm: Some(10_000),
+            rpm: Some(10),
+            otpm: Some(3),
+            rpd: Some(1_000),
+            ..QuotaParams::default()
+        };
+        let h = q.share(0.25);
+        assert_eq!(
+            (h.tpm, h.rpm, h.itpm, h.otpm, h.tpd, h.rpd),
+            (Some(2_500), Some(2), None, Some(1), None, Some(250))
+        );
+        assert_eq!((h.burst, h.max_debt), (q.burst, q.max_debt));
+        assert_eq!(q.share(1.0), q);
+        assert_eq!(q.share(f64::NAN), q, "no share is the whole");
     }
 
     #[test]

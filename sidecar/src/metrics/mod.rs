@@ -288,6 +288,25 @@ impl<B: Backend> Scrape<B> {
                 h.encode(m.encode_family(&[("request", *ty)])?)?;
             }
         }
+        if let Some(v) = self.exp.engine.degraded_share() {
+            let mut m = family(
+                enc,
+                "polygate_degraded_share",
+                "Share of every shared quota this host uses while Redis cannot be read \
+                 (sidecar.degraded_share: 1 / live hosts under auto).",
+                None,
+                MetricType::Gauge,
+            )?;
+            m.encode_gauge(&v.share)?;
+            let mut m = family(
+                enc,
+                "polygate_live_hosts",
+                "Sidecars whose heartbeat under this key prefix was live when last read.",
+                None,
+                MetricType::Gauge,
+            )?;
+            m.encode_gauge(&(v.live_hosts as i64))?;
+        }
         if let Some(age) = self.shared_age {
             let mut m = family(
                 enc,

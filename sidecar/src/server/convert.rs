@@ -396,7 +396,12 @@ fn state_name(s: State) -> &'static str {
 
 /// Engine status → the version-2 JSON status document (`bindings/PROTOCOL.md` §14).
 /// Keys may be added; clients ignore the ones they do not know.
-pub fn status_json(backend: &str, scopes: &[engine::ScopeStatus]) -> String {
+/// `share`: §10's degraded share of a shared backend (`None`: not shown).
+pub fn status_json(
+    backend: &str,
+    share: Option<crate::backend::ShareView>,
+    scopes: &[engine::ScopeStatus],
+) -> String {
     use serde_json::json;
     let scopes: Vec<serde_json::Value> = scopes
         .iter()
@@ -448,13 +453,20 @@ pub fn status_json(backend: &str, scopes: &[engine::ScopeStatus]) -> String {
             doc
         })
         .collect();
-    json!({
+    let mut doc = json!({
         "sidecar_version": env!("CARGO_PKG_VERSION"),
         "backend": backend,
         "protocol_version": wire::PROTOCOL_VERSION,
         "scopes": scopes,
-    })
-    .to_string()
+    });
+    if let Some(v) = share {
+        doc["degraded_share"] = json!({
+            "share": v.share,
+            "live_hosts": v.live_hosts,
+            "setting": v.setting.spelled(),
+        });
+    }
+    doc.to_string()
 }
 
 /// One priority class in `status --json` (§15).

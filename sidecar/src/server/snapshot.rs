@@ -170,7 +170,11 @@ impl StatusCache {
         let scopes = engine.status().await;
         let reply = match kind {
             Report::Status => Reply::Status(convert::status_report(engine.backend_name(), scopes)),
-            Report::Json => Reply::StatusJson(convert::status_json(engine.backend_name(), &scopes)),
+            Report::Json => Reply::StatusJson(convert::status_json(
+                engine.backend_name(),
+                engine.degraded_share(),
+                &scopes,
+            )),
         };
         let cost = started.elapsed();
         let bytes = match &reply {

@@ -1340,6 +1340,7 @@ macro_rules! contract_tests {
             estimate_charging_keeps_the_reservation_whatever_is_reported,
             per_day_buckets_hold_a_day_and_ignore_burst,
             quota_retry_after_is_the_longest_wait_over_the_buckets,
+            one_report_s_debt_is_bounded_by_max_rate_limit_block,
             class_reserve_holds_capacity_across_hosts,
             class_limit_caps_always_and_settles_back,
         );

@@ -8,7 +8,8 @@
 use std::time::Duration;
 
 use polygate::backend::{
-    Backend, Outcome, QuotaParams, ReportRequest, Reserve, Settlement, Split, Tokens,
+    Admit, AdmitRequest, Backend, Outcome, QuotaParams, ReportRequest, Reserve, Settlement, Split,
+    Tokens,
 };
 
 use super::{assert_dur, assert_level, bp, ms, Harness, S1};
@@ -224,6 +225,8 @@ pub async fn per_day_buckets_hold_a_day_and_ignore_burst<H: Harness>(h: &H) {
         rpd: Some(2),
         tpd: Some(1_000),
         burst: Duration::from_secs(1),
+        // A day's debt allowed (§12's bound is its own case below).
+        max_debt: Duration::from_secs(86_400),
         ..QuotaParams::default()
     };
     let l = levels(&b, &q).await;
@@ -295,5 +298,78 @@ pub async fn quota_retry_after_is_the_longest_wait_over_the_buckets<H: Harness>(
     assert!(
         l[2].unwrap() > 989.0,
         "a refusal takes nothing (itpm): {l:?}"
+    );
+}
+
+/// §12: the debt one report creates is clamped, in every bucket (per-day ones
+/// included), to what refills within `max_rate_limit_block`: a success reporting
+/// 10^9 tokens on a source with `tpd = 20M` leaves it usable again within that bound
+/// (before the clamp: a level of −20M, every host refused for about two days).
+pub async fn one_report_s_debt_is_bounded_by_max_rate_limit_block<H: Harness>(h: &H) {
+    let b = h.fresh().await;
+    let q = QuotaParams {
+        tpd: Some(20_000_000),
+        ..QuotaParams::default()
+    };
+    let block = Duration::from_secs(600);
+    assert_eq!(q.max_debt, block, "the default is max_rate_limit_block's");
+    let Admit::Admitted { epoch, is_probe } =
+        b.admit(S1, AdmitRequest::new(&bp(), &q, 0)).await.unwrap()
+    else {
+        panic!("a fresh source admits")
+    };
+    let huge = Outcome::success(Some(1_000_000_000));
+    b.report(S1, ReportRequest::new(&bp(), &q, epoch, is_probe, 0, huge))
+        .await
+        .unwrap();
+    // 10 minutes of a day's refill: 20M × 600 / 86,400 ≈ 138,889 tokens.
+    let taken = 20_000_000.0 * 600.0 / 86_400.0;
+    assert_near(levels(&b, &q).await[4], 20_000_000.0 - taken, 1.0, "tpd");
+    // A reservation needing the whole bucket waits the clamped debt, no longer.
+    match b
+        .admit(S1, AdmitRequest::new(&bp(), &q, 20_000_000))
+        .await
+        .unwrap()
+    {
+        Admit::RateLimited { retry_after } => assert_dur(h, retry_after, block, "whole bucket"),
+        a => panic!("the debt holds a whole-bucket reservation: {a:?}"),
+    }
+
+    // Every token bucket, with a shorter bound: each takes at most 30 s of its own
+    // refill from one report, whatever the split.
+    let b = h.fresh().await;
+    let q = QuotaParams {
+        tpm: Some(6_000),
+        itpm: Some(6_000),
+        otpm: Some(600),
+        tpd: Some(8_640_000),
+        max_debt: Duration::from_secs(30),
+        ..QuotaParams::default()
+    };
+    let r = tok(10, 5, 5);
+    assert_eq!(b.reserve(S1, &q, r).await.unwrap(), Reserve::Reserved);
+    let how = Settlement::Charge {
+        tokens: 1_000_000_000,
+        split: Some(Split {
+            input: 600_000_000,
+            output: 400_000_000,
+        }),
+    };
+    b.settle(S1, &q, r, how).await.unwrap();
+    let l = levels(&b, &q).await;
+    // reservation + 30 s of refill: tpm 10 + 3,000; itpm 5 + 3,000; otpm 5 + 300;
+    // tpd 10 + 3,000 (100 per second too).
+    assert_near(l[0], 6_000.0 - 3_010.0, 10.0, "tpm");
+    assert_near(l[2], 6_000.0 - 3_005.0, 10.0, "itpm");
+    assert_near(l[3], 600.0 - 305.0, 1.0, "otpm");
+    assert_near(l[4], 8_640_000.0 - 3_010.0, 10.0, "tpd");
+    // A reservation that fits only after every bucket is full again: ~30 s.
+    let wait = denied(
+        b.reserve(S1, &q, tok(6_000, 6_000, 0)).await.unwrap(),
+        "debt",
+    );
+    assert!(
+        wait > Duration::from_secs(29) && wait <= Duration::from_millis(30_101),
+        "the wait is the clamped debt plus the reservation's refill: {wait:?}"
     );
 }

@@ -280,14 +280,67 @@ fn watchdog(pid: u32) {
         .spawn();
 }
 
-/// A 3-master Redis Cluster (no replicas).
+/// A 3-master Redis Cluster (no replicas, unless started with them).
 #[derive(Debug)]
 pub struct RedisCluster {
     /// The nodes, in slot order (node 0 holds slots 0..5460, …).
     pub nodes: Vec<RedisServer>,
+    /// With [`RedisCluster::start_with_replicas`]: replica `i` follows `nodes[i]`.
+    pub replicas: Vec<RedisServer>,
 }
 
 impl RedisCluster {
+    /// [`RedisCluster::start`], plus one replica per master, each caught up (its
+    /// link up) before this returns: a cluster that fails over when a master dies.
+    pub fn start_with_replicas() -> Option<Self> {
+        let mut c = Self::start()?;
+        for _ in 0..3 {
+            c.replicas.push(RedisServer::start_with(true, &[])?);
+        }
+        let seed = c.nodes[0].port.to_string();
+        for r in &c.replicas {
+            r.cli(&["CLUSTER", "MEET", "127.0.0.1", &seed]);
+        }
+        let deadline = Instant::now() + Duration::from_secs(20);
+        let ids: Vec<String> = c
+            .nodes
+            .iter()
+            .map(|n| n.cli(&["CLUSTER", "MYID"]).trim().to_string())
+            .collect();
+        // A replica can follow a master only once it knows it (gossip).
+        for (r, id) in c.replicas.iter().zip(&ids) {
+            loop {
+                let reply = r.cli(&["CLUSTER", "REPLICATE", id]);
+                if reply.contains("OK") {
+                    break;
+                }
+                if Instant::now() > deadline {
+                    unavailable(&format!("CLUSTER REPLICATE failed: {reply}"));
+                    return None;
+                }
+                std::thread::sleep(Duration::from_millis(100));
+            }
+        }
+        loop {
+            let synced = c.replicas.iter().all(|r| {
+                r.cli(&["INFO", "replication"])
+                    .contains("master_link_status:up")
+            });
+            let ok = c.nodes.iter().chain(&c.replicas).all(|n| {
+                let info = n.cli(&["CLUSTER", "INFO"]);
+                info.contains("cluster_state:ok") && info.contains("cluster_known_nodes:6")
+            });
+            if synced && ok {
+                return Some(c);
+            }
+            if Instant::now() > deadline {
+                unavailable("replicas did not sync in 20 s");
+                return None;
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+
     /// Three cluster-enabled servers joined with all 16384 slots covered, or `None`
     /// (after a loud warning) when redis-server cannot start outside CI.
     pub fn start() -> Option<Self> {
@@ -322,12 +375,35 @@ impl RedisCluster {
             }
             std::thread::sleep(Duration::from_millis(50));
         }
-        Some(RedisCluster { nodes })
+        Some(RedisCluster {
+            nodes,
+            replicas: Vec::new(),
+        })
     }
 
-    /// Seed URLs of all nodes.
+    /// Seed URLs of all nodes (masters first, then replicas).
     pub fn urls(&self) -> Vec<String> {
-        self.nodes.iter().map(RedisServer::url).collect()
+        self.nodes
+            .iter()
+            .chain(&self.replicas)
+            .map(RedisServer::url)
+            .collect()
+    }
+
+    /// Index of the master (in [`RedisCluster::nodes`]) that held `key`'s slot at
+    /// the start (asked of any node still answering: one may have been killed).
+    pub fn master_index(&self, key: &str) -> usize {
+        let slot: u32 = self
+            .nodes
+            .iter()
+            .chain(&self.replicas)
+            .find_map(|n| n.cli(&["CLUSTER", "KEYSLOT", key]).trim().parse().ok())
+            .expect("CLUSTER KEYSLOT");
+        match slot {
+            0..=5460 => 0,
+            5461..=10922 => 1,
+            _ => 2,
+        }
     }
 
     /// The node holding `key`'s slot.

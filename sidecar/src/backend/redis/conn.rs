@@ -17,7 +17,7 @@ use ::redis::aio::ConnectionLike;
 use ::redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use ::redis::cluster::{ClusterClient, ClusterClientBuilder};
 use ::redis::cluster_async::ClusterConnection;
-use ::redis::{Client, RedisError, Value};
+use ::redis::{Client, Cmd, RedisError, Value};
 
 use super::fault::{classify, Fault};
 use super::reach::RETRY_INTERVAL;
@@ -126,6 +126,25 @@ impl Connection {
     /// included) or [`Fault::Rejected`].
     pub(super) async fn run(&self, call: &Call<'_>) -> Result<Vec<Value>, Fault> {
         match tokio::time::timeout(self.timeout, self.invoke(call)).await {
+            Ok(Ok(v)) => Ok(v),
+            Ok(Err(e)) => Err(classify(&e)),
+            Err(_) => Err(Fault::Unreachable(format!(
+                "no answer within {:?}",
+                self.timeout
+            ))),
+        }
+    }
+
+    /// Run a command of the backend's own bookkeeping beside `gate.lua` (the host
+    /// heartbeat), within the timeout; sorted like [`Connection::run`].
+    pub(super) async fn run_cmd(&self, cmd: &Cmd) -> Result<Value, Fault> {
+        let call = async {
+            match &mut self.get().await? {
+                Conn::Single(m) => cmd.query_async(m).await,
+                Conn::Cluster(cl) => cmd.query_async(cl).await,
+            }
+        };
+        match tokio::time::timeout(self.timeout, call).await {
             Ok(Ok(v)) => Ok(v),
             Ok(Err(e)) => Err(classify(&e)),
             Err(_) => Err(Fault::Unreachable(format!(

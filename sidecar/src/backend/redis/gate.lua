@@ -45,6 +45,8 @@
 -- ARGV[33] out_tokens : the reservation's output tokens (reserve, admit) (0)
 -- ARGV[34] in_credit : settle, report: input tokens given back; negative = debit (0)
 -- ARGV[35] out_credit : settle, report: output tokens given back; negative = debit (0)
+-- ARGV[36] max_debt_us : settle, report: a credit's extra debit takes at most this much
+--              refill time from any bucket (§12, max_rate_limit_block) (600000000)
 --
 -- Cost (§10, §16): one TIME per call; every stored number is an integer (µs or a
 -- count) written with '%d' (never '%.17g' float text, never strtod of one); each hash
@@ -430,14 +432,17 @@ local function qwait(q)
   return w
 end
 
--- Add `n` to bucket `i` (negative: take), keeping −limit ≤ level ≤ capacity.
-local function qadd(q, i, n)
+-- Add `n` to bucket `i` (negative: take, at most `most` µs of refill time when
+-- given), keeping −limit ≤ level ≤ capacity.
+local function qadd(q, i, n, most)
   local cap = q.caps[i]
   if cap <= 0 or n == 0 then return end
   local f = QB[i].f
   local full_at
   if n < 0 then
-    full_at = min(q[f] + refill(q, i, -n), now + refill(q, i, cap + q.lim[i]))
+    local r = refill(q, i, -n)
+    if most and r > most then r = most end
+    full_at = min(q[f] + r, now + refill(q, i, cap + q.lim[i]))
   else
     full_at = max(q[f] - floor(n * QB[i].per / q.lim[i]), now)
   end
@@ -456,13 +461,15 @@ local function qdebit(q)
 end
 
 -- Give back the settlement's credits (computed by the caller): slots 18 (tokens),
--- 19 (requests), 34 (input), 35 (output).
+-- 19 (requests), 34 (input), 35 (output); an extra debit takes at most slot 36's
+-- refill time from each bucket (§12: one report's debt).
 local CREDIT = { t = 18, r = 19, i = 34, o = 35 }
 local function qcredit(q)
   local on = q.on
+  local most = arg(36, 600000000)
   for k = 1, #on do
     local i = on[k]
-    qadd(q, i, arg(CREDIT[QB[i].n], 0))
+    qadd(q, i, arg(CREDIT[QB[i].n], 0), most)
   end
 end
 

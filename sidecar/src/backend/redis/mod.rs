@@ -10,7 +10,9 @@
 //!   call;
 //! - `fault`: a failure sorted into an outage (degrade / refuse) or a refusal by
 //!   Redis itself ([`BackendError::Protocol`], reachability untouched);
-//! - `pubsub`: the admin broadcast every host listens to (§9).
+//! - `pubsub`: the admin broadcast every host listens to (§9);
+//! - `hosts`: this host's heartbeat and the live host count, which sets the share of
+//!   every shared quota the local fallback uses while degraded (§10).
 //!
 //! Admin operations (`force_open`, `force_close`, `reset`) never fall back: a change
 //! to local state would be invisible to every other host while this one reported
@@ -20,6 +22,7 @@
 
 mod conn;
 mod fault;
+mod hosts;
 mod ops;
 mod pubsub;
 mod reach;
@@ -35,12 +38,14 @@ use super::event::AdminEvent;
 use super::memory::MemoryBackend;
 use super::{
     Admit, AdmitRequest, Applied, BResult, Backend, BackendError, BreakerParams, Entry, Peek,
-    QuotaParams, ReportRequest, Reserve, Settlement, SourceSnapshot, Tokens,
+    QuotaParams, ReportRequest, Reserve, Settlement, ShareView, SourceSnapshot, Tokens,
 };
 use crate::clock::Clock;
-use crate::config::{BackendKind, OnBackendError};
+use crate::config::{BackendKind, DegradedShare, OnBackendError};
 use conn::Connection;
 use fault::Fault;
+use hosts::Heartbeat;
+pub use hosts::{hosts_key, HEARTBEAT_EVERY, HEARTBEAT_TTL};
 use ops::{
     AdmitArgs, BlockArgs, ForceCloseArgs, ForceOpenArgs, NeutralArgs, PeekArgs, RecordFailureArgs,
     RecordSuccessArgs, ReleaseProbeArgs, ReportArgs, ReserveArgs, ResetArgs, SettleArgs,
@@ -66,6 +71,8 @@ pub struct RedisOptions {
     pub on_backend_error: OnBackendError,
     /// Configured sources (others fail with [`BackendError::UnknownSource`]).
     pub sources: Vec<String>,
+    /// §10: the share of every shared quota the local fallback uses.
+    pub degraded_share: DegradedShare,
 }
 
 impl RedisOptions {
@@ -85,6 +92,7 @@ impl RedisOptions {
             timeout: c.sidecar.redis_timeout,
             on_backend_error: c.sidecar.on_backend_error,
             sources,
+            degraded_share: c.sidecar.degraded_share,
         }
     }
 }
@@ -105,6 +113,13 @@ pub struct RedisBackend {
     local: MemoryBackend,
     /// The admin broadcast (its subscriber stops when the backend is dropped).
     admin: AdminFeed,
+    /// The local fallback's clock: what a Redis answer said is remembered on it
+    /// (§10, `reach::Known`).
+    clock: Arc<dyn Clock>,
+    /// §10: `degraded_share` as configured.
+    share: DegradedShare,
+    /// This host's heartbeat and the live host count (its task stops on drop).
+    hosts: Heartbeat,
 }
 
 impl std::fmt::Debug for RedisBackend {
@@ -126,6 +141,9 @@ impl RedisBackend {
         let (conn, sub_urls) = Connection::new(&opts.url, &opts.cluster_nodes, opts.timeout)?;
         let reach = Reach::new(&opts.sources, opts.on_backend_error, conn.describe());
         let admin = AdminFeed::start(sub_urls, &opts.key_prefix, opts.timeout);
+        // Its own connection: a heartbeat never queues behind (or delays) a call.
+        let (beat_conn, _) = Connection::new(&opts.url, &opts.cluster_nodes, opts.timeout)?;
+        let hosts = Heartbeat::start(beat_conn, &opts.key_prefix);
         let keys = opts
             .sources
             .iter()
@@ -141,11 +159,14 @@ impl RedisBackend {
             // a permit granted on one side is always fenced on the other across a
             // degrade/restore.
             local: MemoryBackend::with_epoch_base(
-                local_clock,
+                local_clock.clone(),
                 opts.sources,
                 reach::local_epoch_base(),
             ),
             admin,
+            clock: local_clock,
+            share: opts.degraded_share,
+            hosts,
         })
     }
 
@@ -174,6 +195,23 @@ impl RedisBackend {
         self.admin.channel()
     }
 
+    /// Stop this host's heartbeat (it no longer counts once its TTL passes). For
+    /// tests that count every command Redis runs; nothing in the daemon calls it.
+    #[doc(hidden)]
+    pub fn stop_heartbeat(&self) {
+        self.hosts.stop();
+    }
+
+    /// §10: the share of every shared quota the local fallback uses now.
+    fn local_share(&self) -> f64 {
+        self.share.of(self.hosts.live_hosts())
+    }
+
+    /// `q` as the local fallback applies it: every limit cut to this host's share.
+    fn local_q(&self, q: &QuotaParams) -> QuotaParams {
+        q.share(self.local_share())
+    }
+
     /// Run one script operation for `source`. `Ok(Some(reply))` when Redis answered,
     /// `Ok(None)` when the caller must serve the operation from local state.
     async fn exec<O: Op>(&self, source: &str, op: O) -> BResult<Option<O::Reply>> {
@@ -198,8 +236,10 @@ impl RedisBackend {
         let inv = script::invocation(keys, &op);
         match self.conn.run(&inv).await {
             Ok(v) => {
-                self.reach.answered(source);
-                O::read(&v).map(Some)
+                let reply = O::read(&v)?;
+                self.reach
+                    .answered(source, op.seen(&reply), self.clock.now());
+                Ok(Some(reply))
             }
             // Redis answered: not a reachability problem, so neither degrade nor
             // retry; the caller gets the server's message.
@@ -209,7 +249,14 @@ impl RedisBackend {
                 O::NAME
             ))),
             Err(Fault::Unreachable(msg)) => {
-                self.reach.unreachable(source, &msg);
+                // §10: the local fallback starts from what this host knew, not blank
+                // (a source last seen OPEN stays refused).
+                self.reach.unreachable(source, &msg, |known| {
+                    if self.on_error == OnBackendError::Local {
+                        // A configured source (reach knows it): its cell exists.
+                        let _ = self.local.seed(source, known.seed(self.clock.now()));
+                    }
+                });
                 self.conn.invalidate();
                 if admin {
                     return Err(self.reach.admin_not_applied(&msg));
@@ -254,10 +301,18 @@ impl Backend for RedisBackend {
         self.reach.degraded(source)
     }
 
+    fn degraded_share(&self) -> Option<ShareView> {
+        Some(ShareView {
+            share: self.local_share(),
+            live_hosts: self.hosts.live_hosts(),
+            setting: self.share,
+        })
+    }
+
     async fn try_enter(&self, source: &str, p: &BreakerParams) -> BResult<Entry> {
         match self.exec(source, TryEnterArgs { p }).await? {
             Some(e) => Ok(e),
-            None => self.local.try_enter(source, p).await,
+            None => self.local.try_enter_no_probe(source, p).await,
         }
     }
 
@@ -355,7 +410,7 @@ impl Backend for RedisBackend {
         let tokens = tokens.into();
         match self.exec(source, ReserveArgs { q, tokens }).await? {
             Some(r) => Ok(r),
-            None => self.local.reserve(source, q, tokens).await,
+            None => self.local.reserve(source, &self.local_q(q), tokens).await,
         }
     }
 
@@ -374,7 +429,10 @@ impl Backend for RedisBackend {
         };
         match self.exec(source, op).await? {
             Some(()) => Ok(()),
-            None => self.local.settle(source, q, reserved_tokens, how).await,
+            None => {
+                let q = self.local_q(q);
+                self.local.settle(source, &q, reserved_tokens, how).await
+            }
         }
     }
 
@@ -393,7 +451,7 @@ impl Backend for RedisBackend {
     ) -> BResult<SourceSnapshot> {
         match self.exec(source, SnapshotArgs { p, q }).await? {
             Some(s) => Ok(s),
-            None => self.local.snapshot(source, p, q).await,
+            None => self.local.snapshot(source, p, &self.local_q(q)).await,
         }
     }
 
@@ -406,7 +464,12 @@ impl Backend for RedisBackend {
         };
         match self.exec(source, op).await? {
             Some(a) => Ok(a),
-            None => self.local.admit(source, r).await,
+            None => {
+                let q = self.local_q(r.q);
+                self.local
+                    .admit_no_probe(source, AdmitRequest { q: &q, ..r })
+                    .await
+            }
         }
     }
 
@@ -422,7 +485,12 @@ impl Backend for RedisBackend {
         };
         match self.exec(source, op).await? {
             Some(a) => Ok(a),
-            None => self.local.report(source, r).await,
+            None => {
+                let q = self.local_q(r.q);
+                self.local
+                    .report(source, ReportRequest { q: &q, ..r })
+                    .await
+            }
         }
     }
 

@@ -6,15 +6,17 @@ use std::time::Duration;
 
 use ::redis::Value;
 
+use super::reach::Seen;
 use super::script::{
-    applied, bool_at, dur_at, int_at, level_at, level_or_none, proto, state_at, u64_at, Announce,
-    Argv, Op,
+    applied, bool_at, dur_at, int_at, level_at, level_or_none, proto, seen_applied, state_at,
+    u64_at, Announce, Argv, Op,
 };
 use crate::backend::event::AdminOp;
 use crate::backend::{
     Admit, Applied, BResult, BreakerParams, ClassTag, Entry, Held, Outcome, Peek, QuotaParams,
-    Reserve, Settlement, SourceSnapshot, Tokens,
+    Reserve, Settlement, SourceSnapshot, State, Tokens,
 };
+use crate::gate::quota::MAX_QUOTA_BLOCK;
 
 /// Gate 4 alone: may a caller enter?
 pub(super) struct TryEnterArgs<'a> {
@@ -39,6 +41,17 @@ impl Op for TryEnterArgs<'_> {
             state: state_at(v, 3)?,
             retry_after: dur_at(v, 4)?,
         })
+    }
+    fn seen(&self, e: &Entry) -> Seen {
+        let breaker = match (e.granted, e.is_probe) {
+            (true, false) => (State::Closed, Duration::ZERO),
+            (true, true) => (State::HalfOpen, Duration::ZERO),
+            (false, _) => (e.state, e.retry_after),
+        };
+        Seen {
+            breaker: Some(breaker),
+            quota: None,
+        }
     }
 }
 
@@ -66,6 +79,9 @@ impl Op for RecordSuccessArgs<'_> {
     fn read(v: &[Value]) -> BResult<Applied> {
         applied(v)
     }
+    fn seen(&self, a: &Applied) -> Seen {
+        seen_applied(a)
+    }
 }
 
 /// A failure under `epoch`.
@@ -89,6 +105,9 @@ impl Op for RecordFailureArgs<'_> {
     fn read(v: &[Value]) -> BResult<Applied> {
         applied(v)
     }
+    fn seen(&self, a: &Applied) -> Seen {
+        seen_applied(a)
+    }
 }
 
 /// Release the probe lease held under `epoch`.
@@ -108,6 +127,9 @@ impl Op for ReleaseProbeArgs {
     }
     fn read(v: &[Value]) -> BResult<Applied> {
         applied(v)
+    }
+    fn seen(&self, a: &Applied) -> Seen {
+        seen_applied(a)
     }
 }
 
@@ -132,6 +154,9 @@ impl Op for NeutralArgs {
     fn read(v: &[Value]) -> BResult<Applied> {
         applied(v)
     }
+    fn seen(&self, a: &Applied) -> Seen {
+        seen_applied(a)
+    }
 }
 
 /// The source's breaker state, epoch and §6 retry-after, read only.
@@ -149,6 +174,12 @@ impl Op for PeekArgs {
             epoch: u64_at(v, 1)?,
             retry_after: dur_at(v, 2)?,
         })
+    }
+    fn seen(&self, p: &Peek) -> Seen {
+        Seen {
+            breaker: Some((p.state, p.retry_after)),
+            quota: None,
+        }
     }
 }
 
@@ -173,6 +204,9 @@ impl Op for ForceOpenArgs<'_> {
     fn read(v: &[Value]) -> BResult<Applied> {
         applied(v)
     }
+    fn seen(&self, a: &Applied) -> Seen {
+        seen_applied(a)
+    }
 }
 
 /// Admin: CLOSED now, announced.
@@ -193,6 +227,9 @@ impl Op for ForceCloseArgs<'_> {
     fn read(v: &[Value]) -> BResult<Applied> {
         applied(v)
     }
+    fn seen(&self, a: &Applied) -> Seen {
+        seen_applied(a)
+    }
 }
 
 /// Admin: forget breaker and quota state (epoch bumped), announced.
@@ -212,6 +249,12 @@ impl Op for ResetArgs<'_> {
     }
     fn read(v: &[Value]) -> BResult<Applied> {
         applied(v)
+    }
+    fn seen(&self, a: &Applied) -> Seen {
+        Seen {
+            quota: Some(Duration::ZERO),
+            ..seen_applied(a)
+        }
     }
 }
 
@@ -242,6 +285,15 @@ impl Op for ReserveArgs<'_> {
             }
         })
     }
+    fn seen(&self, r: &Reserve) -> Seen {
+        Seen {
+            breaker: None,
+            quota: Some(match r {
+                Reserve::Reserved => Duration::ZERO,
+                Reserve::Denied { retry_after } => *retry_after,
+            }),
+        }
+    }
 }
 
 /// Settle a reservation of `reserved` tokens.
@@ -261,6 +313,7 @@ impl Op for SettleArgs<'_> {
         Argv {
             quota: Some(self.q),
             credit: self.q.credits(self.reserved, self.how),
+            max_debt: Some(self.q.max_debt),
             ..Argv::default()
         }
     }
@@ -286,6 +339,12 @@ impl Op for BlockArgs {
     }
     fn read(_: &[Value]) -> BResult<()> {
         Ok(())
+    }
+    fn seen(&self, _: &()) -> Seen {
+        Seen {
+            breaker: None,
+            quota: Some(self.block.min(MAX_QUOTA_BLOCK)),
+        }
     }
 }
 
@@ -339,6 +398,30 @@ impl Op for AdmitArgs<'_> {
             _ => Err(proto("admit", v)),
         }
     }
+    fn seen(&self, a: &Admit) -> Seen {
+        match *a {
+            Admit::Admitted { is_probe, .. } => Seen {
+                breaker: Some(if is_probe {
+                    (State::HalfOpen, Duration::ZERO)
+                } else {
+                    (State::Closed, Duration::ZERO)
+                }),
+                quota: Some(Duration::ZERO),
+            },
+            // The quota refused first: the breaker was not asked.
+            Admit::RateLimited { retry_after } => Seen {
+                breaker: None,
+                quota: Some(retry_after),
+            },
+            Admit::CircuitOpen {
+                state, retry_after, ..
+            } => Seen {
+                breaker: Some((state, retry_after)),
+                quota: None,
+            },
+            Admit::ClassHeld { .. } => Seen::default(),
+        }
+    }
 }
 
 /// Settle the permit's reservation and feed the outcome to the breaker, in one step
@@ -382,11 +465,24 @@ impl Op for ReportArgs<'_> {
                 .credits(self.reserved, self.outcome.settlement(self.reserved)),
             block,
             class: self.class,
+            max_debt: Some(self.q.max_debt),
             ..Argv::default()
         }
     }
     fn read(v: &[Value]) -> BResult<Applied> {
         applied(v)
+    }
+    fn seen(&self, a: &Applied) -> Seen {
+        let quota = match self.outcome {
+            Outcome::RateLimited {
+                retry_after: Some(d),
+            } => Some(d.min(MAX_QUOTA_BLOCK)),
+            _ => None,
+        };
+        Seen {
+            quota,
+            ..seen_applied(a)
+        }
     }
 }
 
@@ -429,6 +525,12 @@ impl Op for SnapshotArgs<'_> {
             ],
             quota_blocked: dur_at(v, 9)?,
         })
+    }
+    fn seen(&self, s: &SourceSnapshot) -> Seen {
+        Seen {
+            breaker: Some((s.state, s.retry_after)),
+            quota: Some(s.quota_blocked),
+        }
     }
 }
 

@@ -16,6 +16,13 @@
 //!   [`RETRY_INTERVAL`] of a failure the error is returned at once, without waiting
 //!   for another timeout.
 //!
+//! Degrading never forgets what the host knew (§10): every Redis answer updates the
+//! source's [`Known`] record (OPEN until when, a probe's turn, the quota refused until
+//! when, on the local clock), and the transition to degraded seeds the local fallback
+//! from it (`MemoryBackend::seed`): a source last seen OPEN stays refused until that
+//! deadline, and the local fallback never grants a probe (the shared state, where the
+//! probe's turn is decided, cannot be read).
+//!
 //! Admin operations never take the degraded shortcut (they always ask Redis) and
 //! never fall back; see [`Route`].
 //!
@@ -26,7 +33,8 @@ use std::collections::HashMap;
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-use crate::backend::{BResult, BackendError};
+use crate::backend::memory::Seed;
+use crate::backend::{BResult, BackendError, State};
 use crate::config::OnBackendError;
 
 /// While a source is degraded, Redis is retried at most this often for it.
@@ -41,6 +49,72 @@ struct Reachability {
     next_try: Instant,
     /// While down: the last error, for fail_closed's fast refusals.
     last_error: String,
+    /// What the last Redis answers said of the source's shared state (§10).
+    known: Known,
+}
+
+/// What this host last read of a source's shared state, on the local clock (§10):
+/// the local fallback starts from it.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub(super) struct Known {
+    /// The breaker was OPEN until then.
+    open_until: Option<Duration>,
+    /// The breaker was HALF_OPEN, or OPEN past its deadline: a probe's turn.
+    probe_due: bool,
+    /// The quota refused until then (a 429 block, or the shared bucket's wait).
+    quota_until: Option<Duration>,
+    /// When the shared quota last refused (its buckets were spent then).
+    quota_refused_at: Option<Duration>,
+}
+
+/// A shared quota seen refusing within this long is taken as spent when the host
+/// degrades: its local buckets start empty, not full (§10: a degraded fleet gets its
+/// share of the refill, not a fresh burst on top of what it already used).
+pub(super) const SPENT_MEMORY: Duration = Duration::from_secs(60);
+
+/// What one Redis answer says of the shared state (nothing, when `None`).
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub(super) struct Seen {
+    /// The breaker's state and §6 retry-after.
+    pub breaker: Option<(State, Duration)>,
+    /// The quota's wait (zero: it admitted).
+    pub quota: Option<Duration>,
+}
+
+impl Known {
+    /// Take in an answer read at `now` (local clock).
+    fn learn(&mut self, seen: Seen, now: Duration) {
+        if let Some((state, retry_after)) = seen.breaker {
+            (self.open_until, self.probe_due) = match state {
+                State::Closed => (None, false),
+                State::Open if !retry_after.is_zero() => (Some(now + retry_after), false),
+                State::Open | State::HalfOpen => (None, true),
+            };
+        }
+        if let Some(wait) = seen.quota {
+            self.quota_until = (!wait.is_zero()).then(|| now + wait);
+            if !wait.is_zero() {
+                self.quota_refused_at = Some(now);
+            }
+        }
+    }
+
+    /// The local fallback's starting state at `now`: OPEN until the known deadline
+    /// (a passed one is a probe's turn), the quota's known refusal, and whether the
+    /// quota was seen spent lately.
+    pub(super) fn seed(&self, now: Duration) -> Seed {
+        let open_for = self.open_until.map(|u| u.saturating_sub(now));
+        Seed {
+            open_for: open_for.filter(|d| !d.is_zero()),
+            probe_due: self.probe_due || open_for.is_some_and(|d| d.is_zero()),
+            blocked_for: self
+                .quota_until
+                .map_or(Duration::ZERO, |u| u.saturating_sub(now)),
+            quota_spent: self
+                .quota_refused_at
+                .is_some_and(|t| now.saturating_sub(t) < SPENT_MEMORY),
+        }
+    }
 }
 
 /// Where one operation goes, decided before it is sent.
@@ -74,6 +148,7 @@ impl Reach {
                         down: false,
                         next_try: now,
                         last_error: String::new(),
+                        known: Known::default(),
                     }),
                 )
             })
@@ -115,10 +190,13 @@ impl Reach {
         Ok(Route::Redis)
     }
 
-    /// Redis answered for `source`: restored if it was down (logged once).
-    pub(super) fn answered(&self, source: &str) {
+    /// Redis answered for `source` at `now` (local clock), saying `seen` of its
+    /// shared state: remembered, and the source restored if it was down (logged
+    /// once).
+    pub(super) fn answered(&self, source: &str, seen: Seen, now: Duration) {
         let Ok(r) = self.of(source) else { return };
         let mut g = r.lock().unwrap_or_else(|e| e.into_inner());
+        g.known.learn(seen, now);
         if g.down {
             g.down = false;
             g.last_error.clear();
@@ -138,11 +216,16 @@ impl Reach {
     }
 
     /// Redis could not be reached for `source` (`why`): the source is down until a
-    /// retry answers (logged once, on the transition).
-    pub(super) fn unreachable(&self, source: &str, why: &str) {
+    /// retry answers (logged once, on the transition). On the transition, `seed` is
+    /// given what the host last knew of the source, before any call can be routed to
+    /// local state (under this source's lock): the local fallback starts from it.
+    pub(super) fn unreachable(&self, source: &str, why: &str, seed: impl FnOnce(&Known)) {
         let Ok(r) = self.of(source) else { return };
         let mut g = r.lock().unwrap_or_else(|e| e.into_inner());
         let was_down = g.down;
+        if !was_down {
+            seed(&g.known);
+        }
         g.down = true;
         g.next_try = Instant::now() + RETRY_INTERVAL;
         g.last_error = why.to_string();
@@ -214,6 +297,73 @@ pub(super) fn local_epoch_base() -> u64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn s(n: u64) -> Duration {
+        Duration::from_secs(n)
+    }
+
+    #[test]
+    fn the_seed_is_what_the_last_answers_said() {
+        let mut k = Known::default();
+        assert_eq!(
+            k.seed(s(5)),
+            Seed::default(),
+            "nothing known: a fresh source"
+        );
+        k.learn(
+            Seen {
+                breaker: Some((State::Open, s(60))),
+                quota: Some(s(30)),
+            },
+            s(10),
+        );
+        let seed = k.seed(s(20));
+        assert_eq!(
+            (seed.open_for, seed.probe_due, seed.blocked_for),
+            (Some(s(50)), false, s(20))
+        );
+        // The deadline passed before the outage: a probe's turn, not a fresh CLOSED.
+        let seed = k.seed(s(80));
+        assert_eq!((seed.open_for, seed.probe_due), (None, true));
+        // An answer without quota news keeps the quota's; CLOSED forgets the open.
+        k.learn(
+            Seen {
+                breaker: Some((State::Closed, Duration::ZERO)),
+                quota: None,
+            },
+            s(21),
+        );
+        assert_eq!(
+            k.seed(s(25)),
+            Seed {
+                open_for: None,
+                probe_due: false,
+                blocked_for: s(15),
+                quota_spent: true,
+            }
+        );
+        // Seen refusing more than SPENT_MEMORY ago: the buckets start full again.
+        assert!(!k.seed(s(10) + SPENT_MEMORY).quota_spent);
+        for state in [State::HalfOpen, State::Open] {
+            k.learn(
+                Seen {
+                    breaker: Some((state, Duration::ZERO)),
+                    quota: Some(Duration::ZERO),
+                },
+                s(30),
+            );
+            assert_eq!(
+                k.seed(s(31)),
+                Seed {
+                    open_for: None,
+                    probe_due: true,
+                    blocked_for: Duration::ZERO,
+                    quota_spent: true,
+                },
+                "{state:?}"
+            );
+        }
+    }
 
     #[test]
     fn local_epoch_base_is_far_from_redis_epochs() {

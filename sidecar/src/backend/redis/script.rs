@@ -52,10 +52,11 @@ use std::time::Duration;
 
 use ::redis::{Cmd, RedisWrite, Script, ToRedisArgs, Value};
 
+use super::reach::Seen;
 use crate::backend::{
     Applied, BResult, BackendError, BreakerParams, ClassShares, QuotaParams, State, Tokens, Trip,
 };
-use crate::gate::quota::{Credits, MINUTE};
+use crate::gate::quota::{Credits, DEFAULT_MAX_DEBT, MINUTE};
 
 /// `gate.lua`, ready to run either way.
 pub(super) struct Gate {
@@ -210,7 +211,7 @@ impl Slot<'_> {
 
 /// The names of `gate.lua`'s ARGV slots, `ARGV[1]` first; its header documents each
 /// under the same name.
-pub(super) const SLOTS: [&str; 35] = [
+pub(super) const SLOTS: [&str; 36] = [
     "op",
     "failure_threshold",
     "failure_rate",
@@ -246,14 +247,49 @@ pub(super) const SLOTS: [&str; 35] = [
     "out_tokens",
     "in_credit",
     "out_credit",
+    "max_debt_us",
 ];
 
 /// The value each slot holds when an operation does not use it, in [`SLOTS`] order
 /// (`op` has none). Trailing neutral slots are not sent; the script reads a missing
 /// slot as its neutral value.
 const NEUTRAL: [&str; SLOTS.len()] = [
-    "", "0", "0", "0", "0", "0", "0", "0", "0", "0", "-1", "-1", "0", "0", "0", "0", "", "0", "0",
-    "-1", "-1", "", "", "", "0", "", "0", "-1", "-1", "-1", "-1", "0", "0", "0", "0",
+    "",
+    "0",
+    "0",
+    "0",
+    "0",
+    "0",
+    "0",
+    "0",
+    "0",
+    "0",
+    "-1",
+    "-1",
+    "0",
+    "0",
+    "0",
+    "0",
+    "",
+    "0",
+    "0",
+    "-1",
+    "-1",
+    "",
+    "",
+    "",
+    "0",
+    "",
+    "0",
+    "-1",
+    "-1",
+    "-1",
+    "-1",
+    "0",
+    "0",
+    "0",
+    "0",
+    "600000000",
 ];
 
 /// Largest duration handed to the script, in µs (2^52 µs ≈ 142 years): `TIME` + it
@@ -313,6 +349,9 @@ pub(super) struct Argv<'a> {
     pub credit: Credits,
     /// Slot 20: block the quota this long (`-1` = no block).
     pub block: Option<Duration>,
+    /// Slot 36 (§12): a settlement's extra debit takes at most this much refill
+    /// time from any bucket (`None`: the default, [`DEFAULT_MAX_DEBT`], not sent).
+    pub max_debt: Option<Duration>,
     /// Slot 21: force the breaker open this long.
     pub open_for: Option<Duration>,
     /// Slots 22–23: where an admin script announces itself (empty otherwise).
@@ -439,6 +478,7 @@ impl<'a> Argv<'a> {
             int(part(has_out, self.tokens.output)),
             Slot::Int(part_credit(has_in, self.credit.input)),
             Slot::Int(part_credit(has_out, self.credit.output)),
+            int(micros(self.max_debt.unwrap_or(DEFAULT_MAX_DEBT))),
         ]);
         while v.len() > 1 && v.last().is_some_and(|s| s.is_neutral(v.len() - 1)) {
             v.pop();
@@ -466,6 +506,19 @@ pub(super) trait Op {
     fn argv(&self) -> Argv<'_>;
     /// Read the script's reply.
     fn read(v: &[Value]) -> BResult<Self::Reply>;
+    /// What the reply says of the source's shared state (§10: remembered for the
+    /// local fallback). Nothing by default.
+    fn seen(&self, _reply: &Self::Reply) -> Seen {
+        Seen::default()
+    }
+}
+
+/// What an [`Applied`] says of the breaker.
+pub(super) fn seen_applied(a: &Applied) -> Seen {
+    Seen {
+        breaker: Some((a.state, a.retry_after)),
+        quota: None,
+    }
 }
 
 // ------------------------------------------------------------------ reply values
@@ -549,6 +602,15 @@ pub(super) fn applied(v: &[Value]) -> BResult<Applied> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_max_debt_slot_is_neutral_at_its_default() {
+        assert_eq!(
+            NEUTRAL[SLOTS.iter().position(|s| *s == "max_debt_us").unwrap()],
+            DEFAULT_MAX_DEBT.as_micros().to_string()
+        );
+        assert!(include_str!("gate.lua").contains("arg(36, 600000000)"));
+    }
 
     #[test]
     fn gate_lua_caps_a_block_like_the_memory_backend() {

@@ -4,7 +4,7 @@
 use super::{choice, duration, non_empty, redis_url};
 use crate::config::env::Origins;
 use crate::config::raw::RawSidecar;
-use crate::config::{ConfigError, SidecarConfig};
+use crate::config::{ConfigError, DegradedShare, SidecarConfig};
 
 /// Smallest accepted `sidecar.max_frame`.
 const MIN_MAX_FRAME: u64 = 1024;
@@ -111,6 +111,22 @@ pub(super) fn validate_sidecar(
         raw.max_rate_limit_block,
         d.max_rate_limit_block,
     )?;
+
+    let degraded_share = match raw.degraded_share {
+        None => d.degraded_share,
+        Some(t) if t.trim() == "auto" => DegradedShare::Auto,
+        Some(t) => match t.trim().parse::<f64>() {
+            Ok(f) if f > 0.0 && f <= 1.0 => DegradedShare::Fraction(f),
+            _ => {
+                return Err(ctx.err(
+                    "sidecar.degraded_share",
+                    format_args!("{t:?}"),
+                    "expected \"auto\" (1 / the live hosts last seen) or a fraction \
+                     greater than 0 and at most 1, such as 0.25",
+                ))
+            }
+        },
+    };
 
     let max_frame = match raw.max_frame {
         None => d.max_frame,
@@ -229,5 +245,6 @@ pub(super) fn validate_sidecar(
         max_frame,
         shutdown_grace,
         max_rate_limit_block,
+        degraded_share,
     })
 }
