@@ -155,6 +155,7 @@ const SOURCE_KEYS: &[(&str, Slot<RawSource>)] = &[
     ("RPD", Slot::Int(|s| &mut s.rpd)),
     ("TPD", Slot::Int(|s| &mut s.tpd)),
     ("EST_OUTPUT_TOKENS", Slot::Int(|s| &mut s.est_output_tokens)),
+    ("OBSERVE_LIMITS", Slot::Text(|s| &mut s.observe_limits)),
 ];
 
 /// The environment prefix of a scope: uppercased, `-` → `_`.

@@ -182,6 +182,8 @@ pub(super) struct RawSource {
     pub tpd: Option<i64>,
     /// Output estimate (§7a).
     pub est_output_tokens: Option<i64>,
+    /// `on` | `off` (§18).
+    pub observe_limits: Option<String>,
 }
 
 /// A TOML table kept in document order (scope order matters for status output).

@@ -16,7 +16,7 @@ use tokio::sync::Notify;
 use super::error::{EngineError, Exhaustion, ReloadError};
 use super::queue::WaitQueue;
 use super::CallEst;
-use crate::config::TokensCharged;
+use crate::config::{ObserveLimits, TokensCharged};
 use crate::config::{Config, ScopeConfig, SourceConfig};
 use crate::gate::breaker::BreakerParams;
 use crate::gate::classes::{ClassShares, Share, PPM};
@@ -107,6 +107,8 @@ impl SourceParams {
                 rpd: s.rpd,
                 burst: s.burst,
                 charge_estimate: s.tokens_charged == TokensCharged::Estimate,
+                observe: s.observe_limits == ObserveLimits::On || s.auto != 0,
+                auto: s.auto,
             },
             est_tokens: s.default_est_tokens(),
             est_input_tokens: s.default_est_input_tokens(),

@@ -269,6 +269,8 @@ mod tests {
         rpd: None,
         burst: crate::gate::quota::MINUTE,
         charge_estimate: false,
+        observe: false,
+        auto: 0,
     };
 
     /// Deficits with only the rpm bucket (index 1) configured.

@@ -12,7 +12,7 @@ use super::script::{
 };
 use crate::backend::event::AdminOp;
 use crate::backend::{
-    Admit, Applied, BResult, BreakerParams, ClassTag, Entry, Held, Outcome, Peek, QuotaParams,
+    Admit, Applied, LastSeen, Observation, BResult, BreakerParams, ClassTag, Entry, Held, Outcome, Peek, QuotaParams,
     Reserve, Settlement, SourceSnapshot, Tokens,
 };
 
@@ -261,6 +261,12 @@ impl Op for SettleArgs<'_> {
         Argv {
             quota: Some(self.q),
             credit: self.q.credits(self.reserved, self.how),
+            // §18: an observing source counts the reservation out of its in-flight.
+            tokens: if self.q.tracks() {
+                self.reserved
+            } else {
+                Tokens::default()
+            },
             ..Argv::default()
         }
     }
@@ -358,6 +364,8 @@ pub(super) struct ReportArgs<'a> {
     pub outcome: Outcome,
     /// §15: the permit's priority class (`None`: the scope has none).
     pub class: Option<&'a str>,
+    /// §18: the response's observed limits.
+    pub observed: Option<&'a Observation>,
 }
 
 impl Op for ReportArgs<'_> {
@@ -382,6 +390,13 @@ impl Op for ReportArgs<'_> {
                 .credits(self.reserved, self.outcome.settlement(self.reserved)),
             block,
             class: self.class,
+            // §18: an observing source counts the reservation out of its in-flight.
+            tokens: if self.q.tracks() {
+                self.reserved
+            } else {
+                Tokens::default()
+            },
+            observed: self.observed.filter(|_| self.q.tracks()),
             ..Argv::default()
         }
     }
@@ -428,8 +443,34 @@ impl Op for SnapshotArgs<'_> {
                 level_or_none(v, 13)?,
             ],
             quota_blocked: dur_at(v, 9)?,
+            seen: seen_at(v, 14)?,
         })
     }
+}
+
+/// §18: per bucket (tpm, rpm, itpm, otpm), four integers from slot `at` on:
+/// remaining, limit, age µs, removed (`-1` remaining: never observed; absent: the
+/// source does not observe).
+fn seen_at(v: &[Value], at: usize) -> BResult<[Option<LastSeen>; 4]> {
+    let mut out = [None; 4];
+    if v.len() < at + 16 {
+        return Ok(out);
+    }
+    for (i, slot) in out.iter_mut().enumerate() {
+        let k = at + 4 * i;
+        let remaining = int_at(v, k)?;
+        if remaining < 0 {
+            continue;
+        }
+        let limit = int_at(v, k + 1)?;
+        *slot = Some(LastSeen {
+            remaining: remaining as u64,
+            limit: (limit > 0).then_some(limit as u64),
+            age: dur_at(v, k + 2)?,
+            removed: u64_at(v, k + 3)?,
+        });
+    }
+    Ok(out)
 }
 
 #[cfg(test)]
@@ -487,6 +528,7 @@ mod tests {
                 count_attempt: true,
             },
             class: None,
+            observed: None,
         };
         let announce = Announce {
             channel: "chan",
@@ -559,6 +601,7 @@ mod tests {
                 retry_after: Some(Duration::from_secs(2)),
             },
             class: None,
+            observed: None,
         };
         assert_eq!(slot(&report, "is_probe"), "1");
         assert_eq!(slot(&report, "count_attempt"), "0");
@@ -624,6 +667,7 @@ mod tests {
                 split: None,
             },
             class: None,
+            observed: None,
         };
         let credit = |r: &ReportArgs| slot(r, "token_credit");
         assert_eq!(credit(&report(FailureKind::Timeout, Some(40))), "100");

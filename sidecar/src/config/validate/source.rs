@@ -9,7 +9,7 @@ use crate::config::env::Origins;
 use crate::config::raw::RawSource;
 use crate::config::{
     ConfigError, ScopeConfig, SourceConfig, DEFAULT_BURST, DEFAULT_SOURCE_TIMEOUT,
-    DEFAULT_TOKENS_CHARGED,
+    DEFAULT_OBSERVE_LIMITS, DEFAULT_TOKENS_CHARGED,
 };
 use crate::limits::{MAX_NAME, MAX_RATE, MAX_TOKENS};
 
@@ -66,6 +66,13 @@ pub(super) fn validate_source(
             raw.est_output_tokens,
             MAX_TOKENS,
         )?,
+        observe_limits: choice(
+            ctx,
+            &k("observe_limits"),
+            raw.observe_limits,
+            DEFAULT_OBSERVE_LIMITS,
+        )?,
+        auto: 0,
         name,
     })
 }
@@ -103,7 +110,7 @@ pub(super) fn check_shared_sources(scopes: &[ScopeConfig]) -> Result<(), ConfigE
 }
 
 /// The keys of a source that make up its one global quota, each as its value shows.
-pub(super) fn quota_keys(s: &SourceConfig) -> [(&'static str, Box<str>); 8] {
+pub(super) fn quota_keys(s: &SourceConfig) -> [(&'static str, Box<str>); 9] {
     let n = |v: Option<u64>| v.map_or_else(|| "unset".into(), |v| v.to_string().into());
     [
         ("tpm", n(s.tpm)),
@@ -119,6 +126,10 @@ pub(super) fn quota_keys(s: &SourceConfig) -> [(&'static str, Box<str>); 8] {
         (
             "tokens_charged",
             format!("{:?}", s.tokens_charged.as_str()).into(),
+        ),
+        (
+            "observe_limits",
+            format!("{:?}", s.observe_limits.as_str()).into(),
         ),
     ]
 }
