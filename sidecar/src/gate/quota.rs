@@ -653,7 +653,8 @@ impl Quota {
     /// time: the wait while one is in flight (zero otherwise).
     fn unlearned_wait(&self, q: &QuotaParams) -> Duration {
         let seen = self.seen.as_deref();
-        let unlearned = (0..DIMS).any(|i| q.is_auto(i) && seen.is_none_or(|s| s.learned[i].is_none()));
+        let unlearned =
+            (0..DIMS).any(|i| q.is_auto(i) && seen.is_none_or(|s| s.learned[i].is_none()));
         let busy = seen.is_some_and(|s| s.inflight[Bucket::Rpm as usize] > 0);
         if unlearned && busy {
             UNLEARNED_WAIT
@@ -671,7 +672,11 @@ impl Quota {
         for (i, (_, counts, _)) in BUCKETS.into_iter().enumerate().take(DIMS) {
             let n = counts.amount(t);
             let f = &mut seen.inflight[i];
-            *f = if add { f.saturating_add(n) } else { f.saturating_sub(n) };
+            *f = if add {
+                f.saturating_add(n)
+            } else {
+                f.saturating_sub(n)
+            };
         }
     }
 
@@ -719,7 +724,9 @@ impl Quota {
             }
             // The level `target` at `at`: full again `refill(capacity − target)` later,
             // never deeper than the debt floor.
-            let taken = (s.capacity as i128 - target).unsigned_abs().min(u64::MAX as u128) as u64;
+            let taken = (s.capacity as i128 - target)
+                .unsigned_abs()
+                .min(u64::MAX as u128) as u64;
             let full_at = (at + dur(s.refill_ns(taken))).min(now + dur(s.floor_ns()));
             let level = self.buckets[i].get_or_insert(Level { full_at: now });
             let old = level.full_at.max(now);
@@ -727,7 +734,8 @@ impl Quota {
                 let removed = (full_at - old).as_nanos() * s.limit as u128 / s.period.as_nanos();
                 level.full_at = full_at;
                 let seen = self.seen.as_deref_mut().expect("created above");
-                seen.removed[i] = seen.removed[i].saturating_add(removed.min(u64::MAX as u128) as u64);
+                seen.removed[i] =
+                    seen.removed[i].saturating_add(removed.min(u64::MAX as u128) as u64);
             }
         }
         if !block.is_zero() {

@@ -216,10 +216,7 @@ pub fn observation(l: &wire::ObservedLimits) -> Result<backend::Observation, Arg
         Ok(Some(backend::Dim {
             limit: d.limit.map(|n| n.min(MAX_TOKENS)),
             remaining: d.remaining.map(|n| n.min(MAX_TOKENS)),
-            reset: d
-                .reset_s
-                .map(|s| any_seconds("reset_s", s))
-                .transpose()?,
+            reset: d.reset_s.map(|s| any_seconds("reset_s", s)).transpose()?,
         }))
     };
     Ok(backend::Observation {

@@ -224,7 +224,10 @@ pub(super) fn dispatch<B: Backend>(cx: &Ctx<B>, request: Request) -> Step {
                 Err(e) => return Step::Now(invalid(e)),
             };
             job!(&cx.budget, CancelBy::Never, false, |slot| {
-                match engine.report_observed(owner, permit, outcome, observed).await {
+                match engine
+                    .report_observed(owner, permit, outcome, observed)
+                    .await
+                {
                     Ok(a) => convert::reported(&a),
                     Err(e) => fail(&e),
                 }

@@ -12,8 +12,8 @@ use super::script::{
 };
 use crate::backend::event::AdminOp;
 use crate::backend::{
-    Admit, Applied, LastSeen, Observation, BResult, BreakerParams, ClassTag, Entry, Held, Outcome, Peek, QuotaParams,
-    Reserve, Settlement, SourceSnapshot, Tokens,
+    Admit, Applied, BResult, BreakerParams, ClassTag, Entry, Held, LastSeen, Observation, Outcome,
+    Peek, QuotaParams, Reserve, Settlement, SourceSnapshot, Tokens,
 };
 
 /// Gate 4 alone: may a caller enter?

@@ -8,8 +8,8 @@ use super::{choice, duration, positive};
 use crate::config::env::Origins;
 use crate::config::raw::RawSource;
 use crate::config::{
-    ConfigError, ScopeConfig, SourceConfig, DEFAULT_BURST, DEFAULT_SOURCE_TIMEOUT,
-    DEFAULT_OBSERVE_LIMITS, DEFAULT_TOKENS_CHARGED,
+    ConfigError, ScopeConfig, SourceConfig, DEFAULT_BURST, DEFAULT_OBSERVE_LIMITS,
+    DEFAULT_SOURCE_TIMEOUT, DEFAULT_TOKENS_CHARGED,
 };
 use crate::limits::{MAX_NAME, MAX_RATE, MAX_TOKENS};
 
