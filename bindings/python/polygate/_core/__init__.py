@@ -63,6 +63,7 @@ from .protocol import (
     resolve_path,
     variant,
 )
+from .ratelimit import Limit, Limits, limits_of, parse_headers
 from .run import Classifier, Outcome, classify_exception, retry_after_seconds, usage_of
 from .status import ReportResult, ScopeStatus, SourceStatus, Status, report_result, status_from_json
 
@@ -127,5 +128,9 @@ __all__ = [
     "STATUS_JSON",
     "undecodable_error",
     "usage_of",
+    "Limit",
+    "Limits",
+    "limits_of",
+    "parse_headers",
     "variant",
 ]
