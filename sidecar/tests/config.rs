@@ -1146,7 +1146,10 @@ fn observed_limit_keys_parse_name_the_key_and_override() {
         &source_with("rpm = \"lots\""),
         &[&format!("{k}.rpm"), "\"auto\""],
     );
-    err(&source_with("itpm = 0"), &[&format!("{k}.itpm"), "greater than zero"]);
+    err(
+        &source_with("itpm = 0"),
+        &[&format!("{k}.itpm"), "greater than zero"],
+    );
     // Environment: a number or auto.
     let s = parse_str(
         &source_with("tpm = 100"),

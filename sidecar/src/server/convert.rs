@@ -426,6 +426,13 @@ pub fn status_json(backend: &str, scopes: &[engine::ScopeStatus]) -> String {
                             "capacity": v.capacity,
                             "refill_per_s": v.refill_per_s,
                             "debt": v.debt,
+                            "auto": v.auto,
+                            "observed": v.observed.map(|o| json!({
+                                "remaining": o.remaining,
+                                "limit": o.limit,
+                                "age_s": o.age.as_secs_f64(),
+                                "removed": o.removed,
+                            })),
                         })).collect::<Vec<_>>(),
                         "degraded": s.degraded,
                     })
