@@ -96,6 +96,17 @@ struct Cli {
     /// `fleet`: the driver (bench/fleet/fleet.py).
     #[arg(long, default_value = "bench/fleet/fleet.py")]
     fleet_driver: PathBuf,
+    /// `fleet` (DESIGN §18): share of each limit a consumer outside PolyGate uses
+    /// directly at the fake upstream.
+    #[arg(long, default_value_t = 0.0)]
+    foreign: f64,
+    /// `fleet` (DESIGN §18): `on` (the provider's headers correct the buckets) or
+    /// `off` (the control).
+    #[arg(long, default_value = "on")]
+    observe: String,
+    /// `fleet` (DESIGN §18): configure the limits as `"auto"` (learned).
+    #[arg(long)]
+    auto: bool,
     /// Tiny durations and counts: checks that every scenario runs and prints its keys.
     #[arg(long)]
     smoke: bool,
@@ -279,6 +290,12 @@ pub struct Fleet {
     pub rpm: u64,
     pub tpm: u64,
     pub driver: PathBuf,
+    /// DESIGN §18: share of each limit a consumer outside PolyGate uses.
+    pub foreign: f64,
+    /// DESIGN §18: `on` | `off`, the sources' `observe_limits`.
+    pub observe: String,
+    /// DESIGN §18: the limits the headers carry configured as `"auto"`.
+    pub auto: bool,
 }
 
 impl Opts {
@@ -414,6 +431,9 @@ fn main() -> ExitCode {
             rpm: cli.rpm,
             tpm: cli.tpm,
             driver: rel(&cli.fleet_driver),
+            foreign: cli.foreign,
+            observe: cli.observe.clone(),
+            auto: cli.auto,
         },
     };
     if cli.smoke {

@@ -553,6 +553,8 @@ fn fleet(opts: &Opts) -> Line {
             f.upstream.name(),
         ])
         .args(["--rpm", &f.rpm.to_string(), "--tpm", &f.tpm.to_string()])
+        .args(["--foreign", &f.foreign.to_string(), "--observe", &f.observe])
+        .args(f.auto.then_some("--auto"))
         .args(["--config", &f.config, "--sidecar"])
         .arg(&opts.sidecar_bin)
         .output();
