@@ -436,10 +436,10 @@ func (p *Permit) finish(ctx context.Context, o outcome) error {
 		return err
 	}
 	p.state, c.busy = permitDone, true
-	cn, id := c.conn, c.id
+	cn, id, limits := c.conn, c.id, p.limits
 	c.mu.Unlock()
 
-	rep, err := cn.roundTrip(ctx, &request{tag: reqFinish, target: p.ID, outcome: o, limits: p.limits}, rtAlways, 0)
+	rep, err := cn.roundTrip(ctx, &request{tag: reqFinish, target: p.ID, outcome: o, limits: limits}, rtAlways, 0)
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	c.busy = false

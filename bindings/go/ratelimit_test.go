@@ -119,3 +119,41 @@ func hexOf(b []byte) string {
 	}
 	return string(out)
 }
+
+func TestSetLimitsTravelsWithTheReport(t *testing.T) {
+	s := startFake(t)
+	c := dialFake(t, s)
+	ctx := tctx(t)
+	h := http.Header{}
+	h.Set("x-ratelimit-remaining-tokens", "250")
+	h.Set("x-ratelimit-limit-tokens", "30000")
+	l, _ := ParseRateLimitHeaders(h, time.Now())
+	// A failure is held and travels with the Retry; the success's Finish carries its own.
+	call, err := c.Begin(ctx, "chat", CallOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	p, err := call.Acquire(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	p.SetLimits(l)
+	if err := p.Failure(ctx, ServerError); err != nil {
+		t.Fatal(err)
+	}
+	p2, err := call.Acquire(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	retry := lastRequest(t, s)
+	if retry.tag != reqRetry || retry.limits == nil || retry.limits.dims[1].remaining != some(250) {
+		t.Fatalf("Retry %+v", retry)
+	}
+	if err := p2.Success(ctx, 10); err != nil {
+		t.Fatal(err)
+	}
+	if fin := lastRequest(t, s); fin.tag != reqFinish || fin.limits != nil {
+		t.Fatalf("a permit without limits sends a plain Finish: %+v", fin)
+	}
+	_ = call.End(ctx)
+}
