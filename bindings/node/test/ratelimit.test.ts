@@ -6,8 +6,10 @@ import * as fs from "node:fs";
 import * as path from "node:path";
 import { describe, test } from "node:test";
 
+import { connect } from "../src/client.js";
 import { Limit, parseDuration, parseRateLimitHeaders, toWireLimits } from "../src/ratelimit.js";
 import { encodeFinish } from "../src/wire.js";
+import { FakeSidecar } from "./fake-sidecar.js";
 import { REPO } from "./support.js";
 
 interface Case {
@@ -85,5 +87,39 @@ describe("permit limits on the wire", { timeout: 10_000 }, () => {
     assert.throws(() => toWireLimits({ tokens: { limit: null, remaining: -1, resetS: null } }), /tokens.remaining/);
     assert.throws(() => toWireLimits({ tokens: { limit: null, remaining: 1, resetS: null }, ageS: NaN }), /ageS/);
     assert.equal(toWireLimits({}), null);
+  });
+});
+
+describe("run() sends the provider's headers", { timeout: 10_000 }, () => {
+  test("from a 429's error and from a raw response", async () => {
+    const fake = await FakeSidecar.start();
+    const client = await connect(fake.socket);
+    try {
+      let n = 0;
+      const out = await client.run("chat", async () => {
+        n += 1;
+        if (n === 1) {
+          const e = Object.assign(new Error("429"), {
+            status: 429, headers: new Headers({ "retry-after": "0", "x-ratelimit-remaining-tokens": "0", "x-ratelimit-reset-tokens": "2s" }),
+          });
+          throw e;
+        }
+        return { headers: { "anthropic-ratelimit-requests-remaining": "7" }, usage: { input_tokens: 3, output_tokens: 4 } };
+      });
+      assert.equal(n, 2);
+      assert.ok(out.headers !== undefined);
+      const conn = await fake.conn(0);
+      const retry = conn.named("RetryObserved");
+      assert.equal(retry.length, 1, conn.names().join(","));
+      const rl = retry[0]!.limits as { tokens: { remaining: bigint; reset_s: number } };
+      assert.equal(Number(rl.tokens.remaining), 0);
+      assert.equal(rl.tokens.reset_s, 2);
+      const fin = conn.named("FinishObserved");
+      assert.equal(fin.length, 1, conn.names().join(","));
+      assert.equal(Number((fin[0]!.limits as { requests: { remaining: bigint } }).requests.remaining), 7);
+    } finally {
+      await client.close();
+      await fake.stop();
+    }
   });
 });
