@@ -15,11 +15,12 @@ use polygate::backend::{
 
 use super::{assert_dur, assert_level, bp, ms, Harness, S1};
 
-/// 600 tokens and 60 requests per minute, observing.
+/// 120 tokens and 30 requests per minute (2 and 0.5 a second: a real-time backend
+/// refills under half a unit in the 250 ms a slow case may take), observing.
 fn q() -> QuotaParams {
     QuotaParams {
-        tpm: Some(600),
-        rpm: Some(60),
+        tpm: Some(120),
+        rpm: Some(30),
         observe: true,
         ..QuotaParams::default()
     }
@@ -68,42 +69,42 @@ pub async fn observed_limits_lower_and_never_raise<H: Harness>(h: &H) {
     let b = h.fresh().await;
     let q = q();
     let e = admit(&b, &q, 10).await;
-    // The provider says 200 tokens and 30 requests are left: another consumer used
+    // The provider says 40 tokens and 10 requests are left: another consumer used
     // what PolyGate did not see.
-    report(&b, &q, e, 10, &obs(Some(200), Some(30), Duration::ZERO)).await;
+    report(&b, &q, e, 10, &obs(Some(40), Some(10), Duration::ZERO)).await;
     let l = levels(&b, &q).await;
-    assert_level(l[0], 200.0, "tpm lowered to remaining");
-    assert_level(l[1], 30.0, "rpm lowered to remaining");
+    assert_level(l[0], 40.0, "tpm lowered to remaining");
+    assert_level(l[1], 10.0, "rpm lowered to remaining");
     let seen = b.snapshot(S1, &bp(), &q).await.unwrap().seen;
     let t = seen[0].expect("tokens observed");
-    assert_eq!(t.remaining, 200);
+    assert_eq!(t.remaining, 40);
     assert!(
-        (389..=391).contains(&t.removed),
-        "590 -> 200 removed 390, got {}",
+        (69..=70).contains(&t.removed),
+        "110 -> 40 removed 70, got {}",
         t.removed
     );
     // More left than PolyGate thinks: nothing is raised.
     let e = admit(&b, &q, 10).await;
-    report(&b, &q, e, 10, &obs(Some(600), Some(60), Duration::ZERO)).await;
+    report(&b, &q, e, 10, &obs(Some(120), Some(30), Duration::ZERO)).await;
     let l = levels(&b, &q).await;
-    assert_level(l[0], 190.0, "never raised by an observation");
-    assert_level(l[1], 29.0, "never raised by an observation");
+    assert_level(l[0], 30.0, "never raised by an observation");
+    assert_level(l[1], 9.0, "never raised by an observation");
 }
 
 pub async fn observed_limits_subtract_calls_in_flight<H: Harness>(h: &H) {
     let b = h.fresh().await;
     let other = h.second(&b).await;
     let q = q();
-    // Two calls of 50 tokens still in flight (one on another host where there is
-    // one), then a third reports with 300 tokens left upstream.
-    let _ = admit(other.as_ref().unwrap_or(&b), &q, 50).await;
-    let _ = admit(&b, &q, 50).await;
+    // Two calls of 5 tokens still in flight (one on another host where there is
+    // one), then a third reports with 30 tokens left upstream.
+    let _ = admit(other.as_ref().unwrap_or(&b), &q, 5).await;
+    let _ = admit(&b, &q, 5).await;
     let e = admit(&b, &q, 10).await;
-    report(&b, &q, e, 10, &obs(Some(300), None, Duration::ZERO)).await;
+    report(&b, &q, e, 10, &obs(Some(30), None, Duration::ZERO)).await;
     assert_level(
         levels(&b, &q).await[0],
-        200.0,
-        "300 left upstream − 100 reserved by calls in flight",
+        20.0,
+        "30 left upstream − 10 reserved by calls in flight",
     );
 }
 
@@ -116,8 +117,8 @@ pub async fn a_source_that_does_not_observe_ignores_observations<H: Harness>(h: 
     let e = admit(&b, &q, 10).await;
     report(&b, &q, e, 10, &obs(Some(0), Some(0), Duration::ZERO)).await;
     let l = levels(&b, &q).await;
-    assert_level(l[0], 590.0, "ignored");
-    assert_level(l[1], 59.0, "ignored");
+    assert_level(l[0], 110.0, "ignored");
+    assert_level(l[1], 29.0, "ignored");
 }
 
 pub async fn remaining_zero_blocks_until_the_reset_capped<H: Harness>(h: &H) {
@@ -128,7 +129,7 @@ pub async fn remaining_zero_blocks_until_the_reset_capped<H: Harness>(h: &H) {
         dims: [
             None,
             Some(Dim {
-                limit: Some(60),
+                limit: Some(30),
                 remaining: Some(0),
                 reset: Some(ms(300)),
             }),
@@ -147,7 +148,7 @@ pub async fn remaining_zero_blocks_until_the_reset_capped<H: Harness>(h: &H) {
         r => panic!("expected the block, got {r:?}"),
     }
     // The engine caps a reset at max_rate_limit_block before the backend sees it
-    // (tests/engine.rs); the backend bounds whatever it is given like a 429's block.
+    // (tests/engine.rs); the backend keeps what it is given, no more.
     let capped = b.snapshot(S1, &bp(), &q).await.unwrap().quota_blocked;
     assert!(capped <= ms(301));
 }
@@ -157,19 +158,19 @@ pub async fn an_observation_older_than_one_applied_is_ignored<H: Harness>(h: &H)
     h.advance(ms(100)).await; // (a manual clock starts at 0)
     let q = q();
     let e = admit(&b, &q, 10).await;
-    report(&b, &q, e, 10, &obs(Some(400), None, Duration::ZERO)).await;
+    report(&b, &q, e, 10, &obs(Some(40), None, Duration::ZERO)).await;
     // A streamed response's headers, seen 80 ms ago, arrive after: stale.
     let e = admit(&b, &q, 10).await;
-    report(&b, &q, e, 10, &obs(Some(100), None, ms(80))).await;
+    report(&b, &q, e, 10, &obs(Some(10), None, ms(80))).await;
     assert_level(
         levels(&b, &q).await[0],
-        390.0,
+        30.0,
         "the older observation is ignored",
     );
     // A newer one applies.
     let e = admit(&b, &q, 10).await;
-    report(&b, &q, e, 10, &obs(Some(100), None, Duration::ZERO)).await;
-    assert_level(levels(&b, &q).await[0], 100.0, "a newer one applies");
+    report(&b, &q, e, 10, &obs(Some(10), None, Duration::ZERO)).await;
+    assert_level(levels(&b, &q).await[0], 10.0, "a newer one applies");
 }
 
 pub async fn auto_admits_one_at_a_time_then_learns_and_follows_the_limit<H: Harness>(h: &H) {
@@ -199,25 +200,25 @@ pub async fn auto_admits_one_at_a_time_then_learns_and_follows_the_limit<H: Harn
         ],
         age: Duration::ZERO,
     };
-    report(&b, &q, e, 10, &learn(6_000, 5_000)).await;
+    report(&b, &q, e, 10, &learn(120, 100)).await;
     assert_level(
         levels(&b, &q).await[0],
-        5_000.0,
-        "learned 6,000, lowered to 5,000",
+        100.0,
+        "learned 120, lowered to 100",
     );
     // Now learned: concurrent calls are admitted.
     let e1 = admit(&b, &q, 10).await;
     let e2 = admit(&b, &q, 10).await;
-    // The provider's limit changes: followed (capacity 1,200 now, level ≤ it).
-    report(&b, &q, e1, 10, &learn(1_200, 1_200)).await;
-    // The bucket keeps its deficit in time (10.2 s of refill at 6,000/min is 204
-    // tokens at 1,200/min) and is at most remaining − in flight.
+    // The provider's limit changes: followed. The bucket keeps its deficit in time
+    // (40 taken at 120/min is 20 s of refill: 20 tokens at 60/min), so its level is
+    // 40, below remaining − in flight (60 − 10).
+    report(&b, &q, e1, 10, &learn(60, 60)).await;
     let l = levels(&b, &q).await[0].expect("tpm learned");
     assert!(
-        (990.0..=1_000.0).contains(&l),
+        (39.5..=41.0).contains(&l),
         "capacity follows the new limit: level {l}"
     );
     let e3 = admit(&b, &q, 10).await;
-    report(&b, &q, e2, 10, &learn(1_200, 1_200)).await;
-    report(&b, &q, e3, 10, &learn(1_200, 1_200)).await;
+    report(&b, &q, e2, 10, &learn(60, 60)).await;
+    report(&b, &q, e3, 10, &learn(60, 60)).await;
 }
