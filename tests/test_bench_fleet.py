@@ -1,4 +1,4 @@
-"""The fleet scenario (DESIGN §7a) at a short duration: N sidecars on one throwaway
+"""The fleet scenario (DESIGN §7a, §18) at a short duration: N sidecars on one throwaway
 redis-server in front of a fake upstream that evaluates RPM per 1-second period and
 charges prompt + max_tokens (Azure's rule). With the matching source block the
 upstream answers under 1 % of requests with 429; with today's configuration (a
@@ -20,19 +20,22 @@ from .polygate_e2e import sidecar_bin
 DRIVER = Path(__file__).resolve().parent.parent / "bench" / "fleet" / "fleet.py"
 
 
-def _fleet(config: str) -> dict:
+def _run(args) -> dict:
     if shutil.which("redis-server") is None:
         if os.environ.get("CI") == "true":
             pytest.fail("redis-server is required with CI=true")
         pytest.skip("no redis-server")
     env = dict(os.environ, POLYGATE_SIDECAR_BIN=str(sidecar_bin()))
-    out = subprocess.run(
-        [sys.executable, str(DRIVER), "--hosts", "2", "--workers", "4", "--seconds", "6",
-         "--upstream", "per-second", "--rpm", "600", "--tpm", "60000", "--config", config],
-        capture_output=True, text=True, timeout=80, env=env)
+    out = subprocess.run([sys.executable, str(DRIVER), *args], capture_output=True, text=True,
+                         timeout=80, env=env)
     assert out.returncode == 0, out.stderr
     line = out.stdout.strip().splitlines()[-1]
     return json.loads(line)
+
+
+def _fleet(config: str) -> dict:
+    return _run(["--hosts", "2", "--workers", "4", "--seconds", "6", "--upstream", "per-second",
+                 "--rpm", "600", "--tpm", "60000", "--config", config, "--observe", "off"])
 
 
 @pytest.mark.timeout(180)
@@ -70,3 +73,23 @@ def test_fleet_survives_a_redis_pause_within_its_share():
     assert m["max_rolling_60s_over_allowed"] <= 1.25, m
     assert m["upstream_requests"] > 40, m
     assert m["recovery_s"] is not None and m["recovery_s"] <= 2.0, m
+
+
+def _foreign(observe: str) -> dict:
+    return _run(["--hosts", "2", "--workers", "4", "--seconds", "10", "--upstream", "token-bucket",
+                 "--rpm", "600", "--tpm", "60000", "--foreign", "0.8", "--observe", observe])
+
+
+@pytest.mark.timeout(180)
+def test_fleet_with_a_foreign_consumer_observed_limits_avoid_429s_and_without_them_do_not():
+    """DESIGN §18: a consumer outside PolyGate uses 80 % of the limits of an upstream
+    counting like Anthropic (whose headers it answers with). With the headers
+    observed, PolyGate's share of 429s stays under 2 % and the foreign consumer is
+    left its share; without (the control), PolyGate overruns what is left."""
+    on = _foreign("on")
+    assert on["upstream_requests"] > 300, on
+    assert on["upstream_429s"] < 0.02 * on["upstream_requests"], on
+    assert on["calls_failed"] == 0, on
+    assert on["left_utilisation"] > 0.85, on
+    off = _foreign("off")
+    assert off["upstream_429s"] > 0.05 * off["upstream_requests"], off

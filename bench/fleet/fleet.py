@@ -26,6 +26,16 @@ window of min(60 s, run) over what the provider's rule admits in such a window),
 `calls_lost` (calls that ended in an error), `max_concurrent_probes` (half-open probe
 permits held at once, per source) and `recovery_s` (from the end of the fault to
 every host serving the source from Redis again).
+
+DESIGN §18: every answer carries the rule's provider's rate-limit headers
+(token-bucket → Anthropic's, fixed-minute → OpenAI's, per-second → Azure's), which
+the workers attach to their reports (`permit.limits`). `--foreign SHARE` adds a
+consumer outside PolyGate that uses SHARE of each limit directly at the upstream
+(evenly paced); `--observe on|off` turns the sources' `observe_limits` on or off
+(off: today's behaviour, the control); `--auto` configures the limits the headers
+say as `"auto"` instead of numbers. The JSON line then also has `foreign_ok`,
+`foreign_429s` and `left_utilisation` (PolyGate's accepted requests / what the
+foreign consumer left of the rule's allowance).
 Standard library only (plus the polygate binding on sys.path)."""
 
 from __future__ import annotations
@@ -64,19 +74,61 @@ class Upstream:
         self.window = (-1, 0, 0)  # (index, requests, tokens)
         self.arrivals = []  # every request's arrival (monotonic), accepted or not
 
-    def call(self) -> tuple:
-        """One request arriving now: (ok, retry_after_s, input, output)."""
+        self.foreign_ok = self.foreign_429 = 0
+
+    def call(self, foreign: bool = False) -> tuple:
+        """One request arriving now: (ok, retry_after_s, input, output, headers)."""
         with self.lock:
             now = time.monotonic()
             self.arrivals.append(now)
             retry = self._admit(now)
+            headers = self._headers(now)
             if retry is None:
-                self.ok += 1
-                return True, 0.0, PROMPT, OUTPUT
-            self.r429 += 1
-            if now - self.t0 < 60:
-                self.startup_429 += 1
-            return False, retry, 0, 0
+                if foreign:
+                    self.foreign_ok += 1
+                else:
+                    self.ok += 1
+                return True, 0.0, PROMPT, OUTPUT, headers
+            if foreign:
+                self.foreign_429 += 1
+            else:
+                self.r429 += 1
+                if now - self.t0 < 60:
+                    self.startup_429 += 1
+            return False, retry, 0, 0, headers
+
+    def _headers(self, now: float) -> dict:
+        """DESIGN §18: what the rule's provider says is left, after this request."""
+        if self.rule == "token-bucket":  # Anthropic: four dimensions, RFC 3339 resets
+            caps = {"requests": ("r", self.rpm), "input-tokens": ("i", self.itpm),
+                    "output-tokens": ("o", self.otpm)}
+            h = {}
+            wall = time.time()
+            for name, (k, cap) in caps.items():
+                level = max(0.0, self.levels[k])
+                full_in = (cap - level) * 60 / cap
+                stamp = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(wall + full_in))
+                frac = ("%.3f" % ((wall + full_in) % 1))[1:]
+                h["anthropic-ratelimit-%s-limit" % name] = str(cap)
+                h["anthropic-ratelimit-%s-remaining" % name] = str(int(level))
+                h["anthropic-ratelimit-%s-reset" % name] = stamp + frac + "Z"
+            return h
+        period = 1.0 if self.rule == "per-second" else 60.0
+        rl = self.rpm / 60 if period == 1.0 else self.rpm
+        tl = self.tpm / 60 if period == 1.0 else self.tpm
+        w, n, t = self.window
+        idx = int((now - self.t0) // period)
+        if w != idx:
+            n, t = 0, 0
+        left_r, left_t = max(0, int(rl - n)), max(0, int(tl - t))
+        if self.rule == "per-second":  # Azure: remaining only
+            return {"x-ratelimit-remaining-requests": str(left_r),
+                    "x-ratelimit-remaining-tokens": str(left_t)}
+        reset = period * (idx + 1) - (now - self.t0)  # OpenAI: Go durations
+        d = "%dm%.3fs" % (reset // 60, reset % 60)
+        return {"x-ratelimit-limit-requests": str(self.rpm), "x-ratelimit-remaining-requests": str(left_r),
+                "x-ratelimit-reset-requests": d, "x-ratelimit-limit-tokens": str(self.tpm),
+                "x-ratelimit-remaining-tokens": str(left_t), "x-ratelimit-reset-tokens": d}
 
     def _admit(self, now: float):
         if self.rule == "token-bucket":
@@ -253,8 +305,13 @@ def max_rolling(arrivals: list, t0: float, end: float, rule: str, rpm: int) -> f
     return best / allowed
 
 
-def source_block(rule: str, config: str, rpm: int, tpm: int) -> str:
-    lines = ['name = "deploy"', 'timeout = "10s"', f"rpm = {rpm}"]
+def source_block(rule: str, config: str, rpm: int, tpm: int, observe: str = "off", auto: bool = False) -> str:
+    lines = ['name = "deploy"', 'timeout = "10s"', f'observe_limits = "{observe}"',
+             'rpm = "auto"' if auto and rule != "per-second" else f"rpm = {rpm}"]
+    if auto and rule == "token-bucket":
+        return "\n".join(lines + ['itpm = "auto"', 'otpm = "auto"', f"est_tokens = {PROMPT + MAX_TOKENS}"])
+    if auto and rule == "fixed-minute":
+        return "\n".join(lines + ['tpm = "auto"', f"est_tokens = {PROMPT + MAX_TOKENS}"])
     if config == "default":
         return "\n".join(lines + [f"tpm = {tpm}"])
     if rule == "token-bucket":
@@ -338,6 +395,12 @@ def main() -> int:
     ap.add_argument("--config", choices=["matching", "default"], default="matching")
     ap.add_argument("--burst", default=None,
                     help="override the matching block's burst (e.g. 1s, to compare)")
+    ap.add_argument("--foreign", type=float, default=0.0,
+                    help="share of each limit a consumer outside PolyGate uses (DESIGN §18)")
+    ap.add_argument("--observe", choices=["on", "off"], default="on",
+                    help="observe_limits of the source: the provider's headers correct the buckets")
+    ap.add_argument("--auto", action="store_true",
+                    help='limits the headers carry configured as "auto" (learned)')
     ap.add_argument("--rpm", type=int, default=60)
     ap.add_argument("--tpm", type=int, default=6000)
     ap.add_argument("--cluster", action="store_true",
@@ -367,7 +430,7 @@ def main() -> int:
         # A fault is noticed within one timeout per source; a run without one keeps
         # the slack a loaded machine needs.
         timeout = "2s" if a.fault == "none" else "500ms"
-        block = source_block(a.upstream, a.config, a.rpm, a.tpm)
+        block = source_block(a.upstream, a.config, a.rpm, a.tpm, a.observe, a.auto)
         if a.burst is not None:
             block = "\n".join(l for l in block.splitlines() if not l.startswith("burst"))
             block += f'\nburst = "{a.burst}"'
@@ -412,10 +475,11 @@ def main() -> int:
                                     with lock:
                                         probes["now"] += 1
                                         probes["max"] = max(probes["max"], probes["now"])
-                                ok, retry, i, o = up.call()
+                                ok, retry, i, o, headers = up.call()
                                 if p.is_probe:
                                     with lock:
                                         probes["now"] -= 1
+                                p.limits = polygate.parse_headers(headers)[0]
                                 if ok:
                                     p.success(input_tokens=i, output_tokens=o)
                                     break
@@ -428,8 +492,30 @@ def main() -> int:
             finally:
                 client.close()
 
+        def foreign() -> None:
+            # Outside PolyGate: SHARE of the request limit, evenly paced (each
+            # request costs what PolyGate's do, so it is SHARE of the token limits
+            # too); a 429 is retried after its Retry-After, as an SDK would, so the
+            # consumer keeps its demand.
+            interval = 60.0 / (a.foreign * a.rpm)
+            nxt = up.t0
+            while True:
+                nxt += interval
+                pause = nxt - time.monotonic()
+                if pause > 0:
+                    time.sleep(pause)
+                while time.monotonic() < stop_at:
+                    ok, retry = up.call(foreign=True)[:2]
+                    if ok:
+                        break
+                    time.sleep(min(max(retry, 0.01), 1.0))
+                if time.monotonic() >= stop_at:
+                    return
+
         threads = [threading.Thread(target=worker, args=(s,), daemon=True)
                    for s in socks for _ in range(a.workers)]
+        if a.foreign > 0:
+            threads.append(threading.Thread(target=foreign, daemon=True))
         for t in threads:
             t.start()
         fault = run_fault(a, redis, socks, up.t0, stop_at)
@@ -440,6 +526,7 @@ def main() -> int:
         elapsed = min(time.monotonic(), stop_at) - up.t0
         with up.lock:
             ok, r429, startup = up.ok, up.r429, up.startup_429
+            f_ok, f_429 = up.foreign_ok, up.foreign_429
         requests = ok + r429
         # What the rule could have accepted in requests over the run.
         if a.upstream == "token-bucket":
@@ -463,6 +550,10 @@ def main() -> int:
             "calls_lost": counts["failed"],
             "max_concurrent_probes": probes["max"],
             **fault,
+            "foreign": a.foreign, "observe": a.observe, "auto": a.auto,
+            "foreign_ok": f_ok, "foreign_429s": f_429,
+            "left_utilisation": round(ok / max(1.0, allowed - f_ok), 4),
+            "all_429_share": round((r429 + f_429) / max(1, requests), 4),
         }))
         return 0
     finally:

@@ -114,6 +114,17 @@ struct Cli {
     /// `fleet`: `sidecar.degraded_share` of every host (`auto` or a fraction).
     #[arg(long, default_value = "auto")]
     degraded_share: String,
+    /// `fleet` (DESIGN §18): share of each limit a consumer outside PolyGate uses
+    /// directly at the fake upstream.
+    #[arg(long, default_value_t = 0.0)]
+    foreign: f64,
+    /// `fleet` (DESIGN §18): `on` (the provider's headers correct the buckets) or
+    /// `off` (the control).
+    #[arg(long, default_value = "on")]
+    observe: String,
+    /// `fleet` (DESIGN §18): configure the limits as `"auto"` (learned).
+    #[arg(long)]
+    auto: bool,
     /// Tiny durations and counts: checks that every scenario runs and prints its keys.
     #[arg(long)]
     smoke: bool,
@@ -321,6 +332,12 @@ pub struct Fleet {
     pub fault_for: f64,
     /// `sidecar.degraded_share`.
     pub degraded_share: String,
+    /// DESIGN §18: share of each limit a consumer outside PolyGate uses.
+    pub foreign: f64,
+    /// DESIGN §18: `on` | `off`, the sources' `observe_limits`.
+    pub observe: String,
+    /// DESIGN §18: the limits the headers carry configured as `"auto"`.
+    pub auto: bool,
 }
 
 impl Opts {
@@ -461,6 +478,9 @@ fn main() -> ExitCode {
             fault: cli.fault.clone(),
             fault_for: cli.fault_for,
             degraded_share: cli.degraded_share.clone(),
+            foreign: cli.foreign,
+            observe: cli.observe.clone(),
+            auto: cli.auto,
         },
     };
     if cli.smoke {

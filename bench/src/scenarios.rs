@@ -495,7 +495,9 @@ fn fleet(opts: &Opts) -> Line {
         .args(["--fault-for", &f.fault_for.to_string()])
         .args(["--degraded-share", &f.degraded_share])
         .args(f.cluster.then_some("--cluster"))
-        .arg("--sidecar")
+        .args(["--foreign", &f.foreign.to_string(), "--observe", &f.observe])
+        .args(f.auto.then_some("--auto"))
+        .args(["--config", &f.config, "--sidecar"])
         .arg(&opts.sidecar_bin)
         .output();
     let parsed = out.as_ref().ok().and_then(|o| {

@@ -163,6 +163,8 @@ type Permit struct {
 	call  *Call
 	state permitState // guarded by call.mu
 	held  outcome     // the report waiting for Acquire or End (permitHeld)
+	// limits are the response's observed limits (SetLimits), sent with the report.
+	limits *obsLimits
 	// result is the sidecar's answer to a success report.
 	result    ReportResult
 	hasResult bool
@@ -232,7 +234,7 @@ func (c *Call) Acquire(ctx context.Context) (*Permit, error) {
 			c.mu.Unlock()
 			return nil, busyError(fmt.Sprintf("%v is not reported yet: report it before acquiring again", p))
 		case p != nil && p.state == permitHeld:
-			r = request{tag: reqRetry, target: p.ID, outcome: p.held}
+			r = request{tag: reqRetry, target: p.ID, outcome: p.held, limits: p.limits}
 		default:
 			r = request{tag: reqAcquire, target: c.id}
 		}
@@ -434,10 +436,10 @@ func (p *Permit) finish(ctx context.Context, o outcome) error {
 		return err
 	}
 	p.state, c.busy = permitDone, true
-	cn, id := c.conn, c.id
+	cn, id, limits := c.conn, c.id, p.limits
 	c.mu.Unlock()
 
-	rep, err := cn.roundTrip(ctx, &request{tag: reqFinish, target: p.ID, outcome: o}, rtAlways, 0)
+	rep, err := cn.roundTrip(ctx, &request{tag: reqFinish, target: p.ID, outcome: o, limits: limits}, rtAlways, 0)
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	c.busy = false
@@ -486,7 +488,7 @@ func (c *Call) End(ctx context.Context) error {
 	p, cn, id := c.permit, c.conn, c.id
 	r := request{tag: reqEndCall, target: id}
 	if p != nil && p.state == permitHeld {
-		r = request{tag: reqFinish, target: p.ID, outcome: p.held}
+		r = request{tag: reqFinish, target: p.ID, outcome: p.held, limits: p.limits}
 	}
 	c.busy = true
 	c.over(errFinished)

@@ -43,6 +43,9 @@ const (
 	reqFinish
 	reqBegin
 	reqStatusJSON
+	reqReportObserved
+	reqRetryObserved
+	reqFinishObserved
 	reqTags
 )
 
@@ -95,7 +98,7 @@ const (
 // Wire names of the enums, indexed by tag; their snake_case forms are what the API
 // exposes (SidecarError.Kind, reasons, states).
 var (
-	requestNames   = [...]string{"Hello", "BeginCall", "Acquire", "Report", "EndCall", "Status", "ForceOpen", "ForceClose", "Reset", "Ping", "Cancel", "Start", "Retry", "Finish", "Begin", "StatusJson"}
+	requestNames   = [...]string{"Hello", "BeginCall", "Acquire", "Report", "EndCall", "Status", "ForceOpen", "ForceClose", "Reset", "Ping", "Cancel", "Start", "Retry", "Finish", "Begin", "StatusJson", "ReportObserved", "RetryObserved", "FinishObserved"}
 	replyNames     = [...]string{"Welcome", "CallBegun", "Granted", "Reported", "Ok", "Status", "Pong", "Error", "Started", "StatusJson"}
 	outcomeNames   = [...]string{"Success", "Failure", "RateLimited", "Cancelled", "SuccessUsage", "FailureUsage"}
 	failureNames   = [...]string{"Timeout", "ServerError", "Connection", "BadResult", "Error"}
@@ -208,7 +211,8 @@ type request struct {
 	spec callSpec
 	// Acquire, EndCall: the call; Report, Retry, Finish: the permit; Cancel: the target id
 	target  uint64
-	outcome outcome // Report, Retry, Finish
+	outcome outcome    // Report, Retry, Finish
+	limits  *obsLimits // Report, Retry, Finish: sent as their Observed variants (§18)
 	// ForceOpen (source, seconds), ForceClose, Reset
 	source  string
 	seconds float64
@@ -398,7 +402,11 @@ func endFrame(b []byte, start int) []byte {
 // ClientFrame{id, r} to b.
 func appendRequest(b []byte, id uint64, r *request) []byte {
 	b, start := beginFrame(b, id)
-	b = putU32(b, r.tag)
+	if r.limits != nil && (r.tag == reqReport || r.tag == reqRetry || r.tag == reqFinish) {
+		b = putU32(b, observedTag(r.tag))
+	} else {
+		b = putU32(b, r.tag)
+	}
 	switch r.tag {
 	case reqHello:
 		b = putU32(b, r.version)
@@ -412,6 +420,9 @@ func appendRequest(b []byte, id uint64, r *request) []byte {
 	case reqReport, reqRetry, reqFinish:
 		b = putU64(b, r.target)
 		b = putOutcome(b, &r.outcome)
+		if r.limits != nil {
+			b = putLimits(b, r.limits)
+		}
 	case reqForceOpen:
 		b = putStr(b, r.source)
 		b = putF64(b, r.seconds)
@@ -731,6 +742,11 @@ func decodeRequest(payload []byte) (uint64, request, error) {
 	case reqReport, reqRetry, reqFinish:
 		r.target = d.u64("permit")
 		d.outcome(&r.outcome)
+	case reqReportObserved, reqRetryObserved, reqFinishObserved:
+		r.tag = [...]uint32{reqReport, reqRetry, reqFinish}[r.tag-reqReportObserved]
+		r.target = d.u64("permit")
+		d.outcome(&r.outcome)
+		r.limits = d.limits()
 	case reqForceOpen:
 		r.source = d.str("source")
 		r.seconds = d.f64("seconds")

@@ -267,6 +267,10 @@ func requestFromJSON(j *jv) request {
 		r.target = b.get("target").u64()
 	case reqReport, reqRetry, reqFinish:
 		r.target, r.outcome = b.get("permit").u64(), outcomeFromJSON(b.get("outcome"))
+	case reqReportObserved, reqRetryObserved, reqFinishObserved:
+		r.tag = [...]uint32{reqReport, reqRetry, reqFinish}[tag-reqReportObserved]
+		r.target, r.outcome = b.get("permit").u64(), outcomeFromJSON(b.get("outcome"))
+		r.limits = limitsFromJSON(b.get("limits"))
 	case reqForceOpen:
 		r.source, r.seconds = b.get("source").str(), b.get("seconds").f64()
 	case reqForceClose, reqReset:
@@ -378,6 +382,9 @@ func TestGoldenVectors(t *testing.T) {
 				want := requestFromJSON(top.get("request"))
 				top.close()
 				seen["request"][want.tag] = true
+				if want.limits != nil {
+					seen["request"][observedTag(want.tag)] = true
+				}
 				if want.tag == reqReport || want.tag == reqRetry || want.tag == reqFinish {
 					seen["outcome"][want.outcome.tag] = true
 				}
@@ -533,4 +540,19 @@ func TestSnake(t *testing.T) {
 			t.Errorf("snake(%q) = %q, want %q", in, got, want)
 		}
 	}
+}
+
+func limitsFromJSON(j *jv) *obsLimits {
+	l := &obsLimits{}
+	for i, name := range []string{"requests", "tokens", "input_tokens", "output_tokens"} {
+		d := j.get(name)
+		if d.v == nil {
+			continue
+		}
+		l.dims[i] = obsDim{some: true, limit: d.get("limit").optU64(), remaining: d.get("remaining").optU64(), reset: d.get("reset_s").optF64()}
+		d.close()
+	}
+	l.age = j.get("age_s").f64()
+	j.close()
+	return l
 }

@@ -282,7 +282,8 @@ pub(crate) mod tests {
         }
         v.extend(
             outcomes
-                .into_iter()
+                .iter()
+                .cloned()
                 .map(|outcome| Request::Report { permit: 5, outcome }),
         );
         let spec = CallSpec {
@@ -295,6 +296,38 @@ pub(crate) mod tests {
         v.push(Request::Start(spec.clone()));
         v.push(Request::Begin(spec));
         v.push(Request::StatusJson);
+        let limits = ObservedLimits {
+            requests: Some(ObservedLimit {
+                limit: Some(500),
+                remaining: Some(499),
+                reset_s: Some(0.12),
+            }),
+            tokens: Some(ObservedLimit {
+                limit: None,
+                remaining: Some(30_000),
+                reset_s: None,
+            }),
+            input_tokens: None,
+            output_tokens: None,
+            age_s: 0.0,
+        };
+        for outcome in outcomes {
+            v.push(Request::ReportObserved {
+                permit: 5,
+                outcome: outcome.clone(),
+                limits,
+            });
+            v.push(Request::RetryObserved {
+                permit: 6,
+                outcome: outcome.clone(),
+                limits,
+            });
+            v.push(Request::FinishObserved {
+                permit: 7,
+                outcome,
+                limits,
+            });
+        }
         v
     }
 

@@ -15,7 +15,8 @@
 //! checks exactly that over every single-byte change and truncation of many frames.
 
 use crate::messages::{
-    BreakerState, CallSpec, ClientFrame, FailureKind, Outcome, Reply, Request, ServerFrame, Usage,
+    BreakerState, CallSpec, ClientFrame, FailureKind, ObservedLimit, ObservedLimits, Outcome,
+    Reply, Request, ServerFrame, Usage,
 };
 
 /// A cursor over a payload; every read fails (`None`) past the end.
@@ -116,6 +117,24 @@ impl<'a> Rd<'a> {
         })
     }
 
+    fn limit(&mut self) -> Option<ObservedLimit> {
+        Some(ObservedLimit {
+            limit: self.opt(Self::u64)?,
+            remaining: self.opt(Self::u64)?,
+            reset_s: self.opt(Self::f64)?,
+        })
+    }
+
+    fn limits(&mut self) -> Option<ObservedLimits> {
+        Some(ObservedLimits {
+            requests: self.opt(Self::limit)?,
+            tokens: self.opt(Self::limit)?,
+            input_tokens: self.opt(Self::limit)?,
+            output_tokens: self.opt(Self::limit)?,
+            age_s: self.f64()?,
+        })
+    }
+
     fn spec(&mut self) -> Option<CallSpec> {
         Some(CallSpec {
             scope: self.string()?,
@@ -155,6 +174,21 @@ pub(crate) fn decode_client(payload: &[u8]) -> Option<ClientFrame> {
             outcome: r.outcome()?,
         },
         14 => Request::Begin(r.spec()?),
+        16 => Request::ReportObserved {
+            permit: r.u64()?,
+            outcome: r.outcome()?,
+            limits: r.limits()?,
+        },
+        17 => Request::RetryObserved {
+            permit: r.u64()?,
+            outcome: r.outcome()?,
+            limits: r.limits()?,
+        },
+        18 => Request::FinishObserved {
+            permit: r.u64()?,
+            outcome: r.outcome()?,
+            limits: r.limits()?,
+        },
         _ => return None,
     };
     r.b.is_empty().then_some(ClientFrame { id, request })
@@ -298,10 +332,35 @@ mod tests {
             });
             v.push(Request::Finish {
                 permit: u64::MAX,
+                outcome: outcome.clone(),
+            });
+            v.push(Request::FinishObserved {
+                permit: 3,
                 outcome,
+                limits: edge_limits(),
             });
         }
         v
+    }
+
+    /// Observed limits with every part at an edge (NaN and -0.0 seconds, absent
+    /// dimensions and parts, the integer limits).
+    fn edge_limits() -> ObservedLimits {
+        ObservedLimits {
+            requests: Some(ObservedLimit {
+                limit: Some(u64::MAX),
+                remaining: Some(0),
+                reset_s: Some(f64::NAN),
+            }),
+            tokens: None,
+            input_tokens: Some(ObservedLimit::default()),
+            output_tokens: Some(ObservedLimit {
+                limit: None,
+                remaining: Some(7),
+                reset_s: Some(-0.0),
+            }),
+            age_s: 0.25,
+        }
     }
 
     /// The codec's corpus (one of every reply) and the edge values.
@@ -392,6 +451,9 @@ mod tests {
                     | Request::Retry { .. }
                     | Request::Finish { .. }
                     | Request::Begin(_)
+                    | Request::ReportObserved { .. }
+                    | Request::RetryObserved { .. }
+                    | Request::FinishObserved { .. }
             );
             assert_eq!(decode_client(&good).is_some(), handled, "{frame:?}");
         }

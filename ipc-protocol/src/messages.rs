@@ -8,7 +8,9 @@
 //! Version 2 (DESIGN §11a) only appended: requests `Start`, `Retry`, `Finish`,
 //! `Begin`, `StatusJson` (tags 11–15), outcomes `SuccessUsage`, `FailureUsage` (4–5),
 //! replies `Started`, `StatusJson` (8–9), error kind `Overloaded` (15), and the
-//! structs [`CallSpec`] and [`Usage`] they carry. Every version-1 frame keeps its
+//! structs [`CallSpec`] and [`Usage`] they carry; then (DESIGN §18) requests
+//! `ReportObserved`, `RetryObserved`, `FinishObserved` (tags 16–18) with the
+//! structs [`ObservedLimits`] and [`ObservedLimit`]. Every version-1 frame keeps its
 //! bytes; [`Request::min_version`] / [`Outcome::min_version`] say which version a
 //! message needs.
 //!
@@ -164,6 +166,65 @@ pub enum Request {
     /// Tag 15 (v2). Live state as one JSON document, answered with `StatusJson`
     /// (extensible without a layout change; `bindings/PROTOCOL.md` §14 pins its keys).
     StatusJson,
+    /// Tag 16 (v2, DESIGN §18). `Report` with the provider's rate-limit headers
+    /// (observed limits) of the attempt's response; answered like `Report`.
+    ReportObserved {
+        /// Permit id from `Granted` / `Started`.
+        permit: u64,
+        /// What happened upstream.
+        outcome: Outcome,
+        /// What the provider said is left.
+        limits: ObservedLimits,
+    },
+    /// Tag 17 (v2, §18). `Retry` with observed limits; answered like `Retry`.
+    RetryObserved {
+        /// Permit id from `Started` / `Granted`.
+        permit: u64,
+        /// What happened upstream.
+        outcome: Outcome,
+        /// What the provider said is left.
+        limits: ObservedLimits,
+    },
+    /// Tag 18 (v2, §18). `Finish` with observed limits; answered like `Finish`.
+    FinishObserved {
+        /// Permit id from `Started` / `Granted`.
+        permit: u64,
+        /// What happened upstream.
+        outcome: Outcome,
+        /// What the provider said is left.
+        limits: ObservedLimits,
+    },
+}
+
+/// One dimension of a provider's rate-limit headers (§18): each part optional, since
+/// providers send different subsets (Azure only `remaining`).
+#[derive(Debug, Clone, Copy, PartialEq, Default, Serialize, Deserialize)]
+pub struct ObservedLimit {
+    /// The provider's limit for this dimension (`x-ratelimit-limit-*`); learned by
+    /// an `"auto"` bucket.
+    pub limit: Option<u64>,
+    /// What is left (`x-ratelimit-remaining-*`).
+    pub remaining: Option<u64>,
+    /// Seconds from the response until this counter is whole again
+    /// (`x-ratelimit-reset-*`).
+    pub reset_s: Option<f64>,
+}
+
+/// The rate-limit headers of one response (§18), as a binding parsed them.
+#[derive(Debug, Clone, Copy, PartialEq, Default, Serialize, Deserialize)]
+pub struct ObservedLimits {
+    /// Requests (`rpm`).
+    pub requests: Option<ObservedLimit>,
+    /// Tokens (`tpm`).
+    pub tokens: Option<ObservedLimit>,
+    /// Input tokens (`itpm`).
+    pub input_tokens: Option<ObservedLimit>,
+    /// Output tokens (`otpm`).
+    pub output_tokens: Option<ObservedLimit>,
+    /// Seconds between the response's arrival and this report (a stream's
+    /// duration): the sidecar dates the observation `now − age_s` on its backend's
+    /// clock, and ignores one older than an observation it already applied.
+    pub age_s: f64,
 }
 
 impl Request {
@@ -174,7 +235,10 @@ impl Request {
             | Request::Retry { .. }
             | Request::Finish { .. }
             | Request::Begin(_)
-            | Request::StatusJson => 2,
+            | Request::StatusJson
+            | Request::ReportObserved { .. }
+            | Request::RetryObserved { .. }
+            | Request::FinishObserved { .. } => 2,
             Request::Report { outcome, .. } => outcome.min_version(),
             _ => 1,
         }

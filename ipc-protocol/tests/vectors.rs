@@ -758,6 +758,122 @@ fn samples() -> Vec<Sample> {
             12,
             Request::StatusJson,
         ),
+        // ---- DESIGN §18: observed limits (tags 16-18), appended variants only ----
+        c(
+            "finish_observed_openai",
+            "FinishObserved (tag 18): a Success with OpenAI's headers (limit, remaining, reset of requests and tokens)",
+            13,
+            Request::FinishObserved {
+                permit: 21,
+                outcome: Outcome::Success {
+                    tokens: Some(1534),
+                    count_attempt: true,
+                },
+                limits: ObservedLimits {
+                    requests: Some(ObservedLimit {
+                        limit: Some(500),
+                        remaining: Some(499),
+                        reset_s: Some(0.12),
+                    }),
+                    tokens: Some(ObservedLimit {
+                        limit: Some(30000),
+                        remaining: Some(28466),
+                        reset_s: Some(3.068),
+                    }),
+                    input_tokens: None,
+                    output_tokens: None,
+                    age_s: 0.0,
+                },
+            },
+        ),
+        c(
+            "finish_observed_anthropic",
+            "FinishObserved with a SuccessUsage and Anthropic's four dimensions, 1.5 s after the response (a stream)",
+            14,
+            Request::FinishObserved {
+                permit: 22,
+                outcome: Outcome::SuccessUsage {
+                    usage: Usage {
+                        tokens: None,
+                        input_tokens: Some(1200),
+                        output_tokens: Some(334),
+                    },
+                    count_attempt: true,
+                },
+                limits: ObservedLimits {
+                    requests: Some(ObservedLimit {
+                        limit: Some(50),
+                        remaining: Some(49),
+                        reset_s: Some(1.0),
+                    }),
+                    tokens: Some(ObservedLimit {
+                        limit: Some(90000),
+                        remaining: Some(88000),
+                        reset_s: Some(2.0),
+                    }),
+                    input_tokens: Some(ObservedLimit {
+                        limit: Some(50000),
+                        remaining: Some(49000),
+                        reset_s: Some(2.0),
+                    }),
+                    output_tokens: Some(ObservedLimit {
+                        limit: Some(10000),
+                        remaining: Some(10000),
+                        reset_s: Some(0.5),
+                    }),
+                    age_s: 1.5,
+                },
+            },
+        ),
+        c(
+            "retry_observed_rate_limited",
+            "RetryObserved (tag 17): a 429 with Retry-After 2 s and no token left (remaining 0, reset 20 s)",
+            15,
+            Request::RetryObserved {
+                permit: 23,
+                outcome: Outcome::RateLimited {
+                    retry_after_s: Some(2.0),
+                },
+                limits: ObservedLimits {
+                    requests: None,
+                    tokens: Some(ObservedLimit {
+                        limit: Some(30000),
+                        remaining: Some(0),
+                        reset_s: Some(20.0),
+                    }),
+                    input_tokens: None,
+                    output_tokens: None,
+                    age_s: 0.0,
+                },
+            },
+        ),
+        c(
+            "report_observed_azure",
+            "ReportObserved (tag 16): a v1 Success with Azure's remaining-only headers",
+            16,
+            Request::ReportObserved {
+                permit: 24,
+                outcome: Outcome::Success {
+                    tokens: None,
+                    count_attempt: true,
+                },
+                limits: ObservedLimits {
+                    requests: Some(ObservedLimit {
+                        limit: None,
+                        remaining: Some(99),
+                        reset_s: None,
+                    }),
+                    tokens: Some(ObservedLimit {
+                        limit: None,
+                        remaining: Some(119000),
+                        reset_s: None,
+                    }),
+                    input_tokens: None,
+                    output_tokens: None,
+                    age_s: 0.0,
+                },
+            },
+        ),
         s(
             "welcome_v2",
             "Welcome for a version-2 connection",
@@ -915,7 +1031,10 @@ fn samples_cover_every_variant() {
                 note(format!("Request::{}", variant(r)));
                 if let Request::Report { outcome, .. }
                 | Request::Retry { outcome, .. }
-                | Request::Finish { outcome, .. } = r
+                | Request::Finish { outcome, .. }
+                | Request::ReportObserved { outcome, .. }
+                | Request::RetryObserved { outcome, .. }
+                | Request::FinishObserved { outcome, .. } = r
                 {
                     note(format!("Outcome::{}", variant(outcome)));
                     if let Outcome::Failure { kind } = outcome {
@@ -965,6 +1084,9 @@ fn samples_cover_every_variant() {
         "Request::Finish",
         "Request::Begin",
         "Request::StatusJson",
+        "Request::ReportObserved",
+        "Request::RetryObserved",
+        "Request::FinishObserved",
         "Outcome::SuccessUsage",
         "Outcome::FailureUsage",
         "Reply::Started",

@@ -1271,3 +1271,56 @@ fn a_bad_source_index_names_the_range_plainly() {
         .to_string();
     assert!(e.contains("a source index (0 in the file's order)"), "{e}");
 }
+
+#[test]
+fn observed_limit_keys_parse_name_the_key_and_override() {
+    use polygate::config::ObserveLimits;
+    let k = "scopes.chat.sources[0]";
+    // Defaults: off, no "auto".
+    let s = parse(MINIMAL).unwrap().scopes[0].sources[0].clone();
+    assert_eq!((s.observe_limits, s.auto), (ObserveLimits::Off, 0));
+    // Values: "auto" per bucket is a bit in tpm, rpm, itpm, otpm order.
+    let s = parse(&source_with(
+        "observe_limits = \"on\"\ntpm = \"auto\"\nrpm = 60\notpm = \"AUTO\"",
+    ))
+    .unwrap()
+    .scopes[0]
+        .sources[0]
+        .clone();
+    assert_eq!(s.observe_limits, ObserveLimits::On);
+    assert_eq!((s.tpm, s.rpm, s.otpm), (None, Some(60), None));
+    assert_eq!(s.auto, 0b1001);
+    // Bad values name the key and what is allowed.
+    err(
+        &source_with("observe_limits = \"yes\""),
+        &[&format!("{k}.observe_limits"), "on, off"],
+    );
+    err(
+        &source_with("rpm = \"lots\""),
+        &[&format!("{k}.rpm"), "\"auto\""],
+    );
+    err(
+        &source_with("itpm = 0"),
+        &[&format!("{k}.itpm"), "greater than zero"],
+    );
+    // Environment: a number or auto.
+    let s = parse_str(
+        &source_with("tpm = 100"),
+        env(&[
+            ("CHAT__SOURCES__0__TPM", "auto"),
+            ("CHAT__SOURCES__0__RPM", "30"),
+            ("CHAT__SOURCES__0__OBSERVE_LIMITS", "on"),
+        ]),
+    )
+    .unwrap()
+    .scopes[0]
+        .sources[0]
+        .clone();
+    assert_eq!((s.tpm, s.rpm, s.auto), (None, Some(30), 1));
+    assert_eq!(s.observe_limits, ObserveLimits::On);
+    err_env(
+        MINIMAL,
+        &[("CHAT__SOURCES__0__RPM", "many")],
+        &["CHAT__SOURCES__0__RPM", "\"auto\""],
+    );
+}

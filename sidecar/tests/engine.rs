@@ -827,6 +827,66 @@ async fn a_429_blocks_at_most_max_rate_limit_block() {
     }
 }
 
+/// DESIGN §18: a report's observed limits reach the backend through the engine: a
+/// source that observes is lowered and its status shows the provider's word; a reset
+/// of remaining 0 blocks at most `max_rate_limit_block`; a source that does not
+/// observe ignores them.
+#[tokio::test(start_paused = true)]
+async fn observed_limits_lower_the_source_and_their_reset_is_capped() {
+    use polygate::backend::{Dim, Observation};
+    use polygate::config::ObserveLimits;
+    for (observe, level, blocked) in [
+        (ObserveLimits::On, 50.0, secs(30)),
+        (ObserveLimits::Off, 999.0, secs(0)),
+    ] {
+        let mut cfg = config(vec![scope(
+            "chat",
+            vec![polygate::config::SourceConfig {
+                tpm: Some(1_000),
+                rpm: Some(100),
+                observe_limits: observe,
+                ..source("a")
+            }],
+        )]);
+        cfg.sidecar.max_rate_limit_block = secs(30);
+        let e = engine(&cfg);
+        let call = e.begin_call(OWNER, "chat", Some(1)).unwrap();
+        let g = e.acquire(OWNER, call).await.unwrap();
+        let dim = |remaining: u64, reset: Option<Duration>| {
+            Some(Dim {
+                limit: Some(1_000),
+                remaining: Some(remaining),
+                reset,
+            })
+        };
+        let o = Observation {
+            dims: [dim(50, None), dim(0, Some(secs(86_400))), None, None],
+            age: Duration::ZERO,
+        };
+        e.report_observed(
+            OWNER,
+            g.permit,
+            Outcome::success(Some(1)),
+            Some(Box::new(o)),
+        )
+        .await
+        .unwrap();
+        let st = e.status().await;
+        let src = &st[0].sources[0];
+        let tpm = src.shared.levels[0].unwrap();
+        assert!((tpm - level).abs() < 0.5, "{observe:?}: tpm level {tpm}");
+        assert_eq!(src.shared.quota_blocked, blocked, "{observe:?}");
+        let seen = src.buckets()[0].observed;
+        match observe {
+            ObserveLimits::On => {
+                let o = seen.expect("observed");
+                assert_eq!((o.remaining, o.limit, o.removed), (50, Some(1_000), 949));
+            }
+            ObserveLimits::Off => assert_eq!(seen, None),
+        }
+    }
+}
+
 /// DESIGN §4/§8: a `count_attempt = false` success (its result was unusable) counts
 /// as a failure for health, does not grow the pacer, stays out of the breaker window,
 /// and moves the source to the back for the rest of the call.

@@ -309,7 +309,40 @@ fn mutate(r: &Request, rng: &mut StdRng, c: &Corpus, learned: &[u64]) -> Request
             permit: u(rng),
             outcome: pick_outcome(rng, learned),
         },
+        Request::ReportObserved { .. } => Request::ReportObserved {
+            permit: u(rng),
+            outcome: pick_outcome(rng, learned),
+            limits: pick_limits(rng, learned),
+        },
+        Request::RetryObserved { .. } => Request::RetryObserved {
+            permit: u(rng),
+            outcome: pick_outcome(rng, learned),
+            limits: pick_limits(rng, learned),
+        },
+        Request::FinishObserved { .. } => Request::FinishObserved {
+            permit: u(rng),
+            outcome: pick_outcome(rng, learned),
+            limits: pick_limits(rng, learned),
+        },
         other @ (Request::Status | Request::Ping | Request::StatusJson) => other,
+    }
+}
+
+/// §18 observed limits with every part at random (absent, edge or learned values).
+fn pick_limits(rng: &mut StdRng, learned: &[u64]) -> ipc_protocol::ObservedLimits {
+    let dim = |rng: &mut StdRng| {
+        maybe(rng, |r| ipc_protocol::ObservedLimit {
+            limit: maybe(r, |r| pick_u64(r, learned)),
+            remaining: maybe(r, |r| pick_u64(r, learned)),
+            reset_s: maybe(r, pick_f64),
+        })
+    };
+    ipc_protocol::ObservedLimits {
+        requests: dim(rng),
+        tokens: dim(rng),
+        input_tokens: dim(rng),
+        output_tokens: dim(rng),
+        age_s: pick_f64(rng),
     }
 }
 

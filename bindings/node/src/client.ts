@@ -24,9 +24,10 @@ import type { FailureKind } from "./classify.js";
 import "./codec.js"; // registers the generic decoder of the cold replies
 import { GatewayUnavailableError, PolyGateError, SidecarError, errorFromReply } from "./errors.js";
 import { parseJson } from "./json.js";
+import { Limits, limitsOf, toWireLimits } from "./ratelimit.js";
 import {
   DEFAULT_MAX_FRAME, MAX_INCOMING_FRAME, PROTOCOL_VERSION, REQUEST_TAGS, U64, WireCallSpec, WireFailureKind,
-  WireGranted, WireOutcome, WireReply, WireUsage, WireWelcome, decodeReply, encodeAcquire, encodeCallSpec,
+  WireGranted, WireLimits, WireOutcome, WireReply, WireUsage, WireWelcome, decodeReply, encodeAcquire, encodeCallSpec,
   encodeCancel, encodeEndCall, encodeFinish, encodeForceOpen, encodeHello, encodeRetry, encodeSource,
   encodeStart, encodeUnit, isU64, payloadIdNumber,
 } from "./wire.js";
@@ -582,6 +583,12 @@ export class Permit {
   inputTokens?: number;
   /** Output tokens; set by a `run` function. */
   outputTokens?: number;
+  /**
+   * The provider's rate-limit headers of this attempt's response (DESIGN §18),
+   * sent with its report: set by hand (`permit.limits = parseRateLimitHeaders(res.headers).limits`)
+   * or by `run` from an SDK error's or a raw response's headers.
+   */
+  limits: Limits | null = null;
   /** The sidecar's answer once a `success()` was reported. */
   result: ReportResult | undefined;
   /** @internal */
@@ -730,7 +737,7 @@ export class Call {
   private conn: Connection | null = null;
   private state: CallState = "new";
   private permit: Permit | null = null;
-  private held: { permit: Permit; outcome: WireOutcome } | null = null;
+  private held: { permit: Permit; outcome: WireOutcome; limits: WireLimits | null } | null = null;
   private acquireReq: Request | null = null;
   private acquiring: Promise<unknown> | null = null;
   private finishing: Promise<unknown> | null = null;
@@ -815,7 +822,7 @@ export class Call {
     const late = new LateAcquire(conn, kind, callId);
     const req = conn.request(
       kind === "start" ? (id) => encodeStart(id, spec)
-        : kind === "retry" ? (id) => encodeRetry(id, held!.permit.id, held!.outcome)
+        : kind === "retry" ? (id) => encodeRetry(id, held!.permit.id, held!.outcome, held!.limits)
           : (id) => encodeAcquire(id, callId!),
       signal, late);
     this.acquireReq = req;
@@ -870,31 +877,34 @@ export class Call {
 
   /** @internal */
   _hold(permit: Permit, outcome: WireOutcome): Promise<void> {
+    let limits: WireLimits | null;
     try {
       this.reportable(permit);
+      limits = toWireLimits(permit.limits);
     } catch (e) {
       return Promise.reject(e);
     }
     permit._reported = true;
     this.permit = null;
-    this.held = { permit, outcome };
+    this.held = { permit, outcome, limits };
     return Promise.resolve();
   }
 
   /** @internal */
   async _success(permit: Permit, outcome: WireOutcome, countAttempt: boolean): Promise<ReportResult | undefined> {
     this.reportable(permit);
+    const limits = toWireLimits(permit.limits);
     if (!countAttempt) {
       permit._reported = true;
       this.permit = null;
-      this.held = { permit, outcome };
+      this.held = { permit, outcome, limits };
       return undefined;
     }
     const conn = this.conn!;
     permit._reported = true;
     this.permit = null;
     this.state = "finishing";
-    const req = conn.request((id) => encodeFinish(id, permit.id, outcome));
+    const req = conn.request((id) => encodeFinish(id, permit.id, outcome, limits));
     this.finishing = req.promise;
     let reply: WireReply;
     try {
@@ -961,7 +971,7 @@ export class Call {
       if (this.held !== null) {
         const h = this.held;
         this.held = null;
-        const reply = await conn.request((id) => encodeFinish(id, h.permit.id, h.outcome)).promise;
+        const reply = await conn.request((id) => encodeFinish(id, h.permit.id, h.outcome, h.limits)).promise;
         if (typeof reply === "object" && "Reported" in reply) {
           this.state = "gone";
           return (h.permit.result = reportResult(reply.Reported));
@@ -1099,6 +1109,7 @@ export class Client {
             throw err;
           }
           const v = verdict(err, permit, opts.classify);
+          if (permit.limits === null) permit.limits = limitsOf(err); // §18: an SDK error carries its response's headers
           if (permit.reported) {
             // fn reported the attempt itself; its report stands
           } else if (v.kind === "rate_limited") {
@@ -1109,6 +1120,7 @@ export class Client {
           if (v.rethrow) throw err;
           continue;
         }
+        if (permit.limits === null) permit.limits = limitsOf(result); // §18: a raw response's headers
         if (!permit.reported) await permit.success(permitUsage(permit) ?? usageOf(result) ?? {});
         return result;
       }

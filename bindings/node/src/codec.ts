@@ -12,7 +12,7 @@ import {
   WireReply, decodeReply, encodeAcquire, encodeCallSpec, encodeCancel, encodeEndCall, encodeFinish,
   encodeReport, encodeRetry, encodeStart, isU64, setColdReplyDecoder, writeU64,
 } from "./wire.js";
-import type { U64, WireCallSpec, WireOutcome } from "./wire.js";
+import type { U64, WireCallSpec, WireLimits, WireOutcome } from "./wire.js";
 
 type Ty =
   | "u32" | "u64" | "f64" | "bool" | "string"
@@ -58,6 +58,15 @@ const CallSpec: Ty = {
   ],
 };
 
+const ObservedLimit: Ty = { struct: [["limit", optU64], ["remaining", optU64], ["reset_s", { opt: "f64" }]] };
+
+const ObservedLimits: Ty = {
+  struct: [
+    ["requests", { opt: ObservedLimit }], ["tokens", { opt: ObservedLimit }],
+    ["input_tokens", { opt: ObservedLimit }], ["output_tokens", { opt: ObservedLimit }], ["age_s", "f64"],
+  ],
+};
+
 const Request: Ty = {
   enum: [
     { name: "Hello", fields: [["protocol_version", "u32"], ["client_name", "string"], ["pid", "u32"]] },
@@ -76,6 +85,9 @@ const Request: Ty = {
     { name: "Finish", fields: [["permit", "u64"], ["outcome", Outcome]] },
     { name: "Begin", value: CallSpec },
     { name: "StatusJson" },
+    { name: "ReportObserved", fields: [["permit", "u64"], ["outcome", Outcome], ["limits", ObservedLimits]] },
+    { name: "RetryObserved", fields: [["permit", "u64"], ["outcome", Outcome], ["limits", ObservedLimits]] },
+    { name: "FinishObserved", fields: [["permit", "u64"], ["outcome", Outcome], ["limits", ObservedLimits]] },
   ],
 };
 
@@ -301,6 +313,12 @@ export function encodeClientFrame(frame: { id: U64; request: unknown }): Buffer 
           return encodeFinish(id, body.permit as U64, body.outcome as WireOutcome);
         case "Report":
           return encodeReport(id, body.permit as U64, body.outcome as WireOutcome);
+        case "RetryObserved":
+          return encodeRetry(id, body.permit as U64, body.outcome as WireOutcome, body.limits as WireLimits);
+        case "FinishObserved":
+          return encodeFinish(id, body.permit as U64, body.outcome as WireOutcome, body.limits as WireLimits);
+        case "ReportObserved":
+          return encodeReport(id, body.permit as U64, body.outcome as WireOutcome, body.limits as WireLimits);
         case "Acquire":
           return encodeAcquire(id, body.call as U64);
         case "EndCall":

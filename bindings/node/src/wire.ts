@@ -26,7 +26,7 @@ export const MAX_INCOMING_FRAME = 16 * 1024 * 1024;
 export const REQUEST_TAGS = {
   Hello: 0, BeginCall: 1, Acquire: 2, Report: 3, EndCall: 4, Status: 5, ForceOpen: 6,
   ForceClose: 7, Reset: 8, Ping: 9, Cancel: 10, Start: 11, Retry: 12, Finish: 13,
-  Begin: 14, StatusJson: 15,
+  Begin: 14, StatusJson: 15, ReportObserved: 16, RetryObserved: 17, FinishObserved: 18,
 } as const;
 
 export const REPLY_TAGS = {
@@ -52,6 +52,22 @@ export type WireErrorKind = (typeof ERROR_KINDS)[number];
 
 /** A u64 on the encoding side: a non-negative integer number (≤ 2^53) or a bigint. */
 export type U64 = number | bigint;
+
+/** One dimension of `ObservedLimits` (DESIGN §18). */
+export interface WireLimit {
+  limit: U64 | null;
+  remaining: U64 | null;
+  reset_s: number | null;
+}
+
+/** `ObservedLimits`: the provider's rate-limit headers of one response (§18). */
+export interface WireLimits {
+  requests: WireLimit | null;
+  tokens: WireLimit | null;
+  input_tokens: WireLimit | null;
+  output_tokens: WireLimit | null;
+  age_s: number;
+}
 
 export interface WireUsage {
   tokens: U64 | null;
@@ -422,26 +438,60 @@ export function encodeBegin(id: U64, spec: Buffer): Buffer {
   return specFrame(id, 14, spec);
 }
 
-function permitOutcome(id: U64, tag: number, permit: U64, outcome: WireOutcome): Buffer {
-  const buf = frame(id, tag, 8 + outcomeSize(outcome));
+function limitsSize(l: WireLimits): number {
+  let n = 8;
+  for (const d of [l.requests, l.tokens, l.input_tokens, l.output_tokens]) {
+    n += d === null ? 1 : 1 + optU64Size(d.limit) + optU64Size(d.remaining) + (d.reset_s === null ? 1 : 9);
+  }
+  return n;
+}
+
+function writeLimits(buf: Buffer, off: number, l: WireLimits): number {
+  for (const d of [l.requests, l.tokens, l.input_tokens, l.output_tokens]) {
+    if (d === null) {
+      buf[off++] = 0;
+      continue;
+    }
+    buf[off++] = 1;
+    off = writeOptU64(buf, off, d.limit, "limit");
+    off = writeOptU64(buf, off, d.remaining, "remaining");
+    if (d.reset_s === null) {
+      buf[off++] = 0;
+    } else {
+      buf[off] = 1;
+      buf.writeDoubleLE(d.reset_s, off + 1);
+      off += 9;
+    }
+  }
+  buf.writeDoubleLE(l.age_s, off);
+  return off + 8;
+}
+
+function permitOutcome(id: U64, tag: number, permit: U64, outcome: WireOutcome, limits?: WireLimits | null): Buffer {
+  const observed = limits !== null && limits !== undefined;
+  const buf = frame(id, observed ? OBSERVED_TAG[tag]! : tag, 8 + outcomeSize(outcome) + (observed ? limitsSize(limits) : 0));
   writeU64(buf, 16, checkU64(permit, "permit"));
-  writeOutcome(buf, 24, outcome);
+  const off = writeOutcome(buf, 24, outcome);
+  if (observed) writeLimits(buf, off, limits);
   return buf;
 }
 
-/** `Report{permit, outcome}` (tag 3). */
-export function encodeReport(id: U64, permit: U64, outcome: WireOutcome): Buffer {
-  return permitOutcome(id, 3, permit, outcome);
+/** §18: the tag of each report request's variant carrying observed limits. */
+const OBSERVED_TAG: Record<number, number> = { 3: 16, 12: 17, 13: 18 };
+
+/** `Report{permit, outcome}` (tag 3), or `ReportObserved` (16) with `limits`. */
+export function encodeReport(id: U64, permit: U64, outcome: WireOutcome, limits?: WireLimits | null): Buffer {
+  return permitOutcome(id, 3, permit, outcome, limits);
 }
 
-/** `Retry{permit, outcome}` (tag 12): report + acquire the next permit of the call. */
-export function encodeRetry(id: U64, permit: U64, outcome: WireOutcome): Buffer {
-  return permitOutcome(id, 12, permit, outcome);
+/** `Retry{permit, outcome}` (tag 12): report + acquire the next permit of the call; `RetryObserved` (17) with `limits`. */
+export function encodeRetry(id: U64, permit: U64, outcome: WireOutcome, limits?: WireLimits | null): Buffer {
+  return permitOutcome(id, 12, permit, outcome, limits);
 }
 
-/** `Finish{permit, outcome}` (tag 13): report + end the call. */
-export function encodeFinish(id: U64, permit: U64, outcome: WireOutcome): Buffer {
-  return permitOutcome(id, 13, permit, outcome);
+/** `Finish{permit, outcome}` (tag 13): report + end the call; `FinishObserved` (18) with `limits`. */
+export function encodeFinish(id: U64, permit: U64, outcome: WireOutcome, limits?: WireLimits | null): Buffer {
+  return permitOutcome(id, 13, permit, outcome, limits);
 }
 
 function oneU64(id: U64, tag: number, v: U64, what: string): Buffer {

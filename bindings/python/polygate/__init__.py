@@ -12,7 +12,7 @@
 ``polygate.aio`` has the same names, awaitable. See README.md.
 """
 
-from ._core import Outcome, ReportResult, ScopeStatus, SourceStatus, Status
+from ._core import Limit, Limits, Outcome, ReportResult, ScopeStatus, SourceStatus, Status, parse_headers
 from ._version import __version__
 from ._sync import Call, Client, Permit, connect
 from .errors import (
@@ -24,6 +24,9 @@ from .errors import (
 )
 
 __all__ = [
+    "Limit",
+    "Limits",
+    "parse_headers",
     "connect",
     "Client",
     "Call",

@@ -29,6 +29,7 @@ from . import _wire
 
 __all__ = [
     "frame", "call_spec", "start", "begin", "acquire", "report", "retry", "finish", "end_call", "cancel",
+    "observed_limit", "observed_limits",
     "success", "success_usage", "failure", "failure_usage", "rate_limited", "CANCELLED",
     "decode_server_frame", "HOT_REQUESTS", "HOT_REPLIES",
 ]
@@ -56,6 +57,7 @@ def _tag(name: str, enum: Any = _wire.REQUEST) -> int:
 # Request tags (the layout's source of truth is _wire's schema; these follow it).
 _ACQUIRE, _REPORT, _END_CALL, _CANCEL = (_tag(n) for n in ("Acquire", "Report", "EndCall", "Cancel"))
 _START, _RETRY, _FINISH, _BEGIN = (_tag(n) for n in ("Start", "Retry", "Finish", "Begin"))
+_REPORT_OBS, _RETRY_OBS, _FINISH_OBS = (_tag(n) for n in ("ReportObserved", "RetryObserved", "FinishObserved"))
 _START_TAG = _U32.pack(_START)
 _BEGIN_TAG = _U32.pack(_BEGIN)
 
@@ -116,18 +118,46 @@ def cancel(target: int) -> bytes:
     return _TAG_U64.pack(_CANCEL, target)
 
 
-def report(permit: int, outcome: bytes) -> bytes:
+def report(permit: int, outcome: bytes, limits: Optional[bytes] = None) -> bytes:
+    """``Report{permit, outcome}``, or ``ReportObserved`` with encoded ``limits``."""
+    if limits is not None:
+        return _TAG_U64.pack(_REPORT_OBS, permit) + outcome + limits
     return _TAG_U64.pack(_REPORT, permit) + outcome
 
 
-def retry(permit: int, outcome: bytes) -> bytes:
-    """``Retry{permit, outcome}``: Report + Acquire of the permit's call."""
+def retry(permit: int, outcome: bytes, limits: Optional[bytes] = None) -> bytes:
+    """``Retry{permit, outcome}``: Report + Acquire of the permit's call
+    (``RetryObserved`` with encoded ``limits``, DESIGN §18)."""
+    if limits is not None:
+        return _TAG_U64.pack(_RETRY_OBS, permit) + outcome + limits
     return _TAG_U64.pack(_RETRY, permit) + outcome
 
 
-def finish(permit: int, outcome: bytes) -> bytes:
-    """``Finish{permit, outcome}``: Report + EndCall."""
+def finish(permit: int, outcome: bytes, limits: Optional[bytes] = None) -> bytes:
+    """``Finish{permit, outcome}``: Report + EndCall (``FinishObserved`` with
+    encoded ``limits``)."""
+    if limits is not None:
+        return _TAG_U64.pack(_FINISH_OBS, permit) + outcome + limits
     return _TAG_U64.pack(_FINISH, permit) + outcome
+
+
+_F64 = struct.Struct("<d")
+
+
+def _opt_f64(value: Optional[float]) -> bytes:
+    return _NONE if value is None else b"\x01" + _F64.pack(value)
+
+
+def observed_limit(limit: Optional[int], remaining: Optional[int], reset_s: Optional[float]) -> bytes:
+    """``Some(ObservedLimit{limit, remaining, reset_s})`` (DESIGN §18)."""
+    return b"\x01" + _opt_u64(limit) + _opt_u64(remaining) + _opt_f64(reset_s)
+
+
+def observed_limits(requests: Optional[bytes], tokens: Optional[bytes], input_tokens: Optional[bytes],
+                    output_tokens: Optional[bytes], age_s: float) -> bytes:
+    """``ObservedLimits``: each dimension from :func:`observed_limit` or None."""
+    return b"".join(d if d is not None else _NONE for d in (requests, tokens, input_tokens, output_tokens)) \
+        + _F64.pack(age_s)
 
 
 # ---------------------------------------------------------------- outcomes

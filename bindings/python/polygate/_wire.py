@@ -170,6 +170,22 @@ CALL_SPEC = _Struct(
     ],
 )
 
+OBSERVED_LIMIT = _Struct(
+    "ObservedLimit",
+    [("limit", _Option(U64)), ("remaining", _Option(U64)), ("reset_s", _Option(F64))],
+)
+
+OBSERVED_LIMITS = _Struct(
+    "ObservedLimits",
+    [
+        ("requests", _Option(OBSERVED_LIMIT)),
+        ("tokens", _Option(OBSERVED_LIMIT)),
+        ("input_tokens", _Option(OBSERVED_LIMIT)),
+        ("output_tokens", _Option(OBSERVED_LIMIT)),
+        ("age_s", F64),
+    ],
+)
+
 REQUEST = _Enum(
     "Request",
     [
@@ -189,6 +205,9 @@ REQUEST = _Enum(
         ("Finish", [("permit", U64), ("outcome", OUTCOME)]),
         ("Begin", CALL_SPEC),
         ("StatusJson", _UNIT),
+        ("ReportObserved", [("permit", U64), ("outcome", OUTCOME), ("limits", OBSERVED_LIMITS)]),
+        ("RetryObserved", [("permit", U64), ("outcome", OUTCOME), ("limits", OBSERVED_LIMITS)]),
+        ("FinishObserved", [("permit", U64), ("outcome", OUTCOME), ("limits", OBSERVED_LIMITS)]),
     ],
 )
 

@@ -434,6 +434,8 @@ class Client(_core.WelcomeInfo[_Connection]):
                     continue
                 if not permit.reported:
                     tokens, input_tokens, output_tokens = _core.usage_of(result, permit.tokens)
+                    if permit.limits is None:  # §18: a raw response carries its headers
+                        permit.limits = _core.limits_of(result)
                     await permit.success(tokens, input_tokens=input_tokens, output_tokens=output_tokens)
                 return result
 

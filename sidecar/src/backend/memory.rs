@@ -293,6 +293,7 @@ impl Backend for MemoryBackend {
                 requests_available: qv.requests(),
                 levels: qv.levels,
                 quota_blocked: qv.blocked,
+                seen: c.quota.seen(now),
             }
         })
     }

@@ -107,6 +107,7 @@ pub use event::{AdminEvent, AdminOp};
 
 pub use crate::gate::breaker::{Applied, BreakerParams, Entry, Peek, State, Trip};
 pub use crate::gate::classes::{ClassShares, ClassTag, Held, Share};
+pub use crate::gate::observed::{Dim, LastSeen, Observation};
 pub use crate::gate::quota::{QuotaParams, Reserve, Settlement, Split, Tokens};
 pub use crate::gate::{Admit, AdmitRequest, FailureKind, Outcome, ReportRequest};
 
@@ -140,6 +141,9 @@ pub struct SourceSnapshot {
     pub levels: [Option<f64>; 6],
     /// Remaining 429 block.
     pub quota_blocked: Duration,
+    /// §18: per bucket (tpm, rpm, itpm, otpm), the last observation and what the
+    /// corrections removed (`None`: never observed, or the source does not observe).
+    pub seen: [Option<LastSeen>; 4],
 }
 
 impl Default for SourceSnapshot {
@@ -156,6 +160,7 @@ impl Default for SourceSnapshot {
             requests_available: None,
             levels: [None; 6],
             quota_blocked: Duration::ZERO,
+            seen: [None; 4],
         }
     }
 }

@@ -381,7 +381,9 @@ fn source_row(s: &SourceStatus) -> Vec<String> {
 }
 
 /// Every source's quota buckets from the JSON status document (§7a): level,
-/// capacity, refill per second and debt, one table per scope that has any.
+/// capacity (`auto` marked, §18), refill per second and debt, and the provider's
+/// last word (§18: what it said was left, how long ago, and what the corrections
+/// removed in total), one table per scope that has any.
 pub fn render_buckets(doc: &str) -> String {
     let mut out = String::new();
     let Ok(v) = serde_json::from_str::<serde_json::Value>(doc) else {
@@ -389,7 +391,7 @@ pub fn render_buckets(doc: &str) -> String {
     };
     let none = Vec::new();
     for scope in v["scopes"].as_array().unwrap_or(&none) {
-        let mut rows: Vec<[String; 6]> = Vec::new();
+        let mut rows: Vec<[String; 9]> = Vec::new();
         for src in scope["sources"].as_array().unwrap_or(&none) {
             for b in src["buckets"].as_array().unwrap_or(&none) {
                 let num = |k: &str, digits: usize| {
@@ -402,18 +404,31 @@ pub fn render_buckets(doc: &str) -> String {
                     b["level"]
                         .as_f64()
                         .map_or_else(|| "-".into(), |x| format!("{:.0}", x.floor())),
-                    num("capacity", 0),
+                    if b["auto"].as_bool() == Some(true) {
+                        format!("{} auto", num("capacity", 0))
+                    } else {
+                        num("capacity", 0)
+                    },
                     num("refill_per_s", 3),
                     b["debt"]
                         .as_f64()
                         .map_or_else(|| "-".into(), |x| format!("{:.0}", x.ceil())),
+                    b["observed"]["remaining"]
+                        .as_u64()
+                        .map_or_else(|| "-".into(), |x| x.to_string()),
+                    secs(b["observed"]["age_s"].as_f64().unwrap_or(0.0)),
+                    b["observed"]["removed"]
+                        .as_u64()
+                        .map_or_else(|| "-".into(), |x| x.to_string()),
                 ]);
             }
         }
         if rows.is_empty() {
             continue;
         }
-        let header = ["SOURCE", "BUCKET", "LEVEL", "CAPACITY", "REFILL/S", "DEBT"];
+        let header = [
+            "SOURCE", "BUCKET", "LEVEL", "CAPACITY", "REFILL/S", "DEBT", "SEEN", "AGE", "REMOVED",
+        ];
         let mut widths = header.map(str::len);
         for r in &rows {
             for (w, c) in widths.iter_mut().zip(r) {
@@ -562,10 +577,8 @@ mod tests {
             assert!(otpm.contains(cell), "{cell:?} missing from {otpm:?}");
         }
         let rpm = text.lines().find(|l| l.contains(" rpm")).unwrap();
-        assert!(
-            rpm.contains(" 0 ") && rpm.trim_end().ends_with('0'),
-            "{rpm:?}"
-        );
+        let cells: Vec<&str> = rpm.split_whitespace().collect();
+        assert_eq!((cells[2], cells[5]), ("0", "0"), "level, debt: {rpm:?}");
         assert_eq!(render_buckets("not json"), "");
     }
 
@@ -579,6 +592,24 @@ mod tests {
         );
         assert_eq!(render_share(r#"{"backend":"memory"}"#), "");
         assert_eq!(render_share("not json"), "");
+    }
+
+    #[test]
+    fn buckets_render_the_providers_last_word() {
+        let doc = r#"{"scopes":[{"name":"chat","sources":[
+            {"name":"openai","buckets":[
+              {"bucket":"tpm","level":200.0,"capacity":30000,"refill_per_s":500.0,"debt":0.0,
+               "auto":true,"observed":{"remaining":250,"limit":30000,"age_s":1.5,"removed":4100}},
+              {"bucket":"rpm","level":9.0,"capacity":10,"refill_per_s":0.1,"debt":0.0,
+               "auto":false,"observed":null}]}]}]}"#;
+        let text = render_buckets(doc);
+        assert!(text.contains("SEEN") && text.contains("REMOVED"), "{text}");
+        let tpm = text.lines().find(|l| l.contains("tpm")).unwrap();
+        for cell in ["30000 auto", " 250", "1.50s", "4100"] {
+            assert!(tpm.contains(cell), "{cell:?} missing from {tpm:?}");
+        }
+        let rpm = text.lines().find(|l| l.contains(" rpm")).unwrap();
+        assert!(rpm.trim_end().ends_with('-'), "never observed: {rpm:?}");
     }
 
     #[test]

@@ -19,7 +19,7 @@
 use std::collections::HashMap;
 use std::fmt;
 
-use super::raw::{Ordered, RawFile, RawScope, RawSidecar, RawSource};
+use super::raw::{Ordered, RawFile, RawRate, RawScope, RawSidecar, RawSource};
 use super::ConfigError;
 
 /// Where each overridden key's value came from, so errors can name the variable.
@@ -77,6 +77,8 @@ enum Slot<T> {
     Float(fn(&mut T) -> &mut Option<f64>),
     /// A list of strings, written comma-separated (empty items dropped).
     List(fn(&mut T) -> &mut Option<Vec<String>>),
+    /// A per-minute limit: an integer, or text such as `auto` (§18).
+    Rate(fn(&mut T) -> &mut Option<RawRate>),
 }
 
 /// Every `SIDECAR__` key, in the order an unknown-key error lists them.
@@ -147,17 +149,18 @@ const SCOPE_KEYS: &[(&str, Slot<RawScope>)] = &[
 /// Every `{SCOPE}__SOURCES__{i}__` key (the `i`-th source of the scope, counted
 /// from 0 in file order), in the order an unknown-key error lists them.
 const SOURCE_KEYS: &[(&str, Slot<RawSource>)] = &[
-    ("TPM", Slot::Int(|s| &mut s.tpm)),
-    ("RPM", Slot::Int(|s| &mut s.rpm)),
+    ("TPM", Slot::Rate(|s| &mut s.tpm)),
+    ("RPM", Slot::Rate(|s| &mut s.rpm)),
     ("EST_TOKENS", Slot::Int(|s| &mut s.est_tokens)),
     ("TIMEOUT", Slot::Text(|s| &mut s.timeout)),
     ("BURST", Slot::Text(|s| &mut s.burst)),
     ("TOKENS_CHARGED", Slot::Text(|s| &mut s.tokens_charged)),
-    ("ITPM", Slot::Int(|s| &mut s.itpm)),
-    ("OTPM", Slot::Int(|s| &mut s.otpm)),
+    ("ITPM", Slot::Rate(|s| &mut s.itpm)),
+    ("OTPM", Slot::Rate(|s| &mut s.otpm)),
     ("RPD", Slot::Int(|s| &mut s.rpd)),
     ("TPD", Slot::Int(|s| &mut s.tpd)),
     ("EST_OUTPUT_TOKENS", Slot::Int(|s| &mut s.est_output_tokens)),
+    ("OBSERVE_LIMITS", Slot::Text(|s| &mut s.observe_limits)),
 ];
 
 /// The environment prefix of a scope: uppercased, `-` → `_`.
@@ -285,6 +288,12 @@ impl Target<'_> {
             Slot::Text(at) => *at(table) = Some(value.clone()),
             Slot::Int(at) => *at(table) = Some(self.number(&value, "expected an integer")?),
             Slot::Float(at) => *at(table) = Some(self.number(&value, "expected a number")?),
+            Slot::Rate(at) => {
+                *at(table) = Some(match value.trim().parse::<i64>() {
+                    Ok(n) => RawRate::Count(n),
+                    Err(_) => RawRate::Text(value.trim().to_string()),
+                })
+            }
             Slot::List(at) => {
                 *at(table) = Some(
                     value

@@ -137,6 +137,18 @@ spelled! {
 }
 
 spelled! {
+    /// Whether a source applies the provider's rate-limit headers (§18
+    /// `observe_limits`).
+    pub enum ObserveLimits {
+        /// Reports' observed limits lower the buckets; in-flight reservations are
+        /// counted per source in the shared state.
+        On = "on",
+        /// Observed limits are ignored; a report costs what it did before §18.
+        Off = "off",
+    }
+}
+
+spelled! {
     /// How log lines are written (§12).
     pub enum LogFormat {
         /// One human-readable line per event.
@@ -349,6 +361,11 @@ pub struct SourceConfig {
     pub tpd: Option<u64>,
     /// §7a: explicit output estimate of a call that gives none.
     pub est_output_tokens: Option<u64>,
+    /// §18: apply the provider's rate-limit headers reported with the outcomes.
+    pub observe_limits: ObserveLimits,
+    /// §18: bit `i` set = the `i`-th per-minute bucket (tpm, rpm, itpm, otpm) is
+    /// `"auto"`: its limit is learned from the provider's `limit` header.
+    pub auto: u8,
 }
 
 impl SourceConfig {
@@ -525,6 +542,9 @@ pub const DEFAULT_SOURCE_TIMEOUT: Duration = Duration::from_secs(60);
 pub const DEFAULT_BURST: Duration = Duration::from_secs(60);
 /// Default source `tokens_charged` (§7a).
 pub const DEFAULT_TOKENS_CHARGED: TokensCharged = TokensCharged::Actual;
+/// Default source `observe_limits` (§18): off, so a report without observed limits
+/// costs exactly what it did (no in-flight counting on the hot path).
+pub const DEFAULT_OBSERVE_LIMITS: ObserveLimits = ObserveLimits::Off;
 
 #[cfg(test)]
 mod tests {

@@ -183,10 +183,10 @@ pub(super) struct RawPacer {
 pub(super) struct RawSource {
     /// Required; validation says so by key.
     pub name: Option<String>,
-    /// Tokens per minute.
-    pub tpm: Option<i64>,
-    /// Requests per minute.
-    pub rpm: Option<i64>,
+    /// Tokens per minute, or `"auto"` (§18).
+    pub tpm: Option<RawRate>,
+    /// Requests per minute, or `"auto"` (§18).
+    pub rpm: Option<RawRate>,
     /// Per-attempt token estimate.
     pub est_tokens: Option<i64>,
     /// Duration string.
@@ -195,16 +195,29 @@ pub(super) struct RawSource {
     pub burst: Option<String>,
     /// `actual` | `estimate` (§7a).
     pub tokens_charged: Option<String>,
-    /// Input tokens per minute (§7a).
-    pub itpm: Option<i64>,
-    /// Output tokens per minute (§7a).
-    pub otpm: Option<i64>,
+    /// Input tokens per minute (§7a), or `"auto"` (§18).
+    pub itpm: Option<RawRate>,
+    /// Output tokens per minute (§7a), or `"auto"` (§18).
+    pub otpm: Option<RawRate>,
     /// Requests per day (§7a).
     pub rpd: Option<i64>,
     /// Tokens per day (§7a).
     pub tpd: Option<i64>,
     /// Output estimate (§7a).
     pub est_output_tokens: Option<i64>,
+    /// `on` | `off` (§18).
+    pub observe_limits: Option<String>,
+}
+
+/// A per-minute limit as written: a number, or text (`"auto"`, §18; validation
+/// names anything else).
+#[derive(Deserialize, Debug, Clone, PartialEq)]
+#[serde(untagged)]
+pub enum RawRate {
+    /// A number of tokens or requests per minute.
+    Count(i64),
+    /// Text: `"auto"` learns the limit from the provider's headers.
+    Text(String),
 }
 
 /// A TOML table kept in document order (scope order matters for status output).

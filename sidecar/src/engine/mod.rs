@@ -122,6 +122,10 @@ pub struct BucketView {
     pub refill_per_s: f64,
     /// How far below zero the level is (0 without debt).
     pub debt: Option<f64>,
+    /// §18: the capacity is the provider's (`"auto"`), learned from its headers.
+    pub auto: bool,
+    /// §18: the provider's last word on this bucket (and what corrections removed).
+    pub observed: Option<crate::gate::observed::LastSeen>,
 }
 
 impl SourceStatus {
@@ -131,7 +135,15 @@ impl SourceStatus {
             .iter()
             .enumerate()
             .filter_map(|(i, (b, _, _))| {
-                let s = self.quota.shape(*b)?;
+                let observed = self.shared.seen.get(i).copied().flatten();
+                let auto = self.quota.is_auto(i);
+                let mut q = self.quota;
+                if auto {
+                    // §18: an "auto" bucket shows the limit last learned (none yet:
+                    // not listed).
+                    q.set_limit(*b, observed.and_then(|o| o.limit));
+                }
+                let s = q.shape(*b)?;
                 let level = self.shared.levels[i];
                 Some(BucketView {
                     bucket: *b,
@@ -139,6 +151,8 @@ impl SourceStatus {
                     capacity: s.capacity,
                     refill_per_s: s.refill_per_s(),
                     debt: level.map(|l| (-l).max(0.0)),
+                    auto,
+                    observed,
                 })
             })
             .collect()

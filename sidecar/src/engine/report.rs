@@ -12,9 +12,9 @@ use super::detach::Work;
 use super::error::EngineError;
 use super::runtime::bump;
 use super::tables::{Hold, OwnerId, PermitRec};
-use super::transitions::{Names, Observation, Reason};
+use super::transitions::{Names, Observation as Transition, Reason};
 use super::Engine;
-use crate::backend::{BResult, Backend, BackendError, ReportRequest};
+use crate::backend::{BResult, Backend, BackendError, Observation, ReportRequest};
 use crate::gate::breaker::{Applied, BreakerParams, State};
 use crate::gate::pacer::Signal;
 use crate::gate::quota::{QuotaParams, Tokens};
@@ -42,6 +42,35 @@ impl<B: Backend> Engine<B> {
         permit: u64,
         outcome: Outcome,
     ) -> Result<(u64, Result<Applied, EngineError>), EngineError> {
+        self.report_with(owner, permit, outcome, None).await
+    }
+
+    /// [`Engine::report`] with the response's observed limits (§18).
+    pub async fn report_observed(
+        &self,
+        owner: OwnerId,
+        permit: u64,
+        outcome: Outcome,
+        observed: Option<Box<Observation>>,
+    ) -> Result<Applied, EngineError> {
+        self.report_with(owner, permit, outcome, observed).await?.1
+    }
+
+    /// [`Engine::report_in_call`] with the response's observed limits (§18), which
+    /// the backend applies atomically with the settlement; each reset is capped at
+    /// `max_rate_limit_block` like a 429's `retry_after`.
+    pub async fn report_with(
+        &self,
+        owner: OwnerId,
+        permit: u64,
+        outcome: Outcome,
+        mut observed: Option<Box<Observation>>,
+    ) -> Result<(u64, Result<Applied, EngineError>), EngineError> {
+        if let Some(o) = observed.as_deref_mut() {
+            for d in o.dims.iter_mut().flatten() {
+                d.reset = d.reset.map(|r| r.min(self.max_rate_limit_block));
+            }
+        }
         // §7: one buggy worker (or an upstream's daily Retry-After) must not block a
         // source for every host for a day: the block is capped, silently.
         let outcome = match outcome {
@@ -89,7 +118,7 @@ impl<B: Backend> Engine<B> {
             _ => {}
         }
         let r = self
-            .detached(Settle::of_permit(self, &p, outcome))
+            .detached(Settle::of_permit(self, &p, outcome).observed(observed))
             .await
             .unwrap_or_else(|| Err(BackendError::Unavailable("report task failed".into())));
         let applied = match r {
@@ -139,7 +168,7 @@ impl<B: Backend> Engine<B> {
         self.observe(
             p.scope,
             p.source,
-            Observation {
+            Transition {
                 state: a.state,
                 epoch: a.epoch,
                 reason,
@@ -224,6 +253,8 @@ pub(super) struct Settle {
     /// §15: the grant's priority class, whose usage settles with the buckets
     /// (`None`: the scope has no classes).
     class: Option<Arc<str>>,
+    /// §18: the response's observed limits (boxed: most reports carry none).
+    observed: Option<Box<Observation>>,
 }
 
 impl Settle {
@@ -238,7 +269,13 @@ impl Settle {
             tokens: p.tokens,
             outcome,
             class: engine.class_name(p.scope, p.class),
+            observed: None,
         }
+    }
+
+    /// The same, carrying the response's observed limits (§18).
+    fn observed(self, observed: Option<Box<Observation>>) -> Self {
+        Settle { observed, ..self }
     }
 
     /// Giving back `g`, a hold of a call in `scope` that never became a permit.
@@ -252,6 +289,7 @@ impl Settle {
             tokens: g.tokens,
             outcome: Outcome::Cancelled,
             class: engine.class_name(scope, g.class),
+            observed: None,
         }
     }
 }
@@ -272,6 +310,9 @@ impl<B: Backend> Work<B> for Settle {
             );
             if let Some(class) = &self.class {
                 r = r.class(class);
+            }
+            if let Some(o) = &self.observed {
+                r = r.observed(o);
             }
             engine.backend.report(name, r).await
         }

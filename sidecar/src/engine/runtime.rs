@@ -17,8 +17,8 @@ use super::error::{EngineError, Exhaustion, ReloadError};
 use super::queue::WaitQueue;
 use super::transitions::Transitions;
 use super::CallEst;
-use crate::config::TokensCharged;
 use crate::config::{Config, ScopeConfig, SourceConfig};
+use crate::config::{ObserveLimits, TokensCharged};
 use crate::gate::breaker::BreakerParams;
 use crate::gate::classes::{ClassShares, Share, PPM};
 use crate::gate::health::Health;
@@ -110,6 +110,8 @@ impl SourceParams {
                 burst: s.burst,
                 charge_estimate: s.tokens_charged == TokensCharged::Estimate,
                 max_debt,
+                observe: s.observe_limits == ObserveLimits::On || s.auto != 0,
+                auto: s.auto,
             },
             est_tokens: s.default_est_tokens(),
             est_input_tokens: s.default_est_input_tokens(),

@@ -270,6 +270,8 @@ mod tests {
         burst: crate::gate::quota::MINUTE,
         charge_estimate: false,
         max_debt: crate::gate::quota::DEFAULT_MAX_DEBT,
+        observe: false,
+        auto: 0,
     };
 
     /// Deficits with only the rpm bucket (index 1) configured.

@@ -15,6 +15,7 @@ pub mod breaker;
 pub mod classes;
 pub mod health;
 pub mod memo;
+pub mod observed;
 pub mod pacer;
 pub mod quota;
 
@@ -22,6 +23,7 @@ use std::time::Duration;
 
 use breaker::{Applied, Breaker, BreakerParams, State};
 use classes::{ClassTag, ClassUsage, Held};
+use observed::Observation;
 use quota::{Quota, QuotaParams, Reserve, Settlement, Split, Tokens};
 
 /// Answer of the combined admission step (gates 3 + 4, [`Gates::admit`]).
@@ -221,6 +223,8 @@ pub struct ReportRequest<'a> {
     pub outcome: Outcome,
     /// §15: the permit's priority class (`None`: the scope has none).
     pub class: Option<&'a str>,
+    /// §18: the provider's rate-limit headers of the attempt's response.
+    pub observed: Option<&'a Observation>,
 }
 
 impl<'a> ReportRequest<'a> {
@@ -241,6 +245,7 @@ impl<'a> ReportRequest<'a> {
             reserved: reserved.into(),
             outcome,
             class: None,
+            observed: None,
         }
     }
 
@@ -248,6 +253,14 @@ impl<'a> ReportRequest<'a> {
     pub fn class(self, class: &'a str) -> Self {
         ReportRequest {
             class: Some(class),
+            ..self
+        }
+    }
+
+    /// The same with the response's observed limits (§18).
+    pub fn observed(self, o: &'a Observation) -> Self {
+        ReportRequest {
+            observed: Some(o),
             ..self
         }
     }
@@ -329,12 +342,16 @@ impl Gates {
             reserved,
             outcome,
             class,
+            observed,
         } = r;
         let how = outcome.settlement(reserved);
         if let Some(class) = class {
             self.classes.settle(q, class, reserved, how, now);
         }
         self.quota.settle(q, reserved, how, now);
+        if let Some(o) = observed {
+            self.quota.observe(q, o, now);
+        }
         match outcome {
             Outcome::Success { count_attempt, .. } => {
                 self.breaker.record_success(now, epoch, count_attempt, p)

@@ -162,7 +162,7 @@ impl<B: Backend> Scrape<B> {
             }
         }
         // §7a: every configured bucket, labelled by its config key.
-        let bucket_families: [(&str, &str, BucketRead); 4] = [
+        let bucket_families: [(&str, &str, BucketRead); 7] = [
             (
                 "polygate_quota_bucket_level",
                 "Level of each quota bucket (negative: debt).",
@@ -183,6 +183,22 @@ impl<B: Backend> Scrape<B> {
                 "How far each quota bucket is below zero.",
                 |v| v.debt,
             ),
+            // §18: the provider's last word on each bucket.
+            (
+                "polygate_quota_observed_remaining",
+                "What the provider's rate-limit headers last said was left in each bucket.",
+                |v| v.observed.map(|o| o.remaining as f64),
+            ),
+            (
+                "polygate_quota_observed_age_seconds",
+                "How long ago the provider's last rate-limit headers on each bucket were seen.",
+                |v| v.observed.map(|o| o.age.as_secs_f64()),
+            ),
+            (
+                "polygate_quota_observed_removed",
+                "Running total the provider's headers took off each bucket: the traffic PolyGate did not see.",
+                |v| v.observed.map(|o| o.removed as f64),
+            ),
         ];
         for (name, help, read) in bucket_families {
             let mut m = family(enc, name, help, None, MetricType::Gauge)?;
@@ -196,6 +212,7 @@ impl<B: Backend> Scrape<B> {
                         BucketView {
                             level: None,
                             debt: None,
+                            observed: None,
                             ..v
                         }
                     };

@@ -230,6 +230,57 @@ pub fn outcome(o: wire::Outcome) -> Result<backend::Outcome, ArgumentError> {
     })
 }
 
+/// §18: a report with observed limits → the same report without them, and the
+/// observation in the engine's terms (`None` for every other request). Counts above
+/// [`MAX_TOKENS`] are cut to it (a provider's header is not the client's error);
+/// a reset or age that is NaN, infinite or negative is refused.
+#[allow(clippy::type_complexity)]
+pub fn split_observed(
+    r: wire::Request,
+) -> Result<(wire::Request, Option<Box<backend::Observation>>), ArgumentError> {
+    let (r, limits) = match r {
+        wire::Request::ReportObserved {
+            permit,
+            outcome,
+            limits,
+        } => (wire::Request::Report { permit, outcome }, limits),
+        wire::Request::RetryObserved {
+            permit,
+            outcome,
+            limits,
+        } => (wire::Request::Retry { permit, outcome }, limits),
+        wire::Request::FinishObserved {
+            permit,
+            outcome,
+            limits,
+        } => (wire::Request::Finish { permit, outcome }, limits),
+        r => return Ok((r, None)),
+    };
+    Ok((r, Some(Box::new(observation(&limits)?))))
+}
+
+/// Wire observed limits → the engine's [`backend::Observation`] (dimensions in
+/// bucket order: tokens, requests, input, output).
+pub fn observation(l: &wire::ObservedLimits) -> Result<backend::Observation, ArgumentError> {
+    let dim = |d: Option<wire::ObservedLimit>| -> Result<Option<backend::Dim>, ArgumentError> {
+        let Some(d) = d else { return Ok(None) };
+        Ok(Some(backend::Dim {
+            limit: d.limit.map(|n| n.min(MAX_TOKENS)),
+            remaining: d.remaining.map(|n| n.min(MAX_TOKENS)),
+            reset: d.reset_s.map(|s| any_seconds("reset_s", s)).transpose()?,
+        }))
+    };
+    Ok(backend::Observation {
+        dims: [
+            dim(l.tokens)?,
+            dim(l.requests)?,
+            dim(l.input_tokens)?,
+            dim(l.output_tokens)?,
+        ],
+        age: any_seconds("age_s", l.age_s)?,
+    })
+}
+
 /// A wire `f64` seconds value ≥ 0 of any finite size → `Duration` (saturating).
 fn any_seconds(name: &'static str, value: f64) -> Result<Duration, ArgumentError> {
     if !value.is_finite() || value < 0.0 {
@@ -433,6 +484,13 @@ pub fn status_json(
                             "capacity": v.capacity,
                             "refill_per_s": v.refill_per_s,
                             "debt": v.debt,
+                            "auto": v.auto,
+                            "observed": v.observed.map(|o| json!({
+                                "remaining": o.remaining,
+                                "limit": o.limit,
+                                "age_s": o.age.as_secs_f64(),
+                                "removed": o.removed,
+                            })),
                         })).collect::<Vec<_>>(),
                         "degraded": s.degraded,
                     })

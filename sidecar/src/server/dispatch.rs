@@ -163,6 +163,11 @@ pub(super) fn dispatch<B: Backend>(cx: &Ctx<B>, request: Request) -> Step {
             )))
         })
     };
+    // §18: a report with observed limits is the same report, carrying them.
+    let (request, observed) = match convert::split_observed(request) {
+        Ok(x) => x,
+        Err(e) => return Step::Now(invalid(e)),
+    };
     match request {
         Request::Ping => Step::Now(Reply::Pong),
         Request::BeginCall { scope, est_tokens } => {
@@ -224,7 +229,10 @@ pub(super) fn dispatch<B: Backend>(cx: &Ctx<B>, request: Request) -> Step {
                 Err(e) => return Step::Now(invalid(e)),
             };
             job!(&cx.budget, CancelBy::Never, false, |slot| {
-                match engine.report(owner, permit, outcome).await {
+                match engine
+                    .report_observed(owner, permit, outcome, observed)
+                    .await
+                {
                     Ok(a) => convert::reported(&a),
                     Err(e) => fail(&e),
                 }
@@ -242,7 +250,7 @@ pub(super) fn dispatch<B: Backend>(cx: &Ctx<B>, request: Request) -> Step {
                 Err(e) => return Step::Now(invalid(e)),
             };
             job!(&cx.budget, CancelBy::Never, false, |slot| {
-                match engine.report_in_call(owner, permit, outcome).await {
+                match engine.report_with(owner, permit, outcome, observed).await {
                     // Refused: nothing changed, the permit is still the client's.
                     Err(e) => fail(&e),
                     Ok((call, r)) => {
@@ -263,7 +271,7 @@ pub(super) fn dispatch<B: Backend>(cx: &Ctx<B>, request: Request) -> Step {
             let token = CancellationToken::new();
             let stop = token.clone();
             job!(&cx.budget, CancelBy::Token(token), true, |slot| {
-                let call = match engine.report_in_call(owner, permit, outcome).await {
+                let call = match engine.report_with(owner, permit, outcome, observed).await {
                     Err(e) => return fail(&e),
                     // Applied (or lost to a backend failure): the attempt is over.
                     Ok((call, _)) => call,
@@ -324,8 +332,13 @@ pub(super) fn dispatch<B: Backend>(cx: &Ctx<B>, request: Request) -> Step {
                 admin_result(owner, "reset", &source, r)
             })
         }
-        // Both are the connection's own and never reach here.
-        Request::Hello { .. } | Request::Cancel { .. } => Step::Now(Reply::Error(convert::error(
+        // Both are the connection's own and never reach here; the observed reports
+        // became plain ones above.
+        Request::Hello { .. }
+        | Request::Cancel { .. }
+        | Request::ReportObserved { .. }
+        | Request::RetryObserved { .. }
+        | Request::FinishObserved { .. } => Step::Now(Reply::Error(convert::error(
             ErrorKind::Internal,
             "request routed to the wrong handler",
         ))),
@@ -407,6 +420,9 @@ pub(super) fn request_name(r: &Request) -> &'static str {
         Request::Finish { .. } => "Finish",
         Request::Begin(_) => "Begin",
         Request::StatusJson => "StatusJson",
+        Request::ReportObserved { .. } => "ReportObserved",
+        Request::RetryObserved { .. } => "RetryObserved",
+        Request::FinishObserved { .. } => "FinishObserved",
     }
 }
 

@@ -12,7 +12,9 @@
 
 #![allow(dead_code)]
 
+mod observed;
 mod provider;
+pub use observed::*;
 pub use provider::*;
 
 use std::future::Future;
@@ -1343,6 +1345,12 @@ macro_rules! contract_tests {
             one_report_s_debt_is_bounded_by_max_rate_limit_block,
             class_reserve_holds_capacity_across_hosts,
             class_limit_caps_always_and_settles_back,
+            observed_limits_lower_and_never_raise,
+            observed_limits_subtract_calls_in_flight,
+            a_source_that_does_not_observe_ignores_observations,
+            remaining_zero_blocks_until_the_reset_capped,
+            an_observation_older_than_one_applied_is_ignored,
+            auto_admits_one_at_a_time_then_learns_and_follows_the_limit,
         );
     };
     (@cases $harness:expr; $($case:ident),* $(,)?) => {

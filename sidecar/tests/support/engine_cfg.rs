@@ -32,6 +32,8 @@ pub fn source(name: &str) -> SourceConfig {
         rpd: None,
         tpd: None,
         est_output_tokens: None,
+        observe_limits: polygate::config::DEFAULT_OBSERVE_LIMITS,
+        auto: 0,
     }
 }
 

@@ -65,6 +65,7 @@ from .protocol import (
     resolve_path,
     variant,
 )
+from .ratelimit import Limit, Limits, limits_of, parse_headers
 from .run import Classifier, Outcome, classify_exception, retry_after_seconds, usage_of
 from .status import ReportResult, ScopeStatus, SourceStatus, Status, report_result, status_from_json
 
@@ -131,5 +132,9 @@ __all__ = [
     "STATUS_JSON",
     "undecodable_error",
     "usage_of",
+    "Limit",
+    "Limits",
+    "limits_of",
+    "parse_headers",
     "variant",
 ]

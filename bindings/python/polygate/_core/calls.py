@@ -26,7 +26,8 @@ from typing import Any, Callable, Dict, Generic, NamedTuple, Optional, Tuple, Ty
 
 from . import protocol as p
 from .errmap import error_from_reply
-from .run import Classifier, Outcome, classify_exception, outcome_report
+from .ratelimit import Limits, encode_limits, parse_headers
+from .run import Classifier, Outcome, _headers, classify_exception, outcome_report
 from .status import ReportResult, report_result
 
 __all__ = ["PermitBase", "CallBase", "Acquisition", "Release"]
@@ -89,6 +90,12 @@ class PermitBase:
         self.tokens: Optional[int] = None
         """Usage a ``client.run`` function may set (``permit.tokens = n``) when its
         result carries none; ``run`` reports it."""
+        self.limits: Optional[Limits] = None
+        """The provider's rate-limit headers of this attempt's response (DESIGN §18),
+        sent with its report: set by hand (``permit.limits = Limits(...)`` or
+        ``parse_headers(response.headers)[0]``), or by ``client.run`` from the
+        result's or the exception's headers."""
+        self._wire_limits: Optional[bytes] = None
         self.result: Optional[ReportResult] = None
         """The sidecar's answer to this permit's report, once one arrived (a report
         sent with ``Retry`` gets none: the answer to Retry is the next permit)."""
@@ -187,7 +194,8 @@ class CallBase(Generic[P]):
             raise RuntimeError("permit %d of this call is not reported: report it (success, failure, "
                                "rate_limited or cancel) before acquiring again" % self._permit.id)
         if self._held is not None:
-            return Acquisition(p.retry(self._held[0].id, self._held[1]), "retry", self._late_retry, False)
+            held = self._held[0]
+            return Acquisition(p.retry(held.id, self._held[1], held._wire_limits), "retry", self._late_retry, False)
         if not self._live:
             self._conn = self._client._conn  # the first frame binds the call to the client's connection
             return Acquisition(p.start(self._spec), "start", self._late_grant_ends_call, True)
@@ -239,19 +247,23 @@ class CallBase(Generic[P]):
         """Claim ``permit`` for ``outcome``. A final (counted success) report is
         returned as the ``Finish`` to send now; any other is held for the next
         ``acquire()`` (as ``Retry``) or the end of the call (as ``Finish``)."""
+        wire_limits = encode_limits(permit.limits)  # a bad value raises before the claim
         permit._claim()
+        permit._wire_limits = wire_limits
         if not final:
             self._held = (permit, outcome)
             return None
         # _live stays set until Reported arrives: if the wait for it is interrupted,
         # the end of the call still sends EndCall, in case the Finish never went out.
         self._close("it succeeded (a counted success ends the call); start a new call")
-        return p.finish(permit.id, outcome)
+        return p.finish(permit.id, outcome, wire_limits)
 
     def _attempt_failed(self, permit: P, exc: BaseException, classify: Optional[Classifier]) -> Outcome:
         """``client.run``: the function raised ``exc`` during ``permit``'s attempt.
         Classify it and hold the report (it goes out as Retry or Finish)."""
         outcome = classify_exception(exc, classify)
+        if permit.limits is None:  # §18: an SDK's HTTP error carries the response's headers
+            permit.limits = parse_headers(_headers(exc))[0]
         if not permit._reported:
             self._report(permit, outcome_report(outcome), final=False)
         return outcome
@@ -280,7 +292,7 @@ class CallBase(Generic[P]):
         if self._conn.closed:
             return None  # nothing sent yet (UNBOUND), or the sidecar released it all with the connection
         if held is not None:
-            return Release(p.finish(held[0].id, held[1]), self._after_finish(held[0]))
+            return Release(p.finish(held[0].id, held[1], held[0]._wire_limits), self._after_finish(held[0]))
         if permit is not None and not permit._reported:
             # Never reported: the request may have been sent, so the call is ended
             # and the permit *abandoned* (PROTOCOL.md §8): its estimate stays

@@ -47,6 +47,25 @@
 -- ARGV[35] out_credit : settle, report: output tokens given back; negative = debit (0)
 -- ARGV[36] max_debt_us : settle, report: a credit's extra debit takes at most this much
 --              refill time from any bucket (§12, max_rate_limit_block) (600000000)
+-- ARGV[37] observe : §18 0|1: keep in-flight counts (admit, reserve, settle, report:
+--              slots 13, 32, 33 then carry the reservation) and apply observations (0)
+-- ARGV[38] auto : §18 bit i-1 set = bucket i (tt, rt, it, ot) is "auto": its limit is
+--              the learned field 'l:<bucket>' (0)
+-- ARGV[39] obs_age_us : §18 report: the observation was made this long before now
+--              (-1 = the report carries none)
+-- ARGV[40] tt_limit : §18 report: the provider's token limit (-1 = not said). Slots
+--              40..51 are limit, remaining, reset_us of tokens, requests, input, output
+-- ARGV[41] tt_remaining : tokens left (-1)
+-- ARGV[42] tt_reset_us : until the token counter is whole again (-1)
+-- ARGV[43] rt_limit : requests (-1)
+-- ARGV[44] rt_remaining : (-1)
+-- ARGV[45] rt_reset_us : (-1)
+-- ARGV[46] it_limit : input tokens (-1)
+-- ARGV[47] it_remaining : (-1)
+-- ARGV[48] it_reset_us : (-1)
+-- ARGV[49] ot_limit : output tokens (-1)
+-- ARGV[50] ot_remaining : (-1)
+-- ARGV[51] ot_reset_us : (-1)
 --
 -- Cost (§10, §16): one TIME per call; every stored number is an integer (µs or a
 -- count) written with '%d' (never '%.17g' float text, never strtod of one); each hash
@@ -364,15 +383,26 @@ local QB = {
 -- Per bucket i: q.lim[i] its limit (what refills per period; -1 = disabled) and
 -- q.caps[i] what a full one holds (§7a: a per-minute bucket limit × burst / 1 min,
 -- at least 1; a per-day one its limit).
+-- §18 (a source with slot 37 set): the in-flight count fields of buckets 1..4, and
+-- whether bucket i's limit is "auto" (slot 38).
+local FL = { 'ft', 'fr', 'fi', 'fo' }
+local function is_auto(i)
+  return i <= 4 and floor(arg(38, 0) / 2 ^ (i - 1)) % 2 == 1
+end
+
 local function qload()
   -- Slots 28..31 (the §7a buckets) are sent only when some is set (trailing neutral
   -- slots are not sent): without them, buckets 3..6 are disabled (-1).
   local top = 2
   if #A >= 28 then top = #QB end
-  local extra = top > 2 and (arg(28, -1) > 0 or arg(29, -1) > 0 or arg(30, -1) > 0
+  local obs = arg(37, 0) == 1
+  local extra = top > 2 and (obs or arg(28, -1) > 0 or arg(29, -1) > 0 or arg(30, -1) > 0
     or arg(31, -1) > 0)
   local v
-  if extra then
+  if obs then
+    v = redis.call('HMGET', K[2], 'tt', 'rt', 'bu', 'x', 'it', 'ot', 'td', 'rd',
+      'ft', 'fr', 'fi', 'fo', 'oa', 'l:tt', 'l:rt', 'l:it', 'l:ot')
+  elseif extra then
     v = redis.call('HMGET', K[2], 'tt', 'rt', 'bu', 'x', 'it', 'ot', 'td', 'rd')
   else
     v = redis.call('HMGET', K[2], 'tt', 'rt', 'bu', 'x')
@@ -384,10 +414,18 @@ local function qload()
     lim = QLIM, on = clear(QON), amt = QAMT }
   local tok, tin, tout = arg(13, 0), 0, 0
   if top > 2 then tin, tout = arg(32, 0), arg(33, 0) end
+  if obs then
+    q.obs, q.oa, q.fl, q.raw = true, tonumber(v[13]), {}, v
+    for i = 1, 4 do q.fl[i] = tonumber(v[8 + i]) or 0 end
+  end
   for i = 1, #QB do
     local b = QB[i]
     local l = -1
     if i <= top then l = arg(b.lim, -1) end
+    if obs and is_auto(i) then
+      l = tonumber(v[13 + i]) or -1
+      if l <= 0 then q.unlearned = true end
+    end
     local c = l
     if l > 0 and b.per == MIN and burst > 0 and burst < MIN then
       c = max(1, floor(l * burst / MIN))
@@ -479,6 +517,74 @@ local function qblock(q, d)
     q.bu = nb
     q.w[#q.w + 1] = 'bu'
   end
+end
+
+-- §18: count the reservation (slots 13, 32, 33 and one request) in (+1) or out (-1)
+-- of the in-flight fields, never below 0.
+local function qtrack(q, sign)
+  if not q.obs then return end
+  local amt = { arg(13, 0), 1, arg(32, 0), arg(33, 0) }
+  for i = 1, 4 do
+    local n = max(0, q.fl[i] + sign * amt[i])
+    if n ~= q.fl[i] then
+      q.fl[i] = n
+      q[FL[i]] = n
+      q.w[#q.w + 1] = FL[i]
+    end
+  end
+end
+
+-- Queue field `f` = `x` for qsave.
+local function qput(q, f, x)
+  q[f] = x
+  q.w[#q.w + 1] = f
+end
+
+-- §18: apply the report's observation (slots 39..51), after its settlement. Ignored
+-- when dated (now − age) before the last one applied ('oa'). Per dimension: an "auto"
+-- bucket learns the limit; a configured bucket's level becomes min(level, remaining −
+-- in flight) as of the observation (full again refill(capacity − that) after it,
+-- never past the debt floor): it only ever lowers; 'c:<bucket>' adds up what the
+-- corrections took; remaining 0 with a reset blocks the quota until then (the engine
+-- capped it at max_rate_limit_block).
+local function qobserve(q)
+  local age = arg(39, -1)
+  if not q.obs or age < 0 then return end
+  local at = now - age
+  if q.oa ~= nil and at < q.oa then return end
+  q.oa = at
+  q.w[#q.w + 1] = 'oa'
+  local blk = 0
+  for i = 1, 4 do
+    local f = QB[i].f
+    local lim, rem, rst = arg(37 + 3 * i, -1), arg(38 + 3 * i, -1), arg(39 + 3 * i, -1)
+    if lim > 0 and is_auto(i) and lim ~= q.lim[i] then
+      qput(q, 'l:' .. f, lim)
+      local c = lim
+      local burst = arg(27, 0)
+      if burst > 0 and burst < MIN then c = max(1, floor(lim * burst / MIN)) end
+      if q.lim[i] <= 0 then q[f] = max(tonumber(q.raw[QB[i].at]) or now, now) end
+      q.lim[i], q.caps[i] = lim, c
+    end
+    if rem >= 0 then
+      qput(q, 'o:' .. f, rem)
+      qput(q, 'm:' .. f, lim)
+      qput(q, 'a:' .. f, at)
+      if rem == 0 and rst >= 0 then blk = max(blk, at + rst - now) end
+      local cap = q.caps[i]
+      local target = rem - q.fl[i]
+      if cap > 0 and target < cap then
+        local full_at = min(at + refill(q, i, cap - target), now + refill(q, i, cap + q.lim[i]))
+        if full_at > q[f] then
+          local removed = floor((full_at - q[f]) * q.lim[i] / QB[i].per)
+          if removed > 0 then redis.call('HINCRBY', K[2], 'c:' .. f, fmt(removed)) end
+          q[f] = full_at
+          q.w[#q.w + 1] = f
+        end
+      end
+    end
+  end
+  if blk > 0 then qblock(q, blk) end
 end
 
 -- Write the changed fields; move the expiry past the moment the hash reads as full
@@ -664,12 +770,15 @@ local function gate(keys, args)
       local cw, why = cwait(q, cl, mi)
       if cw > 0 then return { 3, why, 0, 0, max(cw, wait) } end
     end
+    -- §18: an "auto" bucket not learned yet admits one call at a time.
+    if q.unlearned and q.fl[2] > 0 then wait = max(wait, 1000000) end
     if wait > 0 then return { 1, 0, 0, 0, wait } end
     local b = bload(false)
     local g, p = try_enter(b)
     bsave_p(b)
     if not g then return { 2, b.e, 0, b.st, bra(b) } end
     qdebit(q)
+    qtrack(q, 1)
     if cl then ctake(q, cl[mi]) end
     qsave(q)
     if p then return { 0, b.e, 1, b.st, 0 } end
@@ -679,12 +788,14 @@ local function gate(keys, args)
     -- Settle (the caller computed the credits), then the verdict.
     local block = arg(20, -1)
     if arg(18, 0) ~= 0 or arg(19, 0) ~= 0 or block >= 0 or arg(34, 0) ~= 0
-        or arg(35, 0) ~= 0 then
+        or arg(35, 0) ~= 0 or arg(37, 0) == 1 then
       local q = qload()
       qcredit(q)
+      qtrack(q, -1)
       local class = A[24]
       if class ~= nil and class ~= '' then csettle(q, class) end
       if block >= 0 then qblock(q, block) end
+      qobserve(q)
       qsave(q)
     end
     local verdict = A[17]
@@ -761,14 +872,17 @@ local function gate(keys, args)
   elseif op == 'reserve' then
     local q = qload()
     local wait = qwait(q)
+    if q.unlearned and q.fl[2] > 0 then wait = max(wait, 1000000) end
     if wait > 0 then return { 0, wait } end
     qdebit(q)
+    qtrack(q, 1)
     qsave(q)
     return { 1, 0 }
 
   elseif op == 'settle' then
     local q = qload()
     qcredit(q)
+    qtrack(q, -1)
     qsave(q)
     return { 1 }
 
@@ -784,8 +898,26 @@ local function gate(keys, args)
     decay(b)
     roll(b)
     local q = qload()
-    return { b.st, b.e, bra(b), b.k, b.co + b.po, b.cf + b.pf, b.s, qlevel(q, 1), qlevel(q, 2),
+    local r = { b.st, b.e, bra(b), b.k, b.co + b.po, b.cf + b.pf, b.s, qlevel(q, 1), qlevel(q, 2),
       max(q.bu - now, 0), qlevel(q, 3), qlevel(q, 4), qlevel(q, 5), qlevel(q, 6) }
+    if q.obs then
+      -- §18: per bucket 1..4, the last observation: remaining, limit, age (µs), what
+      -- the corrections removed (-1: never observed).
+      local v = redis.call('HMGET', K[2], 'o:tt', 'm:tt', 'a:tt', 'c:tt', 'o:rt', 'm:rt',
+        'a:rt', 'c:rt', 'o:it', 'm:it', 'a:it', 'c:it', 'o:ot', 'm:ot', 'a:ot', 'c:ot')
+      for i = 0, 3 do
+        local o = tonumber(v[4 * i + 1])
+        if o == nil then
+          r[#r + 1], r[#r + 2], r[#r + 3], r[#r + 4] = -1, -1, -1, -1
+        else
+          r[#r + 1] = o
+          r[#r + 1] = tonumber(v[4 * i + 2]) or -1
+          r[#r + 1] = max(0, now - (tonumber(v[4 * i + 3]) or now))
+          r[#r + 1] = tonumber(v[4 * i + 4]) or 0
+        end
+      end
+    end
+    return r
   end
 
   return redis.error_reply('polygate: unknown op ' .. tostring(op))

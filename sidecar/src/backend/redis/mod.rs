@@ -482,6 +482,7 @@ impl Backend for RedisBackend {
             reserved: r.reserved,
             outcome: r.outcome,
             class: r.class,
+            observed: r.observed,
         };
         match self.exec(source, op).await? {
             Some(a) => Ok(a),

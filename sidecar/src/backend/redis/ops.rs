@@ -13,8 +13,8 @@ use super::script::{
 };
 use crate::backend::event::AdminOp;
 use crate::backend::{
-    Admit, Applied, BResult, BreakerParams, ClassTag, Entry, Held, Outcome, Peek, QuotaParams,
-    Reserve, Settlement, SourceSnapshot, State, Tokens,
+    Admit, Applied, BResult, BreakerParams, ClassTag, Entry, Held, LastSeen, Observation, Outcome,
+    Peek, QuotaParams, Reserve, Settlement, SourceSnapshot, State, Tokens,
 };
 use crate::gate::quota::MAX_QUOTA_BLOCK;
 
@@ -314,6 +314,12 @@ impl Op for SettleArgs<'_> {
             quota: Some(self.q),
             credit: self.q.credits(self.reserved, self.how),
             max_debt: Some(self.q.max_debt),
+            // §18: an observing source counts the reservation out of its in-flight.
+            tokens: if self.q.tracks() {
+                self.reserved
+            } else {
+                Tokens::default()
+            },
             ..Argv::default()
         }
     }
@@ -441,6 +447,8 @@ pub(super) struct ReportArgs<'a> {
     pub outcome: Outcome,
     /// §15: the permit's priority class (`None`: the scope has none).
     pub class: Option<&'a str>,
+    /// §18: the response's observed limits.
+    pub observed: Option<&'a Observation>,
 }
 
 impl Op for ReportArgs<'_> {
@@ -466,6 +474,13 @@ impl Op for ReportArgs<'_> {
             block,
             class: self.class,
             max_debt: Some(self.q.max_debt),
+            // §18: an observing source counts the reservation out of its in-flight.
+            tokens: if self.q.tracks() {
+                self.reserved
+            } else {
+                Tokens::default()
+            },
+            observed: self.observed.filter(|_| self.q.tracks()),
             ..Argv::default()
         }
     }
@@ -524,6 +539,7 @@ impl Op for SnapshotArgs<'_> {
                 level_or_none(v, 13)?,
             ],
             quota_blocked: dur_at(v, 9)?,
+            seen: seen_at(v, 14)?,
         })
     }
     fn seen(&self, s: &SourceSnapshot) -> Seen {
@@ -532,6 +548,31 @@ impl Op for SnapshotArgs<'_> {
             quota: Some(s.quota_blocked),
         }
     }
+}
+
+/// §18: per bucket (tpm, rpm, itpm, otpm), four integers from slot `at` on:
+/// remaining, limit, age µs, removed (`-1` remaining: never observed; absent: the
+/// source does not observe).
+fn seen_at(v: &[Value], at: usize) -> BResult<[Option<LastSeen>; 4]> {
+    let mut out = [None; 4];
+    if v.len() < at + 16 {
+        return Ok(out);
+    }
+    for (i, slot) in out.iter_mut().enumerate() {
+        let k = at + 4 * i;
+        let remaining = int_at(v, k)?;
+        if remaining < 0 {
+            continue;
+        }
+        let limit = int_at(v, k + 1)?;
+        *slot = Some(LastSeen {
+            remaining: remaining as u64,
+            limit: (limit > 0).then_some(limit as u64),
+            age: dur_at(v, k + 2)?,
+            removed: u64_at(v, k + 3)?,
+        });
+    }
+    Ok(out)
 }
 
 #[cfg(test)]
@@ -589,6 +630,7 @@ mod tests {
                 count_attempt: true,
             },
             class: None,
+            observed: None,
         };
         let announce = Announce {
             channel: "chan",
@@ -661,6 +703,7 @@ mod tests {
                 retry_after: Some(Duration::from_secs(2)),
             },
             class: None,
+            observed: None,
         };
         assert_eq!(slot(&report, "is_probe"), "1");
         assert_eq!(slot(&report, "count_attempt"), "0");
@@ -726,6 +769,7 @@ mod tests {
                 split: None,
             },
             class: None,
+            observed: None,
         };
         let credit = |r: &ReportArgs| slot(r, "token_credit");
         assert_eq!(credit(&report(FailureKind::Timeout, Some(40))), "100");

@@ -54,7 +54,8 @@ use ::redis::{Cmd, RedisWrite, Script, ToRedisArgs, Value};
 
 use super::reach::Seen;
 use crate::backend::{
-    Applied, BResult, BackendError, BreakerParams, ClassShares, QuotaParams, State, Tokens, Trip,
+    Applied, BResult, BackendError, BreakerParams, ClassShares, Observation, QuotaParams, State,
+    Tokens, Trip,
 };
 use crate::gate::quota::{Credits, DEFAULT_MAX_DEBT, MINUTE};
 
@@ -211,7 +212,7 @@ impl Slot<'_> {
 
 /// The names of `gate.lua`'s ARGV slots, `ARGV[1]` first; its header documents each
 /// under the same name.
-pub(super) const SLOTS: [&str; 36] = [
+pub(super) const SLOTS: [&str; 51] = [
     "op",
     "failure_threshold",
     "failure_rate",
@@ -248,6 +249,21 @@ pub(super) const SLOTS: [&str; 36] = [
     "in_credit",
     "out_credit",
     "max_debt_us",
+    "observe",
+    "auto",
+    "obs_age_us",
+    "tt_limit",
+    "tt_remaining",
+    "tt_reset_us",
+    "rt_limit",
+    "rt_remaining",
+    "rt_reset_us",
+    "it_limit",
+    "it_remaining",
+    "it_reset_us",
+    "ot_limit",
+    "ot_remaining",
+    "ot_reset_us",
 ];
 
 /// The value each slot holds when an operation does not use it, in [`SLOTS`] order
@@ -290,6 +306,21 @@ const NEUTRAL: [&str; SLOTS.len()] = [
     "0",
     "0",
     "600000000",
+    "0",
+    "0",
+    "-1",
+    "-1",
+    "-1",
+    "-1",
+    "-1",
+    "-1",
+    "-1",
+    "-1",
+    "-1",
+    "-1",
+    "-1",
+    "-1",
+    "-1",
 ];
 
 /// Largest duration handed to the script, in µs (2^52 µs ≈ 142 years): `TIME` + it
@@ -360,6 +391,8 @@ pub(super) struct Argv<'a> {
     pub class: Option<&'a str>,
     /// Slots 25–26 (§15): the scope's classes (admit only).
     pub shares: Option<&'a ClassShares>,
+    /// Slots 39–51 (§18, report): the response's observed limits.
+    pub observed: Option<&'a Observation>,
 }
 
 /// Slot 26: every class as `name reserve_ppm limit_ppm`, space-separated.
@@ -479,7 +512,25 @@ impl<'a> Argv<'a> {
             Slot::Int(part_credit(has_in, self.credit.input)),
             Slot::Int(part_credit(has_out, self.credit.output)),
             int(micros(self.max_debt.unwrap_or(DEFAULT_MAX_DEBT))),
+            // §18: slot 37 is the one flag a source that does not observe never
+            // sends (a neutral trailing slot).
+            Slot::Int(self.quota.map_or(0, |q| i64::from(q.tracks()))),
+            Slot::Int(self.quota.map_or(0, |q| i64::from(q.auto))),
         ]);
+        match self.observed {
+            Some(o) => {
+                v.push(Slot::Int(micros(o.age) as i64));
+                for d in &o.dims {
+                    let d = d.unwrap_or_default();
+                    v.extend([
+                        Slot::Int(bucket(d.limit)),
+                        Slot::Int(bucket(d.remaining)),
+                        Slot::Int(micros_or_none(d.reset)),
+                    ]);
+                }
+            }
+            None => v.extend((0..13).map(|_| Slot::Int(-1))),
+        }
         while v.len() > 1 && v.last().is_some_and(|s| s.is_neutral(v.len() - 1)) {
             v.pop();
         }

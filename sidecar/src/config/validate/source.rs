@@ -6,10 +6,10 @@ use std::collections::HashMap;
 
 use super::{choice, duration, positive};
 use crate::config::env::Origins;
-use crate::config::raw::RawSource;
+use crate::config::raw::{RawRate, RawSource};
 use crate::config::{
-    ConfigError, ScopeConfig, SourceConfig, DEFAULT_BURST, DEFAULT_SOURCE_TIMEOUT,
-    DEFAULT_TOKENS_CHARGED,
+    ConfigError, ScopeConfig, SourceConfig, DEFAULT_BURST, DEFAULT_OBSERVE_LIMITS,
+    DEFAULT_SOURCE_TIMEOUT, DEFAULT_TOKENS_CHARGED,
 };
 use crate::limits::{MAX_NAME, MAX_RATE, MAX_TOKENS};
 
@@ -44,9 +44,31 @@ pub(super) fn validate_source(
             "must be at most 60s: a per-minute bucket never holds more than a minute's worth",
         ));
     }
+    // §18: `"auto"` learns a per-minute limit from the provider (bits in tpm, rpm,
+    // itpm, otpm order, as the quota's buckets).
+    let mut auto = 0u8;
+    let mut rate = |bit: u8, key: &str, v: Option<RawRate>| -> Result<Option<u64>, ConfigError> {
+        match v {
+            None => Ok(None),
+            Some(RawRate::Count(n)) => positive(ctx, &k(key), Some(n), MAX_RATE),
+            Some(RawRate::Text(t)) if t.trim().eq_ignore_ascii_case("auto") => {
+                auto |= 1 << bit;
+                Ok(None)
+            }
+            Some(RawRate::Text(t)) => Err(ctx.err(
+                &k(key),
+                format_args!("{:?}", crate::limits::echo(&t)),
+                "expected a positive integer or \"auto\"",
+            )),
+        }
+    };
+    let tpm = rate(0, "tpm", raw.tpm)?;
+    let rpm = rate(1, "rpm", raw.rpm)?;
+    let itpm = rate(2, "itpm", raw.itpm)?;
+    let otpm = rate(3, "otpm", raw.otpm)?;
     Ok(SourceConfig {
-        tpm: positive(ctx, &k("tpm"), raw.tpm, MAX_RATE)?,
-        rpm: positive(ctx, &k("rpm"), raw.rpm, MAX_RATE)?,
+        tpm,
+        rpm,
         est_tokens: positive(ctx, &k("est_tokens"), raw.est_tokens, MAX_TOKENS)?,
         timeout: duration(ctx, &k("timeout"), raw.timeout, DEFAULT_SOURCE_TIMEOUT)?,
         burst,
@@ -56,8 +78,8 @@ pub(super) fn validate_source(
             raw.tokens_charged,
             DEFAULT_TOKENS_CHARGED,
         )?,
-        itpm: positive(ctx, &k("itpm"), raw.itpm, MAX_RATE)?,
-        otpm: positive(ctx, &k("otpm"), raw.otpm, MAX_RATE)?,
+        itpm,
+        otpm,
         rpd: positive(ctx, &k("rpd"), raw.rpd, MAX_RATE)?,
         tpd: positive(ctx, &k("tpd"), raw.tpd, MAX_RATE)?,
         est_output_tokens: positive(
@@ -66,6 +88,13 @@ pub(super) fn validate_source(
             raw.est_output_tokens,
             MAX_TOKENS,
         )?,
+        observe_limits: choice(
+            ctx,
+            &k("observe_limits"),
+            raw.observe_limits,
+            DEFAULT_OBSERVE_LIMITS,
+        )?,
+        auto,
         name,
     })
 }
@@ -103,13 +132,20 @@ pub(super) fn check_shared_sources(scopes: &[ScopeConfig]) -> Result<(), ConfigE
 }
 
 /// The keys of a source that make up its one global quota, each as its value shows.
-pub(super) fn quota_keys(s: &SourceConfig) -> [(&'static str, Box<str>); 8] {
+pub(super) fn quota_keys(s: &SourceConfig) -> [(&'static str, Box<str>); 9] {
     let n = |v: Option<u64>| v.map_or_else(|| "unset".into(), |v| v.to_string().into());
+    let r = |bit: u8, v: Option<u64>| -> Box<str> {
+        if s.auto & (1 << bit) != 0 {
+            "\"auto\"".into()
+        } else {
+            n(v)
+        }
+    };
     [
-        ("tpm", n(s.tpm)),
-        ("rpm", n(s.rpm)),
-        ("itpm", n(s.itpm)),
-        ("otpm", n(s.otpm)),
+        ("tpm", r(0, s.tpm)),
+        ("rpm", r(1, s.rpm)),
+        ("itpm", r(2, s.itpm)),
+        ("otpm", r(3, s.otpm)),
         ("rpd", n(s.rpd)),
         ("tpd", n(s.tpd)),
         (
@@ -119,6 +155,10 @@ pub(super) fn quota_keys(s: &SourceConfig) -> [(&'static str, Box<str>); 8] {
         (
             "tokens_charged",
             format!("{:?}", s.tokens_charged.as_str()).into(),
+        ),
+        (
+            "observe_limits",
+            format!("{:?}", s.observe_limits.as_str()).into(),
         ),
     ]
 }

@@ -1,0 +1,231 @@
+package polygate
+
+// The provider's rate-limit headers → observed limits (DESIGN §18), sent with a
+// permit's report. ParseRateLimitHeaders reads OpenAI's
+// x-ratelimit-{limit,remaining,reset}-{requests,tokens} (resets as Go durations:
+// 1s, 6m0s, 250ms), Anthropic's anthropic-ratelimit-{requests,tokens,input-tokens,
+// output-tokens}-{limit,remaining,reset} (RFC 3339 instants, counted from the
+// response's Date header, else from now), Azure's x-ratelimit-remaining-{requests,
+// tokens}, and retry-after-ms before retry-after (seconds or an HTTP date). The
+// shared cases are bindings/vectors/ratelimit_headers.json.
+
+import (
+	"math"
+	"net/http"
+	"strconv"
+	"strings"
+	"time"
+)
+
+// Limit is one dimension of a response's rate-limit headers. -1 means "not said".
+type Limit struct {
+	// Limit is the provider's limit (what an "auto" bucket learns), or -1.
+	Limit int64
+	// Remaining is what the provider says is left, or -1.
+	Remaining int64
+	// Reset is how long until the counter is whole again, from the response, or -1.
+	Reset time.Duration
+}
+
+// Limits is what one response's headers say (Permit.SetLimits).
+type Limits struct {
+	Requests, Tokens, InputTokens, OutputTokens *Limit
+	// Age is the time between the response and the report (a stream's length): the
+	// sidecar dates the observation now − Age and ignores one older than an
+	// observation it already applied.
+	Age time.Duration
+}
+
+func (l *Limits) empty() bool {
+	return l == nil || (l.Requests == nil && l.Tokens == nil && l.InputTokens == nil && l.OutputTokens == nil)
+}
+
+// ParseRateLimitHeaders returns the observed limits of one response's headers (nil
+// when it has no rate-limit header) and its retry-after (-1 when absent). now is
+// used for Anthropic's instants when the response has no Date header.
+func ParseRateLimitHeaders(h http.Header, now time.Time) (*Limits, time.Duration) {
+	get := func(name string) (string, bool) {
+		v := h.Values(name)
+		if len(v) == 0 {
+			return "", false
+		}
+		return v[0], true
+	}
+	base := now
+	if d, ok := get("Date"); ok {
+		if t, err := http.ParseTime(d); err == nil {
+			base = t
+		}
+	}
+	reset := func(v string, ok bool) time.Duration {
+		if !ok {
+			return -1
+		}
+		if d, ok := parseResetDuration(v); ok {
+			return d
+		}
+		t, err := time.Parse(time.RFC3339Nano, strings.TrimSpace(v))
+		if err != nil {
+			return -1
+		}
+		if d := t.Sub(base); d > 0 {
+			return d
+		}
+		return 0
+	}
+	count := func(v string, ok bool) int64 {
+		if !ok {
+			return -1
+		}
+		f, err := strconv.ParseFloat(strings.TrimSpace(v), 64)
+		if err != nil || math.IsNaN(f) || math.IsInf(f, 0) || f < 0 {
+			return -1
+		}
+		return int64(f)
+	}
+	dim := func(lim, rem, rst string) *Limit {
+		l := &Limit{Limit: count(get(lim)), Remaining: count(get(rem)), Reset: reset(get(rst))}
+		if l.Limit < 0 && l.Remaining < 0 && l.Reset < 0 {
+			return nil
+		}
+		return l
+	}
+	a := func(d string) *Limit {
+		p := "anthropic-ratelimit-" + d + "-"
+		return dim(p+"limit", p+"remaining", p+"reset")
+	}
+	o := func(d string) *Limit {
+		return dim("x-ratelimit-limit-"+d, "x-ratelimit-remaining-"+d, "x-ratelimit-reset-"+d)
+	}
+	l := &Limits{Requests: a("requests"), Tokens: a("tokens"), InputTokens: a("input-tokens"), OutputTokens: a("output-tokens")}
+	if l.Requests == nil {
+		l.Requests = o("requests")
+	}
+	if l.Tokens == nil {
+		l.Tokens = o("tokens")
+	}
+	retry := time.Duration(-1)
+	if v, ok := get("retry-after-ms"); ok {
+		if f, err := strconv.ParseFloat(strings.TrimSpace(v), 64); err == nil && f >= 0 && !math.IsInf(f, 0) {
+			retry = time.Duration(f * float64(time.Millisecond))
+		}
+	}
+	if v, ok := get("retry-after"); ok && retry < 0 {
+		if f, err := strconv.ParseFloat(strings.TrimSpace(v), 64); err == nil {
+			if f >= 0 && !math.IsInf(f, 0) {
+				retry = time.Duration(f * float64(time.Second))
+			}
+		} else if t, err := http.ParseTime(v); err == nil {
+			retry = max(0, t.Sub(base))
+		}
+	}
+	if l.empty() {
+		return nil, retry
+	}
+	return l, retry
+}
+
+// parseResetDuration reads OpenAI's reset: a Go duration (6m0s, 250ms) or a bare
+// number of seconds.
+func parseResetDuration(v string) (time.Duration, bool) {
+	v = strings.TrimSpace(v)
+	if f, err := strconv.ParseFloat(v, 64); err == nil {
+		if f < 0 || math.IsNaN(f) || math.IsInf(f, 0) {
+			return 0, false
+		}
+		return time.Duration(f * float64(time.Second)), true
+	}
+	d, err := time.ParseDuration(v)
+	if err != nil || d < 0 {
+		return 0, false
+	}
+	return d, true
+}
+
+// SetLimits attaches the response's observed limits to the permit's report (call
+// it before reporting; nil clears them).
+func (p *Permit) SetLimits(l *Limits) {
+	p.call.mu.Lock()
+	defer p.call.mu.Unlock()
+	if l.empty() {
+		p.limits = nil
+		return
+	}
+	w := l.wire()
+	p.limits = &w
+}
+
+// obsLimits is ObservedLimits on the wire (PROTOCOL.md §4.2): requests, tokens,
+// input, output, then age_s.
+type obsLimits struct {
+	dims [4]obsDim
+	age  float64
+}
+
+type obsDim struct {
+	some      bool
+	limit     optU64
+	remaining optU64
+	reset     optF64
+}
+
+func (l *Limits) wire() obsLimits {
+	w := obsLimits{age: l.Age.Seconds()}
+	for i, d := range []*Limit{l.Requests, l.Tokens, l.InputTokens, l.OutputTokens} {
+		if d == nil {
+			continue
+		}
+		x := obsDim{some: true}
+		if d.Limit >= 0 {
+			x.limit = optU64{uint64(d.Limit), true}
+		}
+		if d.Remaining >= 0 {
+			x.remaining = optU64{uint64(d.Remaining), true}
+		}
+		if d.Reset >= 0 {
+			x.reset = optF64{d.Reset.Seconds(), true}
+		}
+		w.dims[i] = x
+	}
+	if w.age < 0 {
+		w.age = 0
+	}
+	return w
+}
+
+func putLimits(b []byte, l *obsLimits) []byte {
+	for _, d := range l.dims {
+		if !d.some {
+			b = append(b, 0)
+			continue
+		}
+		b = append(b, 1)
+		b = putOptU64(b, d.limit)
+		b = putOptU64(b, d.remaining)
+		b = putOptF64(b, d.reset)
+	}
+	return putF64(b, l.age)
+}
+
+func (d *dec) limits() *obsLimits {
+	l := &obsLimits{}
+	for i := range l.dims {
+		if d.flag("observed limit") {
+			l.dims[i] = obsDim{some: true, limit: d.optU64("limit"), remaining: d.optU64("remaining"), reset: d.optF64("reset_s")}
+		}
+	}
+	l.age = d.f64("age_s")
+	return l
+}
+
+// observedTag is the tag of the report request tag carrying observed limits.
+func observedTag(tag uint32) uint32 {
+	switch tag {
+	case reqReport:
+		return reqReportObserved
+	case reqRetry:
+		return reqRetryObserved
+	default:
+		return reqFinishObserved
+	}
+}

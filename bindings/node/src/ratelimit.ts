@@ -1,0 +1,194 @@
+/**
+ * The provider's rate-limit headers → observed limits (DESIGN §18), sent with a
+ * permit's report (`permit.limits = …`).
+ *
+ * `parseRateLimitHeaders(headers, now?)` reads OpenAI's
+ * `x-ratelimit-{limit,remaining,reset}-{requests,tokens}` (resets as durations:
+ * `1s`, `6m0s`, `250ms`, `1m30.5s`), Anthropic's `anthropic-ratelimit-{requests,
+ * tokens,input-tokens,output-tokens}-{limit,remaining,reset}` (RFC 3339 instants,
+ * counted from the response's `date` header, else from `now`), Azure's
+ * `x-ratelimit-remaining-{requests,tokens}`, and `retry-after-ms` before
+ * `retry-after` (seconds or an HTTP date). The shared cases are
+ * `bindings/vectors/ratelimit_headers.json`. No I/O, no dependencies.
+ */
+
+import type { WireLimit, WireLimits } from "./wire.js";
+
+/** One dimension of a response's rate-limit headers; `null` = not said. */
+export interface Limit {
+  /** The provider's limit (what an `"auto"` bucket learns). */
+  limit: number | null;
+  /** What the provider says is left. */
+  remaining: number | null;
+  /** Seconds from the response until the counter is whole again. */
+  resetS: number | null;
+}
+
+/** What one response's headers say. */
+export interface Limits {
+  requests?: Limit | null;
+  tokens?: Limit | null;
+  inputTokens?: Limit | null;
+  outputTokens?: Limit | null;
+  /**
+   * Seconds between the response and the report (a stream's length): the sidecar
+   * dates the observation `now − ageS` and ignores one older than an observation
+   * it already applied. Default 0.
+   */
+  ageS?: number;
+}
+
+/** Header sources `parseRateLimitHeaders` takes: a fetch `Headers`, a plain object, or pairs. */
+export type HeaderSource =
+  | { get(name: string): string | null }
+  | Record<string, string | string[] | undefined>
+  | Iterable<[string, string]>;
+
+const UNIT_S: Record<string, number> = { h: 3600, m: 60, s: 1, ms: 1e-3, us: 1e-6, "µs": 1e-6, ns: 1e-9 };
+const PART = /(\d+(?:\.\d*)?|\.\d+)(ms|us|µs|ns|h|m|s)/gy;
+
+/** A Go-style duration (`6m0s`, `250ms`) or a bare number of seconds; null otherwise. */
+export function parseDuration(text: string): number | null {
+  const t = text.trim();
+  if (t === "") return null;
+  if (/^[0-9]*\.?[0-9]+(e[+-]?\d+)?$/i.test(t)) {
+    const v = Number(t);
+    return Number.isFinite(v) && v >= 0 ? v : null;
+  }
+  PART.lastIndex = 0;
+  let total = 0;
+  let pos = 0;
+  for (let m = PART.exec(t); m !== null; m = PART.exec(t)) {
+    total += Number(m[1]) * UNIT_S[m[2]!]!;
+    pos = PART.lastIndex;
+  }
+  return pos === t.length && pos > 0 ? total : null;
+}
+
+function getter(h: HeaderSource): (name: string) => string | null {
+  if (typeof (h as { get?: unknown }).get === "function" && !(Symbol.iterator in h && Array.isArray(h))) {
+    const g = h as { get(name: string): string | null };
+    return (name) => g.get(name);
+  }
+  const table = new Map<string, string>();
+  const add = (k: string, v: unknown): void => {
+    const key = k.toLowerCase();
+    if (table.has(key) || v === undefined || v === null) return;
+    table.set(key, Array.isArray(v) ? String(v[0]) : String(v));
+  };
+  if (Symbol.iterator in h) {
+    for (const [k, v] of h as Iterable<[string, string]>) add(k, v);
+  } else {
+    for (const [k, v] of Object.entries(h)) add(k, v);
+  }
+  return (name) => table.get(name) ?? null;
+}
+
+function count(v: string | null): number | null {
+  if (v === null) return null;
+  const t = v.trim();
+  if (!/^[0-9]*\.?[0-9]+$/.test(t)) return null;
+  const n = Number(t);
+  return Number.isFinite(n) && n >= 0 ? Math.floor(n) : null;
+}
+
+function httpDate(v: string | null): number | null {
+  if (v === null || !/[a-z]/i.test(v)) return null;
+  const ms = Date.parse(v);
+  return Number.isNaN(ms) ? null : ms / 1000;
+}
+
+/**
+ * `{limits, retryAfterS}` of one response's headers: `limits` is null when no
+ * rate-limit header was found, `retryAfterS` when none was given. `now` (Unix
+ * seconds, default the clock) counts Anthropic's instants when there is no `date`.
+ */
+export function parseRateLimitHeaders(headers: HeaderSource, now?: number): { limits: Limits | null; retryAfterS: number | null } {
+  const get = getter(headers);
+  const base = httpDate(get("date")) ?? now ?? Date.now() / 1000;
+  const reset = (v: string | null): number | null => {
+    if (v === null) return null;
+    const d = parseDuration(v);
+    if (d !== null) return d;
+    if (!/^\d{4}-\d{2}-\d{2}T/.test(v.trim())) return null;
+    const ms = Date.parse(v.trim());
+    return Number.isNaN(ms) ? null : Math.max(0, ms / 1000 - base);
+  };
+  const dim = (lim: string, rem: string, rst: string): Limit | null => {
+    const d: Limit = { limit: count(get(lim)), remaining: count(get(rem)), resetS: reset(get(rst)) };
+    return d.limit === null && d.remaining === null && d.resetS === null ? null : d;
+  };
+  const a = (d: string): Limit | null => {
+    const p = `anthropic-ratelimit-${d}-`;
+    return dim(p + "limit", p + "remaining", p + "reset");
+  };
+  const o = (d: string): Limit | null => dim(`x-ratelimit-limit-${d}`, `x-ratelimit-remaining-${d}`, `x-ratelimit-reset-${d}`);
+  const limits: Limits = {
+    requests: a("requests") ?? o("requests"),
+    tokens: a("tokens") ?? o("tokens"),
+    inputTokens: a("input-tokens"),
+    outputTokens: a("output-tokens"),
+  };
+  let retryAfterS: number | null = null;
+  const ms = get("retry-after-ms");
+  if (ms !== null && /^\s*[0-9]*\.?[0-9]+\s*$/.test(ms)) retryAfterS = Number(ms) / 1000;
+  const ra = get("retry-after");
+  if (retryAfterS === null && ra !== null) {
+    if (/^\s*[0-9]*\.?[0-9]+\s*$/.test(ra)) {
+      retryAfterS = Number(ra);
+    } else {
+      const at = httpDate(ra);
+      if (at !== null) retryAfterS = Math.max(0, at - base);
+    }
+  }
+  const empty = !limits.requests && !limits.tokens && !limits.inputTokens && !limits.outputTokens;
+  return { limits: empty ? null : limits, retryAfterS };
+}
+
+function wireLimit(l: Limit | null | undefined, what: string): WireLimit | null {
+  if (l === null || l === undefined) return null;
+  const n = (v: number | null, k: string): number | null => {
+    if (v === null || v === undefined) return null;
+    if (!Number.isSafeInteger(v) || v < 0) throw new TypeError(`${what}.${k} must be an integer >= 0, got ${String(v)}`);
+    return v;
+  };
+  if (l.resetS !== null && l.resetS !== undefined && (!Number.isFinite(l.resetS) || l.resetS < 0)) {
+    throw new TypeError(`${what}.resetS must be a finite number of seconds >= 0, got ${String(l.resetS)}`);
+  }
+  return { limit: n(l.limit, "limit"), remaining: n(l.remaining, "remaining"), reset_s: l.resetS ?? null };
+}
+
+/** `limits` as the wire's `ObservedLimits` (null when it says nothing); a bad value throws TypeError. */
+export function toWireLimits(limits: Limits | null | undefined): WireLimits | null {
+  if (limits === null || limits === undefined) return null;
+  const w: WireLimits = {
+    requests: wireLimit(limits.requests, "requests"),
+    tokens: wireLimit(limits.tokens, "tokens"),
+    input_tokens: wireLimit(limits.inputTokens, "inputTokens"),
+    output_tokens: wireLimit(limits.outputTokens, "outputTokens"),
+    age_s: limits.ageS ?? 0,
+  };
+  if (!Number.isFinite(w.age_s) || w.age_s < 0) throw new TypeError(`ageS must be a finite number >= 0, got ${String(limits.ageS)}`);
+  if (!w.requests && !w.tokens && !w.input_tokens && !w.output_tokens) return null;
+  return w;
+}
+
+/**
+ * `run`: the observed limits of an SDK error (`err.headers`, `err.response.headers`)
+ * or of a raw response (`.headers`); null when it carries none.
+ */
+export function limitsOf(x: unknown): Limits | null {
+  if (x === null || typeof x !== "object") return null;
+  const o = x as { headers?: unknown; response?: { headers?: unknown } };
+  for (const h of [o.headers, o.response?.headers]) {
+    if (h !== null && typeof h === "object") {
+      try {
+        const { limits } = parseRateLimitHeaders(h as HeaderSource);
+        if (limits !== null) return limits;
+      } catch {
+        // headers of an unexpected shape: nothing observed
+      }
+    }
+  }
+  return null;
+}

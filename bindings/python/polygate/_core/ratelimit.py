@@ -1,0 +1,246 @@
+"""The provider's rate-limit headers → observed limits (DESIGN §18).
+
+:func:`parse_headers` reads one response's headers (any mapping with ``get``, or
+a list of pairs; names are matched case-insensitively) and returns what the
+provider said is left, per dimension, and its retry-after:
+
+* OpenAI: ``x-ratelimit-{limit,remaining,reset}-{requests,tokens}``; a reset is a
+  duration (``1s``, ``6m0s``, ``250ms``, ``1m30.5s``, ``2h1m``).
+* Anthropic: ``anthropic-ratelimit-{requests,tokens,input-tokens,output-tokens}-
+  {limit,remaining,reset}``; a reset is an RFC 3339 instant, turned into seconds
+  from the response's ``date`` header when present, else from ``now``.
+* Azure OpenAI: ``x-ratelimit-remaining-{requests,tokens}`` only.
+* ``retry-after-ms`` before ``retry-after`` (seconds, or an HTTP date).
+
+The same cases run in every binding (``bindings/vectors/ratelimit_headers.json``).
+No I/O, no dependencies.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import time
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from email.utils import parsedate_to_datetime
+from typing import Any, Callable, Dict, Iterable, Optional, Tuple
+
+from .. import _frames
+
+__all__ = ["Limit", "Limits", "parse_headers", "parse_duration", "encode_limits", "limits_of"]
+
+
+@dataclass
+class Limit:
+    """One dimension of a response's rate-limit headers; each part optional."""
+
+    limit: Optional[int] = None
+    """The provider's limit (what an ``"auto"`` bucket learns)."""
+    remaining: Optional[int] = None
+    """What the provider says is left."""
+    reset_s: Optional[float] = None
+    """Seconds from the response until the counter is whole again."""
+
+
+@dataclass
+class Limits:
+    """What one response's headers say (``permit.limits = Limits(...)``)."""
+
+    requests: Optional[Limit] = None
+    tokens: Optional[Limit] = None
+    input_tokens: Optional[Limit] = None
+    output_tokens: Optional[Limit] = None
+    age_s: float = 0.0
+    """Seconds between the response and the report (a stream's length); the
+    sidecar dates the observation ``now - age_s`` and ignores one older than an
+    observation it already applied."""
+
+    def empty(self) -> bool:
+        return self.requests is None and self.tokens is None and self.input_tokens is None \
+            and self.output_tokens is None
+
+
+_DURATION_PART = re.compile(r"(\d+(?:\.\d*)?|\.\d+)(ms|us|µs|ns|h|m|s)")
+_UNIT_S = {"h": 3600.0, "m": 60.0, "s": 1.0, "ms": 1e-3, "us": 1e-6, "µs": 1e-6, "ns": 1e-9}
+
+
+def parse_duration(text: str) -> Optional[float]:
+    """A Go-style duration (OpenAI's resets: ``6m0s``, ``250ms``, ``1m30.5s``) or a
+    bare number of seconds, in seconds; None when it is neither."""
+    t = text.strip()
+    if not t:
+        return None
+    try:
+        v = float(t)
+        return v if math.isfinite(v) and v >= 0 else None
+    except ValueError:
+        pass
+    pos, total = 0, 0.0
+    for m in _DURATION_PART.finditer(t):
+        if m.start() != pos:
+            return None
+        total += float(m.group(1)) * _UNIT_S[m.group(2)]
+        pos = m.end()
+    return total if pos == len(t) and pos > 0 else None
+
+
+def _instant(text: str) -> Optional[datetime]:
+    t = text.strip()
+    if t.endswith(("Z", "z")):
+        t = t[:-1] + "+00:00"
+    try:
+        d = datetime.fromisoformat(t)
+    except ValueError:
+        return None
+    return d if d.tzinfo is not None else d.replace(tzinfo=timezone.utc)
+
+
+def _http_date(text: str) -> Optional[datetime]:
+    try:
+        d = parsedate_to_datetime(text)
+    except (TypeError, ValueError, IndexError):
+        return None
+    if d is None:
+        return None
+    return d if d.tzinfo is not None else d.replace(tzinfo=timezone.utc)
+
+
+def _getter(headers: Any) -> Callable[[str], Optional[str]]:
+    """A case-insensitive lookup over a mapping or a list of pairs."""
+    if headers is None:
+        return lambda name: None
+    items: Iterable[Tuple[Any, Any]]
+    if hasattr(headers, "items"):
+        items = headers.items()
+    else:
+        items = headers
+    table: Dict[str, str] = {}
+    for k, v in items:
+        key = (k.decode("latin-1") if isinstance(k, bytes) else str(k)).lower()
+        table.setdefault(key, v.decode("latin-1") if isinstance(v, bytes) else str(v))
+    return table.get
+
+
+def _count(v: Optional[str]) -> Optional[int]:
+    if v is None:
+        return None
+    try:
+        n = float(v.strip())
+    except ValueError:
+        return None
+    if not math.isfinite(n) or n < 0:
+        return None
+    return int(n)
+
+
+def parse_headers(headers: Any, now: Optional[float] = None) -> Tuple[Optional[Limits], Optional[float]]:
+    """``(limits, retry_after_s)`` of one response's headers (see the module doc).
+    ``limits`` is None when no rate-limit header was found; ``now`` is a Unix
+    time (default: the clock) for Anthropic's instants when the response has no
+    ``date``."""
+    get = _getter(headers)
+    base = _http_date(get("date") or "")
+    base_ts = base.timestamp() if base is not None else (time.time() if now is None else now)
+
+    def reset_of(v: Optional[str]) -> Optional[float]:
+        if v is None:
+            return None
+        d = parse_duration(v)
+        if d is not None:
+            return d
+        at = _instant(v)
+        if at is None:
+            return None
+        return max(0.0, at.timestamp() - base_ts)
+
+    def dim(prefix: str, suffix: str, anthropic: bool) -> Optional[Limit]:
+        if anthropic:
+            lim = get("%s-%s-limit" % (prefix, suffix))
+            rem = get("%s-%s-remaining" % (prefix, suffix))
+            rst = get("%s-%s-reset" % (prefix, suffix))
+        else:
+            lim = get("%s-limit-%s" % (prefix, suffix))
+            rem = get("%s-remaining-%s" % (prefix, suffix))
+            rst = get("%s-reset-%s" % (prefix, suffix))
+        d = Limit(_count(lim), _count(rem), reset_of(rst))
+        if d.limit is None and d.remaining is None and d.reset_s is None:
+            return None
+        return d
+
+    limits = Limits()
+    a = "anthropic-ratelimit"
+    limits.requests = dim(a, "requests", True)
+    limits.tokens = dim(a, "tokens", True)
+    limits.input_tokens = dim(a, "input-tokens", True)
+    limits.output_tokens = dim(a, "output-tokens", True)
+    if limits.requests is None:
+        limits.requests = dim("x-ratelimit", "requests", False)
+    if limits.tokens is None:
+        limits.tokens = dim("x-ratelimit", "tokens", False)
+
+    retry_after: Optional[float] = None
+    ms = get("retry-after-ms")
+    if ms is not None:
+        try:
+            v = float(ms.strip()) / 1000.0
+            if math.isfinite(v) and v >= 0:
+                retry_after = v
+        except ValueError:
+            pass
+    if retry_after is None:
+        ra = get("retry-after")
+        if ra is not None:
+            try:
+                v = float(ra.strip())
+                if math.isfinite(v) and v >= 0:
+                    retry_after = v
+            except ValueError:
+                when = _http_date(ra)
+                if when is not None:
+                    retry_after = max(0.0, when.timestamp() - base_ts)
+    return (None if limits.empty() else limits), retry_after
+
+
+def _check(name: str, v: Optional[int]) -> Optional[int]:
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, int) or v < 0 or v >= 1 << 64:
+        raise ValueError("%s must be an integer >= 0, got %r" % (name, v))
+    return v
+
+
+def _check_s(name: str, v: Optional[float]) -> Optional[float]:
+    if v is None:
+        return None
+    f = float(v)
+    if not math.isfinite(f) or f < 0:
+        raise ValueError("%s must be a finite number of seconds >= 0, got %r" % (name, v))
+    return f
+
+
+def encode_limits(limits: Optional[Limits]) -> Optional[bytes]:
+    """The wire ``ObservedLimits`` of ``limits`` (None for None or no dimension);
+    a bad value raises ValueError naming it."""
+    if limits is None or limits.empty():
+        return None
+
+    def one(name: str, d: Optional[Limit]) -> Optional[bytes]:
+        if d is None:
+            return None
+        return _frames.observed_limit(_check(name + ".limit", d.limit), _check(name + ".remaining", d.remaining),
+                                      _check_s(name + ".reset_s", d.reset_s))
+
+    age = _check_s("age_s", limits.age_s) or 0.0
+    return _frames.observed_limits(one("requests", limits.requests), one("tokens", limits.tokens),
+                                   one("input_tokens", limits.input_tokens),
+                                   one("output_tokens", limits.output_tokens), age)
+
+
+def limits_of(result: Any) -> Optional[Limits]:
+    """``client.run``: the observed limits of a result that carries its response's
+    headers (a raw ``httpx`` response, an SDK's raw-response wrapper), else None."""
+    h = getattr(result, "headers", None)
+    if h is None or not hasattr(h, "get"):
+        return None
+    return parse_headers(h)[0]
