@@ -20,6 +20,7 @@ from .errors import (
     CircuitOpenError,
     GatewayUnavailableError,
     PolyGateError,
+    RouteMissingError,
     SidecarError,
 )
 
@@ -38,5 +39,6 @@ __all__ = [
     "GatewayUnavailableError",
     "CircuitOpenError",
     "AllSourcesExhausted",
+    "RouteMissingError",
     "__version__",
 ]
