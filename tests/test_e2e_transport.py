@@ -267,6 +267,27 @@ def test_an_abandoned_stream_is_settled_within_a_second(sidecar, upstream):
     assert s["state"] == "closed" and s["streak"] == 0, s  # abandoning is not the upstream's failure
 
 
+def test_transport_errors_are_transient_failures(sidecar, upstream):
+    pg = start(sidecar, breaker={"failure_threshold": 10}, pacer={"initial": 8})
+    dead = FakeUpstream("dead").start()
+    url = dead.url
+    dead.stop()  # nothing listens there now: connection refused
+    client = openai.OpenAI(api_key="k", base_url=url + "/v1", max_retries=0,
+                           http_client=polygate.httpx.client("chat", socket=sidecar.socket))
+    with pytest.raises(openai.APIConnectionError):
+        client.chat.completions.create(model="gpt-test", messages=MESSAGES, max_tokens=3000)
+    s = src(pg)
+    assert s["streak"] == 1 and s["pacer_ceiling"] == 8 and s["tokens_available"] >= 5900, s  # refunded
+    upstream.queue(Reply.json(chat_body(), delay_s=2))
+    client = oai(upstream, sidecar.socket, max_retries=0, timeout=0.3)
+    with pytest.raises(openai.APITimeoutError):
+        client.chat.completions.create(model="gpt-test", messages=MESSAGES, max_tokens=3000)
+    s = src(pg)
+    # a timeout: the streak grows and the pacer's ceiling halves (a connection error leaves it)
+    assert s["streak"] == 2 and s["pacer_ceiling"] == 4 and s["in_flight"] == 0, s
+    assert calls(pg) == 0
+
+
 # ------------------------------------------------------------------ anthropic (httpx2)
 
 

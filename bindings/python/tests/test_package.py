@@ -59,11 +59,19 @@ def test_core_and_wire_do_no_io():
         assert not (set(_imports(path)) & io_modules), "%s imports %s" % (path, set(_imports(path)) & io_modules)
 
 
+# The optional HTTP transports (DESIGN §17): each library is imported by its own
+# module only, which a user imports only if they use that library.
+OPTIONAL = {"httpx": "httpx.py", "httpx2": "httpx2.py"}
+
+
 def test_no_runtime_dependencies():
     stdlib = set(sys.stdlib_module_names) if hasattr(sys, "stdlib_module_names") else None
     for path in SOURCES:
         for mod in _imports(path):
             if mod in ("polygate", "__future__"):
+                continue
+            if mod in OPTIONAL:
+                assert path == os.path.join(PKG, OPTIONAL[mod]), "%s imports %s" % (path, mod)
                 continue
             if stdlib is not None:
                 assert mod in stdlib, "%s imports %s, not in the standard library" % (path, mod)

@@ -93,6 +93,7 @@ def parse_routes(routes: Optional[Mapping[str, Any]]) -> Optional[Dict[str, Rout
 # ---------------------------------------------------------------- estimate
 
 _OUTPUT_KEYS = ("max_tokens", "max_completion_tokens", "max_output_tokens")
+_OUTPUT_NEEDLE = b'_tokens"'  # the body is parsed only if it may name one of them
 
 
 def estimate_request(body: Optional[bytes]) -> Tuple[Optional[int], Optional[int]]:
@@ -104,7 +105,7 @@ def estimate_request(body: Optional[bytes]) -> Tuple[Optional[int], Optional[int
         return None, None
     inp = min(p.MAX_COUNT // 2, (len(body) + 3) // 4)
     out: Optional[int] = None
-    if body[:1] == b"{" and any(k.encode() in body for k in _OUTPUT_KEYS):
+    if body[:1] == b"{" and _OUTPUT_NEEDLE in body:
         try:
             doc = json.loads(body)
         except ValueError:
