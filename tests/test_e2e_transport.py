@@ -288,6 +288,40 @@ def test_transport_errors_are_transient_failures(sidecar, upstream):
     assert calls(pg) == 0
 
 
+def test_a_dropped_stream_is_settled_by_the_safety_net(sidecar, upstream):
+    """Closing is the contract (the SDKs close what they abandon); a response
+    dropped unclosed is settled too, when it is garbage-collected — here with
+    plain httpx (sync) and httpx2 (asyncio), which do not close it for you."""
+    import gc
+
+    pg = start(sidecar)
+    upstream.queue(Reply.sse(OPENAI_STREAM[:1], hold_s=10), times=2)
+    body = {"model": "gpt-test", "messages": MESSAGES, "max_tokens": 3000, "stream": True}
+    hc = polygate.httpx.client("chat", socket=sidecar.socket, base_url=upstream.url)
+    r = hc.send(hc.build_request("POST", "/v1/chat/completions", json=body), stream=True)
+    it = r.iter_raw()
+    next(it)
+    assert src(pg)["in_flight"] == 1
+    del it, r
+    gc.collect()
+    wait_until(lambda: src(pg)["in_flight"] == 0 and calls(pg) == 0, 1.0, what="the dropped stream settled")
+
+    async def main() -> None:
+        ac = polygate.httpx2.async_client("chat", socket=sidecar.socket, base_url=upstream.url)
+        r = await ac.send(ac.build_request("POST", "/v1/chat/completions", json=body), stream=True)
+        it = r.aiter_raw()
+        await it.__anext__()
+        assert src(pg)["in_flight"] == 1
+        del it, r
+        t0 = time.monotonic()
+        while src(pg)["in_flight"] != 0 and time.monotonic() - t0 < 1.0:
+            gc.collect()
+            await asyncio.sleep(0.02)  # the loop finalizes the suspended async generator, then it is garbage
+        assert src(pg)["in_flight"] == 0 and calls(pg) == 0
+
+    asyncio.run(main())
+
+
 # ------------------------------------------------------------------ anthropic (httpx2)
 
 

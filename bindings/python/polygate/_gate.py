@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import weakref
 from typing import Any, AsyncIterator, Callable, Iterator, Mapping, Optional, Tuple
 
 from . import _core
@@ -174,8 +175,26 @@ class SyncGate(_Base):
         provider_limits(permit, response.headers)
         settlement = _Settlement(call, permit, t.status_outcome(response.status_code, response.headers),
                                  _reader(response))
-        response.stream = self._Stream(response.stream, self, settlement)
+        inner = response.stream
+        response.stream = self._Stream(inner, self, settlement)
+        weakref.finalize(response.stream, self._dropped, inner, settlement)
         return response
+
+    def _dropped(self, inner: Any, s: _Settlement) -> None:
+        """Safety net: the response was garbage-collected with its body neither
+        read to the end nor closed. Settle it (with what was seen, else the
+        estimate) from a thread of its own: a finalizer may run anywhere,
+        even where this thread holds the client's connection lock."""
+        if not s.done:
+            threading.Thread(target=self._settle_dropped, args=(inner, s), daemon=True,
+                             name="polygate-settle").start()
+
+    def _settle_dropped(self, inner: Any, s: _Settlement) -> None:
+        try:
+            inner.close()
+        except Exception:
+            pass
+        self.settle(s)
 
     def settle(self, s: _Settlement, error: Optional[BaseException] = None) -> None:
         """Report the request's permit and end its call (once): at the end of the
@@ -248,6 +267,7 @@ class AsyncGate(_Base):
         self._own_client = client is None
         self._connect_lock: Optional[asyncio.Lock] = None
         self._base = base if base is not None else self._lib.AsyncHTTPTransport()
+        self._tasks: "set[asyncio.Future[None]]" = set()  # settlements of dropped responses, running
 
     async def _gate(self) -> Any:
         c = self._client
@@ -292,8 +312,31 @@ class AsyncGate(_Base):
         provider_limits(permit, response.headers)
         settlement = _Settlement(call, permit, t.status_outcome(response.status_code, response.headers),
                                  _reader(response))
-        response.stream = self._Stream(response.stream, self, settlement)
+        inner = response.stream
+        response.stream = self._Stream(inner, self, settlement)
+        weakref.finalize(response.stream, self._dropped, asyncio.get_running_loop(), inner, settlement)
         return response
+
+    def _dropped(self, loop: asyncio.AbstractEventLoop, inner: Any, s: _Settlement) -> None:
+        """Safety net, as :meth:`SyncGate._dropped`: settle on the response's loop."""
+        if s.done:
+            return
+        try:
+            loop.call_soon_threadsafe(self._spawn_settle, inner, s)
+        except RuntimeError:
+            pass  # the loop is closed: its connection to the sidecar is gone, and with it the permit
+
+    def _spawn_settle(self, inner: Any, s: _Settlement) -> None:
+        task = asyncio.ensure_future(self._settle_dropped(inner, s))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _settle_dropped(self, inner: Any, s: _Settlement) -> None:
+        try:
+            await inner.aclose()
+        except Exception:
+            pass
+        await self.settle(s)
 
     async def settle(self, s: _Settlement, error: Optional[BaseException] = None) -> None:
         """As :meth:`SyncGate.settle`, awaited."""
