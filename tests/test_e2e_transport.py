@@ -400,3 +400,28 @@ def test_async_openai_and_anthropic(sidecar):
         # 50 + 23 + 40 charged, not three estimates of ~3000
         assert s["tokens_available"] >= 5800 and s["window_successes"] == 3 and s["in_flight"] == 0, s
         assert calls(pg) == 0
+
+
+# ------------------------------------------------------------------ the README's example
+
+
+def test_readme_transport_example_runs_as_written(sidecar):
+    import os
+    import subprocess
+    import sys
+
+    from .polygate_e2e import REPO
+
+    # The README quick start targets the example config's `chat` scope.
+    sidecar.write_config({"chat": scope("openai-gpt4o", "azure-gpt4o-eu", "vllm-llama-local")})
+    sidecar.start()
+    env = dict(os.environ, POLYGATE_SOCKET=sidecar.socket)
+    out = subprocess.run([sys.executable, str(REPO / "examples" / "transport_openai.py")],
+                         env=env, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert lines[0] == "Hello from the fake provider!" and lines[1].strip() == "Hello from the fake provider!"
+    assert "request 3: Hello from azure-gpt4o-eu!" in lines  # failed over once openai-gpt4o's breaker opened
+    assert lines[-1] == ("breakers: {'openai-gpt4o': 'open', 'azure-gpt4o-eu': 'closed', "
+                         "'vllm-llama-local': 'closed'}"), out.stdout
+    assert sidecar.client().status()["scopes"]["chat"]["calls"] == 0
