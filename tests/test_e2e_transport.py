@@ -322,6 +322,23 @@ def test_a_dropped_stream_is_settled_by_the_safety_net(sidecar, upstream):
     asyncio.run(main())
 
 
+def test_a_base_transport_that_reads_the_body_itself_is_settled_at_once(sidecar):
+    """httpx.MockTransport (or a caching transport) returns a response already read
+    and closed: the transport settles it before returning (nothing would close it)."""
+    pg = start(sidecar)
+
+    def handler(request):
+        assert json.loads(request.content)["max_tokens"] == 3000
+        return httpx.Response(200, json=chat_body(prompt=7, completion=3))
+
+    hc = polygate.httpx.client("chat", socket=sidecar.socket, base=httpx.MockTransport(handler))
+    r = hc.post("http://mock/v1/chat/completions", json={"model": "m", "max_tokens": 3000, "messages": MESSAGES})
+    assert r.json()["usage"]["total_tokens"] == 10
+    s = src(pg)
+    assert s["in_flight"] == 0 and s["window_successes"] == 1 and s["tokens_available"] >= 5950, s
+    assert calls(pg) == 0
+
+
 # ------------------------------------------------------------------ anthropic (httpx2)
 
 

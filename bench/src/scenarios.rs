@@ -41,6 +41,7 @@ impl<'a> Ctx<'a> {
             Scenario::Priorities => crate::priorities::run(&self.rt, self.opts),
             Scenario::Fleet => Ok(vec![fleet(self.opts)]),
             Scenario::Python | Scenario::Node | Scenario::Go => crate::drivers::run(self, s),
+            Scenario::Transport => crate::drivers::transport(self),
         };
         r.unwrap_or_else(|e| {
             let mut l = Line::new(s);

@@ -118,8 +118,14 @@ class _Settlement:
 
 
 def _reader(response: Any) -> t.UsageReader:
-    h = response.headers
-    return t.UsageReader(h.get("content-type"), h.get("content-encoding"))
+    ctype = cenc = None
+    for k, v in response.headers.raw:  # one pass over the raw pairs (Headers.get decodes them all, twice)
+        n = k.lower()
+        if n == b"content-type":
+            ctype = v.decode("latin-1")
+        elif n == b"content-encoding":
+            cenc = v.decode("latin-1")
+    return t.UsageReader(ctype, cenc)
 
 
 # ---------------------------------------------------------------- sync
@@ -175,6 +181,10 @@ class SyncGate(_Base):
         provider_limits(permit, response.headers)
         settlement = _Settlement(call, permit, t.status_outcome(response.status_code, response.headers),
                                  _reader(response))
+        if response.is_closed:  # a base transport that read the body itself (MockTransport, a cache)
+            settlement.reader.feed(response.content)
+            self.settle(settlement)
+            return response
         inner = response.stream
         response.stream = self._Stream(inner, self, settlement)
         weakref.finalize(response.stream, self._dropped, inner, settlement)
@@ -312,6 +322,10 @@ class AsyncGate(_Base):
         provider_limits(permit, response.headers)
         settlement = _Settlement(call, permit, t.status_outcome(response.status_code, response.headers),
                                  _reader(response))
+        if response.is_closed:  # a base transport that read the body itself
+            settlement.reader.feed(response.content)
+            await self.settle(settlement)
+            return response
         inner = response.stream
         response.stream = self._Stream(inner, self, settlement)
         weakref.finalize(response.stream, self._dropped, asyncio.get_running_loop(), inner, settlement)

@@ -153,6 +153,7 @@ def status_outcome(status: int, headers: Any) -> Optional[Outcome]:
 _MAX_JSON = 64 << 20  # a JSON body larger than this is passed through unread (the estimate stays)
 _MAX_LINE = 1 << 20  # an SSE line longer than this is skipped
 _USAGE_OBJ = re.compile(rb'"usage"\s*:\s*\{')  # a usage object (not "usage": null)
+_find_usage = _USAGE_OBJ.search
 
 
 def _count(v: Any) -> Optional[int]:
@@ -237,16 +238,21 @@ class UsageReader:
                 self._buf += chunk
             return
         data = self._tail + chunk if self._tail else chunk
-        if _USAGE_OBJ.search(data) is None:  # the common chunk: no usage, keep the unfinished line only
-            nl = data.rfind(b"\n")
-            tail = data[nl + 1:] if nl >= 0 else data
-            self._tail = tail if len(tail) <= _MAX_LINE else b""
+        # The common chunk has no usage object (one regex search: measured faster than
+        # two substring searches), then keep the unfinished line only.
+        if _find_usage(data) is None:
+            if data.endswith(b"\n"):
+                self._tail = b""
+            else:
+                nl = data.rfind(b"\n")
+                tail = data[nl + 1:] if nl >= 0 else data
+                self._tail = tail if len(tail) <= _MAX_LINE else b""
             return
         lines = data.split(b"\n")
         tail = lines.pop()
         self._tail = tail if len(tail) <= _MAX_LINE else b""
         for line in lines:
-            if line.startswith(b"data:") and _USAGE_OBJ.search(line) is not None:
+            if line.startswith(b"data:") and _find_usage(line) is not None:
                 try:
                     doc = json.loads(line[5:])
                 except ValueError:
@@ -273,6 +279,9 @@ class UsageReader:
         return self.total, inp, out
 
 
+_DECODER = json.JSONDecoder()
+
+
 def _json_usage(body: bytes) -> Usage:
     """The usage of a JSON body. Fast path: the last ``"usage":`` key's object
     (providers put it at the end; a big body — embeddings — is not parsed whole);
@@ -282,7 +291,7 @@ def _json_usage(body: bytes) -> Usage:
         pass
     if m is not None:
         try:
-            obj, _ = json.JSONDecoder().raw_decode(body[m.end() - 1:].decode("utf-8", "replace"))
+            obj, _ = _DECODER.raw_decode(body[m.end() - 1:].decode("utf-8", "replace"))
             found = usage_fields(obj)
             if found != (None, None, None):
                 return found
