@@ -166,6 +166,14 @@ def test_5xx_opens_the_breaker_and_the_next_request_gets_a_synthetic_503(sidecar
     assert "PolyGate" in e.body["message"]
     assert upstream.hits == 1  # the refused request never reached the upstream
     assert calls(pg) == 0 and src(pg)["in_flight"] == 0
+    # With the SDK's retries on, the refusal is final too (x-should-retry: false):
+    # openai would otherwise sleep out the ~30 s Retry-After before each retry.
+    retrying = oai(upstream, sidecar.socket, max_retries=2)
+    t0 = time.monotonic()
+    with pytest.raises(openai.APIStatusError) as ei:
+        retrying.chat.completions.create(model="gpt-test", messages=MESSAGES, max_tokens=100)
+    assert ei.value.status_code == 503 and time.monotonic() - t0 < 5
+    assert ei.value.response.headers["x-should-retry"] == "false"
 
 
 def test_on_refusal_raise_raises_the_polygate_error(sidecar, upstream):

@@ -178,6 +178,7 @@ def test_refusal_of_an_open_circuit_is_a_503_naming_polygate():
     h = dict(headers)
     assert status == 503
     assert h["retry-after"] == "10" and h["retry-after-ms"] == "9200" and h["content-type"] == "application/json"
+    assert h["x-should-retry"] == "false"
     doc = json.loads(body)["error"]
     assert doc["type"] == "polygate" and doc["code"] == "circuit_open" and doc["scope"] == "chat"
     assert doc["retry_after_s"] == 9.2 and doc["per_source_reasons"] == {"a": "circuit_open"}

@@ -310,8 +310,8 @@ def _json_usage(body: bytes) -> Usage:
 def refusal(err: GatewayUnavailableError, scope: str) -> Tuple[int, List[Tuple[str, str]], bytes]:
     """``(status, headers, body)`` of the synthetic response for a refused call:
     503 for an open circuit (and stalled / retry_exhausted / backend trouble), 429
-    for an exhausted quota; ``Retry-After`` = ceil(retry_after_s), ``retry-after-ms``
-    and a JSON body naming PolyGate and the reason."""
+    for an exhausted quota; ``Retry-After`` = ceil(retry_after_s), ``retry-after-ms``,
+    ``x-should-retry: false`` and a JSON body naming PolyGate and the reason."""
     code = getattr(err, "reason", None) if isinstance(err, AllSourcesExhausted) else err.kind
     code = code or err.kind
     status = 429 if code == "quota_exhausted" else 503
@@ -331,5 +331,9 @@ def refusal(err: GatewayUnavailableError, scope: str) -> Tuple[int, List[Tuple[s
         ("retry-after", str(int(math.ceil(ra)))),
         ("retry-after-ms", str(int(round(ra * 1000)))),
         ("x-polygate-refusal", code),
+        # The call-level budget is spent: PolyGate already retried, failed over and
+        # waited as the scope says. SDKs (openai, anthropic) honour this header and
+        # do not retry the refusal on their own.
+        ("x-should-retry", "false"),
     ]
     return status, headers, body
