@@ -31,11 +31,17 @@ def test_estimate_without_an_output_limit_leaves_output_to_the_source():
     assert t.estimate_request(b'{"model": "m", "input": "hello"}') == (8, None)
     assert t.estimate_request(b'{"max_tokens": true}')[1] is None  # not a count
     assert t.estimate_request(b'{"max_tokens": -1}')[1] is None
+    assert t.estimate_request(b'{"max_tokens": 1.5}')[1] is None
+    assert t.estimate_request(b'{"max_tokens": 99999999999}')[1] is None
     assert t.estimate_request(b"not json max_tokens") == (5, None)
     assert t.estimate_request(b"") == (None, None)
     assert t.estimate_request(None) == (None, None)
-    # a nested max_tokens is not the request's
-    assert t.estimate_request(b'{"tools": [{"max_tokens": 5}]}')[1] is None
+    # a tool's JSON schema naming the property is not a limit; the real one after it is
+    schema = {"tools": [{"parameters": {"properties": {"max_tokens": {"type": "integer"}}}}], "max_tokens": 64}
+    assert t.estimate_request(json.dumps(schema).encode())[1] == 64
+    # in the prompt's text the key is escaped (\"max_tokens\"), never a match
+    text = {"messages": [{"content": json.dumps({"max_tokens": 5})}]}
+    assert t.estimate_request(json.dumps(text).encode())[1] is None
 
 
 def test_check_estimate_rejects_what_is_not_a_pair_of_counts():

@@ -92,30 +92,26 @@ def parse_routes(routes: Optional[Mapping[str, Any]]) -> Optional[Dict[str, Rout
 
 # ---------------------------------------------------------------- estimate
 
-_OUTPUT_KEYS = ("max_tokens", "max_completion_tokens", "max_output_tokens")
-_OUTPUT_NEEDLE = b'_tokens"'  # the body is parsed only if it may name one of them
+_OUTPUT = re.compile(rb'"(?:max_tokens|max_completion_tokens|max_output_tokens)"\s*:\s*(\d{1,10})(?![\d.eE])')
 
 
 def estimate_request(body: Optional[bytes]) -> Tuple[Optional[int], Optional[int]]:
     """``(input, output)`` token estimates of a request body: input = ceil(bytes / 4)
-    (None without a body), output = the body's ``max_tokens`` /
-    ``max_completion_tokens`` / ``max_output_tokens`` (None when it has none: the
-    source's ``est_output_tokens`` applies)."""
+    (None without a body), output = the body's first ``"max_tokens"`` /
+    ``"max_completion_tokens"`` / ``"max_output_tokens"`` with an integer value
+    (None when it has none: the source's ``est_output_tokens`` applies).
+
+    A regex search, not a JSON parse: it costs well under a microsecond where
+    parsing costs one per few hundred bytes of prompt. (A tool's JSON schema naming
+    a ``max_tokens`` property has an object there, not an integer, so it does not
+    match.)"""
     if not body:
         return None, None
     inp = min(p.MAX_COUNT // 2, (len(body) + 3) // 4)
-    out: Optional[int] = None
-    if body[:1] == b"{" and _OUTPUT_NEEDLE in body:
-        try:
-            doc = json.loads(body)
-        except ValueError:
-            doc = None
-        if isinstance(doc, dict):
-            for k in _OUTPUT_KEYS:
-                v = doc.get(k)
-                if isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= p.MAX_COUNT // 2:
-                    out = v
-                    break
+    m = _OUTPUT.search(body)
+    out = int(m.group(1)) if m is not None else None
+    if out is not None and out > p.MAX_COUNT // 2:
+        out = None
     return inp, out
 
 
@@ -283,12 +279,11 @@ _DECODER = json.JSONDecoder()
 
 
 def _json_usage(body: bytes) -> Usage:
-    """The usage of a JSON body. Fast path: the last ``"usage":`` key's object
+    """The usage of a JSON body. Fast path: the last ``"usage"`` key's object
     (providers put it at the end; a big body — embeddings — is not parsed whole);
     else the whole document."""
-    m = None
-    for m in _USAGE_OBJ.finditer(body, max(0, len(body) - 4096)):
-        pass
+    i = body.rfind(b'"usage"')
+    m = _USAGE_OBJ.match(body, i) if i >= 0 else None
     if m is not None:
         try:
             obj, _ = _DECODER.raw_decode(body[m.end() - 1:].decode("utf-8", "replace"))
