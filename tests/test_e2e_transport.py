@@ -330,6 +330,21 @@ def test_a_dropped_stream_is_settled_by_the_safety_net(sidecar, upstream):
     asyncio.run(main())
 
 
+def test_a_chunked_json_body_is_settled_when_the_sdk_has_read_it(sidecar, upstream):
+    """A JSON body of unknown length (chunked) is passed through as a stream and
+    settled at its end; one with a Content-Length is read whole by the transport
+    first. Both settle the usage."""
+    pg = start(sidecar)
+    body = json.dumps(chat_body(prompt=11, completion=9)).encode()
+    upstream.queue(Reply(200, {"content-type": "application/json"}, events=[body[:40], body[40:]]))
+    client = oai(upstream, sidecar.socket, max_retries=0)
+    r = client.chat.completions.create(model="gpt-test", messages=MESSAGES, max_tokens=3000)
+    assert r.usage.total_tokens == 20
+    s = src(pg)
+    assert s["in_flight"] == 0 and s["tokens_available"] >= 5950 and s["window_successes"] == 1, s
+    assert calls(pg) == 0
+
+
 def test_a_base_transport_that_reads_the_body_itself_is_settled_at_once(sidecar):
     """httpx.MockTransport (or a caching transport) returns a response already read
     and closed: the transport settles it before returning (nothing would close it)."""

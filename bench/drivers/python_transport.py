@@ -20,6 +20,9 @@ takes none of the worker's CPU or GIL), and prints ONE JSON line:
   (the sidecar and the worker go idle and are woken between them);
 * the same as CPU time of this process per request (``*_cpu_us``,
   ``cpu_overhead_ratio``), which moves less with machine load;
+* ``own_cpu_us``: what the transport's own work costs per request — the transport
+  with a stand-in PolyGate client that answers at once (estimate, usage read,
+  settlement bookkeeping; no sidecar round trips), minus plain;
 * ``stream_cpu_plain_ms`` / ``stream_cpu_transport_ms``: this process's CPU to read one
   C-chunk SSE stream (``iter_lines``, as an SDK reads it) without / with the transport,
   and ``stream_cpu_ratio`` = with / without: the goal is ≤ 1.05.
@@ -112,6 +115,35 @@ def serve() -> None:
     sys.stdin.read()  # until the driver exits
 
 
+class _Instant:
+    """A stand-in PolyGate client granting at once (``own_cpu_us``)."""
+
+    class _Permit:
+        source = "a"
+
+        def success(self, *a: Any, **k: Any) -> None:
+            pass
+
+        def failure(self, *a: Any, **k: Any) -> None:
+            pass
+
+        def rate_limited(self, *a: Any) -> None:
+            pass
+
+        def cancel(self) -> None:
+            pass
+
+    class _Call:
+        def acquire(self) -> Any:
+            return _Instant._Permit()
+
+        def end(self, _quiet: bool = False) -> None:
+            pass
+
+    def call(self, *a: Any, **k: Any) -> Any:
+        return _Instant._Call()
+
+
 def timed(fn: Callable[[], Any], n: int) -> Tuple[float, float]:
     """(wall µs, CPU µs) per call of ``fn`` over ``n`` calls."""
     w0, c0 = time.perf_counter(), time.process_time()
@@ -167,8 +199,9 @@ def main() -> None:
         def run_http() -> None:  # the call site gated by hand: usage reported from the parsed body
             pg.run(a.scope, lambda permit: plain_req())
 
+        own = httpx.Client(base_url=url, transport=polygate.httpx.Transport(a.scope, client=_Instant()))
         kinds: Dict[str, Callable[[], Any]] = {"plain": plain_req, "transport": req(gated), "run_http": run_http,
-                                               "run": run_nothing}
+                                               "run": run_nothing, "own": req(own)}
         for fn in kinds.values():  # warm: connections, caches, the sidecar's first call
             timed(fn, 20)
         per = max(1, a.requests // max(1, a.rounds))
@@ -217,6 +250,7 @@ def main() -> None:
             "run_http_cpu_us": round(mc["run_http"], 1),
             "run_cpu_us": round(mc["run"], 1),
             "cpu_overhead_ratio": round(cpu_overhead / run_cpu_overhead, 3) if run_cpu_overhead > 0 else None,
+            "own_cpu_us": round(mc["own"] - mc["plain"], 1),
             "chunks": a.chunks,
             "stream_cpu_plain_ms": round(sc_plain / 1000, 3),
             "stream_cpu_transport_ms": round(sc_gated / 1000, 3),
@@ -224,6 +258,7 @@ def main() -> None:
         }
         plain.close()
         gated.close()
+        own.close()
         pg.close()
         print(json.dumps(out))
     finally:

@@ -185,6 +185,21 @@ class SyncGate(_Base):
             settlement.reader.feed(response.content)
             self.settle(settlement)
             return response
+        if settlement.reader.eager(response.headers.get("content-length")):
+            # A small JSON body: read it here, settle, hand the same bytes on (no
+            # stream wrapper, no finalizer; the SDK reads it at once anyway).
+            inner = response.stream
+            try:
+                raw = b"".join(inner)
+            except BaseException as exc:
+                inner.close()
+                self.settle(settlement, exc)
+                raise
+            inner.close()
+            settlement.reader.feed(raw)
+            self.settle(settlement)
+            response.stream = self._lib.ByteStream(raw)
+            return response
         inner = response.stream
         response.stream = self._Stream(inner, self, settlement)
         weakref.finalize(response.stream, self._dropped, inner, settlement)
@@ -246,10 +261,13 @@ class SyncObserved:
         self._s = settlement
 
     def __iter__(self) -> Iterator[bytes]:
-        feed = self._s.reader.feed
+        reader = self._s.reader
+        pending, batch = reader.pending, reader.BATCH
         try:
             for chunk in self._inner:
-                feed(chunk)
+                pending.append(chunk)  # read in batches: per chunk, an append (1,000-chunk streams)
+                if len(pending) >= batch:
+                    reader.flush()
                 yield chunk
         except Exception as e:
             self._gate.settle(self._s, e)
@@ -392,10 +410,13 @@ class AsyncObserved:
         self._s = settlement
 
     async def __aiter__(self) -> AsyncIterator[bytes]:
-        feed = self._s.reader.feed
+        reader = self._s.reader
+        pending, batch = reader.pending, reader.BATCH
         try:
             async for chunk in self._inner:
-                feed(chunk)
+                pending.append(chunk)
+                if len(pending) >= batch:
+                    reader.flush()
                 yield chunk
         except Exception as e:
             await self._gate.settle(self._s, e)

@@ -148,6 +148,7 @@ def status_outcome(status: int, headers: Any) -> Optional[Outcome]:
 
 _MAX_JSON = 64 << 20  # a JSON body larger than this is passed through unread (the estimate stays)
 _MAX_LINE = 1 << 20  # an SSE line longer than this is skipped
+_EAGER_MAX = 1 << 20  # a non-stream body up to this size is read whole by the transport
 _USAGE_OBJ = re.compile(rb'"usage"\s*:\s*\{')  # a usage object (not "usage": null)
 _find_usage = _USAGE_OBJ.search
 
@@ -195,15 +196,23 @@ def _usage_in(doc: Any) -> Any:
 
 class UsageReader:
     """Reads a response body as it passes through (never changes it) and keeps
-    the last usage seen. ``feed`` each chunk as received (still content-encoded:
-    gzip/deflate are decoded here, other encodings leave the usage unknown);
-    :meth:`usage` answers at any time — after the end, or with what was seen
-    when a stream is abandoned. All-None means "unknown": keep the estimate."""
+    the last usage seen. Chunks are queued as received (still content-encoded:
+    gzip/deflate are decoded here, other encodings leave the usage unknown) and
+    read in batches: the pass-through loop only appends to :attr:`pending` and
+    calls :meth:`flush` every :data:`BATCH` chunks, so a 1,000-chunk stream costs
+    a list append per chunk and a regex search per batch. :meth:`usage` answers
+    at any time — after the end, or with what was seen when a stream is
+    abandoned. All-None means "unknown": keep the estimate."""
 
-    __slots__ = ("sse", "_inflate", "_off", "_buf", "_tail", "total", "input", "output")
+    __slots__ = ("sse", "pending", "_inflate", "_off", "_buf", "_tail", "total", "input", "output")
+
+    BATCH = 64
+    """Chunks queued before they are read (the pass-through loop checks ``len(pending)``)."""
 
     def __init__(self, content_type: Optional[str], content_encoding: Optional[str] = None) -> None:
         self.sse = (content_type or "").split(";", 1)[0].strip().lower() == "text/event-stream"
+        self.pending: List[bytes] = []
+        """Chunks received, not read yet."""
         enc = (content_encoding or "").strip().lower()
         self._inflate: Any = None
         self._off = False  # usage cannot be read (unknown encoding, oversize body)
@@ -217,25 +226,46 @@ class UsageReader:
         self.input: Optional[int] = None
         self.output: Optional[int] = None
 
+    def eager(self, content_length: Optional[str]) -> bool:
+        """Whether the transport may read this body whole before handing the
+        response on: not a stream, and a declared length of at most 1 MiB."""
+        if self.sse or content_length is None:
+            return False
+        try:
+            return 0 <= int(content_length) <= _EAGER_MAX
+        except ValueError:
+            return False
+
     def feed(self, chunk: bytes) -> None:
-        if self._off or not chunk:
+        """Queue one chunk (reading the queue every :data:`BATCH` chunks)."""
+        self.pending.append(chunk)
+        if len(self.pending) >= self.BATCH:
+            self.flush()
+
+    def flush(self) -> None:
+        """Read the queued chunks."""
+        if not self.pending:
+            return
+        data = self.pending[0] if len(self.pending) == 1 else b"".join(self.pending)
+        self.pending.clear()
+        if self._off or not data:
             return
         if self._inflate is not None:
             try:
-                chunk = self._inflate.decompress(chunk)
+                data = self._inflate.decompress(data)
             except zlib.error:
                 self._off = True
                 return
         if not self.sse:
-            if len(self._buf) + len(chunk) > _MAX_JSON:
+            if len(self._buf) + len(data) > _MAX_JSON:
                 self._off = True
                 self._buf = bytearray()
             else:
-                self._buf += chunk
+                self._buf += data
             return
-        data = self._tail + chunk if self._tail else chunk
-        # The common chunk has no usage object (one regex search: measured faster than
-        # two substring searches), then keep the unfinished line only.
+        if self._tail:
+            data = self._tail + data
+        # Most batches have no usage object: keep the unfinished line only.
         if _find_usage(data) is None:
             if data.endswith(b"\n"):
                 self._tail = b""
@@ -266,6 +296,7 @@ class UsageReader:
 
     def usage(self) -> Usage:
         """``(tokens, input_tokens, output_tokens)`` for ``Permit.success``."""
+        self.flush()
         if not self.sse and self._buf and not self._off:
             self._merge(_json_usage(bytes(self._buf)))
             self._buf = bytearray()
