@@ -109,23 +109,28 @@ class _Settlement:
 
     __slots__ = ("call", "permit", "outcome", "reader", "done")
 
-    def __init__(self, call: Any, permit: Any, outcome: Optional[_core.Outcome], reader: t.UsageReader) -> None:
+    def __init__(self, call: Any, permit: Any, outcome: Optional[_core.Outcome],
+                 reader: Optional[t.UsageReader]) -> None:
         self.call = call
         self.permit = permit
         self.outcome = outcome  # None: a 2xx, settled as a success with the usage read
-        self.reader = reader
+        self.reader = reader  # None: a body read whole, its usage passed to settle()
         self.done = False
 
 
-def _reader(response: Any) -> t.UsageReader:
-    ctype = cenc = None
-    for k, v in response.headers.raw:  # one pass over the raw pairs (Headers.get decodes them all, twice)
+def _head(response: Any) -> Tuple[Optional[str], Optional[str], Optional[str]]:
+    """``(content-type, content-encoding, content-length)`` in one pass over the raw
+    header pairs (``Headers.get`` decodes them all, per lookup)."""
+    ctype = cenc = clen = None
+    for k, v in response.headers.raw:
         n = k.lower()
         if n == b"content-type":
             ctype = v.decode("latin-1")
         elif n == b"content-encoding":
             cenc = v.decode("latin-1")
-    return t.UsageReader(ctype, cenc)
+        elif n == b"content-length":
+            clen = v.decode("latin-1")
+    return ctype, cenc, clen
 
 
 # ---------------------------------------------------------------- sync
@@ -179,27 +184,27 @@ class SyncGate(_Base):
             call.end(_quiet=not isinstance(exc, Exception))
             raise
         provider_limits(permit, response.headers)
-        settlement = _Settlement(call, permit, t.status_outcome(response.status_code, response.headers),
-                                 _reader(response))
+        outcome = t.status_outcome(response.status_code, response.headers)
+        ctype, cenc, clen = _head(response)
         if response.is_closed:  # a base transport that read the body itself (MockTransport, a cache)
-            settlement.reader.feed(response.content)
-            self.settle(settlement)
+            self.settle(_Settlement(call, permit, outcome, None), usage=t.body_usage(response.content))
             return response
-        if settlement.reader.eager(response.headers.get("content-length")):
+        if t.eager(ctype, clen):
             # A small JSON body: read it here, settle, hand the same bytes on (no
             # stream wrapper, no finalizer; the SDK reads it at once anyway).
             inner = response.stream
+            s = _Settlement(call, permit, outcome, None)
             try:
                 raw = b"".join(inner)
             except BaseException as exc:
                 inner.close()
-                self.settle(settlement, exc)
+                self.settle(s, exc)
                 raise
             inner.close()
-            settlement.reader.feed(raw)
-            self.settle(settlement)
+            self.settle(s, usage=t.body_usage(raw, cenc))
             response.stream = self._lib.ByteStream(raw)
             return response
+        settlement = _Settlement(call, permit, outcome, t.UsageReader(ctype, cenc))
         inner = response.stream
         response.stream = self._Stream(inner, self, settlement)
         weakref.finalize(response.stream, self._dropped, inner, settlement)
@@ -221,7 +226,7 @@ class SyncGate(_Base):
             pass
         self.settle(s)
 
-    def settle(self, s: _Settlement, error: Optional[BaseException] = None) -> None:
+    def settle(self, s: _Settlement, error: Optional[BaseException] = None, usage: Optional[t.Usage] = None) -> None:
         """Report the request's permit and end its call (once): at the end of the
         body, when the caller closes it (abandoned: what was seen, else the
         estimate), or with the error that broke the body."""
@@ -234,7 +239,7 @@ class SyncGate(_Base):
                 kind = self._error_kind(error)
                 permit.failure(kind) if kind is not None else permit.cancel()
             elif s.outcome is None:
-                tokens, inp, out = s.reader.usage()
+                tokens, inp, out = usage or (s.reader.usage() if s.reader is not None else (None, None, None))
                 permit.success(tokens, input_tokens=inp, output_tokens=out)
             elif s.outcome.kind == "rate_limited":
                 permit.rate_limited(s.outcome.retry_after_s)
@@ -256,12 +261,14 @@ class SyncObserved:
     unchanged, feeding the usage reader, and settles at the end or on close."""
 
     def __init__(self, inner: Any, gate: SyncGate, settlement: _Settlement) -> None:
+        assert settlement.reader is not None  # a passed-through body is read as it passes
         self._inner = inner
         self._gate = gate
         self._s = settlement
+        self._reader: t.UsageReader = settlement.reader
 
     def __iter__(self) -> Iterator[bytes]:
-        reader = self._s.reader
+        reader = self._reader
         pending, batch = reader.pending, reader.BATCH
         try:
             for chunk in self._inner:
@@ -338,12 +345,25 @@ class AsyncGate(_Base):
                 call._release_now()
             raise
         provider_limits(permit, response.headers)
-        settlement = _Settlement(call, permit, t.status_outcome(response.status_code, response.headers),
-                                 _reader(response))
+        outcome = t.status_outcome(response.status_code, response.headers)
+        ctype, cenc, clen = _head(response)
         if response.is_closed:  # a base transport that read the body itself
-            settlement.reader.feed(response.content)
-            await self.settle(settlement)
+            await self.settle(_Settlement(call, permit, outcome, None), usage=t.body_usage(response.content))
             return response
+        if t.eager(ctype, clen):  # a small JSON body: read it here (see SyncGate)
+            inner = response.stream
+            s = _Settlement(call, permit, outcome, None)
+            try:
+                raw = b"".join([chunk async for chunk in inner])
+            except BaseException as exc:
+                await inner.aclose()
+                await self.settle(s, exc)
+                raise
+            await inner.aclose()
+            await self.settle(s, usage=t.body_usage(raw, cenc))
+            response.stream = self._lib.ByteStream(raw)
+            return response
+        settlement = _Settlement(call, permit, outcome, t.UsageReader(ctype, cenc))
         inner = response.stream
         response.stream = self._Stream(inner, self, settlement)
         weakref.finalize(response.stream, self._dropped, asyncio.get_running_loop(), inner, settlement)
@@ -370,7 +390,8 @@ class AsyncGate(_Base):
             pass
         await self.settle(s)
 
-    async def settle(self, s: _Settlement, error: Optional[BaseException] = None) -> None:
+    async def settle(self, s: _Settlement, error: Optional[BaseException] = None,
+                     usage: Optional[t.Usage] = None) -> None:
         """As :meth:`SyncGate.settle`, awaited."""
         if s.done:
             return
@@ -381,7 +402,7 @@ class AsyncGate(_Base):
                 kind = self._error_kind(error)
                 await (permit.failure(kind) if kind is not None else permit.cancel())
             elif s.outcome is None:
-                tokens, inp, out = s.reader.usage()
+                tokens, inp, out = usage or (s.reader.usage() if s.reader is not None else (None, None, None))
                 await permit.success(tokens, input_tokens=inp, output_tokens=out)
             elif s.outcome.kind == "rate_limited":
                 await permit.rate_limited(s.outcome.retry_after_s)
@@ -405,12 +426,14 @@ class AsyncObserved:
     """Mixin of the library's ``AsyncByteStream`` subclass (see :class:`SyncObserved`)."""
 
     def __init__(self, inner: Any, gate: AsyncGate, settlement: _Settlement) -> None:
+        assert settlement.reader is not None  # a passed-through body is read as it passes
         self._inner = inner
         self._gate = gate
         self._s = settlement
+        self._reader: t.UsageReader = settlement.reader
 
     async def __aiter__(self) -> AsyncIterator[bytes]:
-        reader = self._s.reader
+        reader = self._reader
         pending, batch = reader.pending, reader.BATCH
         try:
             async for chunk in self._inner:

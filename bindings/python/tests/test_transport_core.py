@@ -128,6 +128,19 @@ def test_gzip_bodies_are_read_and_unknown_encodings_keep_the_estimate():
     assert r.usage() == (None, None, None)
 
 
+def test_a_whole_body_read_by_the_transport():
+    assert t.body_usage(CHAT) == (50, 25, 10)
+    assert t.body_usage(gzip.compress(CHAT), "gzip") == (50, 25, 10)
+    assert t.body_usage(b"\x00", "br") == (None, None, None)
+    assert t.body_usage(b"garbage", "gzip") == (None, None, None)
+    assert t.body_usage(b"") == (None, None, None)
+    # read whole: a declared length up to 1 MiB and not a stream
+    assert t.eager("application/json", "300") and t.eager(None, "0")
+    assert not t.eager("application/json", None)  # chunked: passed through as it comes
+    assert not t.eager("text/event-stream; charset=utf-8", "300")
+    assert not t.eager("application/json", str(2 << 20)) and not t.eager("application/json", "x")
+
+
 def sse(*events: str) -> bytes:
     return "".join(e + "\n\n" for e in events).encode()
 

@@ -153,10 +153,8 @@ _USAGE_OBJ = re.compile(rb'"usage"\s*:\s*\{')  # a usage object (not "usage": nu
 _find_usage = _USAGE_OBJ.search
 
 
-def _count(v: Any) -> Optional[int]:
-    if isinstance(v, bool) or not isinstance(v, int) or v < 0 or v > p.MAX_COUNT:
-        return None
-    return v
+def _count(v: Any, _max: int = p.MAX_COUNT) -> Optional[int]:
+    return v if type(v) is int and 0 <= v <= _max else None  # bool is not int here
 
 
 def usage_fields(usage: Any) -> Usage:
@@ -194,6 +192,37 @@ def _usage_in(doc: Any) -> Any:
     return None
 
 
+def is_sse(content_type: Optional[str]) -> bool:
+    return content_type is not None and content_type.split(";", 1)[0].strip().lower() == "text/event-stream"
+
+
+def eager(content_type: Optional[str], content_length: Optional[str]) -> bool:
+    """Whether a transport may read this body whole before handing the response
+    on: not a stream, and a declared length of at most 1 MiB."""
+    if content_length is None or is_sse(content_type):
+        return False
+    try:
+        return 0 <= int(content_length) <= _EAGER_MAX
+    except ValueError:
+        return False
+
+
+def body_usage(body: bytes, content_encoding: Optional[str] = None) -> Usage:
+    """The usage of a whole (non-stream) body as received (gzip/deflate decoded
+    here; another encoding: unknown)."""
+    enc = (content_encoding or "").strip().lower()
+    if enc in ("gzip", "x-gzip", "deflate"):
+        try:
+            body = zlib.decompressobj(47).decompress(body)
+        except zlib.error:
+            return None, None, None
+    elif enc not in ("", "identity"):
+        return None, None, None
+    if not body or len(body) > _MAX_JSON:
+        return None, None, None
+    return _json_usage(body)
+
+
 class UsageReader:
     """Reads a response body as it passes through (never changes it) and keeps
     the last usage seen. Chunks are queued as received (still content-encoded:
@@ -210,7 +239,7 @@ class UsageReader:
     """Chunks queued before they are read (the pass-through loop checks ``len(pending)``)."""
 
     def __init__(self, content_type: Optional[str], content_encoding: Optional[str] = None) -> None:
-        self.sse = (content_type or "").split(";", 1)[0].strip().lower() == "text/event-stream"
+        self.sse = is_sse(content_type)
         self.pending: List[bytes] = []
         """Chunks received, not read yet."""
         enc = (content_encoding or "").strip().lower()
@@ -225,16 +254,6 @@ class UsageReader:
         self.total: Optional[int] = None
         self.input: Optional[int] = None
         self.output: Optional[int] = None
-
-    def eager(self, content_length: Optional[str]) -> bool:
-        """Whether the transport may read this body whole before handing the
-        response on: not a stream, and a declared length of at most 1 MiB."""
-        if self.sse or content_length is None:
-            return False
-        try:
-            return 0 <= int(content_length) <= _EAGER_MAX
-        except ValueError:
-            return False
 
     def feed(self, chunk: bytes) -> None:
         """Queue one chunk (reading the queue every :data:`BATCH` chunks)."""
