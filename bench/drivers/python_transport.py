@@ -27,9 +27,10 @@ takes none of the worker's CPU or GIL), and prints ONE JSON line:
   C-chunk SSE stream (``iter_lines``, as an SDK reads it) without / with the transport,
   and ``stream_cpu_ratio`` = with / without: the goal is ≤ 1.05.
 
-The four request kinds run in alternating rounds (R rounds of N/R requests each) and
-each figure is the median of its rounds, so drift of the machine's load hits all three
-alike. Streams alternate too (S each). The sidecar is the caller's (``--socket``).
+The request kinds run in alternating rounds (R rounds of N/R requests each); each
+figure is the median of its rounds, and each difference (``overhead_us``, ...) the
+median of the same-round differences, so drift of the machine's load between rounds
+cancels out. Streams alternate too (S pairs; the ratio is the median of the pairs'). The sidecar is the caller's (``--socket``).
 """
 
 from __future__ import annotations
@@ -233,9 +234,15 @@ def main() -> None:
         status = pg.status()["scopes"][a.scope]
         if status["calls"] != 0:
             raise SystemExit("calls left open on the sidecar: %r" % status["calls"])
-        overhead, run_overhead = m["transport"] - m["plain"], m["run_http"] - m["plain"]
-        cpu_overhead, run_cpu_overhead = mc["transport"] - mc["plain"], mc["run_http"] - mc["plain"]
+        def paired(xs: Dict[str, List[float]], k: str) -> float:
+            """The median over rounds of (k − plain) in the same round: drift of the
+            machine's load between rounds cancels out."""
+            return statistics.median(a - b for a, b in zip(xs[k], xs["plain"]))
+
+        overhead, run_overhead = paired(wall, "transport"), paired(wall, "run_http")
+        cpu_overhead, run_cpu_overhead = paired(cpu, "transport"), paired(cpu, "run_http")
         sc_plain, sc_gated = statistics.median(s_plain), statistics.median(s_gated)
+        stream_ratio = statistics.median(g / p for g, p in zip(s_gated, s_plain) if p > 0)
         out = {
             "requests": per * max(1, a.rounds),
             "plain_us": round(m["plain"], 1),
@@ -250,11 +257,11 @@ def main() -> None:
             "run_http_cpu_us": round(mc["run_http"], 1),
             "run_cpu_us": round(mc["run"], 1),
             "cpu_overhead_ratio": round(cpu_overhead / run_cpu_overhead, 3) if run_cpu_overhead > 0 else None,
-            "own_cpu_us": round(mc["own"] - mc["plain"], 1),
+            "own_cpu_us": round(paired(cpu, "own"), 1),
             "chunks": a.chunks,
             "stream_cpu_plain_ms": round(sc_plain / 1000, 3),
             "stream_cpu_transport_ms": round(sc_gated / 1000, 3),
-            "stream_cpu_ratio": round(sc_gated / sc_plain, 3) if sc_plain > 0 else None,
+            "stream_cpu_ratio": round(stream_ratio, 3),
         }
         plain.close()
         gated.close()
