@@ -40,16 +40,19 @@ cargo build --workspace --quiet
 # The bench's smoke test runs last: its driver scenarios need every binding built.
 cargo test --workspace --exclude polygate-bench
 
-step "Python venv (.venv) with pytest, pytest-timeout, mypy, build and the polygate binding"
+step "Python venv (.venv) with pytest, pytest-timeout, mypy, build, the SDKs (test-only) and the polygate binding"
 if [ ! -x .venv/bin/python ]; then
     python3 -m venv .venv
 fi
-# Test tools only: the binding itself has no runtime dependencies (and `openai` /
-# `httpx` stay uninstalled on purpose: the binding must work without them).
+# Test tools only: the binding itself has no runtime dependencies. httpx, httpx2,
+# openai and anthropic are test-only: the HTTP transports (polygate.httpx /
+# polygate.httpx2, DESIGN §17) are tested under the real SDKs; that `import polygate`
+# works without any of them is tested too (test_transport_core.py blocks them in a
+# subprocess).
 # build + wheel (+ setuptools) let test_packaging.py build the wheel and sdist offline;
 # pyyaml lets tests/test_deploy.py read the Kubernetes manifests.
 .venv/bin/python -m pip install --quiet --disable-pip-version-check --upgrade pytest pytest-timeout mypy \
-    build wheel "setuptools>=61" pyyaml
+    build wheel "setuptools>=61" pyyaml httpx httpx2 openai anthropic
 .venv/bin/python -m pip install --quiet --disable-pip-version-check -e bindings/python
 
 step "mypy --strict on the binding (it ships py.typed)"

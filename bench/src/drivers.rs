@@ -7,6 +7,11 @@
 //! sidecar's own admit and report script calls for one call, captured with MONITOR,
 //! replayed from Python at the same concurrency. A missing driver is reported in the
 //! line (`skipped`), not an error.
+//!
+//! `transport` (DESIGN §17) runs bench/drivers/python_transport.py against a sidecar on
+//! the memory backend: the HTTP transport's cost per request next to `run()` around
+//! the same request, and its CPU per 1,000-chunk stream (the driver starts its own fake
+//! upstream). A driver that finds httpx missing prints `skipped`, passed on as is.
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
@@ -126,6 +131,38 @@ pub fn run(ctx: &mut Ctx, s: Scenario) -> Result<Vec<Line>, String> {
         Scenario::Python => python(ctx, &env),
         _ => other(ctx, &env, s),
     }
+}
+
+/// `transport`: the Python HTTP transport's overhead (DESIGN §17).
+pub fn transport(ctx: &mut Ctx) -> Result<Vec<Line>, String> {
+    let o = ctx.opts;
+    let mut l = Line::new(Scenario::Transport);
+    if !o.transport_driver.exists() {
+        l.set(
+            "skipped",
+            format!("driver missing: {}", rel(&o.transport_driver).display()),
+        );
+        return Ok(vec![l]);
+    }
+    let dir = scratch()?;
+    let sc = sidecar(o, dir.path(), &Backend::Memory)?;
+    // --seconds scales the counts: 3 s (the default) → 3,000 requests, 20 streams.
+    let requests = ((o.seconds * 1000.0) as usize).max(100);
+    let streams = ((o.seconds * 7.0) as usize).max(2);
+    let mut cmd = Command::new(&o.python);
+    cmd.arg(&o.transport_driver)
+        .arg("--socket")
+        .arg(&sc.socket)
+        .args(["--scope", SCOPE])
+        .args(["--requests", &requests.to_string()])
+        .args(["--streams", &streams.to_string()])
+        .args(["--chunks", "1000"]);
+    let m = run_json(cmd, limit(ctx))?;
+    l.set("driver", rel(&o.transport_driver).display().to_string());
+    for (k, v) in &m {
+        l.set(k, v.clone());
+    }
+    Ok(vec![l])
 }
 
 /// `python`: the binding (sync, asyncio) next to the redis-py baseline.

@@ -80,6 +80,9 @@ struct Cli {
     /// The Go driver's package directory.
     #[arg(long, default_value = "bench/drivers/go_client")]
     go_driver: PathBuf,
+    /// `transport`: the Python HTTP transport's driver (DESIGN §17).
+    #[arg(long, default_value = "bench/drivers/python_transport.py")]
+    transport_driver: PathBuf,
     /// `fleet`: sidecars on one throwaway redis-server (DESIGN §7a).
     #[arg(long, default_value_t = 4)]
     hosts: usize,
@@ -177,6 +180,9 @@ pub enum Scenario {
     Python,
     Node,
     Go,
+    /// DESIGN §17: the Python HTTP transport's cost per request and per 1,000-chunk
+    /// stream, against a local fake upstream, next to `run()` around the same request.
+    Transport,
     /// The engine alone, in process (not part of --all's socket figures, but run by it).
     Engine,
     /// DESIGN §15: interactive latency behind a saturating batch load, with and
@@ -191,7 +197,7 @@ pub enum Scenario {
 }
 
 impl Scenario {
-    const ALL: [Scenario; 10] = [
+    const ALL: [Scenario; 11] = [
         Scenario::Latency,
         Scenario::Throughput,
         Scenario::Redis,
@@ -199,6 +205,7 @@ impl Scenario {
         Scenario::Python,
         Scenario::Node,
         Scenario::Go,
+        Scenario::Transport,
         Scenario::Engine,
         Scenario::Priorities,
         Scenario::StatusFlood,
@@ -213,6 +220,7 @@ impl Scenario {
             Scenario::Python => "python",
             Scenario::Node => "node",
             Scenario::Go => "go",
+            Scenario::Transport => "transport",
             Scenario::Engine => "engine",
             Scenario::Priorities => "priorities",
             Scenario::Fleet => "fleet",
@@ -260,6 +268,14 @@ impl Scenario {
             Scenario::Node | Scenario::Go => {
                 &["calls_per_s", "python_asyncio_calls_per_s", "ratio"]
             }
+            Scenario::Transport => &[
+                "plain_us",
+                "transport_us",
+                "run_http_us",
+                "overhead_ratio",
+                "cpu_overhead_ratio",
+                "stream_cpu_ratio",
+            ],
             Scenario::Fleet => &[
                 "upstream",
                 "upstream_429s",
@@ -311,6 +327,8 @@ pub struct Opts {
     pub python_driver: PathBuf,
     pub node_driver: PathBuf,
     pub go_driver: PathBuf,
+    /// `transport`'s driver (bench/drivers/python_transport.py).
+    pub transport_driver: PathBuf,
     /// The fleet scenario's settings.
     pub fleet: Fleet,
 }
@@ -466,6 +484,7 @@ fn main() -> ExitCode {
         python_driver: rel(&cli.python_driver),
         node_driver: rel(&cli.node_driver),
         go_driver: rel(&cli.go_driver),
+        transport_driver: rel(&cli.transport_driver),
         fleet: Fleet {
             hosts: cli.hosts,
             workers: cli.workers,

@@ -26,6 +26,7 @@ pub fn run(ctx: &mut Ctx, s: Scenario) -> Vec<Line> {
         Scenario::Fleet => Ok(vec![fleet(ctx.opts)]),
         Scenario::StatusFlood => crate::flood::run(ctx.opts),
         Scenario::Python | Scenario::Node | Scenario::Go => crate::drivers::run(ctx, s),
+        Scenario::Transport => crate::drivers::transport(ctx),
     };
     r.unwrap_or_else(|e| {
         let mut l = Line::new(s);

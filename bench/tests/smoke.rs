@@ -41,6 +41,14 @@ fn keys(scenario: &str) -> &'static [&'static str] {
         "waiters" => &["waiters", "rss_mib", "cpu_pct_while_waiting", "release_ms"],
         "python" => &["mode", "calls_per_s", "baseline_calls_per_s", "ratio"],
         "node" | "go" => &["calls_per_s", "python_asyncio_calls_per_s", "ratio"],
+        "transport" => &[
+            "plain_us",
+            "transport_us",
+            "run_http_us",
+            "overhead_ratio",
+            "cpu_overhead_ratio",
+            "stream_cpu_ratio",
+        ],
         "engine" => &[
             "calls_per_s_1_task",
             "calls_per_s_64_tasks",
@@ -118,6 +126,7 @@ fn every_scenario_prints_its_keys() {
         "python",
         "node",
         "go",
+        "transport",
         "engine",
         "priorities",
         "status_flood",

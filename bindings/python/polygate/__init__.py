@@ -20,6 +20,7 @@ from .errors import (
     CircuitOpenError,
     GatewayUnavailableError,
     PolyGateError,
+    RouteMissingError,
     SidecarError,
 )
 
@@ -41,5 +42,6 @@ __all__ = [
     "GatewayUnavailableError",
     "CircuitOpenError",
     "AllSourcesExhausted",
+    "RouteMissingError",
     "__version__",
 ]

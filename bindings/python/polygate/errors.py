@@ -28,6 +28,7 @@ __all__ = [
     "GatewayUnavailableError",
     "CircuitOpenError",
     "AllSourcesExhausted",
+    "RouteMissingError",
 ]
 
 
@@ -139,3 +140,13 @@ class AllSourcesExhausted(GatewayUnavailableError):
         super().__init__(message, kind=kind, retry_after_s=retry_after_s,
                          per_source_reasons=per_source_reasons, scope=scope)
         self.reason = reason
+
+
+class RouteMissingError(PolyGateError):
+    """An HTTP transport with ``routes`` was granted a source it has no route for
+    (DESIGN §17.2): nothing was sent, the permit was released. Add the source to
+    ``routes`` (or remove it from the scope). ``.source`` names it."""
+
+    def __init__(self, message: str, *, source: str, scope: Optional[str] = None) -> None:
+        super().__init__(message, kind="route_missing", scope=scope)
+        self.source = source

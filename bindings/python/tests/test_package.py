@@ -59,11 +59,19 @@ def test_core_and_wire_do_no_io():
         assert not (set(_imports(path)) & io_modules), "%s imports %s" % (path, set(_imports(path)) & io_modules)
 
 
+# The optional HTTP transports (DESIGN §17): each library is imported by its own
+# module only, which a user imports only if they use that library.
+OPTIONAL = {"httpx": "httpx.py", "httpx2": "httpx2.py"}
+
+
 def test_no_runtime_dependencies():
     stdlib = set(sys.stdlib_module_names) if hasattr(sys, "stdlib_module_names") else None
     for path in SOURCES:
         for mod in _imports(path):
             if mod in ("polygate", "__future__"):
+                continue
+            if mod in OPTIONAL:
+                assert path == os.path.join(PKG, OPTIONAL[mod]), "%s imports %s" % (path, mod)
                 continue
             if stdlib is not None:
                 assert mod in stdlib, "%s imports %s, not in the standard library" % (path, mod)
@@ -80,16 +88,41 @@ def test_ships_py_typed():
     assert "Status" in str(hints.get("return")), hints
 
 
-def test_readme_quick_start_is_the_example_worker():
-    """The root README's Python quick start is examples/worker.py, which an e2e
-    test runs against the real daemon: the quick start runs as written."""
+def _python_blocks(text):
+    blocks = []
+    while "```python\n" in text:
+        text = text[text.index("```python\n") + len("```python\n"):]
+        blocks.append(text[:text.index("```")])
+        text = text[text.index("```") + 3:]
+    return blocks
+
+
+def test_readme_quick_start_is_the_examples():
+    """The root README's Python quick start leads with the transport (DESIGN §17):
+    its first block is in examples/transport_openai.py, its second (run()) in
+    examples/worker.py; e2e tests run both against the real daemon, so the quick
+    start runs as written."""
     repo = os.path.dirname(os.path.dirname(ROOT))
     with open(os.path.join(repo, "README.md"), encoding="utf-8") as f:
         readme = f.read()
     section = readme[readme.index("## Python quick start"):]
-    block = section[section.index("```python\n") + len("```python\n"):]
-    block = block[:block.index("```")]
-    with open(os.path.join(repo, "examples", "worker.py"), encoding="utf-8") as f:
-        worker = f.read()
-    assert block.strip() and block in worker
-    assert "client.run(" in block, "the quick start uses run()"
+    section = section[:section.index("\n## ")]
+    blocks = _python_blocks(section)
+    assert len(blocks) >= 2, blocks
+    for block, example, needle in ((blocks[0], "transport_openai.py", "polygate.httpx.client("),
+                                   (blocks[1], "worker.py", "client.run(")):
+        with open(os.path.join(repo, "examples", example), encoding="utf-8") as f:
+            text = f.read()
+        assert block.strip() and _dedent_in(block, text), example
+        assert needle in block
+
+
+def _dedent_in(block, text):
+    """``block`` appears in ``text``, possibly indented as a whole."""
+    import textwrap
+
+    lines = block.strip("\n").splitlines()
+    for indent in range(0, 13, 4):
+        if textwrap.indent("\n".join(lines), " " * indent) in text:
+            return True
+    return False

@@ -1,0 +1,384 @@
+"""What the HTTP transports decide (DESIGN §17), shared by ``polygate.httpx`` and
+``polygate.httpx2`` (sync and asyncio alike). No I/O and no HTTP library here: the
+transports hand in bytes, statuses and header mappings.
+
+* :func:`parse_routes` / :class:`Route` – ``routes = {source: {base_url, headers}}``;
+* :func:`estimate_request` – a request body → ``(input, output)`` token estimates:
+  input = body bytes / 4, output = ``max_tokens`` / ``max_completion_tokens`` /
+  ``max_output_tokens`` (None: the source's ``est_output_tokens`` applies);
+* :func:`status_outcome` – a response status → the report (2xx: None, success);
+* :class:`UsageReader` – fed the response body as it passes through (JSON, or SSE
+  events), it finds the usage: OpenAI chat / responses / embeddings and Anthropic
+  messages, including the final usage events of streams;
+* :func:`refusal` – a PolyGate refusal → the synthetic response the SDK understands.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import zlib
+from typing import Any, Dict, List, Mapping, NamedTuple, Optional, Tuple
+from urllib.parse import urlsplit
+
+from ..errors import AllSourcesExhausted, GatewayUnavailableError
+from . import protocol as p
+from .run import Outcome, retry_after_seconds
+
+__all__ = ["Route", "parse_routes", "estimate_request", "status_outcome", "UsageReader", "refusal",
+           "Usage", "ON_REFUSAL"]
+
+ON_REFUSAL = ("response", "raise")
+
+Usage = Tuple[Optional[int], Optional[int], Optional[int]]
+"""``(tokens, input_tokens, output_tokens)`` as ``Permit.success`` takes them."""
+
+
+# ---------------------------------------------------------------- routes
+
+
+class Route(NamedTuple):
+    """Where a granted source's requests go: the request keeps its path and query,
+    scheme/host/port come from ``base_url`` and its path is put in front."""
+
+    scheme: str
+    host: str
+    port: Optional[int]
+    prefix: str
+    """``base_url``'s path without its trailing ``/`` ("" for none)."""
+    headers: Tuple[Tuple[str, str], ...]
+    """Extra headers (API key, ...): they replace same-named request headers."""
+
+    def path(self, request_path: str) -> str:
+        return self.prefix + request_path if self.prefix else request_path
+
+
+def parse_routes(routes: Optional[Mapping[str, Any]]) -> Optional[Dict[str, Route]]:
+    """Validate ``routes``: ``{source: {"base_url": url, "headers": {...}}}`` (or
+    ``{source: url}``). Raises ValueError naming the bad entry."""
+    if routes is None:
+        return None
+    if not isinstance(routes, Mapping) or not routes:
+        raise ValueError("routes must be a non-empty mapping {source: {\"base_url\": ..., \"headers\": {...}}}, "
+                         "got %r" % (routes,))
+    out: Dict[str, Route] = {}
+    for source, spec in routes.items():
+        if not isinstance(source, str) or not source:
+            raise ValueError("routes: a source name must be a non-empty string, got %r" % (source,))
+        if isinstance(spec, str):
+            spec = {"base_url": spec}
+        if not isinstance(spec, Mapping):
+            raise ValueError("routes[%r] must be {\"base_url\": ..., \"headers\": {...}}, got %r" % (source, spec))
+        unknown = set(spec) - {"base_url", "headers"}
+        if unknown:
+            raise ValueError("routes[%r]: unknown key(s) %s; allowed: base_url, headers" % (source, sorted(unknown)))
+        base = spec.get("base_url")
+        parts = urlsplit(base) if isinstance(base, str) else None
+        if parts is None or parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError("routes[%r].base_url must be an http(s) URL with a host, got %r" % (source, base))
+        try:
+            port = parts.port
+        except ValueError:
+            raise ValueError("routes[%r].base_url has a bad port: %r" % (source, base)) from None
+        headers = spec.get("headers") or {}
+        if not isinstance(headers, Mapping) or not all(
+                isinstance(k, str) and isinstance(v, str) for k, v in headers.items()):
+            raise ValueError("routes[%r].headers must map header names to string values, got %r" % (source, headers))
+        out[source] = Route(parts.scheme, parts.hostname, port, parts.path.rstrip("/"),
+                            tuple((k, v) for k, v in headers.items()))
+    return out
+
+
+# ---------------------------------------------------------------- estimate
+
+_OUTPUT = re.compile(rb'"(?:max_tokens|max_completion_tokens|max_output_tokens)"\s*:\s*(\d{1,10})(?![\d.eE])')
+
+
+def estimate_request(body: Optional[bytes]) -> Tuple[Optional[int], Optional[int]]:
+    """``(input, output)`` token estimates of a request body: input = ceil(bytes / 4)
+    (None without a body), output = the body's first ``"max_tokens"`` /
+    ``"max_completion_tokens"`` / ``"max_output_tokens"`` with an integer value
+    (None when it has none: the source's ``est_output_tokens`` applies).
+
+    A regex search, not a JSON parse: it costs well under a microsecond where
+    parsing costs one per few hundred bytes of prompt. (A tool's JSON schema naming
+    a ``max_tokens`` property has an object there, not an integer, so it does not
+    match.)"""
+    if not body:
+        return None, None
+    inp = min(p.MAX_COUNT // 2, (len(body) + 3) // 4)
+    m = _OUTPUT.search(body)
+    out = int(m.group(1)) if m is not None else None
+    if out is not None and out > p.MAX_COUNT // 2:
+        out = None
+    return inp, out
+
+
+def check_estimate(value: Any) -> Tuple[Optional[int], Optional[int]]:
+    """The user's ``estimate(request)`` answer, checked: a pair of counts or None."""
+    if not (isinstance(value, tuple) and len(value) == 2):
+        raise TypeError("estimate(request) must return (input_tokens, output_tokens) (each an int or None), "
+                        "got %r" % (value,))
+    inp, out = value
+    return p._check_count("estimate input", inp), p._check_count("estimate output", out)
+
+
+# ---------------------------------------------------------------- outcome
+
+
+def status_outcome(status: int, headers: Any) -> Optional[Outcome]:
+    """The report for a response status: None for 2xx (a success, settled with
+    its usage when the body ends); 429 → rate-limited with ``retry-after-ms`` /
+    ``Retry-After``; 408 → timeout; 409 and 5xx → server_error; any other status
+    → error. (``1xx``/``3xx`` never reach a transport's caller as final answers
+    in practice; they count as error.)"""
+    if 200 <= status < 300:
+        return None
+    if status == 429:
+        return Outcome.rate_limited(retry_after_seconds(headers))
+    if status == 408:
+        return Outcome.failure("timeout")
+    if status == 409 or status >= 500:
+        return Outcome.failure("server_error")
+    return Outcome.failure("error", retry=False)
+
+
+# ---------------------------------------------------------------- usage
+
+_MAX_JSON = 64 << 20  # a JSON body larger than this is passed through unread (the estimate stays)
+_MAX_LINE = 1 << 20  # an SSE line longer than this is skipped
+_EAGER_MAX = 1 << 20  # a non-stream body up to this size is read whole by the transport
+_USAGE_OBJ = re.compile(rb'"usage"\s*:\s*\{')  # a usage object (not "usage": null)
+_find_usage = _USAGE_OBJ.search
+
+
+def _count(v: Any, _max: int = p.MAX_COUNT) -> Optional[int]:
+    return v if type(v) is int and 0 <= v <= _max else None  # bool is not int here
+
+
+def usage_fields(usage: Any) -> Usage:
+    """``(total, input, output)`` of one provider ``usage`` object (cached input
+    reads excluded; Anthropic's ``input_tokens`` already excludes them)."""
+    if not isinstance(usage, dict):
+        return None, None, None
+    total = _count(usage.get("total_tokens"))
+    prompt = _count(usage.get("prompt_tokens"))
+    if prompt is not None:  # OpenAI chat / embeddings
+        details = usage.get("prompt_tokens_details")
+        cached = _count(details.get("cached_tokens")) if isinstance(details, dict) else None
+        return total, max(0, prompt - (cached or 0)), _count(usage.get("completion_tokens"))
+    inp = _count(usage.get("input_tokens"))
+    if inp is not None:  # OpenAI responses (cached in details) / Anthropic (cache reads apart)
+        details = usage.get("input_tokens_details")
+        cached = _count(details.get("cached_tokens")) if isinstance(details, dict) else None
+        inp = max(0, inp - (cached or 0))
+    return total, inp, _count(usage.get("output_tokens"))
+
+
+def _usage_in(doc: Any) -> Any:
+    """The usage object of a body or an SSE event: top level (OpenAI bodies and
+    chunks, Anthropic bodies and ``message_delta``), ``message.usage`` (Anthropic
+    ``message_start``) or ``response.usage`` (``response.completed``)."""
+    if not isinstance(doc, dict):
+        return None
+    u = doc.get("usage")
+    if isinstance(u, dict):
+        return u
+    for holder in ("message", "response"):
+        inner = doc.get(holder)
+        if isinstance(inner, dict) and isinstance(inner.get("usage"), dict):
+            return inner["usage"]
+    return None
+
+
+def is_sse(content_type: Optional[str]) -> bool:
+    return content_type is not None and content_type.split(";", 1)[0].strip().lower() == "text/event-stream"
+
+
+def eager(content_type: Optional[str], content_length: Optional[str]) -> bool:
+    """Whether a transport may read this body whole before handing the response
+    on: not a stream, and a declared length of at most 1 MiB."""
+    if content_length is None or is_sse(content_type):
+        return False
+    try:
+        return 0 <= int(content_length) <= _EAGER_MAX
+    except ValueError:
+        return False
+
+
+def body_usage(body: bytes, content_encoding: Optional[str] = None) -> Usage:
+    """The usage of a whole (non-stream) body as received (gzip/deflate decoded
+    here; another encoding: unknown)."""
+    enc = (content_encoding or "").strip().lower()
+    if enc in ("gzip", "x-gzip", "deflate"):
+        try:
+            body = zlib.decompressobj(47).decompress(body)
+        except zlib.error:
+            return None, None, None
+    elif enc not in ("", "identity"):
+        return None, None, None
+    if not body or len(body) > _MAX_JSON:
+        return None, None, None
+    return _json_usage(body)
+
+
+class UsageReader:
+    """Reads a response body as it passes through (never changes it) and keeps
+    the last usage seen. Chunks are queued as received (still content-encoded:
+    gzip/deflate are decoded here, other encodings leave the usage unknown) and
+    read in batches: the pass-through loop only appends to :attr:`pending` and
+    calls :meth:`flush` every :data:`BATCH` chunks, so a 1,000-chunk stream costs
+    a list append per chunk and a regex search per batch. :meth:`usage` answers
+    at any time — after the end, or with what was seen when a stream is
+    abandoned. All-None means "unknown": keep the estimate."""
+
+    __slots__ = ("sse", "pending", "_inflate", "_off", "_buf", "_tail", "total", "input", "output")
+
+    BATCH = 64
+    """Chunks queued before they are read (the pass-through loop checks ``len(pending)``)."""
+
+    def __init__(self, content_type: Optional[str], content_encoding: Optional[str] = None) -> None:
+        self.sse = is_sse(content_type)
+        self.pending: List[bytes] = []
+        """Chunks received, not read yet."""
+        enc = (content_encoding or "").strip().lower()
+        self._inflate: Any = None
+        self._off = False  # usage cannot be read (unknown encoding, oversize body)
+        if enc in ("gzip", "x-gzip", "deflate"):
+            self._inflate = zlib.decompressobj(47)  # gzip or zlib header, detected
+        elif enc not in ("", "identity"):
+            self._off = True
+        self._buf = bytearray()  # JSON: the body so far
+        self._tail = b""  # SSE: an unfinished line
+        self.total: Optional[int] = None
+        self.input: Optional[int] = None
+        self.output: Optional[int] = None
+
+    def feed(self, chunk: bytes) -> None:
+        """Queue one chunk (reading the queue every :data:`BATCH` chunks)."""
+        self.pending.append(chunk)
+        if len(self.pending) >= self.BATCH:
+            self.flush()
+
+    def flush(self) -> None:
+        """Read the queued chunks."""
+        if not self.pending:
+            return
+        data = self.pending[0] if len(self.pending) == 1 else b"".join(self.pending)
+        self.pending.clear()
+        if self._off or not data:
+            return
+        if self._inflate is not None:
+            try:
+                data = self._inflate.decompress(data)
+            except zlib.error:
+                self._off = True
+                return
+        if not self.sse:
+            if len(self._buf) + len(data) > _MAX_JSON:
+                self._off = True
+                self._buf = bytearray()
+            else:
+                self._buf += data
+            return
+        if self._tail:
+            data = self._tail + data
+        # Most batches have no usage object: keep the unfinished line only.
+        if _find_usage(data) is None:
+            if data.endswith(b"\n"):
+                self._tail = b""
+            else:
+                nl = data.rfind(b"\n")
+                tail = data[nl + 1:] if nl >= 0 else data
+                self._tail = tail if len(tail) <= _MAX_LINE else b""
+            return
+        lines = data.split(b"\n")
+        tail = lines.pop()
+        self._tail = tail if len(tail) <= _MAX_LINE else b""
+        for line in lines:
+            if line.startswith(b"data:") and _find_usage(line) is not None:
+                try:
+                    doc = json.loads(line[5:])
+                except ValueError:
+                    continue
+                self._merge(usage_fields(_usage_in(doc)))
+
+    def _merge(self, found: Usage) -> None:
+        total, inp, out = found
+        if total is not None:
+            self.total = total
+        if inp is not None:
+            self.input = inp
+        if out is not None:
+            self.output = out  # Anthropic's message_delta carries the cumulative count
+
+    def usage(self) -> Usage:
+        """``(tokens, input_tokens, output_tokens)`` for ``Permit.success``."""
+        self.flush()
+        if not self.sse and self._buf and not self._off:
+            self._merge(_json_usage(bytes(self._buf)))
+            self._buf = bytearray()
+        inp, out = self.input, self.output
+        if inp is not None and out is not None and inp + out > p.MAX_COUNT:
+            return None, None, None
+        return self.total, inp, out
+
+
+_DECODER = json.JSONDecoder()
+
+
+def _json_usage(body: bytes) -> Usage:
+    """The usage of a JSON body. Fast path: the last ``"usage"`` key's object
+    (providers put it at the end; a big body — embeddings — is not parsed whole);
+    else the whole document."""
+    i = body.rfind(b'"usage"')
+    m = _USAGE_OBJ.match(body, i) if i >= 0 else None
+    if m is not None:
+        try:
+            obj, _ = _DECODER.raw_decode(body[m.end() - 1:].decode("utf-8", "replace"))
+            found = usage_fields(obj)
+            if found != (None, None, None):
+                return found
+        except ValueError:
+            pass
+    try:
+        doc = json.loads(body)
+    except ValueError:
+        return None, None, None
+    return usage_fields(_usage_in(doc))
+
+
+# ---------------------------------------------------------------- refusal
+
+
+def refusal(err: GatewayUnavailableError, scope: str) -> Tuple[int, List[Tuple[str, str]], bytes]:
+    """``(status, headers, body)`` of the synthetic response for a refused call:
+    503 for an open circuit (and stalled / retry_exhausted / backend trouble), 429
+    for an exhausted quota; ``Retry-After`` = ceil(retry_after_s), ``retry-after-ms``,
+    ``x-should-retry: false`` and a JSON body naming PolyGate and the reason."""
+    code = getattr(err, "reason", None) if isinstance(err, AllSourcesExhausted) else err.kind
+    code = code or err.kind
+    status = 429 if code == "quota_exhausted" else 503
+    ra = err.retry_after_s if isinstance(err.retry_after_s, (int, float)) and math.isfinite(err.retry_after_s) \
+        and err.retry_after_s >= 0 else 0.0
+    doc = {"error": {
+        "type": "polygate",
+        "code": code,
+        "message": "PolyGate refused the request (%s): %s" % (code, err.message),
+        "scope": err.scope if err.scope is not None else scope,
+        "retry_after_s": float(ra),
+        "per_source_reasons": dict(err.per_source_reasons),
+    }}
+    body = json.dumps(doc, separators=(",", ":")).encode()
+    headers = [
+        ("content-type", "application/json"),
+        ("retry-after", str(int(math.ceil(ra)))),
+        ("retry-after-ms", str(int(round(ra * 1000)))),
+        ("x-polygate-refusal", code),
+        # The call-level budget is spent: PolyGate already retried, failed over and
+        # waited as the scope says. SDKs (openai, anthropic) honour this header and
+        # do not retry the refusal on their own.
+        ("x-should-retry", "false"),
+    ]
+    return status, headers, body

@@ -1,0 +1,453 @@
+"""The HTTP transport of DESIGN §17, written once for every httpx-shaped library
+(``httpx`` and ``httpx2``, sync and asyncio). It imports neither: the library's
+module is handed in (``_lib``) by :mod:`polygate.httpx` / :mod:`polygate.httpx2`,
+which add only the classes that must subclass the library's own
+(``BaseTransport``, ``SyncByteStream``, ...). What is decided — estimates, status
+→ outcome, usage, refusal responses — lives in the sans-I/O
+:mod:`polygate._core.transport`.
+
+One HTTP request is one PolyGate call: ``Start`` before it is sent, the report
+(``Finish``) when its response body ends or is closed — for a stream, when the
+stream ends or the caller abandons it; the permit (and its pacer slot) is held
+until then.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import weakref
+from typing import Any, AsyncIterator, Callable, Iterator, Mapping, Optional, Tuple
+
+from . import _core
+from ._core import transport as t
+from .errors import GatewayUnavailableError, PolyGateError, RouteMissingError
+
+Estimator = Callable[[Any], Tuple[Optional[int], Optional[int]]]
+"""``estimate(request) -> (input_tokens, output_tokens)``; either may be None."""
+
+
+def provider_limits(permit: Any, headers: Any) -> None:
+    """§18 seam: the one place that has a permit and its response's headers,
+    before the permit is reported. Parsing the provider's rate-limit headers into
+    the report's observed limits (``permit.limits = parse(headers)``) goes here."""
+
+
+class _Base:
+    """Options and decisions common to the sync and async transports."""
+
+    _lib: Any  # the HTTP library's module (httpx or httpx2), set by the subclass
+
+    def __init__(self, scope: str, *, routes: Optional[Mapping[str, Any]] = None,
+                 estimate: Optional[Estimator] = None, on_refusal: str = "response",
+                 priority: Optional[str] = None, socket: Optional[str] = None) -> None:
+        if not isinstance(scope, str) or not scope:
+            raise ValueError("scope must be a non-empty string, got %r" % (scope,))
+        if on_refusal not in t.ON_REFUSAL:
+            raise ValueError("on_refusal must be one of %s, got %r" % (", ".join(t.ON_REFUSAL), on_refusal))
+        if estimate is not None and not callable(estimate):
+            raise TypeError("estimate must be a function estimate(request) -> (input, output), got %r" % (estimate,))
+        self.scope = scope
+        """The scope every request of this transport is admitted in."""
+        self.routes = t.parse_routes(routes)
+        """source → :class:`polygate._core.transport.Route`, or None (send where the SDK sent it)."""
+        self.on_refusal = on_refusal
+        """``"response"``: a refusal is a synthetic 503/429; ``"raise"``: the PolyGate error."""
+        self.priority = priority
+        """The priority class of every call (None: the scope's default)."""
+        self._estimate = estimate
+        self._socket = socket  # where to connect when no client was given (None: the default path)
+
+    def _estimates(self, request: Any) -> Tuple[Optional[int], Optional[int]]:
+        if self._estimate is not None:
+            return t.check_estimate(self._estimate(request))
+        try:
+            body = request.content
+        except Exception:  # a streaming upload not read yet: no size to go by
+            body = None
+        return t.estimate_request(body)
+
+    def _routed(self, request: Any, source: str) -> Any:
+        """The request to send for a grant on ``source``."""
+        if self.routes is None:
+            return request
+        route = self.routes.get(source)
+        if route is None:
+            raise RouteMissingError(
+                "PolyGate granted source \"%s\" of scope \"%s\" but the transport's routes have no entry for "
+                "it (routes name %s); nothing was sent" % (source, self.scope, ", ".join(sorted(self.routes))),
+                source=source, scope=self.scope)
+        lib = self._lib
+        url = request.url.copy_with(scheme=route.scheme, host=route.host, port=route.port,
+                                    path=route.path(request.url.path))
+        headers = request.headers.copy()
+        headers["host"] = url.netloc.decode("ascii")
+        for k, v in route.headers:
+            headers[k] = v
+        return lib.Request(request.method, url, headers=headers, stream=request.stream,
+                           extensions=request.extensions)
+
+    def _refusal(self, request: Any, err: GatewayUnavailableError) -> Any:
+        status, headers, body = t.refusal(err, self.scope)
+        headers.append(("content-length", str(len(body))))
+        # a stream, not content=: a caller streaming the response must be able to read it
+        return self._lib.Response(status, headers=headers, stream=self._lib.ByteStream(body), request=request)
+
+    def _error_kind(self, exc: BaseException) -> Optional[str]:
+        """The failure kind of an exception from the wrapped transport (None: cancel)."""
+        if not isinstance(exc, Exception):
+            return None  # KeyboardInterrupt, CancelledError: the caller gave up
+        if isinstance(exc, self._lib.TimeoutException):
+            return "timeout"
+        if isinstance(exc, (self._lib.TransportError, OSError)):
+            return "connection"
+        return None  # not the upstream's doing (a bug, a bad argument): no blame
+
+
+class _Settlement:
+    """One request's permit between the response headers and the end of its body."""
+
+    __slots__ = ("call", "permit", "outcome", "reader", "done")
+
+    def __init__(self, call: Any, permit: Any, outcome: Optional[_core.Outcome],
+                 reader: Optional[t.UsageReader]) -> None:
+        self.call = call
+        self.permit = permit
+        self.outcome = outcome  # None: a 2xx, settled as a success with the usage read
+        self.reader = reader  # None: a body read whole, its usage passed to settle()
+        self.done = False
+
+
+def _head(response: Any) -> Tuple[Optional[str], Optional[str], Optional[str]]:
+    """``(content-type, content-encoding, content-length)`` in one pass over the raw
+    header pairs (``Headers.get`` decodes them all, per lookup)."""
+    ctype = cenc = clen = None
+    for k, v in response.headers.raw:
+        n = k.lower()
+        if n == b"content-type":
+            ctype = v.decode("latin-1")
+        elif n == b"content-encoding":
+            cenc = v.decode("latin-1")
+        elif n == b"content-length":
+            clen = v.decode("latin-1")
+    return ctype, cenc, clen
+
+
+# ---------------------------------------------------------------- sync
+
+
+class SyncGate(_Base):
+    """``BaseTransport.handle_request`` under admission (see :mod:`polygate.httpx`)."""
+
+    _Stream: Callable[[Any, "SyncGate", _Settlement], Any]  # the library's SyncByteStream subclass
+
+    def __init__(self, scope: str, *, client: Any = None, base: Any = None, **kw: Any) -> None:
+        super().__init__(scope, **kw)
+        self._client = client
+        self._own_client = client is None
+        self._connect_lock = threading.Lock()
+        self._base = base if base is not None else self._lib.HTTPTransport()
+
+    def _gate(self) -> Any:
+        c = self._client
+        if c is None:
+            with self._connect_lock:
+                c = self._client
+                if c is None:
+                    from ._sync import connect
+                    c = self._client = connect(self._socket)
+        return c
+
+    def handle_request(self, request: Any) -> Any:
+        est_in, est_out = self._estimates(request)
+        call = self._gate().call(self.scope, priority=self.priority, est_input_tokens=est_in,
+                                 est_output_tokens=est_out)
+        try:
+            permit = call.acquire()
+        except GatewayUnavailableError as e:
+            call.end()
+            if self.on_refusal == "raise":
+                raise
+            return self._refusal(request, e)
+        except BaseException:
+            call.end(_quiet=True)
+            raise
+        try:
+            sent = self._routed(request, permit.source)
+            response = self._base.handle_request(sent)
+        except BaseException as exc:
+            kind = self._error_kind(exc)
+            if kind is None:
+                permit.cancel()
+            else:
+                permit.failure(kind)
+            call.end(_quiet=not isinstance(exc, Exception))
+            raise
+        provider_limits(permit, response.headers)
+        outcome = t.status_outcome(response.status_code, response.headers)
+        ctype, cenc, clen = _head(response)
+        if response.is_closed:  # a base transport that read the body itself (MockTransport, a cache)
+            self.settle(_Settlement(call, permit, outcome, None), usage=t.body_usage(response.content))
+            return response
+        if t.eager(ctype, clen):
+            # A small JSON body: read it here, settle, hand the same bytes on (no
+            # stream wrapper, no finalizer; the SDK reads it at once anyway).
+            inner = response.stream
+            s = _Settlement(call, permit, outcome, None)
+            try:
+                raw = b"".join(inner)
+            except BaseException as exc:
+                inner.close()
+                self.settle(s, exc)
+                raise
+            inner.close()
+            self.settle(s, usage=t.body_usage(raw, cenc))
+            response.stream = self._lib.ByteStream(raw)
+            return response
+        settlement = _Settlement(call, permit, outcome, t.UsageReader(ctype, cenc))
+        inner = response.stream
+        response.stream = self._Stream(inner, self, settlement)
+        weakref.finalize(response.stream, self._dropped, inner, settlement)
+        return response
+
+    def _dropped(self, inner: Any, s: _Settlement) -> None:
+        """Safety net: the response was garbage-collected with its body neither
+        read to the end nor closed. Settle it (with what was seen, else the
+        estimate) from a thread of its own: a finalizer may run anywhere,
+        even where this thread holds the client's connection lock."""
+        if not s.done:
+            threading.Thread(target=self._settle_dropped, args=(inner, s), daemon=True,
+                             name="polygate-settle").start()
+
+    def _settle_dropped(self, inner: Any, s: _Settlement) -> None:
+        try:
+            inner.close()
+        except Exception:
+            pass
+        self.settle(s)
+
+    def settle(self, s: _Settlement, error: Optional[BaseException] = None, usage: Optional[t.Usage] = None) -> None:
+        """Report the request's permit and end its call (once): at the end of the
+        body, when the caller closes it (abandoned: what was seen, else the
+        estimate), or with the error that broke the body."""
+        if s.done:
+            return
+        s.done = True
+        permit, call = s.permit, s.call
+        try:
+            if error is not None:
+                kind = self._error_kind(error)
+                permit.failure(kind) if kind is not None else permit.cancel()
+            elif s.outcome is None:
+                tokens, inp, out = usage or (s.reader.usage() if s.reader is not None else (None, None, None))
+                permit.success(tokens, input_tokens=inp, output_tokens=out)
+            elif s.outcome.kind == "rate_limited":
+                permit.rate_limited(s.outcome.retry_after_s)
+            else:
+                permit.failure(s.outcome.kind)
+            call.end()
+        except PolyGateError:
+            call.end(_quiet=True)  # the sidecar is gone: it released the permit with the connection
+
+    def close(self) -> None:
+        self._base.close()
+        if self._own_client and self._client is not None:
+            self._client.close()
+            self._client = None
+
+
+class SyncObserved:
+    """Mixin of the library's ``SyncByteStream`` subclass: passes the body through
+    unchanged, feeding the usage reader, and settles at the end or on close."""
+
+    def __init__(self, inner: Any, gate: SyncGate, settlement: _Settlement) -> None:
+        assert settlement.reader is not None  # a passed-through body is read as it passes
+        self._inner = inner
+        self._gate = gate
+        self._s = settlement
+        self._reader: t.UsageReader = settlement.reader
+
+    def __iter__(self) -> Iterator[bytes]:
+        reader = self._reader
+        pending, batch = reader.pending, reader.BATCH
+        try:
+            for chunk in self._inner:
+                pending.append(chunk)  # read in batches: per chunk, an append (1,000-chunk streams)
+                if len(pending) >= batch:
+                    reader.flush()
+                yield chunk
+        except Exception as e:
+            self._gate.settle(self._s, e)
+            raise
+        self._gate.settle(self._s)
+
+    def close(self) -> None:
+        try:
+            self._inner.close()
+        finally:
+            self._gate.settle(self._s)
+
+
+# ---------------------------------------------------------------- async
+
+
+class AsyncGate(_Base):
+    """``AsyncBaseTransport.handle_async_request`` under admission."""
+
+    _Stream: Callable[[Any, "AsyncGate", _Settlement], Any]  # the library's AsyncByteStream subclass
+
+    def __init__(self, scope: str, *, client: Any = None, base: Any = None, **kw: Any) -> None:
+        super().__init__(scope, **kw)
+        self._client = client
+        self._own_client = client is None
+        self._connect_lock: Optional[asyncio.Lock] = None
+        self._base = base if base is not None else self._lib.AsyncHTTPTransport()
+        self._tasks: "set[asyncio.Future[None]]" = set()  # settlements of dropped responses, running
+
+    async def _gate(self) -> Any:
+        c = self._client
+        if c is None:
+            if self._connect_lock is None:
+                self._connect_lock = asyncio.Lock()
+            async with self._connect_lock:
+                c = self._client
+                if c is None:
+                    from .aio import connect
+                    c = self._client = await connect(self._socket)
+        return c
+
+    async def handle_async_request(self, request: Any) -> Any:
+        est_in, est_out = self._estimates(request)
+        call = (await self._gate()).call(self.scope, priority=self.priority, est_input_tokens=est_in,
+                                         est_output_tokens=est_out)
+        try:
+            permit = await call.acquire()
+        except GatewayUnavailableError as e:
+            await call.end()
+            if self.on_refusal == "raise":
+                raise
+            return self._refusal(request, e)
+        except BaseException:
+            call._release_now()
+            raise
+        try:
+            sent = self._routed(request, permit.source)
+            response = await self._base.handle_async_request(sent)
+        except BaseException as exc:
+            kind = self._error_kind(exc)
+            if kind is None:
+                await permit.cancel()
+            else:
+                await permit.failure(kind)
+            if isinstance(exc, Exception):
+                await call.end()
+            else:
+                call._release_now()
+            raise
+        provider_limits(permit, response.headers)
+        outcome = t.status_outcome(response.status_code, response.headers)
+        ctype, cenc, clen = _head(response)
+        if response.is_closed:  # a base transport that read the body itself
+            await self.settle(_Settlement(call, permit, outcome, None), usage=t.body_usage(response.content))
+            return response
+        if t.eager(ctype, clen):  # a small JSON body: read it here (see SyncGate)
+            inner = response.stream
+            s = _Settlement(call, permit, outcome, None)
+            try:
+                raw = b"".join([chunk async for chunk in inner])
+            except BaseException as exc:
+                await inner.aclose()
+                await self.settle(s, exc)
+                raise
+            await inner.aclose()
+            await self.settle(s, usage=t.body_usage(raw, cenc))
+            response.stream = self._lib.ByteStream(raw)
+            return response
+        settlement = _Settlement(call, permit, outcome, t.UsageReader(ctype, cenc))
+        inner = response.stream
+        response.stream = self._Stream(inner, self, settlement)
+        weakref.finalize(response.stream, self._dropped, asyncio.get_running_loop(), inner, settlement)
+        return response
+
+    def _dropped(self, loop: asyncio.AbstractEventLoop, inner: Any, s: _Settlement) -> None:
+        """Safety net, as :meth:`SyncGate._dropped`: settle on the response's loop."""
+        if s.done:
+            return
+        try:
+            loop.call_soon_threadsafe(self._spawn_settle, inner, s)
+        except RuntimeError:
+            pass  # the loop is closed: its connection to the sidecar is gone, and with it the permit
+
+    def _spawn_settle(self, inner: Any, s: _Settlement) -> None:
+        task = asyncio.ensure_future(self._settle_dropped(inner, s))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _settle_dropped(self, inner: Any, s: _Settlement) -> None:
+        try:
+            await inner.aclose()
+        except Exception:
+            pass
+        await self.settle(s)
+
+    async def settle(self, s: _Settlement, error: Optional[BaseException] = None,
+                     usage: Optional[t.Usage] = None) -> None:
+        """As :meth:`SyncGate.settle`, awaited."""
+        if s.done:
+            return
+        s.done = True
+        permit, call = s.permit, s.call
+        try:
+            if error is not None:
+                kind = self._error_kind(error)
+                await (permit.failure(kind) if kind is not None else permit.cancel())
+            elif s.outcome is None:
+                tokens, inp, out = usage or (s.reader.usage() if s.reader is not None else (None, None, None))
+                await permit.success(tokens, input_tokens=inp, output_tokens=out)
+            elif s.outcome.kind == "rate_limited":
+                await permit.rate_limited(s.outcome.retry_after_s)
+            else:
+                await permit.failure(s.outcome.kind)
+            await call.end()
+        except PolyGateError:
+            call._release_now()
+        except BaseException:  # cancelled while settling: release without waiting
+            call._release_now()
+            raise
+
+    async def aclose(self) -> None:
+        await self._base.aclose()
+        if self._own_client and self._client is not None:
+            await self._client.close()
+            self._client = None
+
+
+class AsyncObserved:
+    """Mixin of the library's ``AsyncByteStream`` subclass (see :class:`SyncObserved`)."""
+
+    def __init__(self, inner: Any, gate: AsyncGate, settlement: _Settlement) -> None:
+        assert settlement.reader is not None  # a passed-through body is read as it passes
+        self._inner = inner
+        self._gate = gate
+        self._s = settlement
+        self._reader: t.UsageReader = settlement.reader
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        reader = self._reader
+        pending, batch = reader.pending, reader.BATCH
+        try:
+            async for chunk in self._inner:
+                pending.append(chunk)
+                if len(pending) >= batch:
+                    reader.flush()
+                yield chunk
+        except Exception as e:
+            await self._gate.settle(self._s, e)
+            raise
+        await self._gate.settle(self._s)
+
+    async def aclose(self) -> None:
+        try:
+            await self._inner.aclose()
+        finally:
+            await self._gate.settle(self._s)

@@ -1,0 +1,273 @@
+"""The transports' sans-I/O decisions (DESIGN §17, polygate._core.transport):
+estimates from request bodies, status → outcome, usage read from JSON bodies and
+SSE streams as they pass (in any chunking), refusal responses, routes; and that
+``import polygate`` needs no HTTP library."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+import polygate
+from polygate._core import transport as t
+
+
+# ---------------------------------------------------------------- estimate
+
+
+def test_estimate_input_is_body_bytes_over_four_and_output_is_max_tokens():
+    body = json.dumps({"model": "m", "max_tokens": 700, "messages": [{"role": "user", "content": "x" * 100}]}).encode()
+    assert t.estimate_request(body) == ((len(body) + 3) // 4, 700)
+    for key in ("max_completion_tokens", "max_output_tokens"):
+        assert t.estimate_request(json.dumps({key: 55, "input": "hi"}).encode())[1] == 55
+
+
+def test_estimate_without_an_output_limit_leaves_output_to_the_source():
+    assert t.estimate_request(b'{"model": "m", "input": "hello"}') == (8, None)
+    assert t.estimate_request(b'{"max_tokens": true}')[1] is None  # not a count
+    assert t.estimate_request(b'{"max_tokens": -1}')[1] is None
+    assert t.estimate_request(b'{"max_tokens": 1.5}')[1] is None
+    assert t.estimate_request(b'{"max_tokens": 99999999999}')[1] is None
+    assert t.estimate_request(b"not json max_tokens") == (5, None)
+    assert t.estimate_request(b"") == (None, None)
+    assert t.estimate_request(None) == (None, None)
+    # a tool's JSON schema naming the property is not a limit; the real one after it is
+    schema = {"tools": [{"parameters": {"properties": {"max_tokens": {"type": "integer"}}}}], "max_tokens": 64}
+    assert t.estimate_request(json.dumps(schema).encode())[1] == 64
+    # in the prompt's text the key is escaped (\"max_tokens\"), never a match
+    text = {"messages": [{"content": json.dumps({"max_tokens": 5})}]}
+    assert t.estimate_request(json.dumps(text).encode())[1] is None
+
+
+def test_check_estimate_rejects_what_is_not_a_pair_of_counts():
+    assert t.check_estimate((10, None)) == (10, None)
+    with pytest.raises(TypeError):
+        t.check_estimate(10)
+    with pytest.raises(ValueError):
+        t.check_estimate((-1, 2))
+
+
+# ---------------------------------------------------------------- status → outcome
+
+
+@pytest.mark.parametrize("status,kind", [(408, "timeout"), (409, "server_error"), (500, "server_error"),
+                                         (502, "server_error"), (503, "server_error"), (529, "server_error"),
+                                         (400, "error"), (401, "error"), (404, "error"), (422, "error")])
+def test_status_outcome(status, kind):
+    o = t.status_outcome(status, {})
+    assert o is not None and o.kind == kind
+
+
+def test_2xx_is_a_success_and_429_is_rate_limited_with_retry_after_ms_first():
+    assert t.status_outcome(200, {}) is None and t.status_outcome(201, {}) is None
+    o = t.status_outcome(429, {"Retry-After": "20", "retry-after-ms": "2500"})
+    assert o is not None and o.kind == "rate_limited" and o.retry_after_s == 2.5
+    o = t.status_outcome(429, {"retry-after": "7"})
+    assert o is not None and o.retry_after_s == 7.0
+    o = t.status_outcome(429, {})
+    assert o is not None and o.kind == "rate_limited" and o.retry_after_s is None
+
+
+# ---------------------------------------------------------------- usage
+
+
+def feed_all(reader: t.UsageReader, data: bytes, size: int) -> t.Usage:
+    for i in range(0, len(data), size):
+        reader.feed(data[i:i + size])
+    return reader.usage()
+
+
+CHAT = json.dumps({"id": "x", "choices": [{"message": {"content": "usage: none here"}}],
+                   "usage": {"prompt_tokens": 40, "completion_tokens": 10, "total_tokens": 50,
+                             "prompt_tokens_details": {"cached_tokens": 15}}}).encode()
+
+
+@pytest.mark.parametrize("size", [1, 7, 4096])
+def test_json_usage_of_openai_chat_excludes_cached_input(size):
+    assert feed_all(t.UsageReader("application/json"), CHAT, size) == (50, 25, 10)
+
+
+def test_json_usage_of_responses_embeddings_and_anthropic():
+    resp = {"object": "response", "output": [], "usage": {"input_tokens": 40, "output_tokens": 20, "total_tokens": 60,
+                                                          "input_tokens_details": {"cached_tokens": 10}}}
+    emb = {"object": "list", "data": [{"embedding": [0.5] * 10}], "usage": {"prompt_tokens": 8, "total_tokens": 8}}
+    msg = {"type": "message", "usage": {"input_tokens": 12, "cache_read_input_tokens": 100, "output_tokens": 8}}
+    for doc, want in ((resp, (60, 30, 20)), (emb, (8, 8, None)), (msg, (None, 12, 8))):
+        r = t.UsageReader("application/json; charset=utf-8")
+        r.feed(json.dumps(doc).encode())
+        assert r.usage() == want, doc
+
+
+def test_json_usage_far_from_the_end_and_in_a_big_body():
+    doc = {"usage": {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7}, "pad": "x" * 10000}
+    r = t.UsageReader("application/json")
+    r.feed(json.dumps(doc).encode())
+    assert r.usage() == (7, 3, 4)  # not in the last 4 KiB: the whole document is read
+    big = {"data": [{"embedding": [0.123456] * 200000}], "usage": {"prompt_tokens": 9, "total_tokens": 9}}
+    r = t.UsageReader("application/json")
+    r.feed(json.dumps(big).encode())
+    assert r.usage() == (9, 9, None)
+
+
+def test_gzip_bodies_are_read_and_unknown_encodings_keep_the_estimate():
+    r = t.UsageReader("application/json", "gzip")
+    assert feed_all(r, gzip.compress(CHAT), 5) == (50, 25, 10)
+    r = t.UsageReader("application/json", "br")
+    r.feed(b"\x00\x01")
+    assert r.usage() == (None, None, None)
+    r = t.UsageReader("application/json", "gzip")
+    r.feed(b"not gzip at all")
+    assert r.usage() == (None, None, None)
+    r = t.UsageReader("application/json")
+    r.feed(b"<html>502</html>")
+    assert r.usage() == (None, None, None)
+
+
+def test_a_whole_body_read_by_the_transport():
+    assert t.body_usage(CHAT) == (50, 25, 10)
+    assert t.body_usage(gzip.compress(CHAT), "gzip") == (50, 25, 10)
+    assert t.body_usage(b"\x00", "br") == (None, None, None)
+    assert t.body_usage(b"garbage", "gzip") == (None, None, None)
+    assert t.body_usage(b"") == (None, None, None)
+    # read whole: a declared length up to 1 MiB and not a stream
+    assert t.eager("application/json", "300") and t.eager(None, "0")
+    assert not t.eager("application/json", None)  # chunked: passed through as it comes
+    assert not t.eager("text/event-stream; charset=utf-8", "300")
+    assert not t.eager("application/json", str(2 << 20)) and not t.eager("application/json", "x")
+
+
+def sse(*events: str) -> bytes:
+    return "".join(e + "\n\n" for e in events).encode()
+
+
+def chunk(usage=None, content="hi") -> str:
+    return "data: " + json.dumps({"object": "chat.completion.chunk", "choices": [{"delta": {"content": content}}],
+                                  "usage": usage})
+
+
+OPENAI_SSE = sse(chunk(), chunk(), chunk(usage={"prompt_tokens": 20, "completion_tokens": 3, "total_tokens": 23}),
+                 "data: [DONE]")
+ANTHROPIC_SSE = sse(
+    'event: message_start\ndata: {"type":"message_start","message":{"id":"m","usage":{"input_tokens":25,"output_tokens":1}}}',
+    'event: content_block_delta\ndata: {"type":"content_block_delta","index":0,"delta":{"type":"text_delta","text":"usage"}}',
+    'event: message_delta\ndata: {"type":"message_delta","delta":{"stop_reason":"end_turn"},"usage":{"output_tokens":15}}',
+    'event: message_stop\ndata: {"type":"message_stop"}')
+RESPONSES_SSE = sse(
+    'event: response.created\ndata: {"type":"response.created","response":{"usage":null}}',
+    'event: response.completed\ndata: {"type":"response.completed","response":{"usage":'
+    '{"input_tokens":30,"input_tokens_details":{"cached_tokens":5},"output_tokens":12,"total_tokens":42}}}')
+
+
+@pytest.mark.parametrize("size", [1, 3, 64, 100000])
+def test_sse_usage_in_any_chunking(size):
+    assert feed_all(t.UsageReader("text/event-stream"), OPENAI_SSE, size) == (23, 20, 3)
+    assert feed_all(t.UsageReader("text/event-stream; charset=utf-8"), ANTHROPIC_SSE, size) == (None, 25, 15)
+    assert feed_all(t.UsageReader("text/event-stream"), RESPONSES_SSE, size) == (42, 25, 12)
+
+
+def test_an_abandoned_stream_has_what_was_seen():
+    r = t.UsageReader("text/event-stream")
+    cut = ANTHROPIC_SSE.index(b"event: content_block_delta")
+    r.feed(ANTHROPIC_SSE[:cut])
+    assert r.usage() == (None, 25, 1)
+    r = t.UsageReader("text/event-stream")
+    r.feed(sse(chunk(), chunk()))
+    assert r.usage() == (None, None, None)  # nothing seen: the estimate stays
+
+
+def test_sse_with_crlf_lines_and_a_gzip_stream():
+    r = t.UsageReader("text/event-stream")
+    assert feed_all(r, OPENAI_SSE.replace(b"\n", b"\r\n"), 10) == (23, 20, 3)
+    r = t.UsageReader("text/event-stream", "gzip")
+    assert feed_all(r, gzip.compress(ANTHROPIC_SSE), 9) == (None, 25, 15)
+
+
+# ---------------------------------------------------------------- refusal
+
+
+def test_refusal_of_an_open_circuit_is_a_503_naming_polygate():
+    err = polygate.CircuitOpenError("every source's circuit is open", retry_after_s=9.2,
+                                    per_source_reasons={"a": "circuit_open"}, scope="chat")
+    status, headers, body = t.refusal(err, "chat")
+    h = dict(headers)
+    assert status == 503
+    assert h["retry-after"] == "10" and h["retry-after-ms"] == "9200" and h["content-type"] == "application/json"
+    assert h["x-should-retry"] == "false"
+    doc = json.loads(body)["error"]
+    assert doc["type"] == "polygate" and doc["code"] == "circuit_open" and doc["scope"] == "chat"
+    assert doc["retry_after_s"] == 9.2 and doc["per_source_reasons"] == {"a": "circuit_open"}
+    assert "PolyGate" in doc["message"]
+
+
+@pytest.mark.parametrize("reason,status", [("quota_exhausted", 429), ("stalled", 503), ("retry_exhausted", 503)])
+def test_refusal_of_an_exhausted_call(reason, status):
+    err = polygate.AllSourcesExhausted("no", reason=reason, retry_after_s=0.0, scope=None)
+    st, headers, body = t.refusal(err, "emb")
+    assert st == status and dict(headers)["retry-after"] == "0"
+    doc = json.loads(body)["error"]
+    assert doc["code"] == reason and doc["scope"] == "emb"
+
+
+# ---------------------------------------------------------------- routes
+
+
+def test_routes_parse_and_validate():
+    r = t.parse_routes({"a": {"base_url": "https://eu.example.com:8443/openai/", "headers": {"api-key": "K"}},
+                        "b": "http://127.0.0.1:9000"})
+    assert r is not None
+    assert r["a"] == t.Route("https", "eu.example.com", 8443, "/openai", (("api-key", "K"),))
+    assert r["a"].path("/v1/chat") == "/openai/v1/chat"
+    assert r["b"].path("/v1/chat") == "/v1/chat" and r["b"].port == 9000
+    assert t.parse_routes(None) is None
+    for bad, needle in (({}, "non-empty"), ({"a": {"base_url": "ftp://x"}}, "routes['a'].base_url"),
+                        ({"a": {"base_url": "http://x", "headers": {"k": 1}}}, "routes['a'].headers"),
+                        ({"a": {"base_url": "http://x", "header": {}}}, "unknown key")):
+        with pytest.raises(ValueError, match=needle.replace("[", r"\[").replace("]", r"\]")):
+            t.parse_routes(bad)
+
+
+# ---------------------------------------------------------------- packaging
+
+
+def test_import_polygate_needs_no_http_library():
+    """``import polygate`` (and polygate.aio) works with httpx and httpx2 missing;
+    only the transport modules need them, and say so."""
+    code = textwrap.dedent("""
+        import sys
+        for m in ("httpx", "httpx2", "openai", "anthropic"):
+            sys.modules[m] = None  # an import of it raises ImportError
+        import polygate, polygate.aio
+        assert polygate.RouteMissingError
+        for mod in ("polygate.httpx", "polygate.httpx2"):
+            try:
+                __import__(mod)
+            except ImportError as e:
+                assert mod.split(".")[1] in str(e), e
+            else:
+                raise SystemExit(mod + " imported without its library")
+        print("ok")
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
+
+
+def test_transport_options_are_checked_at_construction():
+    httpx = pytest.importorskip("httpx")
+    import polygate.httpx as ph
+
+    with pytest.raises(ValueError, match="on_refusal"):
+        ph.Transport("chat", on_refusal="ignore")
+    with pytest.raises(ValueError, match="scope"):
+        ph.Transport("")
+    with pytest.raises(ValueError, match="routes"):
+        ph.Transport("chat", routes={"a": {"base_url": "nope"}})
+    with pytest.raises(TypeError, match="estimate"):
+        ph.Transport("chat", estimate=5)  # type: ignore[arg-type]
+    c = ph.client("chat", base_url="http://127.0.0.1:1")
+    assert isinstance(c, httpx.Client) and isinstance(c._transport, ph.Transport)
+    c.close()
