@@ -22,5 +22,5 @@ export type { ExhaustionReason, SkipReason } from "./errors.js";
 export { classifyError, retryAfterOf, statusOf, usageOf } from "./classify.js";
 export type { FailureKind, Usage, Verdict } from "./classify.js";
 export { PROTOCOL_VERSION } from "./wire.js";
-export { RouteError, fetch } from "./transport.js";
+export { RouteMissingError, fetch } from "./transport.js";
 export type { Estimate, EstimateRequest, FetchLike, FetchOptions, Route } from "./transport.js";

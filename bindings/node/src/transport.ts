@@ -12,7 +12,7 @@
  *   body (or stream) ends. An SDK's own retries are separate calls, each admitted.
  * - `routes` (source → `{baseURL, headers}`) sends the request to the granted source's
  *   deployment with that source's extra headers; a granted source missing from
- *   `routes` is a {@link RouteError} before anything is sent.
+ *   `routes` is a {@link RouteMissingError} before anything is sent.
  * - The estimate: input = UTF-8 bytes of the body / 4, output = the body's
  *   `max_tokens` / `max_completion_tokens` / `max_output_tokens` (else the source's
  *   `est_output_tokens`), or the user's `estimate` hook.
@@ -89,12 +89,12 @@ export interface FetchOptions {
 }
 
 /** A granted source has no entry in `routes`: nothing was sent. */
-export class RouteError extends PolyGateError {
+export class RouteMissingError extends PolyGateError {
   /** The granted source. */
   readonly source: string;
 
   constructor(message: string, scope: string, source: string) {
-    super(message, "missing_route", scope);
+    super(message, "route_missing", scope);
     this.source = source;
   }
 }
@@ -299,7 +299,7 @@ export function refusalResponse(e: GatewayUnavailableError, scope: string): Resp
     headers: {
       "content-type": "application/json",
       "retry-after": String(Math.ceil(after)),
-      "retry-after-ms": String(Math.ceil(after * 1000)),
+      "retry-after-ms": String(Math.round(after * 1000)),
     },
   });
 }
@@ -400,20 +400,17 @@ function gateStream(
 ): ReadableStream<Uint8Array> {
   const reader = body.getReader();
   let settled = false;
-  const settle = (how: "end" | "abandon" | "error", err?: unknown): void => {
-    if (settled) return;
+  const settle = (how: "end" | "abandon" | "error", err?: unknown): Promise<void> => {
+    if (settled) return Promise.resolve();
     settled = true;
     signal?.removeEventListener("abort", onAbort);
     if (how === "end") scan?.end();
     const u = scan?.usage();
-    if (how === "error") {
-      void (signal?.aborted ? abortedOutcome(att, signal) : att.failure(failKind(err), u));
-    } else {
-      void att.success(u);
-    }
+    if (how !== "error") return att.success(u);
+    return signal?.aborted ? abortedOutcome(att, signal) : att.failure(failKind(err), u);
   };
   const onAbort = (): void => {
-    settle("abandon");
+    void settle("abandon");
     reader.cancel(signal?.reason).catch(noop);
   };
   if (signal !== undefined) {
@@ -426,21 +423,21 @@ function gateStream(
       try {
         r = await reader.read();
       } catch (e) {
-        settle(signal?.aborted ? "abandon" : "error", e);
+        await settle(signal?.aborted ? "abandon" : "error", e);
         controller.error(e);
         return;
       }
       if (r.done) {
+        // settled before the caller sees the end: its next request finds the call gone
+        await settle("end");
         controller.close();
-        settle("end");
         return;
       }
       scan?.push(r.value);
       controller.enqueue(r.value);
     },
-    cancel(reason): Promise<void> {
-      settle("abandon");
-      return reader.cancel(reason).catch(noop);
+    async cancel(reason): Promise<void> {
+      await Promise.all([settle("abandon"), reader.cancel(reason).catch(noop)]);
     },
   }, { highWaterMark: 0 });
 }
@@ -585,7 +582,7 @@ export function fetch(opts: FetchOptions): FetchLike {
       const route = routes.get(permit.source);
       if (route === undefined) {
         await new Attempt(call, permit, null).cancel();
-        throw new RouteError(
+        throw new RouteMissingError(
           `PolyGate granted source "${permit.source}" in scope "${scope}", which has no entry in routes `
           + `(routes name: ${[...routes.keys()].join(", ") || "nothing"}); add it to routes, or remove it from the scope`,
           scope, permit.source);

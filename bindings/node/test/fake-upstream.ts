@@ -13,6 +13,8 @@ export interface Canned {
   json?: unknown;
   /** SSE events: each item is sent as `<item>\n\n` (content-type text/event-stream). */
   sse?: string[];
+  /** A body sent as UTF-8 (content-type text/plain unless `headers` says otherwise). */
+  body?: string;
   /** Seconds before the response starts. */
   delayS?: number;
   /** Milliseconds between SSE events. */
@@ -65,8 +67,10 @@ export class FakeUpstream {
     this.open.add(res);
     res.once("close", () => this.open.delete(res));
     if (c.delayS) await sleep(c.delayS * 1000);
+    const headers: Record<string, string> = {};
+    for (const [k, v] of Object.entries(c.headers ?? {})) headers[k.toLowerCase()] = v;
     if (c.sse !== undefined) {
-      res.writeHead(c.status ?? 200, { "content-type": "text/event-stream", ...c.headers });
+      res.writeHead(c.status ?? 200, { "content-type": "text/event-stream", ...headers });
       const all: Buffer[] = [];
       for (const [i, ev] of c.sse.entries()) {
         if (res.destroyed) return;
@@ -80,9 +84,9 @@ export class FakeUpstream {
       res.end();
       return;
     }
-    const body = Buffer.from(JSON.stringify(c.json ?? { ok: true }));
+    const body = Buffer.from(c.body ?? JSON.stringify(c.json ?? { ok: true }));
     this.sent.push(body);
-    res.writeHead(c.status ?? 200, { "content-type": "application/json", ...c.headers });
+    res.writeHead(c.status ?? 200, { "content-type": c.body !== undefined ? "text/plain" : "application/json", ...headers });
     res.end(body);
   }
 

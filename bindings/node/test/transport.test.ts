@@ -8,7 +8,7 @@ import { describe, test } from "node:test";
 
 import OpenAI from "openai";
 
-import { CircuitOpenError, Client, RouteError, Status, fetch as gatedFetch } from "../src/index.js";
+import { CircuitOpenError, Client, RouteMissingError, Status, fetch as gatedFetch } from "../src/index.js";
 import type { FetchOptions } from "../src/index.js";
 import { FakeUpstream } from "./fake-upstream.js";
 import { sleep, withDaemon } from "./support.js";
@@ -182,7 +182,7 @@ describe("transport through openai-node", () => {
           fetch: gatedFetch({ scope: "chat", client, sdkBaseURL: sdkBase, routes: { b: { baseURL: upB.url } } }),
         });
         const e = await partial.chat.completions.create({ model: "m", messages: MESSAGES }).then(() => null, (x: unknown) => x);
-        assert.ok(e instanceof OpenAI.APIConnectionError && e.cause instanceof RouteError, String(e));
+        assert.ok(e instanceof OpenAI.APIConnectionError && e.cause instanceof RouteMissingError, String(e));
         assert.match((e.cause as Error).message, /"a".*no entry in routes/);
         assert.equal(up.hits.length, 1);
         assert.equal((await client.status()).scopes.chat!.sources.a!.in_flight, 0);
