@@ -4,6 +4,9 @@
 // refusal, routes failover, streams held and settled, the SDK's retries one call each.
 
 import * as assert from "node:assert/strict";
+import { execFile } from "node:child_process";
+import * as fs from "node:fs";
+import * as path from "node:path";
 import { describe, test } from "node:test";
 
 import OpenAI from "openai";
@@ -11,7 +14,7 @@ import OpenAI from "openai";
 import { CircuitOpenError, Client, RouteMissingError, Status, fetch as gatedFetch } from "../src/index.js";
 import type { FetchOptions } from "../src/index.js";
 import { FakeUpstream } from "./fake-upstream.js";
-import { sleep, withDaemon } from "./support.js";
+import { REPO, Sidecar, sleep, tempDir, withDaemon } from "./support.js";
 
 const T = { timeout: 30_000 };
 
@@ -249,5 +252,30 @@ describe("transport through openai-node", () => {
       assert.equal((await client.status()).scopes.chat!.calls, 0);
       assert.equal((await source()).window_successes, 1);
     }, t);
+  });
+});
+
+describe("examples", () => {
+  test("examples/transport-openai.mjs runs as written against the example config, offline", { timeout: 60_000 }, async () => {
+    const sidecar = new Sidecar();
+    const proj = tempDir("pg-proj-");
+    try {
+      fs.copyFileSync(path.join(REPO, "examples", "polygate.toml"), sidecar.configPath);
+      await sidecar.start({ SIDECAR__SOCKET: sidecar.socket });
+      // `npm install ./bindings/node openai` in a project, as the example's header says
+      fs.mkdirSync(path.join(proj, "node_modules"));
+      fs.symlinkSync(path.join(REPO, "bindings", "node"), path.join(proj, "node_modules", "polygate"), "dir");
+      fs.symlinkSync(path.join(REPO, "bindings", "node", "node_modules", "openai"), path.join(proj, "node_modules", "openai"), "dir");
+      fs.copyFileSync(path.join(REPO, "examples", "transport-openai.mjs"), path.join(proj, "example.mjs"));
+      const out = await new Promise<string>((resolve, reject) => {
+        execFile(process.execPath, [path.join(proj, "example.mjs")], { env: { ...process.env, POLYGATE_SOCKET: sidecar.socket }, timeout: 30_000 },
+          (err, stdout, stderr) => (err ? reject(new Error(`${err.message}\n${stderr}`)) : resolve(stdout)));
+      });
+      assert.equal(out, "hello from the fake upstream (18 tokens settled)\nstreamed hello\ncalls 0, successes 2\n");
+    } finally {
+      await sidecar.stop();
+      sidecar.cleanup();
+      fs.rmSync(proj, { recursive: true, force: true });
+    }
   });
 });
