@@ -15,7 +15,6 @@ import (
 	"math"
 	"net/http"
 	"net/url"
-	"regexp"
 	"sort"
 	"strconv"
 	"strings"
@@ -149,7 +148,7 @@ func (t *Transport) base() http.RoundTripper {
 	return http.DefaultTransport
 }
 
-var outputKey = regexp.MustCompile(`"(?:max_tokens|max_completion_tokens|max_output_tokens)"\s*:\s*(\d+)`)
+var outputKeys = [][]byte{[]byte(`"max_tokens"`), []byte(`"max_completion_tokens"`), []byte(`"max_output_tokens"`)}
 
 // EstimateBody is the built-in estimate of a request body: input = ceil(UTF-8
 // bytes / 4), output = the first max_tokens / max_completion_tokens /
@@ -159,13 +158,44 @@ func EstimateBody(body []byte) (in, out int64) {
 		return 0, 0
 	}
 	in = (int64(len(body)) + 3) / 4
-	if m := outputKey.FindSubmatch(body); m != nil {
-		if n, err := strconv.ParseInt(string(m[1]), 10, 64); err == nil {
-			out = n
+	for _, key := range outputKeys {
+		for off := 0; ; {
+			i := bytes.Index(body[off:], key)
+			if i < 0 {
+				break
+			}
+			j := skipColon(body, off+i+len(key))
+			off = j
+			if j < 0 {
+				break
+			}
+			n := int64(0)
+			k := j
+			for ; k < len(body) && body[k] >= '0' && body[k] <= '9' && n < 1e15; k++ {
+				n = n*10 + int64(body[k]-'0')
+			}
+			if k > j {
+				return in, n
+			}
 		}
 	}
-	return in, out
+	return in, 0
 }
+
+// skipColon returns the index after `\s*:\s*` at b[i:], or -1.
+func skipColon(b []byte, i int) int {
+	for i < len(b) && isSpace(b[i]) {
+		i++
+	}
+	if i >= len(b) || b[i] != ':' {
+		return -1
+	}
+	for i++; i < len(b) && isSpace(b[i]); i++ {
+	}
+	return i
+}
+
+func isSpace(c byte) bool { return c == ' ' || c == '\t' || c == '\n' || c == '\r' }
 
 func clampCount(n int64) int {
 	if n <= 0 {
@@ -550,7 +580,10 @@ func (g *gatedBody) Close() error {
 
 // ------------------------------------------------------------------ usage
 
-var usageKey = []byte(`"usage"`)
+var (
+	usageKey = []byte(`"usage"`)
+	usageObj = [][]byte{[]byte(`"usage":{`), []byte(`"usage": {`)}
+)
 
 // maxCarry bounds a line kept across reads; a longer one is dropped (its usage is
 // lost, memory is not).
@@ -603,18 +636,54 @@ func (d *usageDoc) usage() Usage {
 	return u
 }
 
-// jsonUsage is the usage of a JSON response body (parsed only if it names "usage").
+// jsonUsage is the usage of a JSON response body: the object of its last
+// `"usage":` key (OpenAI and Anthropic put it at the top level, after the content;
+// inside a JSON string the key's quotes would be escaped), decoded alone rather
+// than the whole body.
 func jsonUsage(b []byte) Usage {
-	if !bytes.Contains(b, usageKey) {
+	i := bytes.LastIndex(b, usageKey)
+	if i < 0 {
 		return Usage{}
 	}
-	var doc struct {
-		Usage *usageDoc `json:"usage"`
-	}
-	if json.Unmarshal(b, &doc) != nil || doc.Usage == nil {
+	j := skipColon(b, i+len(usageKey))
+	if j < 0 || b[j] != '{' {
 		return Usage{}
 	}
-	return doc.Usage.usage()
+	end := objectEnd(b, j)
+	if end < 0 {
+		return Usage{}
+	}
+	var d usageDoc
+	if json.Unmarshal(b[j:end], &d) != nil {
+		return Usage{}
+	}
+	return d.usage()
+}
+
+// objectEnd returns the index after the JSON object starting at b[i] ('{'), or -1.
+func objectEnd(b []byte, i int) int {
+	depth, inStr := 0, false
+	for ; i < len(b); i++ {
+		c := b[i]
+		switch {
+		case inStr:
+			if c == '\\' {
+				i++
+			} else if c == '"' {
+				inStr = false
+			}
+		case c == '"':
+			inStr = true
+		case c == '{' || c == '[':
+			depth++
+		case c == '}' || c == ']':
+			depth--
+			if depth == 0 {
+				return i + 1
+			}
+		}
+	}
+	return -1
 }
 
 // usageScanner reads the usage events of a server-sent-events stream as its bytes
@@ -648,31 +717,28 @@ func (s *usageScanner) end() {
 	}
 }
 
+// scan parses the lines of buf holding a usage object: `"usage":{` (compact, as
+// OpenAI and Anthropic send it) or `"usage": {`, where `"usage"` alone would match
+// every chat chunk's `"usage":null`.
 func (s *usageScanner) scan(buf []byte) {
-	off := 0
-	for {
-		i := bytes.Index(buf[off:], usageKey)
-		if i < 0 {
-			return
+	for _, key := range usageObj {
+		off := 0
+		for {
+			i := bytes.Index(buf[off:], key)
+			if i < 0 {
+				break
+			}
+			at := off + i
+			start := bytes.LastIndexByte(buf[:at], '\n') + 1
+			stop := bytes.IndexByte(buf[at:], '\n')
+			if stop < 0 {
+				stop = len(buf)
+			} else {
+				stop += at
+			}
+			s.line(bytes.TrimSuffix(buf[start:stop], []byte("\r")))
+			off = stop
 		}
-		at := off + i
-		j := at + len(usageKey)
-		for j < len(buf) && (buf[j] == ' ' || buf[j] == ':') {
-			j++
-		}
-		if j >= len(buf) || buf[j] != '{' {
-			off = j
-			continue
-		}
-		start := bytes.LastIndexByte(buf[:at], '\n') + 1
-		stop := bytes.IndexByte(buf[at:], '\n')
-		if stop < 0 {
-			stop = len(buf)
-		} else {
-			stop += at
-		}
-		s.line(bytes.TrimSuffix(buf[start:stop], []byte("\r")))
-		off = stop
 	}
 }
 

@@ -379,3 +379,102 @@ func TestTransportAbandonedStreamSettled(t *testing.T) {
 		})
 	}
 }
+
+// cannedRoundTripper answers every request in memory: the transport's own cost,
+// without a network (go test -bench Transport -benchmem).
+type cannedRoundTripper struct{ body string }
+
+func (c cannedRoundTripper) RoundTrip(r *http.Request) (*http.Response, error) {
+	if r.Body != nil {
+		io.Copy(io.Discard, r.Body)
+		r.Body.Close()
+	}
+	return &http.Response{StatusCode: 200, Status: "200 OK", Proto: "HTTP/1.1", ProtoMajor: 1, ProtoMinor: 1,
+		Header: http.Header{"Content-Type": {"application/json"}}, Body: io.NopCloser(strings.NewReader(c.body)),
+		ContentLength: int64(len(c.body)), Request: r}, nil
+}
+
+// BenchmarkTransport: a request through Transport minus the same request without it
+// is the transport's overhead; BenchmarkE2ECall is the bare call it contains.
+func BenchmarkTransport(b *testing.B) {
+	d := startSidecar(b, e2eConfig, "memory")
+	c := d.dial(b)
+	base := cannedRoundTripper{body: chatOK}
+	for _, bc := range []struct {
+		name string
+		rt   http.RoundTripper
+	}{{"plain", base}, {"gated", &Transport{Base: base, Client: c, Scope: "chat"}}} {
+		b.Run(bc.name, func(b *testing.B) {
+			hc := &http.Client{Transport: bc.rt}
+			b.ReportAllocs()
+			b.SetParallelism(32)
+			b.ResetTimer()
+			b.RunParallel(func(pb *testing.PB) {
+				for pb.Next() {
+					resp, err := hc.Post("http://upstream.invalid/v1/chat/completions", "application/json", strings.NewReader(chatBody))
+					if err != nil {
+						b.Error(err)
+						return
+					}
+					io.Copy(io.Discard, resp.Body)
+					resp.Body.Close()
+				}
+			})
+		})
+	}
+}
+
+func TestEstimateBody(t *testing.T) {
+	for _, c := range []struct {
+		body    string
+		in, out int64
+	}{
+		{``, 0, 0},
+		{`{"max_tokens":100}`, 5, 100},
+		{`{"messages":[{"content":"max_tokens: 9"}], "max_completion_tokens" : 42}`, 18, 42},
+		{`{"tools":{"max_tokens":{"type":"integer"}},"max_output_tokens":7}`, 17, 7},
+		{`{"model":"m"}`, 4, 0},
+		{`{"content":"\"max_tokens\":5"}`, 8, 0},
+	} {
+		in, out := EstimateBody([]byte(c.body))
+		if in != c.in || out != c.out {
+			t.Errorf("EstimateBody(%s) = %d, %d; want %d, %d", c.body, in, out, c.in, c.out)
+		}
+	}
+}
+
+func TestJSONUsage(t *testing.T) {
+	for _, c := range []struct {
+		body string
+		want Usage
+	}{
+		{chatOK, Usage{Tokens: 30, InputTokens: 12, OutputTokens: 18}},
+		{`{"usage":{"prompt_tokens":100,"total_tokens":100,"prompt_tokens_details":{"cached_tokens":40}}}`, Usage{Tokens: 100, InputTokens: 60}},
+		{`{"type":"message","content":[{"text":"a } { \"usage\":{\"input_tokens\":1}"}],"usage":{"input_tokens":25,"output_tokens":5,"cache_read_input_tokens":7}}`, Usage{InputTokens: 25, OutputTokens: 5}},
+		{`{"output":[],"usage":{"input_tokens":50,"input_tokens_details":{"cached_tokens":10},"output_tokens":9,"total_tokens":59}}`, Usage{Tokens: 59, InputTokens: 40, OutputTokens: 9}},
+		{`{"usage":null}`, Usage{}},
+		{`{"usage":{"total_tokens":`, Usage{}},
+		{`{"ok":true}`, Usage{}},
+	} {
+		if got := jsonUsage([]byte(c.body)); got != c.want {
+			t.Errorf("jsonUsage(%s) = %+v, want %+v", c.body, got, c.want)
+		}
+	}
+}
+
+func TestUsageScannerAcrossReads(t *testing.T) {
+	stream := "event: message_start\r\ndata: {\"type\":\"message_start\",\"message\":{\"usage\":{\"input_tokens\":25,\"output_tokens\":1}}}\r\n\r\n" +
+		"data: {\"type\":\"content_block_delta\",\"delta\":{\"text\":\"\\\"usage\\\":{\"}}\n\n" +
+		"data: {\"type\":\"message_delta\",\"usage\": {\"output_tokens\":15}}\n\n" +
+		"data: {\"type\":\"message_stop\"}"
+	for _, size := range []int{1, 3, 7, 64, len(stream)} {
+		s := &usageScanner{}
+		for i := 0; i < len(stream); i += size {
+			s.push([]byte(stream[i:min(i+size, len(stream))]))
+		}
+		s.end()
+		if got := s.usage(); got != (Usage{InputTokens: 25, OutputTokens: 15}) {
+			t.Errorf("reads of %d bytes: %+v", size, got)
+		}
+	}
+}

@@ -137,9 +137,22 @@ export function estimateBody(text: string | null): Estimate {
 // ------------------------------------------------------------------ usage of a stream
 
 const USAGE = Buffer.from('"usage"');
+/** `"usage"` as bytes, matched backwards from the `:` before a `{`. */
+const USAGE_BYTES = Uint8Array.from(USAGE);
 const NL = 0x0a;
 /** A line longer than this (with no newline yet) is dropped: its usage is lost, memory is not. */
 const MAX_CARRY = 1 << 20;
+
+/** Whether `buf[at..]` starts with `"usage"`. */
+function usageAt(buf: Uint8Array, at: number): boolean {
+  if (at < 0) return false;
+  for (let i = 0; i < USAGE_BYTES.length; i++) if (buf[at + i] !== USAGE_BYTES[i]) return false;
+  return true;
+}
+
+function utf8(b: Uint8Array): string {
+  return Buffer.from(b.buffer, b.byteOffset, b.byteLength).toString("utf8");
+}
 
 function num(v: unknown): number | undefined {
   return typeof v === "number" && Number.isSafeInteger(v) && v >= 0 ? v : undefined;
@@ -149,8 +162,7 @@ function num(v: unknown): number | undefined {
  * Reads the usage events of a server-sent-events stream as its bytes pass by: OpenAI
  * chat's final usage chunk, Responses' `response.completed`, Anthropic's
  * `message_start` (input) and `message_delta` (cumulative output). Only lines whose
- * `"usage"` is an object are parsed, so a 1,000-chunk stream costs a byte search per
- * chunk.
+ * `"usage"` is an object are parsed; a chunk without one costs a search for `{`.
  */
 export class UsageScanner {
   /** Input tokens seen (cached reads excluded). */
@@ -159,19 +171,18 @@ export class UsageScanner {
   output: number | undefined;
   /** Total tokens, when the provider states it. */
   total: number | undefined;
-  private carry: Buffer | null = null;
+  private carry: Uint8Array | null = null;
 
   /** Scan the next chunk of the stream. */
   push(chunk: Uint8Array): void {
-    let buf = Buffer.from(chunk.buffer, chunk.byteOffset, chunk.byteLength);
+    let buf = chunk;
     if (this.carry !== null) {
-      buf = Buffer.concat([this.carry, buf]);
+      buf = Buffer.concat([this.carry, chunk]);
       this.carry = null;
     }
     const last = buf.lastIndexOf(NL);
-    if (last + 1 < buf.length) {
-      const rest = buf.subarray(last + 1);
-      if (rest.length <= MAX_CARRY) this.carry = Buffer.from(rest); // a copy: the chunk goes on to the caller
+    if (last + 1 < buf.length && buf.length - last - 1 <= MAX_CARRY) {
+      this.carry = buf.slice(last + 1); // a copy: the chunk goes on to the caller
     }
     if (last >= 0) this.scan(buf, last);
   }
@@ -180,27 +191,26 @@ export class UsageScanner {
   end(): void {
     const c = this.carry;
     this.carry = null;
-    if (c !== null) this.scan(Buffer.concat([c, Buffer.from("\n")]), c.length);
+    if (c !== null) this.scan(c, c.length);
   }
 
-  private scan(buf: Buffer, end: number): void {
-    let at = buf.indexOf(USAGE);
-    while (at >= 0 && at < end) {
-      let j = at + USAGE.length;
-      while (buf[j] === 0x20) j++;
-      if (buf[j] === 0x3a /* : */) {
-        j++;
-        while (buf[j] === 0x20) j++;
-      }
-      if (buf[j] !== 0x7b /* { */) {
-        at = buf.indexOf(USAGE, j);
-        continue;
-      }
-      const start = buf.lastIndexOf(NL, at) + 1;
-      let stop = buf.indexOf(NL, at);
+  /**
+   * Parse the lines of `buf[..end]` holding a usage object: a `{` after `"usage":`
+   * (or `"usage": `). Only `{` bytes are visited (a few per event, found by the
+   * typed array's own search), never a JSON parse of a chunk without one.
+   */
+  private scan(buf: Uint8Array, end: number): void {
+    for (let p = buf.indexOf(0x7b); p >= 0 && p < end; p = buf.indexOf(0x7b, p + 1)) {
+      let q = p - 1;
+      if (buf[q] === 0x20) q--;
+      if (buf[q] !== 0x3a /* : */) continue;
+      if (buf[q - 1] === 0x20) q--;
+      if (!usageAt(buf, q - USAGE_BYTES.length)) continue;
+      const start = buf.lastIndexOf(NL, q) + 1;
+      let stop = buf.indexOf(NL, p);
       if (stop < 0) stop = buf.length;
-      this.line(buf.toString("utf8", start, stop));
-      at = buf.indexOf(USAGE, stop);
+      this.line(utf8(buf.subarray(start, stop)));
+      p = stop;
     }
   }
 
@@ -439,7 +449,7 @@ function gateStream(
     async cancel(reason): Promise<void> {
       await Promise.all([settle("abandon"), reader.cancel(reason).catch(noop)]);
     },
-  }, { highWaterMark: 0 });
+  });
 }
 
 /** Settle the attempt from the upstream's response; the response the caller gets. */
