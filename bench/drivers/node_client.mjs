@@ -12,11 +12,11 @@
 //   node bench/drivers/node_client.mjs --socket PATH --concurrency 64 --seconds 5 --scope chat [--est-tokens 10]
 //
 // --mode transport (DESIGN §17 goals): the same concurrency of requests to a local fake
-// upstream (this script with --serve, in a child process so its CPU is not counted),
-// first with the plain global fetch, then through polygate.fetch, plus a run of bare
-// calls; prints the per-request CPU and p50 of each, the transport's overhead
-// (gated − plain) and its ratio to the bare call's cost:
-//   {"lang":"node","mode":"transport",…,"overhead_cpu_us":…,"call_cpu_us":…,"overhead_ratio":…}
+// upstream (this script with --serve, in a child process so its CPU is not counted):
+// with the plain global fetch, through polygate.fetch, and inside client.run(); prints
+// the per-request CPU and p50 of each, and the transport's overhead (gated − plain)
+// over run()'s (run − plain):
+//   {"lang":"node","mode":"transport",…,"overhead_cpu_us":…,"run_overhead_cpu_us":…,"overhead_ratio":…}
 // --mode stream: one stream of --chunks SSE events (default 1000, sent --gap-ms apart,
 // default 1, so each is its own read as a model's tokens are) at a time, read whole,
 // plain vs through the transport, for --seconds each; prints the CPU per stream of
@@ -180,16 +180,19 @@ if (mode === "calls") {
       if (r.status !== 200) throw new Error(`upstream answered ${r.status}`);
       await r.json();
     };
-    const plain = await measure(req(globalThis.fetch));
+    const plainReq = req(globalThis.fetch);
+    const plain = await measure(plainReq);
     const viaGate = await measure(req(gated));
-    const bare = await measure(oneCall);
+    // The same request inside run(): what gating it by hand costs.
+    const viaRun = await measure(() => client.run(scope, () => plainReq()));
     process.stdout.write(JSON.stringify({
       lang: "node", mode, concurrency,
       plain_req_per_s: round(plain.calls / plain.elapsed), gated_req_per_s: round(viaGate.calls / viaGate.elapsed),
-      plain_p50_us: round(plain.p50), gated_p50_us: round(viaGate.p50), call_p50_us: round(bare.p50),
-      plain_cpu_us: round(plain.cpu, 2), gated_cpu_us: round(viaGate.cpu, 2), call_cpu_us: round(bare.cpu, 2),
-      overhead_cpu_us: round(viaGate.cpu - plain.cpu, 2),
-      overhead_ratio: round((viaGate.cpu - plain.cpu) / bare.cpu, 3),
+      run_req_per_s: round(viaRun.calls / viaRun.elapsed),
+      plain_p50_us: round(plain.p50), gated_p50_us: round(viaGate.p50), run_p50_us: round(viaRun.p50),
+      plain_cpu_us: round(plain.cpu, 2), gated_cpu_us: round(viaGate.cpu, 2), run_cpu_us: round(viaRun.cpu, 2),
+      overhead_cpu_us: round(viaGate.cpu - plain.cpu, 2), run_overhead_cpu_us: round(viaRun.cpu - plain.cpu, 2),
+      overhead_ratio: round((viaGate.cpu - plain.cpu) / (viaRun.cpu - plain.cpu), 3),
     }) + "\n");
   } else {
     const chunks = Number(values.chunks);

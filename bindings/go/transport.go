@@ -216,7 +216,7 @@ func (t *Transport) RoundTrip(req *http.Request) (*http.Response, error) {
 	ctx := req.Context()
 	var body []byte
 	if req.Body != nil && req.Body != http.NoBody {
-		b, err := io.ReadAll(req.Body)
+		b, err := readSized(req.Body, req.ContentLength)
 		req.Body.Close()
 		if err != nil {
 			return nil, err
@@ -226,8 +226,8 @@ func (t *Transport) RoundTrip(req *http.Request) (*http.Response, error) {
 	out := req
 	if req.Body != nil && req.Body != http.NoBody {
 		r2 := *req // RoundTrip must not modify the caller's request
-		r2.Body = io.NopCloser(bytes.NewReader(body))
-		r2.GetBody = func() (io.ReadCloser, error) { return io.NopCloser(bytes.NewReader(body)), nil }
+		r2.Body = newByteBody(body)
+		r2.GetBody = func() (io.ReadCloser, error) { return newByteBody(body), nil }
 		out = &r2
 	}
 	in, outTok := EstimateBody(body)
@@ -240,7 +240,7 @@ func (t *Transport) RoundTrip(req *http.Request) (*http.Response, error) {
 			outTok = ho
 		}
 		if body != nil {
-			out.Body = io.NopCloser(bytes.NewReader(body))
+			out.Body = newByteBody(body)
 		}
 	}
 
@@ -288,6 +288,39 @@ func (t *Transport) RoundTrip(req *http.Request) (*http.Response, error) {
 	return att.response(resp)
 }
 
+// readSized is io.ReadAll with the buffer sized by a known length (one allocation).
+func readSized(r io.Reader, n int64) ([]byte, error) {
+	if n <= 0 || n > 64<<20 {
+		return io.ReadAll(r)
+	}
+	b := make([]byte, 0, n+1) // +1: EOF is seen without growing
+	for {
+		k, err := r.Read(b[len(b):cap(b)])
+		b = b[:len(b)+k]
+		if err == io.EOF {
+			return b, nil
+		}
+		if err != nil {
+			return b, err
+		}
+		if len(b) == cap(b) {
+			b = append(b, 0)[:len(b)]
+		}
+	}
+}
+
+// byteBody is a buffered body: a bytes.Reader that closes (one allocation, where
+// io.NopCloser(bytes.NewReader(b)) takes two).
+type byteBody struct{ bytes.Reader }
+
+func (*byteBody) Close() error { return nil }
+
+func newByteBody(b []byte) *byteBody {
+	bb := &byteBody{}
+	bb.Reset(b)
+	return bb
+}
+
 func closeBody(req *http.Request) {
 	if req.Body != nil {
 		req.Body.Close()
@@ -324,7 +357,7 @@ func (t *Transport) routed(req *http.Request, route Route, body []byte) (*http.R
 		r2.Header.Set(k, v)
 	}
 	if body != nil {
-		r2.Body = io.NopCloser(bytes.NewReader(body))
+		r2.Body = newByteBody(body)
 	}
 	return r2, nil
 }
@@ -380,9 +413,6 @@ func refusalResponse(err error, scope string, req *http.Request) *http.Response 
 
 // ------------------------------------------------------------------ one attempt
 
-// reportTimeout bounds the wait for the sidecar's answer to a report.
-const reportTimeout = 10 * time.Second
-
 // attempt is one request's attempt: its call, its permit and, once the response
 // arrived, the response's header. Every report of the transport goes through
 // settle, once.
@@ -405,15 +435,14 @@ type attempt struct {
 	once sync.Once
 }
 
-// settle sends the report made by send and ends the call. Trouble with the
-// sidecar never replaces the upstream's answer: a report the sidecar refuses
+// settle sends the report made by send and ends the call, waiting for the answer
+// as Client.Run does (a lost connection ends the wait). Trouble with the sidecar
+// never replaces the upstream's answer: a report the sidecar refuses
 // leaves the permit unreported and End abandons it (its estimate is charged).
 func (a *attempt) settle(send func(p *Permit) error) {
 	a.once.Do(func() {
-		ctx, cancel := context.WithTimeout(a.ctx, reportTimeout)
-		defer cancel()
 		_ = send(a.permit)
-		_ = a.call.End(ctx)
+		_ = a.call.End(a.ctx)
 	})
 }
 
@@ -469,13 +498,13 @@ func (a *attempt) status(code int, h http.Header) {
 func (a *attempt) response(resp *http.Response) (*http.Response, error) {
 	code := resp.StatusCode
 	if code < 200 || code >= 300 {
-		b, err := io.ReadAll(resp.Body)
+		b, err := readSized(resp.Body, resp.ContentLength)
 		resp.Body.Close()
 		a.status(code, resp.Header)
 		if err != nil {
 			return nil, err
 		}
-		resp.Body = io.NopCloser(bytes.NewReader(b))
+		resp.Body = newByteBody(b)
 		return resp, nil
 	}
 	if resp.Body == nil || resp.Body == http.NoBody {
@@ -487,14 +516,14 @@ func (a *attempt) response(resp *http.Response) (*http.Response, error) {
 	case strings.Contains(ct, "text/event-stream"):
 		resp.Body = newGatedBody(resp.Body, a, &usageScanner{})
 	case strings.Contains(ct, "json"):
-		b, err := io.ReadAll(resp.Body)
+		b, err := readSized(resp.Body, resp.ContentLength)
 		resp.Body.Close()
 		if err != nil {
 			a.transportError(err)
 			return nil, err
 		}
 		a.success(jsonUsage(b))
-		resp.Body = io.NopCloser(bytes.NewReader(b))
+		resp.Body = newByteBody(b)
 	default:
 		resp.Body = newGatedBody(resp.Body, a, nil)
 	}
@@ -589,57 +618,10 @@ var (
 // lost, memory is not).
 const maxCarry = 1 << 20
 
-type cachedDetails struct {
-	CachedTokens int64 `json:"cached_tokens"`
-}
-
-// usageDoc is a usage object of OpenAI (chat, responses, embeddings) or Anthropic.
-type usageDoc struct {
-	TotalTokens         *int64         `json:"total_tokens"`
-	PromptTokens        *int64         `json:"prompt_tokens"`
-	CompletionTokens    *int64         `json:"completion_tokens"`
-	InputTokens         *int64         `json:"input_tokens"`
-	OutputTokens        *int64         `json:"output_tokens"`
-	PromptTokensDetails *cachedDetails `json:"prompt_tokens_details"`
-	InputTokensDetails  *cachedDetails `json:"input_tokens_details"`
-}
-
-func positive(v *int64) int {
-	if v == nil || *v <= 0 {
-		return 0
-	}
-	return clampCount(*v)
-}
-
-// usage is the report's Usage of d: input excludes cached reads.
-func (d *usageDoc) usage() Usage {
-	u := Usage{Tokens: positive(d.TotalTokens)}
-	if d.PromptTokens != nil || d.CompletionTokens != nil {
-		cached := int64(0)
-		if d.PromptTokensDetails != nil {
-			cached = d.PromptTokensDetails.CachedTokens
-		}
-		if d.PromptTokens != nil {
-			u.InputTokens = clampCount(*d.PromptTokens - cached)
-		}
-		u.OutputTokens = positive(d.CompletionTokens)
-	} else {
-		cached := int64(0)
-		if d.InputTokensDetails != nil {
-			cached = d.InputTokensDetails.CachedTokens
-		}
-		if d.InputTokens != nil {
-			u.InputTokens = clampCount(*d.InputTokens - cached)
-		}
-		u.OutputTokens = positive(d.OutputTokens)
-	}
-	return u
-}
-
 // jsonUsage is the usage of a JSON response body: the object of its last
 // `"usage":` key (OpenAI and Anthropic put it at the top level, after the content;
-// inside a JSON string the key's quotes would be escaped), decoded alone rather
-// than the whole body.
+// inside a JSON string the key's quotes would be escaped), read by key search
+// without decoding the body (no allocation).
 func jsonUsage(b []byte) Usage {
 	i := bytes.LastIndex(b, usageKey)
 	if i < 0 {
@@ -653,11 +635,59 @@ func jsonUsage(b []byte) Usage {
 	if end < 0 {
 		return Usage{}
 	}
-	var d usageDoc
-	if json.Unmarshal(b[j:end], &d) != nil {
-		return Usage{}
+	return usageObject(b[j:end])
+}
+
+var (
+	keyTotal      = []byte(`"total_tokens"`)
+	keyPrompt     = []byte(`"prompt_tokens"`)
+	keyCompletion = []byte(`"completion_tokens"`)
+	keyInput      = []byte(`"input_tokens"`)
+	keyOutput     = []byte(`"output_tokens"`)
+	keyCached     = []byte(`"cached_tokens"`)
+)
+
+// numField is the integer value of key (with its quotes) in the JSON object o:
+// every usage key is distinct as a quoted name ("input_tokens" is not
+// "cache_read_input_tokens"), and "cached_tokens" appears once, in the input's
+// details.
+func numField(o, key []byte) (int64, bool) {
+	for off := 0; ; {
+		i := bytes.Index(o[off:], key)
+		if i < 0 {
+			return 0, false
+		}
+		j := skipColon(o, off+i+len(key))
+		if j < 0 {
+			off += i + len(key)
+			continue
+		}
+		n, k := int64(0), j
+		for ; k < len(o) && o[k] >= '0' && o[k] <= '9' && n < 1e15; k++ {
+			n = n*10 + int64(o[k]-'0')
+		}
+		return n, k > j
 	}
-	return d.usage()
+}
+
+// usageObject is the report's Usage of a usage object of OpenAI (chat,
+// embeddings: prompt/completion; responses: input/output) or Anthropic
+// (input/output, cache reads already apart): input excludes cached reads.
+func usageObject(o []byte) Usage {
+	total, _ := numField(o, keyTotal)
+	cached, _ := numField(o, keyCached)
+	u := Usage{Tokens: clampCount(total)}
+	in, hasIn := numField(o, keyPrompt)
+	out, hasOut := numField(o, keyCompletion)
+	if !hasIn && !hasOut {
+		in, hasIn = numField(o, keyInput)
+		out, _ = numField(o, keyOutput)
+	}
+	if hasIn {
+		u.InputTokens = clampCount(in - cached)
+	}
+	u.OutputTokens = clampCount(out)
+	return u
 }
 
 // objectEnd returns the index after the JSON object starting at b[i] ('{'), or -1.
@@ -742,45 +772,13 @@ func (s *usageScanner) scan(buf []byte) {
 	}
 }
 
-// sseDoc is the part of an SSE event's data the scanner reads.
-type sseDoc struct {
-	Type    string `json:"type"`
-	Message *struct {
-		Usage *usageDoc `json:"usage"`
-	} `json:"message"`
-	Response *struct {
-		Usage *usageDoc `json:"usage"`
-	} `json:"response"`
-	Usage *usageDoc `json:"usage"`
-}
-
+// line reads the usage of one SSE line holding a usage object: OpenAI chat's
+// final chunk, Responses' response.completed (its response's usage), Anthropic's
+// message_start (input) and message_delta (cumulative output, sometimes input):
+// every count given replaces the one seen before.
 func (s *usageScanner) line(l []byte) {
-	data, ok := bytes.CutPrefix(l, []byte("data:"))
-	if !ok {
-		return
-	}
-	var d sseDoc
-	if json.Unmarshal(data, &d) != nil {
-		return
-	}
-	switch {
-	case d.Type == "message_start" && d.Message != nil && d.Message.Usage != nil:
-		s.anthropic(d.Message.Usage)
-	case d.Type == "message_delta" && d.Usage != nil:
-		s.anthropic(d.Usage)
-	case d.Response != nil && d.Response.Usage != nil:
-		s.set(d.Response.Usage.usage())
-	case d.Usage != nil:
-		s.set(d.Usage.usage())
-	}
-}
-
-func (s *usageScanner) anthropic(u *usageDoc) {
-	if u.InputTokens != nil {
-		s.input = positive(u.InputTokens)
-	}
-	if u.OutputTokens != nil {
-		s.output = positive(u.OutputTokens)
+	if data, ok := bytes.CutPrefix(l, []byte("data:")); ok {
+		s.set(jsonUsage(data))
 	}
 }
 

@@ -14,11 +14,11 @@
 //
 // -mode transport (DESIGN §17 goals): the same concurrency of requests to a local fake
 // upstream (this program with -serve, a child process, so its CPU is not counted),
-// with a plain http.Client, then through polygate.Transport, plus a run of bare
-// calls; prints the CPU (this process's user + system) and p50 per request of each,
-// the transport's overhead (gated − plain) and its ratio to the bare call's CPU:
+// with a plain http.Client, through polygate.Transport, and inside Client.Run; prints
+// the CPU (this process's user + system) and p50 per request of each, and the
+// transport's overhead (gated − plain) over Run's (run − plain):
 //
-//	{"lang":"go","mode":"transport",...,"overhead_cpu_us":...,"call_cpu_us":...,"overhead_ratio":...}
+//	{"lang":"go","mode":"transport",...,"overhead_cpu_us":...,"run_overhead_cpu_us":...,"overhead_ratio":...}
 //
 // -mode stream: one stream of -chunks SSE events (sent -gap-ms apart, so each is its
 // own read as a model's tokens are) at a time, read whole, plain and gated
@@ -344,16 +344,22 @@ func transportBench(mode, socket, scope string, n int, d time.Duration, chunks i
 		if err != nil {
 			return nil, err
 		}
-		opts := polygate.CallOptions{}
-		b, err := measure(n, d, func() error { return oneCall(ctx, c, scope, opts) })
+		// The same request inside Run: what gating it by hand costs.
+		r, err := measure(n, d, func() error {
+			return c.Run(ctx, scope, polygate.CallOptions{}, func(ctx context.Context, _ *polygate.Permit) error {
+				_, err := request(plain, "/json")
+				return err
+			})
+		})
 		if err != nil {
 			return nil, err
 		}
 		return map[string]any{
 			"lang": "go", "mode": mode, "concurrency": n,
-			"plain_p50_us": round(p.p50, 1), "gated_p50_us": round(g.p50, 1), "call_p50_us": round(b.p50, 1),
-			"plain_cpu_us": round(p.cpu, 2), "gated_cpu_us": round(g.cpu, 2), "call_cpu_us": round(b.cpu, 2),
-			"overhead_cpu_us": round(g.cpu-p.cpu, 2), "overhead_ratio": round((g.cpu-p.cpu)/b.cpu, 3),
+			"plain_p50_us": round(p.p50, 1), "gated_p50_us": round(g.p50, 1), "run_p50_us": round(r.p50, 1),
+			"plain_cpu_us": round(p.cpu, 2), "gated_cpu_us": round(g.cpu, 2), "run_cpu_us": round(r.cpu, 2),
+			"overhead_cpu_us": round(g.cpu-p.cpu, 2), "run_overhead_cpu_us": round(r.cpu-p.cpu, 2),
+			"overhead_ratio": round((g.cpu-p.cpu)/(r.cpu-p.cpu), 3),
 		}, nil
 	}
 	// Streams: plain and gated alternate one at a time, the order flipping every
