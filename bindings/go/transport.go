@@ -398,6 +398,9 @@ func refusalResponse(err error, scope string, req *http.Request) *http.Response 
 	h.Set("Content-Type", "application/json")
 	h.Set("Retry-After", strconv.FormatFloat(math.Ceil(after), 'f', 0, 64))
 	h.Set("Retry-After-Ms", strconv.FormatFloat(math.Round(after*1000), 'f', 0, 64))
+	// The call-level budget is spent (PolyGate retried, failed over and waited as
+	// the scope says): openai-go and the other Stainless SDKs do not retry this.
+	h.Set("X-Should-Retry", "false")
 	return &http.Response{
 		Status:        fmt.Sprintf("%d %s", status, http.StatusText(status)),
 		StatusCode:    status,

@@ -209,7 +209,7 @@ func TestTransport5xxOpensThenSynthetic503(t *testing.T) {
 		t.Fatalf("%v: %s", err, b)
 	}
 	ra := resp.Header.Get("Retry-After")
-	if resp.StatusCode != 503 || doc.Error.Type != "polygate" || doc.Error.Code != "circuit_open" || doc.Error.Scope != "chat" ||
+	if resp.StatusCode != 503 || resp.Header.Get("X-Should-Retry") != "false" || doc.Error.Type != "polygate" || doc.Error.Code != "circuit_open" || doc.Error.Scope != "chat" ||
 		!strings.Contains(doc.Error.Message, "PolyGate") || doc.Error.PerSourceReasons["a"] != "circuit_open" ||
 		doc.Error.RetryAfterS < 8 || doc.Error.RetryAfterS > 10 || (ra != "9" && ra != "10") {
 		t.Fatalf("synthetic refusal: %d Retry-After %q %s", resp.StatusCode, ra, b)

@@ -288,7 +288,8 @@ function refusalCode(e: GatewayUnavailableError): [string, number] {
 /**
  * The synthetic response of a refusal (bindings/conformance/transport): 503 for an open
  * circuit (and `stalled`, `retry_exhausted`), 429 for exhausted quota; `Retry-After` =
- * ceil(retry_after_s), `retry-after-ms`, and a JSON error body naming PolyGate.
+ * ceil(retry_after_s), `retry-after-ms`, `x-should-retry: false`, and a JSON error
+ * body naming PolyGate.
  */
 export function refusalResponse(e: GatewayUnavailableError, scope: string): Response {
   const [code, status] = refusalCode(e);
@@ -310,6 +311,9 @@ export function refusalResponse(e: GatewayUnavailableError, scope: string): Resp
       "content-type": "application/json",
       "retry-after": String(Math.ceil(after)),
       "retry-after-ms": String(Math.round(after * 1000)),
+      // The call-level budget is spent (PolyGate retried, failed over and waited as the
+      // scope says): openai-node and @anthropic-ai/sdk honour this and do not retry it.
+      "x-should-retry": "false",
     },
   });
 }

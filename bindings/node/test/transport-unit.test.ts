@@ -53,6 +53,7 @@ test("refusalResponse: 503 / 429, Retry-After rounded up, the JSON body", T, asy
   assert.equal(open.status, 503);
   assert.equal(open.headers.get("retry-after"), "3");
   assert.equal(open.headers.get("retry-after-ms"), "2200");
+  assert.equal(open.headers.get("x-should-retry"), "false");
   assert.deepEqual(await open.json(), { error: { type: "polygate", code: "circuit_open", message: 'PolyGate refused the request in scope "chat" (circuit_open): all open', scope: "chat", retry_after_s: 2.2, per_source_reasons: { a: "circuit_open" } } });
   const quota = refusalResponse(new AllSourcesExhaustedError("empty", { reason: "quota_exhausted", retryAfterS: 0 }), "chat");
   assert.equal(quota.status, 429);

@@ -125,7 +125,7 @@ describe("transport through openai-node", () => {
   });
 
   test("a 5xx opens the breaker; the next request gets the synthetic 503 without reaching the upstream", T, async (t) => {
-    await withEnv(config(["a"]), async ({ up, sdk, source }) => {
+    await withEnv(config(["a"]), async ({ up, sdk, source, client }) => {
       up.respond({ status: 500, json: { error: { message: "boom" } } });
       await assert.rejects(sdk().chat.completions.create({ model: "m", messages: MESSAGES }),
         (e: unknown) => e instanceof OpenAI.InternalServerError && e.status === 500);
@@ -140,6 +140,21 @@ describe("transport through openai-node", () => {
       assert.match((err.error as { message: string }).message, /PolyGate/);
       const ra = Number(err.headers?.get("retry-after"));
       assert.ok(ra >= 8 && ra <= 10, `retry-after ${ra}`);
+      assert.equal(err.headers?.get("x-should-retry"), "false");
+      assert.equal(up.hits.length, 1);
+      // x-should-retry: false — an SDK allowed retries sends the refused request once
+      let sent = 0;
+      const g = gatedFetch({ scope: "chat", client });
+      const retrying = new OpenAI({
+        apiKey: "k", baseURL: `${up.url}/v1`, maxRetries: 2,
+        fetch: (u, i) => {
+          sent++;
+          return g(u, i);
+        },
+      });
+      const again = await retrying.chat.completions.create({ model: "m", messages: MESSAGES }).then(() => null, (e: unknown) => e);
+      assert.ok(again instanceof OpenAI.APIError && again.status === 503, String(again));
+      assert.equal(sent, 1);
       assert.equal(up.hits.length, 1);
       // onRefusal "raise": the typed error (the SDK wraps what fetch throws as its cause)
       const raised = await sdk({ onRefusal: "raise" }).chat.completions.create({ model: "m", messages: MESSAGES })
