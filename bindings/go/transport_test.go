@@ -492,3 +492,29 @@ func TestUsageScannerAcrossReads(t *testing.T) {
 		}
 	}
 }
+
+func TestTransportCancelAndDeadline(t *testing.T) {
+	e := newTransportEnv(t, transportConfig(5, "a"))
+	e.up.respond(canned{body: []byte(chatOK), delay: 2 * time.Second}, 2)
+	// Dialled lazily from Path: the transport's own connection.
+	hc := &http.Client{Transport: &Transport{Path: e.d.socket, Scope: "chat"}}
+	ctx, cancel := context.WithCancel(context.Background())
+	time.AfterFunc(100*time.Millisecond, cancel)
+	req, _ := http.NewRequestWithContext(ctx, "POST", e.up.URL()+"/v1/chat/completions", strings.NewReader(chatBody))
+	if _, err := hc.Do(req); !errors.Is(err, context.Canceled) {
+		t.Fatalf("cancelled: %v", err)
+	}
+	a := e.source("a")
+	if a.InFlight != 0 || a.Streak != 0 || a.WindowFailures != 0 || e.calls() != 0 {
+		t.Fatalf("a cancel is not a failure: %+v", a)
+	}
+	ctx, cancel = context.WithTimeout(context.Background(), 100*time.Millisecond)
+	defer cancel()
+	req, _ = http.NewRequestWithContext(ctx, "POST", e.up.URL()+"/v1/chat/completions", strings.NewReader(chatBody))
+	if _, err := hc.Do(req); !errors.Is(err, context.DeadlineExceeded) {
+		t.Fatalf("deadline: %v", err)
+	}
+	if a := e.source("a"); a.InFlight != 0 || a.Streak != 1 || a.WindowFailures != 1 || e.calls() != 0 {
+		t.Fatalf("a deadline is a timeout: %+v", a)
+	}
+}

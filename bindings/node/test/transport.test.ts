@@ -210,6 +210,46 @@ describe("transport through openai-node", () => {
     }, t);
   });
 
+  test("an abort while waiting for the upstream is a cancel; a TimeoutError reason is a timeout", T, async (t) => {
+    await withEnv(config(["a"]).replace("failure_threshold = 1", "failure_threshold = 5"), async ({ up, source, client }) => {
+      up.respond({ json: CHAT_OK, delayS: 2 }, 2);
+      const f = gatedFetch({ scope: "chat", client });
+      const init = { method: "POST", body: JSON.stringify({ max_tokens: 10 }) };
+      const ac = new AbortController();
+      setTimeout(() => ac.abort(), 100);
+      await assert.rejects(f(`${up.url}/v1/chat/completions`, { ...init, signal: ac.signal }), (e: Error) => e.name === "AbortError");
+      let a = await source();
+      assert.deepEqual([a.in_flight, a.streak, a.window_failures, a.window_successes], [0, 0, 0, 0]);
+      assert.equal((await client.status()).scopes.chat!.calls, 0);
+      await assert.rejects(f(`${up.url}/v1/chat/completions`, { ...init, signal: AbortSignal.timeout(100) }), (e: Error) => e.name === "TimeoutError");
+      a = await source();
+      assert.deepEqual([a.in_flight, a.streak, a.window_failures], [0, 1, 1]);
+    }, t);
+  });
+
+  test("a Request object and lazily connecting from path", T, async (t) => {
+    await withDaemon(config(["a"]), "memory", t.skip.bind(t), async (client, sidecar) => {
+      const up = await FakeUpstream.start();
+      try {
+        up.respond({ json: CHAT_OK });
+        const f = gatedFetch({ scope: "chat", path: sidecar.socket, routes: { a: { baseURL: `${up.url}/base`, headers: { "x-key": "A" } } } });
+        const r = await f(new Request("http://sdk.invalid/v1/chat/completions?q=1", {
+          method: "POST", headers: { "x-key": "caller", "content-type": "application/json" }, body: JSON.stringify({ max_tokens: 5 }),
+        }));
+        assert.equal(r.status, 200);
+        assert.equal(((await r.json()) as { usage: { total_tokens: number } }).usage.total_tokens, 30);
+        assert.equal(up.hits[0]!.url, "/base/v1/chat/completions?q=1");
+        assert.equal(up.hits[0]!.headers["x-key"], "A");
+        assert.equal(up.hits[0]!.body, JSON.stringify({ max_tokens: 5 }));
+        const st = await client.status();
+        assert.equal(st.scopes.chat!.sources.a!.window_successes, 1);
+        assert.equal(st.scopes.chat!.calls, 0);
+      } finally {
+        await up.close();
+      }
+    });
+  });
+
   test("the SDK's own retries are admitted one by one", T, async (t) => {
     await withEnv(config(["a"], "").replace("failure_threshold = 1", "failure_threshold = 5"), async ({ up, sdk, source, client }) => {
       up.respond({ status: 503, headers: { "retry-after-ms": "10" }, json: { error: { message: "busy" } } }, 2);
