@@ -404,10 +404,16 @@ function rebuild(up: Response, body: ConstructorParameters<typeof Response>[0]):
 }
 
 /**
+ * A gated stream dropped unread (garbage-collected before it ended or was cancelled)
+ * is settled as abandoned, so its permit is not held until the sidecar's lease.
+ */
+const dropped = new FinalizationRegistry<() => void>((abandon) => abandon());
+
+/**
  * `body` passed through unchanged, read on demand; the attempt is settled when the
  * stream ends (success with the usage seen), fails (classified failure), or is
- * abandoned — cancelled by the caller, or the request's signal aborted (success with
- * what was seen, else the estimate).
+ * abandoned — cancelled by the caller, the request's signal aborted, or the stream
+ * dropped unread (success with what was seen, else the estimate).
  */
 function gateStream(
   body: ReadableStream<Uint8Array>, att: Attempt, scan: UsageScanner | null, signal: AbortSignal | undefined,
@@ -417,6 +423,7 @@ function gateStream(
   const settle = (how: "end" | "abandon" | "error", err?: unknown): Promise<void> => {
     if (settled) return Promise.resolve();
     settled = true;
+    dropped.unregister(att);
     signal?.removeEventListener("abort", onAbort);
     if (how === "end") scan?.end();
     const u = scan?.usage();
@@ -431,7 +438,7 @@ function gateStream(
     if (signal.aborted) queueMicrotask(onAbort);
     else signal.addEventListener("abort", onAbort, { once: true });
   }
-  return new ReadableStream<Uint8Array>({
+  const out = new ReadableStream<Uint8Array>({
     async pull(controller): Promise<void> {
       let r: Awaited<ReturnType<typeof reader.read>>;
       try {
@@ -454,6 +461,9 @@ function gateStream(
       await Promise.all([settle("abandon"), reader.cancel(reason).catch(noop)]);
     },
   });
+  // The held callback must not reach `out` (it would never be collected).
+  dropped.register(out, onAbort, att);
+  return out;
 }
 
 /** Settle the attempt from the upstream's response; the response the caller gets. */

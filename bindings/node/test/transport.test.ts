@@ -5,6 +5,8 @@
 
 import * as assert from "node:assert/strict";
 import { execFile } from "node:child_process";
+import * as v8 from "node:v8";
+import * as vm from "node:vm";
 import * as fs from "node:fs";
 import * as path from "node:path";
 import { describe, test } from "node:test";
@@ -305,6 +307,28 @@ describe("transport through openai-node", () => {
       const ms = await until("the abandoned stream's settle", 1000, async () => (await source()).in_flight === 0);
       assert.ok(ms <= 1000);
       assert.equal((await client.status()).scopes.chat!.calls, 0);
+      assert.equal((await source()).window_successes, 1);
+    }, t);
+  });
+});
+
+describe("transport: a stream dropped unread", () => {
+  test("is settled once it is garbage-collected", T, async (t) => {
+    v8.setFlagsFromString("--expose-gc");
+    const gc = vm.runInNewContext("gc") as () => void;
+    await withEnv(config(["a"]), async ({ up, source, client }) => {
+      up.respond({ sse: [chunk("a"), chunk("b")], holdLast: new Promise(() => {}) });
+      const f = gatedFetch({ scope: "chat", client });
+      await (async () => {
+        const r = await f(`${up.url}/v1/chat/completions`, { method: "POST", body: "{}" });
+        assert.equal(r.status, 200); // and r is dropped here, its body never read
+      })();
+      assert.equal((await source()).in_flight, 1);
+      await until("the dropped stream's settle", 5000, async () => {
+        gc();
+        await sleep(20);
+        return (await source()).in_flight === 0;
+      });
       assert.equal((await source()).window_successes, 1);
     }, t);
   });
