@@ -71,14 +71,14 @@ if ! command -v go >/dev/null 2>&1; then
     fi
     echo "go is missing: the Go binding's tests (bindings/go) need Go 1.22+ (https://go.dev/dl); skipping them" >&2
 else
-    go_dirs="bindings/go examples/worker-go bench/drivers/go_client"
+    go_dirs="bindings/go examples/worker-go examples/transport-go bench/drivers/go_client"
     # shellcheck disable=SC2086
     unformatted=$(gofmt -l $go_dirs)
     if [ -n "$unformatted" ]; then
         printf 'gofmt: these files are not formatted (run gofmt -w):\n%s\n' "$unformatted" >&2
         exit 1
     fi
-    go vet ./bindings/go/... ./examples/worker-go/... ./bench/drivers/go_client/...
+    go vet ./bindings/go/... ./examples/worker-go/... ./examples/transport-go/... ./bench/drivers/go_client/...
     (cd bindings/go && go test -race -count=1 -timeout 600s ./...)
 fi
 

@@ -8,9 +8,11 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"io"
 	"log"
 	"net/http"
 	"net/http/httptest"
+	"strings"
 	"time"
 
 	polygate "github.com/polygate/polygate/bindings/go"
@@ -178,4 +180,33 @@ func ExampleCircuitOpenError() {
 	var gu *polygate.GatewayUnavailableError
 	fmt.Println(errors.As(err, &co), errors.As(err, &gu), co.PerSourceReasons, co.RetryAfter > 59*time.Second)
 	// Output: true true map[openai-embed:circuit_open] true
+}
+
+// Transport gates every request of an http.Client (DESIGN §17): install it where
+// the client is built (openai-go: option.WithHTTPClient(hc)); the call sites stay
+// as they are. Routes sends each request to the granted source's deployment with
+// that source's headers.
+func ExampleTransport() {
+	upstream := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		w.Header().Set("Content-Type", "application/json")
+		fmt.Fprintf(w, `{"key":%q,"usage":{"prompt_tokens":12,"completion_tokens":6,"total_tokens":18}}`, r.Header.Get("Api-Key"))
+	}))
+	defer upstream.Close()
+
+	hc := &http.Client{Transport: &polygate.Transport{
+		Scope: "chat", // $POLYGATE_SOCKET, else the default socket
+		Routes: map[string]polygate.Route{
+			"openai-gpt4o": {BaseURL: upstream.URL, Headers: map[string]string{"Api-Key": "key-openai"}},
+			"azure-gpt4o":  {BaseURL: upstream.URL, Headers: map[string]string{"Api-Key": "key-azure"}},
+		},
+	}}
+	resp, err := hc.Post("https://api.openai.com/v1/chat/completions", "application/json",
+		strings.NewReader(`{"model":"gpt-4o","max_tokens":200,"messages":[]}`))
+	if err != nil {
+		log.Fatal(err) // *CircuitOpenError etc. only with OnRefusal: RefuseWithError
+	}
+	defer resp.Body.Close()
+	b, _ := io.ReadAll(resp.Body)
+	fmt.Println(resp.StatusCode, string(b))
+	// Output: 200 {"key":"key-openai","usage":{"prompt_tokens":12,"completion_tokens":6,"total_tokens":18}}
 }

@@ -24,3 +24,5 @@ export type { FailureKind, Usage, Verdict } from "./classify.js";
 export { PROTOCOL_VERSION } from "./wire.js";
 export { limitsOf, parseDuration, parseRateLimitHeaders, toWireLimits } from "./ratelimit.js";
 export type { HeaderSource, Limit, Limits } from "./ratelimit.js";
+export { RouteMissingError, fetch } from "./transport.js";
+export type { Estimate, EstimateRequest, FetchLike, FetchOptions, Route } from "./transport.js";

@@ -11,6 +11,7 @@ import {
   ReportResult, SidecarError,
 } from "../src/index.js";
 import type { FailureKind } from "../src/index.js";
+import { Mismatch, checkKeys, matchNumber, matchValue } from "./match.js";
 import { REPO, show, sleep, withDaemon } from "./support.js";
 
 const DIR = path.join(REPO, "bindings", "conformance", "scenarios");
@@ -44,8 +45,6 @@ const GRANT_KEYS = ["source", "attempt", "is_probe", "est_tokens"];
 const ERROR_KEYS = ["type", "reason", "kind", "retry_after_s", "per_source_reasons", "scope", "message_contains"];
 const RESULT_KEYS = ["applied", "state", "retry_after_s"];
 
-class Mismatch extends Error {}
-
 function loadScenarios(): Scenario[] {
   const files = fs.readdirSync(DIR).filter((f) => f.endsWith(".json")).sort();
   if (files.length === 0) throw new Error(`no conformance scenarios in ${DIR}`);
@@ -58,41 +57,6 @@ function loadScenarios(): Scenario[] {
 }
 
 // ------------------------------------------------------------------ matching
-
-function isRange(v: unknown): v is { min?: number; max?: number } {
-  return typeof v === "object" && v !== null && !Array.isArray(v) && Object.keys(v).length > 0
-    && Object.keys(v).every((k) => k === "min" || k === "max");
-}
-
-function matchNumber(want: unknown, got: unknown, where: string): void {
-  if (typeof got !== "number" && typeof got !== "bigint") throw new Mismatch(`${where}: expected a number, got ${show(got)}`);
-  const g = Number(got);
-  if (isRange(want)) {
-    if ((want.min !== undefined && g < want.min) || (want.max !== undefined && g > want.max)) {
-      throw new Mismatch(`${where}: ${g} is outside [${want.min}, ${want.max}]`);
-    }
-  } else if (g !== want) {
-    throw new Mismatch(`${where}: expected ${show(want)}, got ${show(got)}`);
-  }
-}
-
-function matchValue(want: unknown, got: unknown, where: string): void {
-  if (isRange(want) || typeof want === "number") return matchNumber(want, got, where);
-  if (typeof want === "object" && want !== null && !Array.isArray(want)) {
-    if (typeof got !== "object" || got === null) throw new Mismatch(`${where}: expected an object, got ${show(got)}`);
-    for (const [k, w] of Object.entries(want)) {
-      if (!(k in got)) throw new Mismatch(`${where}: key ${k} missing (have ${Object.keys(got).join(", ")})`);
-      matchValue(w, (got as Obj)[k], `${where}.${k}`);
-    }
-    return;
-  }
-  if (want !== got) throw new Mismatch(`${where}: expected ${show(want)}, got ${show(got)}`);
-}
-
-function checkKeys(o: Obj, allowed: string[], where: string): void {
-  const bad = Object.keys(o).filter((k) => !allowed.includes(k));
-  if (bad.length) throw new Mismatch(`${where}: unknown key(s) ${bad.join(", ")} (runner knows ${allowed.join(", ")})`);
-}
 
 function checkError(want: Obj, err: unknown, where: string): void {
   checkKeys(want, ERROR_KEYS, `${where}.error`);

@@ -1,0 +1,360 @@
+// The transport (DESIGN §17) end to end: the real openai-node SDK with
+// `fetch: polygate.fetch(...)`, the real daemon (memory backend), and a fake upstream
+// (node:http) — usage settled, estimates reserved, 429/5xx mapping, the synthetic
+// refusal, routes failover, streams held and settled, the SDK's retries one call each.
+
+import * as assert from "node:assert/strict";
+import { execFile } from "node:child_process";
+import * as v8 from "node:v8";
+import * as vm from "node:vm";
+import * as fs from "node:fs";
+import * as path from "node:path";
+import { describe, test } from "node:test";
+
+import OpenAI from "openai";
+
+import { CircuitOpenError, Client, RouteMissingError, Status, fetch as gatedFetch } from "../src/index.js";
+import type { FetchOptions } from "../src/index.js";
+import { FakeUpstream } from "./fake-upstream.js";
+import { REPO, Sidecar, sleep, tempDir, withDaemon } from "./support.js";
+
+const T = { timeout: 30_000 };
+
+function config(sources: string[], extra = ""): string {
+  return `
+[scopes.chat]
+circuit_open = "fail_fast"
+quota_full = "wait"
+max_attempts = 3
+poll_interval = "10ms"
+stall_window = "10s"
+
+[scopes.chat.breaker]
+failure_threshold = 1
+cooldown = "10s"
+${sources.map((s) => `\n[[scopes.chat.sources]]\nname = "${s}"\ntimeout = "5s"\ntpm = 6000\n${extra}`).join("")}`;
+}
+
+const CHAT_OK = {
+  id: "c1", object: "chat.completion", created: 1, model: "m",
+  choices: [{ index: 0, message: { role: "assistant", content: "hi" }, finish_reason: "stop", logprobs: null }],
+  usage: { prompt_tokens: 12, completion_tokens: 18, total_tokens: 30 },
+};
+
+function chunk(content: string | null, usage: unknown = null): string {
+  const choices = content === null ? [] : [{ index: 0, delta: { content }, finish_reason: null }];
+  return `data: ${JSON.stringify({ id: "s1", object: "chat.completion.chunk", created: 1, model: "m", choices, usage })}`;
+}
+
+const MESSAGES = [{ role: "user" as const, content: "say hi" }];
+
+interface Env {
+  client: Client;
+  up: FakeUpstream;
+  sdk: (opts?: Partial<FetchOptions>, maxRetries?: number) => OpenAI;
+  source: (name?: string) => Promise<Status["scopes"][string]["sources"][string]>;
+}
+
+async function withEnv(cfg: string, body: (env: Env) => Promise<void>, t: { skip: (why: string) => void }): Promise<void> {
+  await withDaemon(cfg, "memory", t.skip.bind(t), async (client) => {
+    const up = await FakeUpstream.start();
+    try {
+      await body({
+        client,
+        up,
+        sdk: (opts = {}, maxRetries = 0) => new OpenAI({
+          apiKey: "sk-test", baseURL: `${up.url}/v1`, maxRetries,
+          fetch: gatedFetch({ scope: "chat", client, ...opts }),
+        }),
+        source: async (name = "a") => (await client.status()).scopes.chat!.sources[name]!,
+      });
+    } finally {
+      await up.close();
+    }
+  });
+}
+
+async function until(what: string, ms: number, cond: () => Promise<boolean>): Promise<number> {
+  const t0 = Date.now();
+  for (;;) {
+    if (await cond()) return Date.now() - t0;
+    if (Date.now() - t0 > ms) throw new Error(`${what}: not within ${ms} ms`);
+    await sleep(10);
+  }
+}
+
+describe("transport through openai-node", () => {
+  test("a success settles the usage, not the estimate; one request = one call", T, async (t) => {
+    await withEnv(config(["a"]), async ({ up, sdk, source, client }) => {
+      up.respond({ json: CHAT_OK });
+      const r = await sdk().chat.completions.create({ model: "m", max_tokens: 2000, messages: MESSAGES });
+      assert.equal(r.usage?.total_tokens, 30);
+      assert.equal(r.choices[0]!.message.content, "hi");
+      assert.equal(up.hits.length, 1);
+      const a = await source();
+      // estimate ≈ input + 2000; the usage (30) is what stays charged
+      assert.ok(a.tokens_available! >= 5900 && a.tokens_available! <= 6000, `tokens_available ${a.tokens_available}`);
+      assert.equal(a.window_successes, 1);
+      assert.equal(a.in_flight, 0);
+      assert.equal((await client.status()).scopes.chat!.calls, 0);
+    }, t);
+  });
+
+  test("a slow request shows its estimate reserved (output from max_tokens)", T, async (t) => {
+    await withEnv(config(["a"]), async ({ up, sdk, source }) => {
+      up.respond({ json: CHAT_OK, delayS: 0.6 });
+      const p = sdk().chat.completions.create({ model: "m", max_tokens: 2000, messages: MESSAGES });
+      await sleep(250);
+      const a = await source();
+      assert.equal(a.in_flight, 1);
+      assert.ok(a.tokens_available! >= 3800 && a.tokens_available! <= 4010, `tokens_available ${a.tokens_available}`);
+      await p;
+      assert.ok((await source()).tokens_available! >= 5900);
+    }, t);
+  });
+
+  test("429 with Retry-After blocks the source and leaves the breaker closed", T, async (t) => {
+    await withEnv(config(["a"]), async ({ up, sdk, source }) => {
+      up.respond({ status: 429, headers: { "retry-after": "3" }, json: { error: { message: "slow down" } } });
+      await assert.rejects(sdk().chat.completions.create({ model: "m", messages: MESSAGES }),
+        (e: unknown) => e instanceof OpenAI.RateLimitError && e.status === 429);
+      const a = await source();
+      assert.equal(a.state, "closed");
+      assert.equal(a.streak, 0);
+      assert.equal(a.window_failures, 0);
+      assert.ok(a.quota_blocked_s >= 2 && a.quota_blocked_s <= 3.01, `quota_blocked_s ${a.quota_blocked_s}`);
+    }, t);
+  });
+
+  test("a 5xx opens the breaker; the next request gets the synthetic 503 without reaching the upstream", T, async (t) => {
+    await withEnv(config(["a"]), async ({ up, sdk, source, client }) => {
+      up.respond({ status: 500, json: { error: { message: "boom" } } });
+      await assert.rejects(sdk().chat.completions.create({ model: "m", messages: MESSAGES }),
+        (e: unknown) => e instanceof OpenAI.InternalServerError && e.status === 500);
+      assert.equal((await source()).state, "open");
+      const err = await sdk().chat.completions.create({ model: "m", messages: MESSAGES }).then(() => null, (e: unknown) => e);
+      assert.ok(err instanceof OpenAI.APIError, String(err));
+      assert.equal(err.status, 503);
+      assert.deepEqual({ ...(err.error as object), message: "", retry_after_s: 0 }, {
+        type: "polygate", code: "circuit_open", message: "", scope: "chat", retry_after_s: 0,
+        per_source_reasons: { a: "circuit_open" },
+      });
+      assert.match((err.error as { message: string }).message, /PolyGate/);
+      const ra = Number(err.headers?.get("retry-after"));
+      assert.ok(ra >= 8 && ra <= 10, `retry-after ${ra}`);
+      assert.equal(err.headers?.get("x-should-retry"), "false");
+      assert.equal(up.hits.length, 1);
+      // x-should-retry: false — an SDK allowed retries sends the refused request once
+      let sent = 0;
+      const g = gatedFetch({ scope: "chat", client });
+      const retrying = new OpenAI({
+        apiKey: "k", baseURL: `${up.url}/v1`, maxRetries: 2,
+        fetch: (u, i) => {
+          sent++;
+          return g(u, i);
+        },
+      });
+      const again = await retrying.chat.completions.create({ model: "m", messages: MESSAGES }).then(() => null, (e: unknown) => e);
+      assert.ok(again instanceof OpenAI.APIError && again.status === 503, String(again));
+      assert.equal(sent, 1);
+      assert.equal(up.hits.length, 1);
+      // onRefusal "raise": the typed error (the SDK wraps what fetch throws as its cause)
+      const raised = await sdk({ onRefusal: "raise" }).chat.completions.create({ model: "m", messages: MESSAGES })
+        .then(() => null, (e: unknown) => e);
+      assert.ok(raised instanceof OpenAI.APIConnectionError, String(raised));
+      assert.ok(raised.cause instanceof CircuitOpenError, String(raised.cause));
+      assert.equal(up.hits.length, 1);
+    }, t);
+  });
+
+  test("routes: a failure on A → the SDK's retry goes to B with B's headers; each retry is its own call", T, async (t) => {
+    await withEnv(config(["a", "b"]), async ({ client, up }) => {
+      const upB = await FakeUpstream.start();
+      try {
+        up.respond({ status: 503, headers: { "retry-after-ms": "10" }, json: { error: { message: "down" } } });
+        upB.respond({ json: CHAT_OK });
+        const sdkBase = "http://sdk.invalid/v1";
+        const openai = new OpenAI({
+          apiKey: "sk-caller", baseURL: sdkBase, maxRetries: 2,
+          fetch: gatedFetch({
+            scope: "chat", client, sdkBaseURL: sdkBase, routes: {
+              a: { baseURL: `${up.url}/v1`, headers: { authorization: "Bearer key-A" } },
+              b: { baseURL: `${upB.url}/v1`, headers: { authorization: "Bearer key-B", "x-deployment": "b" } },
+            },
+          }),
+        });
+        const r = await openai.chat.completions.create({ model: "m", messages: MESSAGES });
+        assert.equal(r.usage?.total_tokens, 30);
+        assert.equal(up.hits.length, 1);
+        assert.equal(up.hits[0]!.headers.authorization, "Bearer key-A");
+        assert.equal(upB.hits.length, 1);
+        assert.equal(upB.hits[0]!.url, "/v1/chat/completions");
+        assert.equal(upB.hits[0]!.headers.authorization, "Bearer key-B");
+        assert.equal(upB.hits[0]!.headers["x-deployment"], "b");
+        const st = (await client.status()).scopes.chat!;
+        assert.equal(st.calls, 0);
+        assert.equal(st.sources.a!.state, "open");
+        assert.equal(st.sources.b!.window_successes, 1);
+        // a granted source missing from routes: a clear error, nothing sent
+        await client.forceClose("a");
+        const partial = new OpenAI({
+          apiKey: "k", baseURL: sdkBase, maxRetries: 0,
+          fetch: gatedFetch({ scope: "chat", client, sdkBaseURL: sdkBase, routes: { b: { baseURL: upB.url } } }),
+        });
+        const e = await partial.chat.completions.create({ model: "m", messages: MESSAGES }).then(() => null, (x: unknown) => x);
+        assert.ok(e instanceof OpenAI.APIConnectionError && e.cause instanceof RouteMissingError, String(e));
+        assert.match((e.cause as Error).message, /"a".*no entry in routes/);
+        assert.equal(up.hits.length, 1);
+        assert.equal((await client.status()).scopes.chat!.sources.a!.in_flight, 0);
+      } finally {
+        await upB.close();
+      }
+    }, t);
+  });
+
+  test("an abort while waiting for the upstream is a cancel; a TimeoutError reason is a timeout", T, async (t) => {
+    await withEnv(config(["a"]).replace("failure_threshold = 1", "failure_threshold = 5"), async ({ up, source, client }) => {
+      up.respond({ json: CHAT_OK, delayS: 2 }, 2);
+      const f = gatedFetch({ scope: "chat", client });
+      const init = { method: "POST", body: JSON.stringify({ max_tokens: 10 }) };
+      const ac = new AbortController();
+      setTimeout(() => ac.abort(), 100);
+      await assert.rejects(f(`${up.url}/v1/chat/completions`, { ...init, signal: ac.signal }), (e: Error) => e.name === "AbortError");
+      let a = await source();
+      assert.deepEqual([a.in_flight, a.streak, a.window_failures, a.window_successes], [0, 0, 0, 0]);
+      assert.equal((await client.status()).scopes.chat!.calls, 0);
+      await assert.rejects(f(`${up.url}/v1/chat/completions`, { ...init, signal: AbortSignal.timeout(100) }), (e: Error) => e.name === "TimeoutError");
+      a = await source();
+      assert.deepEqual([a.in_flight, a.streak, a.window_failures], [0, 1, 1]);
+    }, t);
+  });
+
+  test("a Request object and lazily connecting from path", T, async (t) => {
+    await withDaemon(config(["a"]), "memory", t.skip.bind(t), async (client, sidecar) => {
+      const up = await FakeUpstream.start();
+      try {
+        up.respond({ json: CHAT_OK });
+        const f = gatedFetch({ scope: "chat", path: sidecar.socket, routes: { a: { baseURL: `${up.url}/base`, headers: { "x-key": "A" } } } });
+        const r = await f(new Request("http://sdk.invalid/v1/chat/completions?q=1", {
+          method: "POST", headers: { "x-key": "caller", "content-type": "application/json" }, body: JSON.stringify({ max_tokens: 5 }),
+        }));
+        assert.equal(r.status, 200);
+        assert.equal(((await r.json()) as { usage: { total_tokens: number } }).usage.total_tokens, 30);
+        assert.equal(up.hits[0]!.url, "/base/v1/chat/completions?q=1");
+        assert.equal(up.hits[0]!.headers["x-key"], "A");
+        assert.equal(up.hits[0]!.body, JSON.stringify({ max_tokens: 5 }));
+        const st = await client.status();
+        assert.equal(st.scopes.chat!.sources.a!.window_successes, 1);
+        assert.equal(st.scopes.chat!.calls, 0);
+      } finally {
+        await up.close();
+      }
+    });
+  });
+
+  test("the SDK's own retries are admitted one by one", T, async (t) => {
+    await withEnv(config(["a"], "").replace("failure_threshold = 1", "failure_threshold = 5"), async ({ up, sdk, source, client }) => {
+      up.respond({ status: 503, headers: { "retry-after-ms": "10" }, json: { error: { message: "busy" } } }, 2);
+      up.respond({ json: CHAT_OK });
+      const r = await sdk({}, 2).chat.completions.create({ model: "m", messages: MESSAGES });
+      assert.equal(r.usage?.total_tokens, 30);
+      assert.equal(up.hits.length, 3);
+      const a = await source();
+      assert.equal(a.window_failures, 2);
+      assert.equal(a.window_successes, 1);
+      assert.equal((await client.status()).scopes.chat!.calls, 0);
+    }, t);
+  });
+
+  test("a stream is counted in flight while open and charged its final usage", T, async (t) => {
+    await withEnv(config(["a"]), async ({ up, sdk, source, client }) => {
+      let release!: () => void;
+      const hold = new Promise<void>((r) => (release = r));
+      up.respond({ sse: [chunk("he"), chunk("llo"), chunk(null, { prompt_tokens: 10, completion_tokens: 30, total_tokens: 40 }), "data: [DONE]"], holdLast: hold });
+      const stream = await sdk().chat.completions.create({
+        model: "m", max_tokens: 2000, messages: MESSAGES, stream: true, stream_options: { include_usage: true },
+      });
+      let text = "";
+      let usage: unknown = null;
+      let n = 0;
+      for await (const c of stream) {
+        text += c.choices[0]?.delta.content ?? "";
+        if (c.usage) usage = c.usage;
+        if (++n === 2) {
+          const a = await source();
+          assert.equal(a.in_flight, 1);
+          assert.ok(a.tokens_available! <= 4010, `the estimate is held while streaming: ${a.tokens_available}`);
+          assert.equal((await client.status()).scopes.chat!.calls, 1);
+          release();
+        }
+      }
+      assert.equal(text, "hello");
+      assert.deepEqual(usage, { prompt_tokens: 10, completion_tokens: 30, total_tokens: 40 });
+      await until("the stream's settle", 1000, async () => (await source()).in_flight === 0);
+      const a = await source();
+      assert.ok(a.tokens_available! >= 5900, `charged the usage (40), not the estimate: ${a.tokens_available}`);
+      assert.equal(a.window_successes, 1);
+    }, t);
+  });
+
+  test("an abandoned stream is settled within 1 s", T, async (t) => {
+    await withEnv(config(["a"]), async ({ up, sdk, source, client }) => {
+      const events = Array.from({ length: 50 }, (_, i) => chunk(`t${i}`));
+      up.respond({ sse: [...events, "data: [DONE]"], gapMs: 50, holdLast: new Promise(() => {}) });
+      const stream = await sdk().chat.completions.create({ model: "m", max_tokens: 100, messages: MESSAGES, stream: true });
+      let n = 0;
+      for await (const _ of stream) if (++n === 2) break;
+      const ms = await until("the abandoned stream's settle", 1000, async () => (await source()).in_flight === 0);
+      assert.ok(ms <= 1000);
+      assert.equal((await client.status()).scopes.chat!.calls, 0);
+      assert.equal((await source()).window_successes, 1);
+    }, t);
+  });
+});
+
+describe("transport: a stream dropped unread", () => {
+  test("is settled once it is garbage-collected", T, async (t) => {
+    v8.setFlagsFromString("--expose-gc");
+    const gc = vm.runInNewContext("gc") as () => void;
+    await withEnv(config(["a"]), async ({ up, source, client }) => {
+      up.respond({ sse: [chunk("a"), chunk("b")], holdLast: new Promise(() => {}) });
+      const f = gatedFetch({ scope: "chat", client });
+      await (async () => {
+        const r = await f(`${up.url}/v1/chat/completions`, { method: "POST", body: "{}" });
+        assert.equal(r.status, 200); // and r is dropped here, its body never read
+      })();
+      assert.equal((await source()).in_flight, 1);
+      await until("the dropped stream's settle", 5000, async () => {
+        gc();
+        await sleep(20);
+        return (await source()).in_flight === 0;
+      });
+      assert.equal((await source()).window_successes, 1);
+    }, t);
+  });
+});
+
+describe("examples", () => {
+  test("examples/transport-openai.mjs runs as written against the example config, offline", { timeout: 60_000 }, async () => {
+    const sidecar = new Sidecar();
+    const proj = tempDir("pg-proj-");
+    try {
+      fs.copyFileSync(path.join(REPO, "examples", "polygate.toml"), sidecar.configPath);
+      await sidecar.start({ SIDECAR__SOCKET: sidecar.socket });
+      // `npm install ./bindings/node openai` in a project, as the example's header says
+      fs.mkdirSync(path.join(proj, "node_modules"));
+      fs.symlinkSync(path.join(REPO, "bindings", "node"), path.join(proj, "node_modules", "polygate"), "dir");
+      fs.symlinkSync(path.join(REPO, "bindings", "node", "node_modules", "openai"), path.join(proj, "node_modules", "openai"), "dir");
+      fs.copyFileSync(path.join(REPO, "examples", "transport-openai.mjs"), path.join(proj, "example.mjs"));
+      const out = await new Promise<string>((resolve, reject) => {
+        execFile(process.execPath, [path.join(proj, "example.mjs")], { env: { ...process.env, POLYGATE_SOCKET: sidecar.socket }, timeout: 30_000 },
+          (err, stdout, stderr) => (err ? reject(new Error(`${err.message}\n${stderr}`)) : resolve(stdout)));
+      });
+      assert.equal(out, "hello from the fake upstream (18 tokens settled)\nstreamed hello\ncalls 0, successes 2\n");
+    } finally {
+      await sidecar.stop();
+      sidecar.cleanup();
+      fs.rmSync(proj, { recursive: true, force: true });
+    }
+  });
+});
