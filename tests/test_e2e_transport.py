@@ -402,6 +402,51 @@ def test_anthropic_stream_settles_message_start_and_delta_usage(sidecar, upstrea
     assert calls(pg) == 0
 
 
+# ------------------------------------------------------------------ §18: the provider's headers
+
+
+def bucket(pg, name: str) -> Dict[str, Any]:
+    return next(b for b in src(pg)["buckets"] if b["bucket"] == name)
+
+
+def test_the_transport_reports_openais_rate_limit_headers(sidecar, upstream):
+    """DESIGN §18 through §17: no call site sets ``permit.limits``; the transport
+    reads the response's ``x-ratelimit-*`` headers and an observing source lowers
+    its bucket to what the provider says is left."""
+    pg = start(sidecar, source={"observe_limits": "on"})
+    upstream.queue(Reply.json(chat_body(), headers={
+        "x-ratelimit-limit-tokens": "6000", "x-ratelimit-remaining-tokens": "1000",
+        "x-ratelimit-reset-tokens": "20s", "x-ratelimit-limit-requests": "60",
+        "x-ratelimit-remaining-requests": "59", "x-ratelimit-reset-requests": "1s"}))
+    t0 = time.monotonic()
+    oai(upstream, sidecar.socket, max_retries=0).chat.completions.create(
+        model="gpt-test", messages=MESSAGES, max_tokens=10)
+    tpm = bucket(pg, "tpm")
+    assert tpm["observed"]["remaining"] == 1000 and tpm["observed"]["limit"] == 6000, tpm
+    # 5970 after the usage of 30 without the headers; the provider says 1000.
+    assert tpm["level"] <= 1000 + 100 * (time.monotonic() - t0 + 0.05) + 1, tpm
+
+
+def test_a_streams_headers_are_dated_when_its_response_began(sidecar, upstream):
+    """The observation of a stream is reported when the stream ends, aged by its
+    length, so the sidecar dates it when the provider said it (DESIGN §18)."""
+    pg = start(sidecar, source={"observe_limits": "on"})
+    reset = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(time.time() + 30))
+    upstream.queue(Reply.sse(anthropic_stream(), event_delay_s=0.15, headers={
+        "anthropic-ratelimit-tokens-limit": "6000", "anthropic-ratelimit-tokens-remaining": "2000",
+        "anthropic-ratelimit-tokens-reset": reset}))
+    client = ant(upstream, sidecar.socket)
+    t0 = time.monotonic()
+    with client.messages.stream(model="claude-test", max_tokens=100, messages=MESSAGES) as stream:
+        final = stream.get_final_message()
+    took = time.monotonic() - t0
+    assert final.usage.output_tokens == 15 and took >= 0.6, took
+    tpm = bucket(pg, "tpm")
+    assert tpm["observed"]["remaining"] == 2000, tpm
+    # Seen when the headers came (before the ~0.75 s of events), not at the report.
+    assert tpm["observed"]["age_s"] >= 0.5, tpm
+
+
 # ------------------------------------------------------------------ asyncio
 
 

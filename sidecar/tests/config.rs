@@ -1247,9 +1247,15 @@ fn type_errors_say_what_was_expected_in_words() {
         assert!(e.contains(words), "{line}: {e}");
         assert!(!e.contains("i64") && !e.contains("sequence"), "{line}: {e}");
     }
-    let e = parse(&source_with("tpm = \"x\"")).unwrap_err().to_string();
+    let e = parse(&source_with("tpd = \"x\"")).unwrap_err().to_string();
     assert!(
         e.contains("(line 3, column 7)") && e.contains("expected a whole number"),
+        "{e}"
+    );
+    // A per-minute limit may also be "auto" (§18), and says so.
+    let e = parse(&source_with("tpm = \"x\"")).unwrap_err().to_string();
+    assert!(
+        e.contains("(line 3)") && e.contains("expected a positive integer or \"auto\""),
         "{e}"
     );
 }

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 import weakref
 from typing import Any, AsyncIterator, Callable, Iterator, Mapping, Optional, Tuple
 
@@ -28,9 +29,19 @@ Estimator = Callable[[Any], Tuple[Optional[int], Optional[int]]]
 
 
 def provider_limits(permit: Any, headers: Any) -> None:
-    """§18 seam: the one place that has a permit and its response's headers,
-    before the permit is reported. Parsing the provider's rate-limit headers into
-    the report's observed limits (``permit.limits = parse(headers)``) goes here."""
+    """DESIGN §18: the provider's rate-limit headers of the response become the
+    report's observed limits (None when it sent none). The sidecar applies them
+    only to a source that observes (``observe_limits = "on"`` or an ``"auto"``
+    limit); the report's age is set when it is sent (:func:`_aged`)."""
+    permit.limits = _core.parse_headers(headers)[0]
+
+
+def _aged(s: "_Settlement") -> None:
+    """The observation's age at the report: how long the body took since the
+    response's headers (a stream's length), so the sidecar dates it right."""
+    limits = s.permit.limits
+    if limits is not None:
+        limits.age_s = max(0.0, time.monotonic() - s.at)
 
 
 class _Base:
@@ -107,7 +118,7 @@ class _Base:
 class _Settlement:
     """One request's permit between the response headers and the end of its body."""
 
-    __slots__ = ("call", "permit", "outcome", "reader", "done")
+    __slots__ = ("call", "permit", "outcome", "reader", "done", "at")
 
     def __init__(self, call: Any, permit: Any, outcome: Optional[_core.Outcome],
                  reader: Optional[t.UsageReader]) -> None:
@@ -116,6 +127,7 @@ class _Settlement:
         self.outcome = outcome  # None: a 2xx, settled as a success with the usage read
         self.reader = reader  # None: a body read whole, its usage passed to settle()
         self.done = False
+        self.at = time.monotonic()  # when the response's headers arrived (§18: the age)
 
 
 def _head(response: Any) -> Tuple[Optional[str], Optional[str], Optional[str]]:
@@ -234,6 +246,7 @@ class SyncGate(_Base):
             return
         s.done = True
         permit, call = s.permit, s.call
+        _aged(s)
         try:
             if error is not None:
                 kind = self._error_kind(error)
@@ -397,6 +410,7 @@ class AsyncGate(_Base):
             return
         s.done = True
         permit, call = s.permit, s.call
+        _aged(s)
         try:
             if error is not None:
                 kind = self._error_kind(error)

@@ -81,6 +81,13 @@ pub fn request_type(r: &Request) -> usize {
     }
 }
 
+/// Whether requests of type `ty` ([`request_type`]) change nothing: `Status`,
+/// `StatusJson` and `Ping` (the status snapshots count every other answer as a
+/// change).
+pub fn is_read_only(ty: usize) -> bool {
+    matches!(ty, 5 | 9 | 15)
+}
+
 /// What the worker-socket server records: the time each request spends in the
 /// sidecar, one histogram per request type in a fixed array (recording is an index
 /// and two atomic adds).

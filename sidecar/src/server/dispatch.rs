@@ -43,10 +43,6 @@ pub(super) struct Ctx<B: Backend> {
     pub uid: u32,
     pub shared: Arc<Shared>,
     pub budget: Arc<Budget>,
-    /// The connection sent a request other than a status request or `Ping` since
-    /// its last status (or it is new): its next status is built fresh, so it reads
-    /// its own writes (`snapshot`).
-    pub acted: bool,
 }
 
 /// How a request is answered.
@@ -296,9 +292,9 @@ pub(super) fn dispatch<B: Backend>(cx: &Ctx<B>, request: Request) -> Step {
                 Request::Status => StatusKind::Status,
                 _ => StatusKind::Json,
             };
-            let (shared, fresh) = (cx.shared.clone(), cx.acted);
+            let shared = cx.shared.clone();
             job!(&cx.budget, CancelBy::Abort, false, |slot| {
-                shared.status.get(kind, &engine, fresh).await
+                shared.status.get(kind, &engine).await
             })
         }
         Request::ForceOpen { source, seconds } => {

@@ -13,12 +13,21 @@
 //!   current, as before; one that costs milliseconds is kept for up to
 //!   `COST_FACTOR` times that, so status costs at most ~1/`COST_FACTOR` of a thread
 //!   however fast clients ask.
-//! - **Read your writes**: a connection that sent any request other than a status
-//!   request or `Ping` since its last status gets a fresh build (which refreshes the
-//!   snapshot for everyone), so a client that acts and then looks sees its act.
+//! - **never older than a change it could have seen**: every request other than a
+//!   status request or `Ping` counts a change when it is answered (and a
+//!   connection's end counts one: it releases what it held), and a snapshot is
+//!   served only while no change was counted since its build began. So whoever saw
+//!   a reply — on any connection — and then asks for status sees that request's
+//!   effect, and a test or script that acts on one connection and looks on another
+//!   reads exactly what it did. What changes with no request (refill over time, a
+//!   cooldown running out, another host's writes in Redis) is at most the age above
+//!   behind.
 //!
 //! One build at a time per kind: concurrent requests wait for the build under way
-//! and take its result instead of building their own.
+//! and take its result when that build began after they arrived (it holds
+//! everything answered before they asked), instead of building their own. Under a
+//! flood with other clients' calls going on, snapshots are rarely reusable, so this
+//! coalescing and the byte pacing below are what bound the cost.
 //!
 //! Serving a snapshot still costs its bytes (a clone, the encoding, the write: ~2 MB
 //! for 3,000 sources), and a client can ask as fast as it reads. So status replies
@@ -29,6 +38,7 @@
 //! sources a flood gets ~30 replies a second and the other clients keep their core
 //! (docs/benchmarks.md, `--scenario status-flood`).
 
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
@@ -64,6 +74,12 @@ pub(crate) enum Report {
 
 /// One built report.
 struct Snap {
+    /// When its build began: a request that arrived before then may take it
+    /// whatever changed since (it holds all that was answered before the request).
+    began: Instant,
+    /// The change count when its build began: it may be served to later requests
+    /// only while the count is still this.
+    changes: u64,
     /// When its build finished.
     built: Instant,
     /// How long it may be served: `min(metrics_refresh, COST_FACTOR × build time)`.
@@ -92,6 +108,9 @@ pub(crate) struct StatusCache {
     building: [tokio::sync::Mutex<()>; 2],
     /// The sidecar-wide byte pacing of status replies.
     pace: Mutex<Pace>,
+    /// Requests answered (other than status and `Ping`) and connections ended: a
+    /// snapshot built before the last of them is not served again.
+    changes: AtomicU64,
 }
 
 impl StatusCache {
@@ -105,7 +124,15 @@ impl StatusCache {
                 level: STATUS_BURST,
                 at: Instant::now(),
             }),
+            changes: AtomicU64::new(0),
         }
+    }
+
+    /// Count a change: a request that may have changed state was answered, or a
+    /// connection ended. Called before the reply is written, so a client that saw
+    /// the reply and asks for status gets a build that includes it.
+    pub fn changed(&self) {
+        self.changes.fetch_add(1, Ordering::Release);
     }
 
     /// Charge `bytes` to the pacing: how long the reply must wait before it goes out.
@@ -125,8 +152,8 @@ impl StatusCache {
 
     /// The report of `kind` (see [`StatusCache::report`]), sent when the byte pacing
     /// allows.
-    pub async fn get<B: Backend>(&self, kind: Report, engine: &Engine<B>, fresh: bool) -> Reply {
-        let (reply, bytes) = self.report(kind, engine, fresh).await;
+    pub async fn get<B: Backend>(&self, kind: Report, engine: &Engine<B>) -> Reply {
+        let (reply, bytes) = self.report(kind, engine).await;
         let wait = self.charge(bytes);
         if !wait.is_zero() {
             tokio::time::sleep(wait).await;
@@ -134,38 +161,35 @@ impl StatusCache {
         reply
     }
 
-    /// The snapshot of `kind` if it may still be served, with its size.
-    fn cached(&self, kind: Report) -> Option<(Reply, usize)> {
+    /// The snapshot of `kind` if it may still be served to a request that arrived
+    /// at `asked`, with its size: one whose build began after `asked`, or one still
+    /// young enough that nothing was answered since its build began.
+    fn cached(&self, kind: Report, asked: Instant) -> Option<(Reply, usize)> {
         let snap = self.snaps[kind as usize]
             .lock()
             .unwrap_or_else(|e| e.into_inner());
+        let changes = self.changes.load(Ordering::Acquire);
         snap.as_ref()
-            .filter(|s| s.built.elapsed() < s.valid_for)
+            .filter(|s| {
+                s.began >= asked || (s.changes == changes && s.built.elapsed() < s.valid_for)
+            })
             .map(|s| (s.reply.clone(), s.bytes))
     }
 
-    /// The report of `kind` and its encoded size: the snapshot while it is young
-    /// enough (see the module docs), else a new build, kept for the requests that
-    /// follow. `fresh`: the asking connection changed something since its last
-    /// status (read your writes).
-    async fn report<B: Backend>(
-        &self,
-        kind: Report,
-        engine: &Engine<B>,
-        fresh: bool,
-    ) -> (Reply, usize) {
-        if !fresh {
-            if let Some(r) = self.cached(kind) {
-                return r;
-            }
+    /// The report of `kind` and its encoded size: a snapshot that may be served
+    /// (see the module docs), else a new build, kept for the requests that follow.
+    async fn report<B: Backend>(&self, kind: Report, engine: &Engine<B>) -> (Reply, usize) {
+        let asked = Instant::now();
+        if let Some(r) = self.cached(kind, asked) {
+            return r;
         }
         let _building = self.building[kind as usize].lock().await;
-        if !fresh {
-            // Built by the request this one waited behind.
-            if let Some(r) = self.cached(kind) {
-                return r;
-            }
+        // Built by the request this one waited behind, if it began after this one
+        // arrived (or nothing changed since).
+        if let Some(r) = self.cached(kind, asked) {
+            return r;
         }
+        let changes = self.changes.load(Ordering::Acquire);
         let started = Instant::now();
         let scopes = engine.status().await;
         let reply = match kind {
@@ -186,6 +210,8 @@ impl StatusCache {
             .map_or(0, |v| v.len()),
         };
         let snap = Snap {
+            began: started,
+            changes,
             built: Instant::now(),
             valid_for: match cost >= MIN_CACHED_COST {
                 true => cost.saturating_mul(COST_FACTOR).min(self.refresh),

@@ -158,7 +158,6 @@ pub(super) async fn serve<B: Backend>(
             uid: peer.uid,
             shared,
             budget,
-            acted: true,
         },
         stream,
         inbox: Inbox::new(max_frame),
@@ -512,12 +511,7 @@ impl<B: Backend> Conn<B> {
                     ty: crate::metrics::request_type(&request),
                     started: crate::clock::monotonic_nanos(),
                 };
-                let status = matches!(request, Request::Status | Request::StatusJson);
-                self.ctx.acted |= !status && !matches!(request, Request::Ping);
                 let step = dispatch::dispatch(&self.ctx, request);
-                if status {
-                    self.ctx.acted = false;
-                }
                 match step {
                     Step::Now(reply) => {
                         self.observe(timer);
@@ -543,8 +537,14 @@ impl<B: Backend> Conn<B> {
         }
     }
 
-    /// Record a request's time in the sidecar (`/metrics`).
+    /// A request is answered: record its time in the sidecar (`/metrics`), and
+    /// count a change for the status snapshots unless it was a status request or
+    /// a `Ping` (before the reply goes out: whoever saw it and then asks for status
+    /// gets a report that includes it).
     fn observe(&self, timer: Timer) {
+        if !crate::metrics::is_read_only(timer.ty) {
+            self.ctx.shared.status.changed();
+        }
         let metrics = &self.ctx.shared.opts.metrics;
         let ns = crate::clock::monotonic_nanos().saturating_sub(timer.started);
         metrics.observe(timer.ty, Duration::from_nanos(ns));

@@ -59,6 +59,8 @@ impl<B: Backend> Conn<B> {
             self.out.push(self.ctx.owner, id, reply);
         }
         self.ctx.engine.release_owner(self.id()).await;
+        // What it held is free: a status snapshot from before is stale.
+        self.ctx.shared.status.changed();
         let limit = if self.ctx.shared.is_stopped() {
             HARD_STOP_FLUSH
         } else {
