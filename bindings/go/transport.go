@@ -2,7 +2,7 @@ package polygate
 
 // The gate as an http.RoundTripper (DESIGN §17): install it once where the HTTP
 // client is built, and every request an SDK sends through that client is admitted,
-// reported and settled. The §18 seam is attempt: the one place holding (permit,
+// reported and settled. DESIGN §18 lives in attempt: the one place holding (permit,
 // response header) after a response.
 
 import (
@@ -420,8 +420,9 @@ func refusalResponse(err error, scope string, req *http.Request) *http.Response 
 // arrived, the response's header. Every report of the transport goes through
 // settle, once.
 //
-// §18 seam: header holds the provider's response headers when the report is sent;
-// the limits work turns them into the report's observed limits in settle.
+// DESIGN §18: settle turns the provider's rate-limit headers of the response into
+// the report's observed limits, aged by the time since the headers arrived (a
+// stream's length) so the sidecar dates the observation when the provider made it.
 type attempt struct {
 	// call is the request's call, ended by the report.
 	call *Call
@@ -429,6 +430,9 @@ type attempt struct {
 	permit *Permit
 	// header is the response's header (nil after a transport error).
 	header http.Header
+	// at is when the response's header arrived: the observation's age is
+	// measured from it.
+	at time.Time
 	// ctx carries the request's values without its cancellation: a report must
 	// go out even when the request was cancelled.
 	ctx context.Context
@@ -444,6 +448,12 @@ type attempt struct {
 // leaves the permit unreported and End abandons it (its estimate is charged).
 func (a *attempt) settle(send func(p *Permit) error) {
 	a.once.Do(func() {
+		if a.header != nil {
+			if l, _ := ParseRateLimitHeaders(a.header, time.Now()); l != nil {
+				l.Age = time.Since(a.at)
+				a.permit.SetLimits(l)
+			}
+		}
 		_ = send(a.permit)
 		_ = a.call.End(a.ctx)
 	})
@@ -499,6 +509,7 @@ func (a *attempt) status(code int, h http.Header) {
 // response settles the attempt from resp (or hands the body over to be settled
 // when it ends) and returns what the caller gets: resp, unchanged in content.
 func (a *attempt) response(resp *http.Response) (*http.Response, error) {
+	a.header, a.at = resp.Header, time.Now()
 	code := resp.StatusCode
 	if code < 200 || code >= 300 {
 		b, err := readSized(resp.Body, resp.ContentLength)

@@ -518,3 +518,55 @@ func TestTransportCancelAndDeadline(t *testing.T) {
 		t.Fatalf("a deadline is a timeout: %+v", a)
 	}
 }
+
+// DESIGN §18 through §17: the transport reads the provider's rate-limit headers
+// itself (no call site sets limits) and reports them aged by the stream's length,
+// so the sidecar dates the observation when the headers came, not at the report.
+func TestTransportReportsRateLimitHeadersAgedByTheStream(t *testing.T) {
+	cfg := strings.Replace(transportConfig(1, "a"), "tpm = 6000\n", "tpm = 6000\nobserve_limits = \"on\"\n", 1)
+	e := newTransportEnv(t, cfg)
+	events := []string{chunk("he", "null"), chunk("llo", "null"), chunk("", `{"prompt_tokens":10,"completion_tokens":30,"total_tokens":40}`), "data: [DONE]"}
+	e.up.respond(canned{sse: events, gap: 250 * time.Millisecond, headers: map[string]string{
+		"x-ratelimit-limit-tokens": "6000", "x-ratelimit-remaining-tokens": "1000", "x-ratelimit-reset-tokens": "20s",
+	}}, 1)
+	resp, err := e.post(e.http(nil), e.up.URL()+"/v1/chat/completions", `{"model":"m","max_tokens":100,"stream":true,"messages":[]}`)
+	if err != nil {
+		t.Fatal(err)
+	}
+	readAll(t, resp)
+	rep, err := e.c.do(context.Background(), &request{tag: reqStatusJSON}, true, repStatusJSON)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var doc struct {
+		Scopes []struct {
+			Sources []struct {
+				Name    string `json:"name"`
+				Buckets []struct {
+					Bucket   string `json:"bucket"`
+					Level    float64
+					Observed *struct {
+						Remaining int64   `json:"remaining"`
+						AgeS      float64 `json:"age_s"`
+					} `json:"observed"`
+				} `json:"buckets"`
+			} `json:"sources"`
+		} `json:"scopes"`
+	}
+	if err := json.Unmarshal([]byte(rep.text), &doc); err != nil {
+		t.Fatal(err)
+	}
+	for _, b := range doc.Scopes[0].Sources[0].Buckets {
+		if b.Bucket != "tpm" {
+			continue
+		}
+		if b.Observed == nil || b.Observed.Remaining != 1000 {
+			t.Fatalf("tpm observed %+v: the headers were not reported", b.Observed)
+		}
+		if b.Observed.AgeS < 0.5 || b.Level > 1000+100*(b.Observed.AgeS+0.5) {
+			t.Fatalf("tpm level %.0f, observed %.3f s ago: not dated when the headers came (the stream took ~0.75 s)", b.Level, b.Observed.AgeS)
+		}
+		return
+	}
+	t.Fatal("no tpm bucket in the status")
+}

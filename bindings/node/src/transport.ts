@@ -27,14 +27,15 @@
  *   exhausted quota) with `Retry-After` and a JSON body naming PolyGate and the reason,
  *   or, with `onRefusal: "raise"`, the typed error is thrown.
  *
- * §18 seam: {@link Attempt} is the one place holding (permit, response headers) after a
- * response; the provider's rate-limit headers are turned into observed limits there.
+ * DESIGN §18: {@link Attempt} is the one place holding (permit, response headers) after
+ * a response; the provider's rate-limit headers are turned into observed limits there.
  */
 
 import { Usage, classifyError, retryAfterOf, usageOf } from "./classify.js";
 import type { FailureKind } from "./classify.js";
 import { Call, Client, Permit, connect } from "./client.js";
 import { AllSourcesExhaustedError, CircuitOpenError, GatewayUnavailableError, PolyGateError } from "./errors.js";
+import { parseRateLimitHeaders } from "./ratelimit.js";
 
 /** What `fetch` looks like to an SDK (`new OpenAI({fetch})`, `new Anthropic({fetch})`, `createOpenAI({fetch})`). */
 export type FetchLike = (input: string | URL | Request, init?: RequestInit) => Promise<Response>;
@@ -326,12 +327,15 @@ const noop = (): void => {};
  * One request's attempt after the response arrived: the call, its permit and the
  * response headers. Every report of the transport goes through here, once.
  *
- * §18 seam: `headers` are the provider's response headers; the limits work turns
- * them into the report's observed limits in {@link Attempt.report}, before the
- * outcome is sent.
+ * DESIGN §18: the provider's rate-limit headers of the response become the report's
+ * observed limits in {@link Attempt.report}, aged by the time since the headers
+ * arrived (a stream's length), so the sidecar dates the observation when the
+ * provider made it. The sidecar applies them to an observing source only.
  */
 class Attempt {
   private done = false;
+  /** When the response's headers arrived (ms, `performance.now()`). */
+  private readonly at = performance.now();
 
   constructor(
     /** The call of this request (ended by the report). */
@@ -346,6 +350,15 @@ class Attempt {
   async report(send: (p: Permit) => Promise<unknown>): Promise<void> {
     if (this.done) return;
     this.done = true;
+    if (this.headers !== null && this.permit.limits === null) {
+      try {
+        const limits = parseRateLimitHeaders(this.headers).limits;
+        if (limits !== null) limits.ageS = Math.max(0, (performance.now() - this.at) / 1000);
+        this.permit.limits = limits;
+      } catch {
+        // headers the parser cannot read: the report goes without them
+      }
+    }
     try {
       await send(this.permit);
     } catch {

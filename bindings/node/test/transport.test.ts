@@ -297,6 +297,27 @@ describe("transport through openai-node", () => {
     }, t);
   });
 
+  test("the provider's rate-limit headers are reported, aged by the stream's length (§18)", T, async (t) => {
+    await withEnv(config(["a"], 'observe_limits = "on"\n'), async ({ up, sdk, source }) => {
+      up.respond({
+        sse: [chunk("he"), chunk("llo"), chunk(null, { prompt_tokens: 10, completion_tokens: 30, total_tokens: 40 }), "data: [DONE]"],
+        gapMs: 250,
+        headers: { "x-ratelimit-limit-tokens": "6000", "x-ratelimit-remaining-tokens": "1000", "x-ratelimit-reset-tokens": "20s" },
+      });
+      const stream = await sdk().chat.completions.create({ model: "m", max_tokens: 100, messages: MESSAGES, stream: true });
+      for await (const _ of stream) {
+        // read it to the end
+      }
+      await until("the stream's settle", 1000, async () => (await source()).in_flight === 0);
+      const buckets = (await source()).buckets as { bucket: string; level: number; observed: { remaining: number; age_s: number } | null }[];
+      const tpm = buckets.find((b) => b.bucket === "tpm")!;
+      assert.equal(tpm.observed?.remaining, 1000, `no call site set limits; the transport reported them: ${JSON.stringify(tpm)}`);
+      // Dated when the headers came, ~0.75 s before the stream ended, not at the report.
+      assert.ok(tpm.observed!.age_s >= 0.5, `observed ${tpm.observed!.age_s} s ago`);
+      assert.ok(tpm.level <= 1000 + 100 * (tpm.observed!.age_s + 0.5), `level ${tpm.level}`);
+    }, t);
+  });
+
   test("an abandoned stream is settled within 1 s", T, async (t) => {
     await withEnv(config(["a"]), async ({ up, sdk, source, client }) => {
       const events = Array.from({ length: 50 }, (_, i) => chunk(`t${i}`));
