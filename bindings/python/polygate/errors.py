@@ -144,7 +144,7 @@ class AllSourcesExhausted(GatewayUnavailableError):
 
 class RouteMissingError(PolyGateError):
     """An HTTP transport with ``routes`` was granted a source it has no route for
-    (DESIGN §17.2): nothing was sent, the permit was released. Add the source to
+    (DESIGN §17 item 2): nothing was sent, the permit was released. Add the source to
     ``routes`` (or remove it from the scope). ``.source`` names it."""
 
     def __init__(self, message: str, *, source: str, scope: Optional[str] = None) -> None:
