@@ -43,6 +43,10 @@ pub(super) struct Ctx<B: Backend> {
     pub uid: u32,
     pub shared: Arc<Shared>,
     pub budget: Arc<Budget>,
+    /// The connection sent a request other than a status request or `Ping` since
+    /// its last status (or it is new): its next status is never a snapshot shared
+    /// with stale reads allowed, so it reads its own writes (`snapshot`).
+    pub acted: bool,
 }
 
 /// How a request is answered.
@@ -292,9 +296,9 @@ pub(super) fn dispatch<B: Backend>(cx: &Ctx<B>, request: Request) -> Step {
                 Request::Status => StatusKind::Status,
                 _ => StatusKind::Json,
             };
-            let shared = cx.shared.clone();
+            let (shared, acted) = (cx.shared.clone(), cx.acted);
             job!(&cx.budget, CancelBy::Abort, false, |slot| {
-                shared.status.get(kind, &engine).await
+                shared.status.get(kind, &engine, acted).await
             })
         }
         Request::ForceOpen { source, seconds } => {

@@ -13,21 +13,28 @@
 //!   current, as before; one that costs milliseconds is kept for up to
 //!   `COST_FACTOR` times that, so status costs at most ~1/`COST_FACTOR` of a thread
 //!   however fast clients ask.
-//! - **never older than a change it could have seen**: every request other than a
-//!   status request or `Ping` counts a change when it is answered (and a
-//!   connection's end counts one: it releases what it held), and a snapshot is
-//!   served only while no change was counted since its build began. So whoever saw
-//!   a reply — on any connection — and then asks for status sees that request's
-//!   effect, and a test or script that acts on one connection and looks on another
-//!   reads exactly what it did. What changes with no request (refill over time, a
-//!   cooldown running out, another host's writes in Redis) is at most the age above
-//!   behind.
+//! - **exact while building is cheap**: every request other than a status request
+//!   or `Ping` counts a change when it is answered (and a connection's end counts
+//!   one: it releases what it held). A report that cost less than [`SHARED_COST`]
+//!   to build is served again only while no change was counted since its build
+//!   began, so whoever saw a reply — on any connection — and then asks for status
+//!   sees that request's effect: a script or test that acts on one connection and
+//!   looks on another reads exactly what it did, which is what small and medium
+//!   configs (the common case) get.
+//! - **shared while building is expensive**: a report that cost [`SHARED_COST`] or
+//!   more (thousands of sources) is served to every connection that has not acted
+//!   since its last status, changes or not, while it is young enough: under calls
+//!   going on all the time, this is what keeps a flood from rebuilding it for every
+//!   request. **Read your writes** still holds: a connection that sent any request
+//!   other than a status request or `Ping` since its last status gets a fresh build
+//!   (which refreshes the snapshot for everyone).
+//! - What changes with no request (refill over time, a cooldown running out,
+//!   another host's writes in Redis) is at most the age above behind.
 //!
 //! One build at a time per kind: concurrent requests wait for the build under way
-//! and take its result when that build began after they arrived (it holds
-//! everything answered before they asked), instead of building their own. Under a
-//! flood with other clients' calls going on, snapshots are rarely reusable, so this
-//! coalescing and the byte pacing below are what bound the cost.
+//! and take its result when it may be served to them (always when that build
+//! began after they arrived: it holds everything answered before they asked),
+//! instead of building their own.
 //!
 //! Serving a snapshot still costs its bytes (a clone, the encoding, the write: ~2 MB
 //! for 3,000 sources), and a client can ask as fast as it reads. So status replies
@@ -63,6 +70,12 @@ pub const STATUS_BURST: f64 = 16.0 * 1024.0 * 1024.0;
 /// request does, and rebuilding it keeps status exact for small configs.
 pub const MIN_CACHED_COST: Duration = Duration::from_millis(1);
 
+/// A report that took at least this long to build is shared with stale reads
+/// allowed (see the module docs); a cheaper one is served again only while
+/// nothing changed. A config of a few hundred sources builds well under it; the
+/// 3,000-source report of issue 21 item 6 took ~70 ms.
+pub const SHARED_COST: Duration = Duration::from_millis(10);
+
 /// Which report.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Report {
@@ -82,6 +95,9 @@ struct Snap {
     changes: u64,
     /// When its build finished.
     built: Instant,
+    /// It took [`SHARED_COST`] or more to build: served to connections that have not
+    /// acted even after changes, while young enough.
+    shared: bool,
     /// How long it may be served: `min(metrics_refresh, COST_FACTOR × build time)`.
     valid_for: Duration,
     /// The reply, cloned for each request it answers.
@@ -152,8 +168,8 @@ impl StatusCache {
 
     /// The report of `kind` (see [`StatusCache::report`]), sent when the byte pacing
     /// allows.
-    pub async fn get<B: Backend>(&self, kind: Report, engine: &Engine<B>) -> Reply {
-        let (reply, bytes) = self.report(kind, engine).await;
+    pub async fn get<B: Backend>(&self, kind: Report, engine: &Engine<B>, acted: bool) -> Reply {
+        let (reply, bytes) = self.report(kind, engine, acted).await;
         let wait = self.charge(bytes);
         if !wait.is_zero() {
             tokio::time::sleep(wait).await;
@@ -162,31 +178,39 @@ impl StatusCache {
     }
 
     /// The snapshot of `kind` if it may still be served to a request that arrived
-    /// at `asked`, with its size: one whose build began after `asked`, or one still
-    /// young enough that nothing was answered since its build began.
-    fn cached(&self, kind: Report, asked: Instant) -> Option<(Reply, usize)> {
+    /// at `asked` (from a connection that `acted` since its last status), with its
+    /// size: one whose build began after `asked`; else one young enough, if nothing
+    /// was answered since its build began or it is a shared (expensive) one and the
+    /// connection has not acted.
+    fn cached(&self, kind: Report, asked: Instant, acted: bool) -> Option<(Reply, usize)> {
         let snap = self.snaps[kind as usize]
             .lock()
             .unwrap_or_else(|e| e.into_inner());
         let changes = self.changes.load(Ordering::Acquire);
         snap.as_ref()
             .filter(|s| {
-                s.began >= asked || (s.changes == changes && s.built.elapsed() < s.valid_for)
+                s.began >= asked
+                    || (s.built.elapsed() < s.valid_for
+                        && (s.changes == changes || (s.shared && !acted)))
             })
             .map(|s| (s.reply.clone(), s.bytes))
     }
 
     /// The report of `kind` and its encoded size: a snapshot that may be served
     /// (see the module docs), else a new build, kept for the requests that follow.
-    async fn report<B: Backend>(&self, kind: Report, engine: &Engine<B>) -> (Reply, usize) {
+    async fn report<B: Backend>(
+        &self,
+        kind: Report,
+        engine: &Engine<B>,
+        acted: bool,
+    ) -> (Reply, usize) {
         let asked = Instant::now();
-        if let Some(r) = self.cached(kind, asked) {
+        if let Some(r) = self.cached(kind, asked, acted) {
             return r;
         }
         let _building = self.building[kind as usize].lock().await;
-        // Built by the request this one waited behind, if it began after this one
-        // arrived (or nothing changed since).
-        if let Some(r) = self.cached(kind, asked) {
+        // Built by the request this one waited behind, if it may be served.
+        if let Some(r) = self.cached(kind, asked, acted) {
             return r;
         }
         let changes = self.changes.load(Ordering::Acquire);
@@ -213,6 +237,7 @@ impl StatusCache {
             began: started,
             changes,
             built: Instant::now(),
+            shared: cost >= SHARED_COST,
             valid_for: match cost >= MIN_CACHED_COST {
                 true => cost.saturating_mul(COST_FACTOR).min(self.refresh),
                 false => Duration::ZERO,
@@ -224,5 +249,64 @@ impl StatusCache {
             .lock()
             .unwrap_or_else(|e| e.into_inner()) = Some(snap);
         (reply, bytes)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A cache holding one `Json` snapshot built at `began` (now − `ago`), costing
+    /// `cost`, at the change count of that moment.
+    fn cache_with(cost: Duration, ago: Duration) -> StatusCache {
+        let c = StatusCache::new(Duration::from_secs(5));
+        let began = Instant::now() - ago;
+        *c.snaps[Report::Json as usize].lock().unwrap() = Some(Snap {
+            began,
+            changes: c.changes.load(Ordering::Acquire),
+            built: began + cost,
+            shared: cost >= SHARED_COST,
+            valid_for: match cost >= MIN_CACHED_COST {
+                true => cost.saturating_mul(COST_FACTOR).min(c.refresh),
+                false => Duration::ZERO,
+            },
+            reply: Reply::StatusJson("{}".into()),
+            bytes: 2,
+        });
+        c
+    }
+
+    fn served(c: &StatusCache, acted: bool) -> bool {
+        c.cached(Report::Json, Instant::now(), acted).is_some()
+    }
+
+    #[test]
+    fn a_cheap_report_is_served_again_only_while_nothing_changed() {
+        let c = cache_with(Duration::from_millis(3), Duration::from_millis(5));
+        assert!(served(&c, false), "young, nothing changed");
+        c.changed();
+        assert!(
+            !served(&c, false),
+            "a change was answered since its build began"
+        );
+    }
+
+    #[test]
+    fn an_expensive_report_is_shared_despite_changes_but_not_with_its_actor() {
+        let c = cache_with(Duration::from_millis(40), Duration::from_millis(50));
+        c.changed();
+        assert!(served(&c, false), "shared: stale reads allowed while young");
+        assert!(!served(&c, true), "read your writes");
+        let old = cache_with(Duration::from_millis(40), Duration::from_secs(2));
+        assert!(!served(&old, false), "older than 32 x its cost");
+    }
+
+    #[test]
+    fn a_build_begun_after_a_request_arrived_serves_it_whatever_changed() {
+        let c = cache_with(Duration::from_micros(100), Duration::ZERO);
+        let asked = Instant::now() - Duration::from_millis(1);
+        c.changed();
+        assert!(c.cached(Report::Json, asked, true).is_some());
+        assert!(!served(&c, false), "too cheap to keep for later requests");
     }
 }

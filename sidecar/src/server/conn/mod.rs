@@ -158,6 +158,7 @@ pub(super) async fn serve<B: Backend>(
             uid: peer.uid,
             shared,
             budget,
+            acted: true,
         },
         stream,
         inbox: Inbox::new(max_frame),
@@ -511,7 +512,12 @@ impl<B: Backend> Conn<B> {
                     ty: crate::metrics::request_type(&request),
                     started: crate::clock::monotonic_nanos(),
                 };
+                let status = matches!(request, Request::Status | Request::StatusJson);
+                self.ctx.acted |= !status && !matches!(request, Request::Ping);
                 let step = dispatch::dispatch(&self.ctx, request);
+                if status {
+                    self.ctx.acted = false;
+                }
                 match step {
                     Step::Now(reply) => {
                         self.observe(timer);
