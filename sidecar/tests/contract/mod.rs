@@ -1351,6 +1351,7 @@ macro_rules! contract_tests {
             remaining_zero_blocks_until_the_reset_capped,
             an_observation_older_than_one_applied_is_ignored,
             auto_admits_one_at_a_time_then_learns_and_follows_the_limit,
+            auto_input_and_output_buckets_charge_their_share,
         );
     };
     (@cases $harness:expr; $($case:ident),* $(,)?) => {

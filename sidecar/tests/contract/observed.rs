@@ -11,6 +11,7 @@ use std::time::Duration;
 
 use polygate::backend::{
     Admit, AdmitRequest, Backend, Dim, Observation, Outcome, QuotaParams, ReportRequest, Reserve,
+    Tokens,
 };
 
 use super::{assert_dur, assert_level, bp, ms, Harness, S1};
@@ -46,7 +47,7 @@ async fn levels<B: Backend>(b: &B, q: &QuotaParams) -> [Option<f64>; 6] {
 }
 
 /// Admit one call of `tokens`; its epoch.
-async fn admit<B: Backend>(b: &B, q: &QuotaParams, tokens: u64) -> u64 {
+async fn admit<B: Backend>(b: &B, q: &QuotaParams, tokens: impl Into<Tokens>) -> u64 {
     match b
         .admit(S1, AdmitRequest::new(&bp(), q, tokens))
         .await
@@ -221,4 +222,62 @@ pub async fn auto_admits_one_at_a_time_then_learns_and_follows_the_limit<H: Harn
     let e3 = admit(&b, &q, 10).await;
     report(&b, &q, e2, 10, &learn(60, 60)).await;
     report(&b, &q, e3, 10, &learn(60, 60)).await;
+}
+
+/// `"auto"` input and output buckets (`itpm`, `otpm`: bits 2 and 3) charge their
+/// share like configured ones once learned: the reservation's input and output are
+/// taken at admission and the reported split settled. (On Redis the split was sent
+/// only for configured `itpm` / `otpm`, so a learned one was never charged.)
+pub async fn auto_input_and_output_buckets_charge_their_share<H: Harness>(h: &H) {
+    use polygate::backend::Split;
+    let b = h.fresh().await;
+    let q = QuotaParams {
+        observe: true,
+        auto: 0b1100,
+        ..QuotaParams::default()
+    };
+    let dim = |limit: u64| {
+        Some(Dim {
+            limit: Some(limit),
+            remaining: Some(limit),
+            reset: None,
+        })
+    };
+    let learn = Observation {
+        dims: [None, None, dim(120), dim(60)],
+        age: Duration::ZERO,
+    };
+    let tok = Tokens {
+        total: 30,
+        input: 20,
+        output: 10,
+    };
+    let e = admit(&b, &q, tok).await;
+    let p = bp();
+    let r = ReportRequest::new(&p, &q, e, false, tok, Outcome::success(Some(30))).observed(&learn);
+    assert!(b.report(S1, r).await.unwrap().applied);
+    let near = |l: Option<f64>, want: f64, what: &str| {
+        let l = l.unwrap_or_else(|| panic!("{what}: not learned"));
+        assert!((l - want).abs() < 2.0, "{what}: level {l}, want {want}");
+    };
+    let l = levels(&b, &q).await;
+    near(l[2], 120.0, "itpm learned, full");
+    near(l[3], 60.0, "otpm learned, full");
+    let e = admit(&b, &q, tok).await;
+    let l = levels(&b, &q).await;
+    near(l[2], 100.0, "itpm holds the reservation's 20 input tokens");
+    near(l[3], 50.0, "otpm holds the reservation's 10 output tokens");
+    let used = Outcome::Success {
+        tokens: Some(70),
+        split: Some(Split {
+            input: 40,
+            output: 30,
+        }),
+        count_attempt: true,
+    };
+    let r = ReportRequest::new(&p, &q, e, false, tok, used);
+    assert!(b.report(S1, r).await.unwrap().applied);
+    let l = levels(&b, &q).await;
+    near(l[2], 80.0, "itpm charged the reported 40");
+    near(l[3], 30.0, "otpm charged the reported 30");
 }

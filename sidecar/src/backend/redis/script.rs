@@ -450,9 +450,12 @@ impl<'a> Argv<'a> {
             .map_or((-1, -1), |q| (bucket(q.tpm), bucket(q.rpm)));
         // The split travels only to a source with a bucket that counts it, so a
         // source without §7a keys sends exactly the slots it did before.
-        let (has_in, has_out) = self
-            .quota
-            .map_or((false, false), |q| (q.itpm.is_some(), q.otpm.is_some()));
+        let (has_in, has_out) = self.quota.map_or((false, false), |q| {
+            (
+                q.itpm.is_some() || q.is_auto(2),
+                q.otpm.is_some() || q.is_auto(3),
+            )
+        });
         let part = |on: bool, n: u64| if on { count(n) } else { 0 };
         let part_credit = |on: bool, n: i128| if on { credit(n) } else { 0 };
         let (burst, itpm, otpm, tpd, rpd) = self.quota.map_or((0, -1, -1, -1, -1), |q| {
