@@ -43,6 +43,10 @@ func (l *Limits) empty() bool {
 // ParseRateLimitHeaders returns the observed limits of one response's headers (nil
 // when it has no rate-limit header) and its retry-after (-1 when absent). now is
 // used for Anthropic's instants when the response has no Date header.
+// maxObservedCount is the largest count a parsed header gives (the sidecar cuts
+// larger ones to it).
+const maxObservedCount = 1e9
+
 func ParseRateLimitHeaders(h http.Header, now time.Time) (*Limits, time.Duration) {
 	get := func(name string) (string, bool) {
 		v := h.Values(name)
@@ -81,7 +85,9 @@ func ParseRateLimitHeaders(h http.Header, now time.Time) (*Limits, time.Duration
 		if err != nil || math.IsNaN(f) || math.IsInf(f, 0) || f < 0 {
 			return -1
 		}
-		return int64(f)
+		// The sidecar cuts counts above 10^9 (PROTOCOL §14.6); cutting here keeps
+		// an absurd header from overflowing int64 into a dropped dimension.
+		return int64(math.Min(f, maxObservedCount))
 	}
 	dim := func(lim, rem, rst string) *Limit {
 		l := &Limit{Limit: count(get(lim)), Remaining: count(get(rem)), Reset: reset(get(rst))}

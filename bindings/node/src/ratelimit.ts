@@ -84,12 +84,17 @@ function getter(h: HeaderSource): (name: string) => string | null {
   return (name) => table.get(name) ?? null;
 }
 
+/** The largest count a parsed header gives (the sidecar cuts larger ones to it). */
+const MAX_COUNT = 1_000_000_000;
+
 function count(v: string | null): number | null {
   if (v === null) return null;
   const t = v.trim();
   if (!/^[0-9]*\.?[0-9]+$/.test(t)) return null;
   const n = Number(t);
-  return Number.isFinite(n) && n >= 0 ? Math.floor(n) : null;
+  // The sidecar cuts counts above 10^9 (PROTOCOL §14.6); cutting here keeps an
+  // absurd header from failing the report's encoding (a bigint past 2^53).
+  return Number.isFinite(n) && n >= 0 ? Math.min(Math.floor(n), MAX_COUNT) : null;
 }
 
 function httpDate(v: string | null): number | null {

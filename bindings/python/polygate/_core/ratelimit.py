@@ -122,6 +122,10 @@ def _getter(headers: Any) -> Callable[[str], Optional[str]]:
     return table.get
 
 
+MAX_COUNT = 1_000_000_000
+"""The largest count a parsed header gives (the sidecar cuts larger ones to it)."""
+
+
 def _count(v: Optional[str]) -> Optional[int]:
     if v is None:
         return None
@@ -131,7 +135,9 @@ def _count(v: Optional[str]) -> Optional[int]:
         return None
     if not math.isfinite(n) or n < 0:
         return None
-    return int(n)
+    # The sidecar cuts counts above 10^9 (PROTOCOL §14.6); cutting here keeps an
+    # absurd header from failing the report's encoding.
+    return min(int(n), MAX_COUNT)
 
 
 def parse_headers(headers: Any, now: Optional[float] = None) -> Tuple[Optional[Limits], Optional[float]]:
