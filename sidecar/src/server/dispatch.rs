@@ -43,10 +43,11 @@ pub(super) struct Ctx<B: Backend> {
     pub uid: u32,
     pub shared: Arc<Shared>,
     pub budget: Arc<Budget>,
-    /// The connection sent a request other than a status request or `Ping` since
-    /// its last status (or it is new): its next status is never a snapshot shared
-    /// with stale reads allowed, so it reads its own writes (`snapshot`).
-    pub acted: bool,
+    /// The status snapshots' change count as of this connection's last answered
+    /// change (or its accept): its status is never a shared snapshot built before
+    /// that, so it reads its own writes and everything answered before it connected
+    /// (`snapshot`).
+    pub seen: std::sync::atomic::AtomicU64,
 }
 
 /// How a request is answered.
@@ -296,9 +297,10 @@ pub(super) fn dispatch<B: Backend>(cx: &Ctx<B>, request: Request) -> Step {
                 Request::Status => StatusKind::Status,
                 _ => StatusKind::Json,
             };
-            let (shared, acted) = (cx.shared.clone(), cx.acted);
+            let shared = cx.shared.clone();
+            let seen = cx.seen.load(std::sync::atomic::Ordering::Relaxed);
             job!(&cx.budget, CancelBy::Abort, false, |slot| {
-                shared.status.get(kind, &engine, acted).await
+                shared.status.get(kind, &engine, seen).await
             })
         }
         Request::ForceOpen { source, seconds } => {

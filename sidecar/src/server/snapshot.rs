@@ -22,12 +22,12 @@
 //!   looks on another reads exactly what it did, which is what small and medium
 //!   configs (the common case) get.
 //! - **shared while building is expensive**: a report that cost [`SHARED_COST`] or
-//!   more (thousands of sources) is served to every connection that has not acted
-//!   since its last status, changes or not, while it is young enough: under calls
-//!   going on all the time, this is what keeps a flood from rebuilding it for every
-//!   request. **Read your writes** still holds: a connection that sent any request
-//!   other than a status request or `Ping` since its last status gets a fresh build
-//!   (which refreshes the snapshot for everyone).
+//!   more (thousands of sources) is shared, changes or not, while it is young
+//!   enough: under calls going on all the time, this is what keeps a flood from
+//!   rebuilding it for every request. **Read your writes** still holds: it is served
+//!   only to a connection whose own last answered change (or whose accept) came
+//!   before its build began; any other gets a fresh build (which refreshes the
+//!   snapshot for everyone).
 //! - What changes with no request (refill over time, a cooldown running out,
 //!   another host's writes in Redis) is at most the age above behind.
 //!
@@ -95,8 +95,8 @@ struct Snap {
     changes: u64,
     /// When its build finished.
     built: Instant,
-    /// It took [`SHARED_COST`] or more to build: served to connections that have not
-    /// acted even after changes, while young enough.
+    /// It took [`SHARED_COST`] or more to build: served even after changes, while
+    /// young enough, to connections whose own last change it includes.
     shared: bool,
     /// How long it may be served: `min(metrics_refresh, COST_FACTOR × build time)`.
     valid_for: Duration,
@@ -147,8 +147,14 @@ impl StatusCache {
     /// Count a change: a request that may have changed state was answered, or a
     /// connection ended. Called before the reply is written, so a client that saw
     /// the reply and asks for status gets a build that includes it.
-    pub fn changed(&self) {
-        self.changes.fetch_add(1, Ordering::Release);
+    pub fn changed(&self) -> u64 {
+        self.changes.fetch_add(1, Ordering::Release) + 1
+    }
+
+    /// The change count now (a new connection's `seen`: it reads everything
+    /// answered before it connected).
+    pub fn changes(&self) -> u64 {
+        self.changes.load(Ordering::Acquire)
     }
 
     /// Charge `bytes` to the pacing: how long the reply must wait before it goes out.
@@ -168,8 +174,8 @@ impl StatusCache {
 
     /// The report of `kind` (see [`StatusCache::report`]), sent when the byte pacing
     /// allows.
-    pub async fn get<B: Backend>(&self, kind: Report, engine: &Engine<B>, acted: bool) -> Reply {
-        let (reply, bytes) = self.report(kind, engine, acted).await;
+    pub async fn get<B: Backend>(&self, kind: Report, engine: &Engine<B>, seen: u64) -> Reply {
+        let (reply, bytes) = self.report(kind, engine, seen).await;
         let wait = self.charge(bytes);
         if !wait.is_zero() {
             tokio::time::sleep(wait).await;
@@ -178,11 +184,11 @@ impl StatusCache {
     }
 
     /// The snapshot of `kind` if it may still be served to a request that arrived
-    /// at `asked` (from a connection that `acted` since its last status), with its
-    /// size: one whose build began after `asked`; else one young enough, if nothing
-    /// was answered since its build began or it is a shared (expensive) one and the
-    /// connection has not acted.
-    fn cached(&self, kind: Report, asked: Instant, acted: bool) -> Option<(Reply, usize)> {
+    /// at `asked` from a connection that has seen the change count `seen` (its own
+    /// last change, or its accept), with its size: one whose build began after
+    /// `asked`; else one young enough, if nothing was answered since its build began,
+    /// or if it is a shared (expensive) one built after `seen`.
+    fn cached(&self, kind: Report, asked: Instant, seen: u64) -> Option<(Reply, usize)> {
         let snap = self.snaps[kind as usize]
             .lock()
             .unwrap_or_else(|e| e.into_inner());
@@ -191,7 +197,7 @@ impl StatusCache {
             .filter(|s| {
                 s.began >= asked
                     || (s.built.elapsed() < s.valid_for
-                        && (s.changes == changes || (s.shared && !acted)))
+                        && (s.changes == changes || (s.shared && s.changes >= seen)))
             })
             .map(|s| (s.reply.clone(), s.bytes))
     }
@@ -202,15 +208,15 @@ impl StatusCache {
         &self,
         kind: Report,
         engine: &Engine<B>,
-        acted: bool,
+        seen: u64,
     ) -> (Reply, usize) {
         let asked = Instant::now();
-        if let Some(r) = self.cached(kind, asked, acted) {
+        if let Some(r) = self.cached(kind, asked, seen) {
             return r;
         }
         let _building = self.building[kind as usize].lock().await;
         // Built by the request this one waited behind, if it may be served.
-        if let Some(r) = self.cached(kind, asked, acted) {
+        if let Some(r) = self.cached(kind, asked, seen) {
             return r;
         }
         let changes = self.changes.load(Ordering::Acquire);
@@ -276,17 +282,18 @@ mod tests {
         c
     }
 
-    fn served(c: &StatusCache, acted: bool) -> bool {
-        c.cached(Report::Json, Instant::now(), acted).is_some()
+    /// Served to a connection that has seen the change count `seen`?
+    fn served(c: &StatusCache, seen: u64) -> bool {
+        c.cached(Report::Json, Instant::now(), seen).is_some()
     }
 
     #[test]
     fn a_cheap_report_is_served_again_only_while_nothing_changed() {
         let c = cache_with(Duration::from_millis(3), Duration::from_millis(5));
-        assert!(served(&c, false), "young, nothing changed");
+        assert!(served(&c, 0), "young, nothing changed");
         c.changed();
         assert!(
-            !served(&c, false),
+            !served(&c, 0),
             "a change was answered since its build began"
         );
     }
@@ -294,19 +301,22 @@ mod tests {
     #[test]
     fn an_expensive_report_is_shared_despite_changes_but_not_with_its_actor() {
         let c = cache_with(Duration::from_millis(40), Duration::from_millis(50));
-        c.changed();
-        assert!(served(&c, false), "shared: stale reads allowed while young");
-        assert!(!served(&c, true), "read your writes");
+        let other = c.changed(); // another connection's change, answered
+        assert!(served(&c, 0), "shared: another's change may be read late");
+        assert!(
+            !served(&c, other),
+            "read your writes: built before this one's change"
+        );
         let old = cache_with(Duration::from_millis(40), Duration::from_secs(2));
-        assert!(!served(&old, false), "older than 32 x its cost");
+        assert!(!served(&old, 0), "older than 32 x its cost");
     }
 
     #[test]
     fn a_build_begun_after_a_request_arrived_serves_it_whatever_changed() {
         let c = cache_with(Duration::from_micros(100), Duration::ZERO);
         let asked = Instant::now() - Duration::from_millis(1);
-        c.changed();
-        assert!(c.cached(Report::Json, asked, true).is_some());
-        assert!(!served(&c, false), "too cheap to keep for later requests");
+        let mine = c.changed();
+        assert!(c.cached(Report::Json, asked, mine).is_some());
+        assert!(!served(&c, 0), "too cheap to keep for later requests");
     }
 }

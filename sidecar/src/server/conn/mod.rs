@@ -150,6 +150,7 @@ pub(super) async fn serve<B: Backend>(
         }
     };
     debug!(conn = id, uid = peer.uid, gid = peer.gid, pid = ?peer.pid, "connected");
+    let shared_changes = shared.status.changes();
     let budget = Budget::new(shared.opts.max_in_flight);
     let mut conn = Conn {
         ctx: Ctx {
@@ -158,7 +159,7 @@ pub(super) async fn serve<B: Backend>(
             uid: peer.uid,
             shared,
             budget,
-            acted: true,
+            seen: std::sync::atomic::AtomicU64::new(shared_changes),
         },
         stream,
         inbox: Inbox::new(max_frame),
@@ -512,12 +513,7 @@ impl<B: Backend> Conn<B> {
                     ty: crate::metrics::request_type(&request),
                     started: crate::clock::monotonic_nanos(),
                 };
-                let status = matches!(request, Request::Status | Request::StatusJson);
-                self.ctx.acted |= !status && !matches!(request, Request::Ping);
                 let step = dispatch::dispatch(&self.ctx, request);
-                if status {
-                    self.ctx.acted = false;
-                }
                 match step {
                     Step::Now(reply) => {
                         self.observe(timer);
@@ -543,13 +539,20 @@ impl<B: Backend> Conn<B> {
         }
     }
 
+    /// Count a change for the status snapshots, as this connection's own (its next
+    /// status is built after it).
+    fn changed(&self) {
+        let n = self.ctx.shared.status.changed();
+        self.ctx.seen.store(n, std::sync::atomic::Ordering::Relaxed);
+    }
+
     /// A request is answered: record its time in the sidecar (`/metrics`), and
     /// count a change for the status snapshots unless it was a status request or
     /// a `Ping` (before the reply goes out: whoever saw it and then asks for status
     /// gets a report that includes it).
     fn observe(&self, timer: Timer) {
         if !crate::metrics::is_read_only(timer.ty) {
-            self.ctx.shared.status.changed();
+            self.changed();
         }
         let metrics = &self.ctx.shared.opts.metrics;
         let ns = crate::clock::monotonic_nanos().saturating_sub(timer.started);
@@ -626,6 +629,8 @@ impl<B: Backend> Conn<B> {
         }
         let p = self.pending.remove(&target).expect("checked");
         p.cancel();
+        // A wait left (status shows one waiter fewer): a change for the snapshots.
+        self.changed();
         debug!(conn = self.id(), request = target, "cancelled");
         let e = convert::error(
             ErrorKind::Cancelled,
