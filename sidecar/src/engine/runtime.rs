@@ -112,6 +112,7 @@ impl SourceParams {
                 max_debt,
                 observe: s.observe_limits == ObserveLimits::On || s.auto != 0,
                 auto: s.auto,
+                auto_share_ppm: crate::gate::quota::PPM_WHOLE,
             },
             est_tokens: s.default_est_tokens(),
             est_input_tokens: s.default_est_input_tokens(),

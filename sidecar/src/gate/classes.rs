@@ -272,6 +272,7 @@ mod tests {
         max_debt: crate::gate::quota::DEFAULT_MAX_DEBT,
         observe: false,
         auto: 0,
+        auto_share_ppm: crate::gate::quota::PPM_WHOLE,
     };
 
     /// Deficits with only the rpm bucket (index 1) configured.

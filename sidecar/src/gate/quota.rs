@@ -57,6 +57,10 @@ pub struct QuotaParams {
     /// §18: bit `i` set = the `i`-th of [`BUCKETS`] (tpm, rpm, itpm, otpm) is
     /// `"auto"`: its limit is the provider's, learned from the first response.
     pub auto: u8,
+    /// §10 with §18: the share (parts per million) of an `"auto"` bucket's learned
+    /// limit this host may use ([`QuotaParams::share`]; configured limits are cut
+    /// in place, a learned one only once known). 1,000,000: the whole.
+    pub auto_share_ppm: u32,
 }
 
 impl Default for QuotaParams {
@@ -73,9 +77,13 @@ impl Default for QuotaParams {
             max_debt: DEFAULT_MAX_DEBT,
             observe: false,
             auto: 0,
+            auto_share_ppm: PPM_WHOLE,
         }
     }
 }
+
+/// [`QuotaParams::auto_share_ppm`] of the whole limit.
+pub const PPM_WHOLE: u32 = 1_000_000;
 
 /// Default [`QuotaParams::max_debt`]: `sidecar.max_rate_limit_block`'s default.
 pub const DEFAULT_MAX_DEBT: Duration = Duration::from_secs(600);
@@ -308,7 +316,11 @@ impl QuotaParams {
             return *self;
         }
         let cut = |l: Option<u64>| l.map(|l| ((l as f64 * share.max(0.0)) as u64).max(1));
+        let ppm = (share.max(0.0) * f64::from(PPM_WHOLE)) as u32;
         QuotaParams {
+            auto_share_ppm: ((u64::from(self.auto_share_ppm) * u64::from(ppm)
+                / u64::from(PPM_WHOLE)) as u32)
+                .max(1),
             tpm: cut(self.tpm),
             rpm: cut(self.rpm),
             itpm: cut(self.itpm),
@@ -693,7 +705,12 @@ impl Quota {
         let mut e = *q;
         for (i, (b, _, _)) in BUCKETS.into_iter().enumerate().take(DIMS) {
             if q.is_auto(i) {
-                e.set_limit(b, self.seen.as_ref().and_then(|s| s.learned[i]));
+                let learned = self.seen.as_ref().and_then(|s| s.learned[i]);
+                let cut = |l: u64| {
+                    (u128::from(l) * u128::from(q.auto_share_ppm) / u128::from(PPM_WHOLE)).max(1)
+                        as u64
+                };
+                e.set_limit(b, learned.map(cut));
             }
         }
         Cow::Owned(e)
@@ -952,6 +969,41 @@ mod provider_tests {
         assert_eq!((h.burst, h.max_debt), (q.burst, q.max_debt));
         assert_eq!(q.share(1.0), q);
         assert_eq!(q.share(f64::NAN), q, "no share is the whole");
+    }
+
+    /// §10 with §18: a degraded host's share cuts an `"auto"` bucket's learned limit
+    /// too (a learned limit is not in the parameters the share cuts), so N degraded
+    /// hosts do not each admit the provider's whole limit.
+    #[test]
+    fn a_share_cuts_an_auto_buckets_learned_limit() {
+        use crate::gate::observed::Dim;
+        let q = QuotaParams {
+            observe: true,
+            auto: 1, // tpm
+            ..QuotaParams::default()
+        };
+        let mut quota = Quota::default();
+        let seen = Observation {
+            dims: [
+                Some(Dim {
+                    limit: Some(1_000),
+                    remaining: Some(1_000),
+                    reset: None,
+                }),
+                None,
+                None,
+                None,
+            ],
+            age: Duration::ZERO,
+        };
+        quota.observe(&q, &seen, Duration::from_secs(1));
+        let whole = quota.view(&q, Duration::from_secs(1)).levels[0];
+        assert_eq!(whole, Some(1_000.0), "learned the whole limit");
+        let quarter = q.share(0.25);
+        assert_eq!(quarter.auto_share_ppm, 250_000);
+        let level = quota.view(&quarter, Duration::from_secs(1)).levels[0];
+        assert_eq!(level, Some(250.0), "a quarter of the learned limit");
+        assert_eq!(q.share(1.0).auto_share_ppm, PPM_WHOLE);
     }
 
     #[test]
