@@ -24,7 +24,7 @@ import time
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from email.utils import parsedate_to_datetime
-from typing import Any, Callable, Dict, Iterable, Optional, Tuple
+from typing import Any, Dict, Iterable, List, Optional, Tuple
 
 from .. import _frames
 
@@ -106,20 +106,29 @@ def _http_date(text: str) -> Optional[datetime]:
     return d if d.tzinfo is not None else d.replace(tzinfo=timezone.utc)
 
 
-def _getter(headers: Any) -> Callable[[str], Optional[str]]:
-    """A case-insensitive lookup over a mapping or a list of pairs."""
+_WANTED = ("x-ratelimit-", "anthropic-ratelimit-", "retry-after", "date")
+
+
+def _table(headers: Any) -> Dict[str, str]:
+    """The headers this module reads (rate limits, retry-after, date), by lower-case
+    name, first value wins; every other header is skipped undecoded. Takes a
+    mapping, a list of pairs, or an httpx ``Headers`` (its raw byte pairs)."""
+    table: Dict[str, str] = {}
     if headers is None:
-        return lambda name: None
+        return table
     items: Iterable[Tuple[Any, Any]]
-    if hasattr(headers, "items"):
+    raw = getattr(headers, "raw", None)
+    if isinstance(raw, list):
+        items = raw
+    elif hasattr(headers, "items"):
         items = headers.items()
     else:
         items = headers
-    table: Dict[str, str] = {}
     for k, v in items:
         key = (k.decode("latin-1") if isinstance(k, bytes) else str(k)).lower()
-        table.setdefault(key, v.decode("latin-1") if isinstance(v, bytes) else str(v))
-    return table.get
+        if key.startswith(_WANTED):
+            table.setdefault(key, v.decode("latin-1") if isinstance(v, bytes) else str(v))
+    return table
 
 
 MAX_COUNT = 1_000_000_000
@@ -145,9 +154,19 @@ def parse_headers(headers: Any, now: Optional[float] = None) -> Tuple[Optional[L
     ``limits`` is None when no rate-limit header was found; ``now`` is a Unix
     time (default: the clock) for Anthropic's instants when the response has no
     ``date``."""
-    get = _getter(headers)
-    base = _http_date(get("date") or "")
-    base_ts = base.timestamp() if base is not None else (time.time() if now is None else now)
+    table = _table(headers)
+    if len(table) <= ("date" in table):  # nothing but a date
+        return None, None
+    get = table.get
+    base: List[float] = []
+
+    def base_ts() -> float:
+        """The response's time (its ``date``, else ``now``), parsed once, when an
+        instant needs it."""
+        if not base:
+            d = _http_date(get("date") or "")
+            base.append(d.timestamp() if d is not None else (time.time() if now is None else now))
+        return base[0]
 
     def reset_of(v: Optional[str]) -> Optional[float]:
         if v is None:
@@ -158,7 +177,7 @@ def parse_headers(headers: Any, now: Optional[float] = None) -> Tuple[Optional[L
         at = _instant(v)
         if at is None:
             return None
-        return max(0.0, at.timestamp() - base_ts)
+        return max(0.0, at.timestamp() - base_ts())
 
     def dim(prefix: str, suffix: str, anthropic: bool) -> Optional[Limit]:
         if anthropic:
@@ -169,6 +188,8 @@ def parse_headers(headers: Any, now: Optional[float] = None) -> Tuple[Optional[L
             lim = get("%s-limit-%s" % (prefix, suffix))
             rem = get("%s-remaining-%s" % (prefix, suffix))
             rst = get("%s-reset-%s" % (prefix, suffix))
+        if lim is None and rem is None and rst is None:
+            return None
         d = Limit(_count(lim), _count(rem), reset_of(rst))
         if d.limit is None and d.remaining is None and d.reset_s is None:
             return None
@@ -204,7 +225,7 @@ def parse_headers(headers: Any, now: Optional[float] = None) -> Tuple[Optional[L
             except ValueError:
                 when = _http_date(ra)
                 if when is not None:
-                    retry_after = max(0.0, when.timestamp() - base_ts)
+                    retry_after = max(0.0, when.timestamp() - base_ts())
     return (None if limits.empty() else limits), retry_after
 
 
