@@ -109,6 +109,27 @@ class _Base:
         # a stream, not content=: a caller streaming the response must be able to read it
         return self._lib.Response(status, headers=headers, stream=self._lib.ByteStream(body), request=request)
 
+    def _report(self, s: "_Settlement", error: Optional[BaseException],
+                usage: Optional[t.Usage]) -> Callable[[Any], Any]:
+        """The report that settles ``s``, as a call on its permit (the sync and the
+        async settle make it; the async permit's methods return awaitables): the
+        error that broke the body (a failure of its kind, else a cancel), the 2xx's
+        usage (``usage``, else what the reader saw), the 429's retry-after, or the
+        status's failure kind. The observed limits are aged first (§18)."""
+        _aged(s)
+        if error is not None:
+            kind = self._error_kind(error)
+            if kind is None:
+                return lambda p: p.cancel()
+            return lambda p: p.failure(kind)
+        outcome = s.outcome
+        if outcome is None:
+            tokens, inp, out = usage or (s.reader.usage() if s.reader is not None else (None, None, None))
+            return lambda p: p.success(tokens, input_tokens=inp, output_tokens=out)
+        if outcome.kind == "rate_limited":
+            return lambda p: p.rate_limited(outcome.retry_after_s)
+        return lambda p: p.failure(outcome.kind)
+
     def _error_kind(self, exc: BaseException) -> Optional[str]:
         """The failure kind of an exception from the wrapped transport (None: cancel)."""
         if not isinstance(exc, Exception):
@@ -250,19 +271,9 @@ class SyncGate(_Base):
         if s.done:
             return
         s.done = True
-        permit, call = s.permit, s.call
-        _aged(s)
+        call = s.call
         try:
-            if error is not None:
-                kind = self._error_kind(error)
-                permit.failure(kind) if kind is not None else permit.cancel()
-            elif s.outcome is None:
-                tokens, inp, out = usage or (s.reader.usage() if s.reader is not None else (None, None, None))
-                permit.success(tokens, input_tokens=inp, output_tokens=out)
-            elif s.outcome.kind == "rate_limited":
-                permit.rate_limited(s.outcome.retry_after_s)
-            else:
-                permit.failure(s.outcome.kind)
+            self._report(s, error, usage)(s.permit)
             call.end()
         except PolyGateError:
             call.end(_quiet=True)  # the sidecar is gone: it released the permit with the connection
@@ -414,19 +425,9 @@ class AsyncGate(_Base):
         if s.done:
             return
         s.done = True
-        permit, call = s.permit, s.call
-        _aged(s)
+        call = s.call
         try:
-            if error is not None:
-                kind = self._error_kind(error)
-                await (permit.failure(kind) if kind is not None else permit.cancel())
-            elif s.outcome is None:
-                tokens, inp, out = usage or (s.reader.usage() if s.reader is not None else (None, None, None))
-                await permit.success(tokens, input_tokens=inp, output_tokens=out)
-            elif s.outcome.kind == "rate_limited":
-                await permit.rate_limited(s.outcome.retry_after_s)
-            else:
-                await permit.failure(s.outcome.kind)
+            await self._report(s, error, usage)(s.permit)
             await call.end()
         except PolyGateError:
             call._release_now()
