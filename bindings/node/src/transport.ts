@@ -35,7 +35,7 @@ import { Usage, classifyError, retryAfterOf, usageOf } from "./classify.js";
 import type { FailureKind } from "./classify.js";
 import { Call, Client, Permit, connect } from "./client.js";
 import { AllSourcesExhaustedError, CircuitOpenError, GatewayUnavailableError, PolyGateError } from "./errors.js";
-import { parseRateLimitHeaders, toWireLimits } from "./ratelimit.js";
+import { parseRateLimitHeaders } from "./ratelimit.js";
 
 /** What `fetch` looks like to an SDK (`new OpenAI({fetch})`, `new Anthropic({fetch})`, `createOpenAI({fetch})`). */
 export type FetchLike = (input: string | URL | Request, init?: RequestInit) => Promise<Response>;
@@ -353,13 +353,10 @@ class Attempt {
     if (this.headers !== null && this.permit.limits === null) {
       try {
         const limits = parseRateLimitHeaders(this.headers).limits;
-        if (limits !== null) {
-          limits.ageS = Math.max(0, (performance.now() - this.at) / 1000);
-          toWireLimits(limits); // throws for what the wire cannot carry: sent without them
-        }
+        if (limits !== null) limits.ageS = Math.max(0, (performance.now() - this.at) / 1000);
         this.permit.limits = limits;
       } catch {
-        // headers it cannot read, or values the wire cannot carry: the report goes without them
+        // headers the parser cannot read: the report goes without them
       }
     }
     try {

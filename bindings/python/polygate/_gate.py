@@ -22,7 +22,6 @@ from typing import Any, AsyncIterator, Callable, Iterator, Mapping, Optional, Tu
 
 from . import _core
 from ._core import transport as t
-from ._core.ratelimit import encode_limits
 from .errors import GatewayUnavailableError, PolyGateError, RouteMissingError
 
 Estimator = Callable[[Any], Tuple[Optional[int], Optional[int]]]
@@ -43,10 +42,6 @@ def _aged(s: "_Settlement") -> None:
     limits = s.permit.limits
     if limits is not None:
         limits.age_s = max(0.0, time.monotonic() - s.at)
-        try:
-            encode_limits(limits)
-        except (ValueError, TypeError):
-            s.permit.limits = None  # unencodable: the report goes without them
 
 
 class _Base:
