@@ -29,6 +29,16 @@ if ! command -v redis-server >/dev/null 2>&1; then
     fi
 fi
 
+# CI builds once from a clean clone: incremental caches would only add ~1 GB to
+# target/ (a CI run once failed with "No space left on device" while linking).
+if [ "${CI:-}" = true ]; then
+    export CARGO_INCREMENTAL=0
+fi
+free_kb=$(df -Pk "$root" | awk 'NR == 2 { print $4 }')
+if [ -n "$free_kb" ] && [ "$free_kb" -lt 4000000 ]; then
+    echo "warning: only $((free_kb / 1024)) MB free on $(df -P "$root" | awk 'NR == 2 { print $6 }'); the Rust, Go and Node builds need about 3 GB" >&2
+fi
+
 step "cargo fmt --check"
 cargo fmt --all -- --check
 
