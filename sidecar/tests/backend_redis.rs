@@ -1445,3 +1445,67 @@ async fn a_quota_last_seen_spent_starts_empty_when_degraded() {
         "a second's refill: one request, not a fresh bucket of 60"
     );
 }
+
+/// §18 on Redis: a quota hash that holds a learned "auto" limit, or calls in flight
+/// that observations subtract, is kept an hour past its last write, not the minute
+/// a full bucket gets (after which a learned source went back to one call at a time).
+#[tokio::test]
+async fn a_learned_limit_and_calls_in_flight_keep_the_quota_hash() {
+    use polygate::backend::{Dim, Observation};
+    let Some(srv) = RedisServer::start() else {
+        return;
+    };
+    let p = prefix();
+    let b = backend(&srv, &p, ms(500), OnBackendError::FailClosed).await;
+    let pttl = |k: &str| -> i64 { srv.cli(&["PTTL", k]).trim().parse().unwrap() };
+    let hour = 3_600_000;
+    let bp = bp();
+    let admit = |s: &'static str, q: QuotaParams| {
+        let (b, bp) = (&b, &bp);
+        async move {
+            match b.admit(s, AdmitRequest::new(bp, &q, 10)).await.unwrap() {
+                Admit::Admitted { epoch, .. } => epoch,
+                a => panic!("refused: {a:?}"),
+            }
+        }
+    };
+    // A configured limit, observing: a call in flight keeps the hash; once it is
+    // reported (nothing learned, nothing in flight) a minute past full is enough.
+    let observing = QuotaParams {
+        observe: true,
+        ..qp()
+    };
+    let e = admit("s1", observing.clone()).await;
+    let qk = b.quota_key("s1");
+    assert!(pttl(&qk) > hour - 5_000, "in flight: PTTL {}", pttl(&qk));
+    let done = ReportRequest::new(&bp, &observing, e, false, 10, Outcome::success(Some(10)));
+    assert!(b.report("s1", done).await.unwrap().applied);
+    // "auto" tpm learned from the provider's limit header: kept.
+    let auto = QuotaParams {
+        tpm: None,
+        observe: true,
+        auto: 1,
+        ..qp()
+    };
+    let e = admit("s2", auto.clone()).await;
+    let o = Observation {
+        dims: [
+            Some(Dim {
+                limit: Some(1_000),
+                remaining: Some(990),
+                reset: None,
+            }),
+            None,
+            None,
+            None,
+        ],
+        age: Duration::ZERO,
+    };
+    let r = ReportRequest::new(&bp, &auto, e, false, 10, Outcome::success(Some(10))).observed(&o);
+    assert!(b.report("s2", r).await.unwrap().applied);
+    let qk2 = b.quota_key("s2");
+    assert!(pttl(&qk2) > hour - 5_000, "learned: PTTL {}", pttl(&qk2));
+    // And it is still learned: a second call is admitted while the first is in flight.
+    let _ = admit("s2", auto.clone()).await;
+    let _ = admit("s2", auto).await;
+}

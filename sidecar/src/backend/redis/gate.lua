@@ -92,6 +92,10 @@
 --   twice the basis ahead): one PEXPIREAT per basis period in steady traffic.
 -- * The quota hash reads as full and unblocked once every bucket has refilled and the
 --   429 block is over; it expires then (plus a minute, moved a minute at a time).
+--   While it holds what a full bucket does not (§18: a limit learned for an "auto"
+--   bucket, or calls in flight), it is kept at least an hour past its last write
+--   (moved an hour at a time): an idle minute must not send a learned source back to
+--   one call at a time, nor lose the reservations that observations subtract.
 
 local CLOSED, OPEN, HALF = 0, 1, 2
 -- Library functions as locals (a global lookup and a field lookup less per use), set
@@ -103,6 +107,7 @@ local DAY = 86400000000 -- one day in µs: the refill period of a per-day bucket
 -- max_rate_limit_block, default 10 min; this only bounds a misbehaving caller).
 local QMAX_BLOCK = 7 * 24 * 3600 * 1000000
 local QSLACK = MIN -- a quota hash's expiry moves this far past its need at a time
+local QKEEP = 60 * MIN -- the same while it holds a learned limit or calls in flight
 
 -- The call's keys and arguments and its clock reading, set by `gate` on entry (module
 -- locals, so the same text also loads as a Redis Function library).
@@ -424,7 +429,7 @@ local function qload()
     if i <= top then l = arg(b.lim, -1) end
     if obs and is_auto(i) then
       l = tonumber(v[13 + i]) or -1
-      if l <= 0 then q.unlearned = true end
+      if l <= 0 then q.unlearned = true else q.learned = true end
     end
     local c = l
     if l > 0 and b.per == MIN and burst > 0 and burst < MIN then
@@ -560,6 +565,7 @@ local function qobserve(q)
     local lim, rem, rst = arg(37 + 3 * i, -1), arg(38 + 3 * i, -1), arg(39 + 3 * i, -1)
     if lim > 0 and is_auto(i) and lim ~= q.lim[i] then
       qput(q, 'l:' .. f, lim)
+      q.learned = true
       local c = lim
       local burst = arg(27, 0)
       if burst > 0 and burst < MIN then c = max(1, floor(lim * burst / MIN)) end
@@ -595,9 +601,18 @@ local function qsave(q)
   local need = max(q.bu, now)
   local on = q.on
   for k = 1, #on do need = max(need, q[QB[on[k]].f]) end
+  local slack = QSLACK
+  if q.obs then
+    local keep = q.learned
+    for i = 1, 4 do keep = keep or q.fl[i] > 0 end
+    if keep then
+      need = max(need, now + QKEEP)
+      slack = QKEEP
+    end
+  end
   local expire = false
   if q.x == nil or q.x < need then
-    q.x = need + QSLACK
+    q.x = need + slack
     q.w[n + 1] = 'x'
     n = n + 1
     expire = true
