@@ -69,9 +69,8 @@ async fn a_killed_master_fails_over_without_losing_a_call_or_the_breaker() {
         let e = b.try_enter(s, &bp()).await.unwrap();
         assert!(e.granted);
     }
-    // The replica has it (asynchronous replication: wait for the ack).
-    let acked = cl.nodes[victim].cli(&["WAIT", "1", "2000"]);
-    assert_eq!(acked.trim(), "1", "replica acknowledged the force_open");
+    // The replica has it (asynchronous replication: wait until it has applied it).
+    cl.wait_replicated(victim, Duration::from_secs(5));
 
     let load = Load::start(&b, &sources);
     tokio::time::sleep(Duration::from_millis(300)).await;
@@ -150,7 +149,7 @@ async fn a_killed_master_fails_over_without_losing_a_call_or_the_breaker() {
     }
     let open = last.unwrap();
     assert_eq!(open.state, State::Open);
-    assert_eq!(cl.nodes[other].cli(&["WAIT", "1", "2000"]).trim(), "1");
+    cl.wait_replicated(other, Duration::from_secs(5));
     let load = Load::start(&b, &sources);
     tokio::time::sleep(Duration::from_millis(200)).await;
     let asked = cl.replicas[other].cli(&["CLUSTER", "FAILOVER"]);

@@ -420,6 +420,40 @@ impl RedisCluster {
         &self.nodes[i]
     }
 
+    /// Waits until replica `i` has applied everything master `i` has written so far
+    /// (its `slave_repl_offset` reaches the master's `master_repl_offset`), and panics
+    /// after `timeout`. `WAIT` cannot do this from a test: it counts only the writes
+    /// of the connection that sends it, and `cli` opens a fresh one each time.
+    pub fn wait_replicated(&self, i: usize, timeout: Duration) {
+        fn field(info: &str, key: &str) -> Option<u64> {
+            info.lines()
+                .find_map(|l| l.strip_prefix(key)?.strip_prefix(':'))
+                .and_then(|v| v.trim().parse().ok())
+        }
+        let deadline = Instant::now() + timeout;
+        loop {
+            let want = field(
+                &self.nodes[i].cli(&["INFO", "replication"]),
+                "master_repl_offset",
+            );
+            let have = field(
+                &self.replicas[i].cli(&["INFO", "replication"]),
+                "slave_repl_offset",
+            );
+            if let (Some(want), Some(have)) = (want, have) {
+                if have >= want {
+                    return;
+                }
+            }
+            assert!(
+                Instant::now() < deadline,
+                "replica {i} did not catch up with its master in {timeout:?} \
+                 (master_repl_offset {want:?}, slave_repl_offset {have:?})"
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
     /// Sum of `cmd` calls over all nodes.
     pub fn command_calls(&self, cmd: &str) -> u64 {
         self.nodes.iter().map(|n| n.command_calls(cmd)).sum()
