@@ -48,18 +48,31 @@ func (l *Limits) empty() bool {
 const maxObservedCount = 1e9
 
 func ParseRateLimitHeaders(h http.Header, now time.Time) (*Limits, time.Duration) {
-	get := func(name string) (string, bool) {
-		v := h.Values(name)
-		if len(v) == 0 {
-			return "", false
-		}
-		return v[0], true
+	// Keys are looked up as net/http stores them (canonical), with no per-call
+	// key building: the transport parses every response's headers, most of which
+	// (a fake, a proxy, a provider that sends none) have none of these.
+	if !hasRateLimitHeader(h) {
+		return nil, -1
 	}
-	base := now
-	if d, ok := get("Date"); ok {
-		if t, err := http.ParseTime(d); err == nil {
-			base = t
+	get := func(key string) (string, bool) {
+		if v := h[key]; len(v) > 0 {
+			return v[0], true
 		}
+		return "", false
+	}
+	// Instants count from the response's Date header, else from now (read once,
+	// and only when an instant needs it).
+	base, dated := now, false
+	since := func(t time.Time) time.Duration {
+		if !dated {
+			dated = true
+			if d, ok := get("Date"); ok {
+				if dt, err := http.ParseTime(d); err == nil {
+					base = dt
+				}
+			}
+		}
+		return t.Sub(base)
 	}
 	reset := func(v string, ok bool) time.Duration {
 		if !ok {
@@ -72,7 +85,7 @@ func ParseRateLimitHeaders(h http.Header, now time.Time) (*Limits, time.Duration
 		if err != nil {
 			return -1
 		}
-		if d := t.Sub(base); d > 0 {
+		if d := since(t); d > 0 {
 			return d
 		}
 		return 0
@@ -89,46 +102,80 @@ func ParseRateLimitHeaders(h http.Header, now time.Time) (*Limits, time.Duration
 		// an absurd header from overflowing int64 into a dropped dimension.
 		return int64(math.Min(f, maxObservedCount))
 	}
-	dim := func(lim, rem, rst string) *Limit {
-		l := &Limit{Limit: count(get(lim)), Remaining: count(get(rem)), Reset: reset(get(rst))}
+	dim := func(k *[3]string) *Limit {
+		lim, okl := get(k[0])
+		rem, okr := get(k[1])
+		rst, oks := get(k[2])
+		if !okl && !okr && !oks {
+			return nil
+		}
+		l := &Limit{Limit: count(lim, okl), Remaining: count(rem, okr), Reset: reset(rst, oks)}
 		if l.Limit < 0 && l.Remaining < 0 && l.Reset < 0 {
 			return nil
 		}
 		return l
 	}
-	a := func(d string) *Limit {
-		p := "anthropic-ratelimit-" + d + "-"
-		return dim(p+"limit", p+"remaining", p+"reset")
-	}
-	o := func(d string) *Limit {
-		return dim("x-ratelimit-limit-"+d, "x-ratelimit-remaining-"+d, "x-ratelimit-reset-"+d)
-	}
-	l := &Limits{Requests: a("requests"), Tokens: a("tokens"), InputTokens: a("input-tokens"), OutputTokens: a("output-tokens")}
-	if l.Requests == nil {
-		l.Requests = o("requests")
-	}
-	if l.Tokens == nil {
-		l.Tokens = o("tokens")
+	var l Limits
+	dims := [4]**Limit{&l.Requests, &l.Tokens, &l.InputTokens, &l.OutputTokens}
+	for i, d := range dims {
+		*d = dim(&anthropicKeys[i])
+		if *d == nil && i < len(openAIKeys) {
+			*d = dim(&openAIKeys[i])
+		}
 	}
 	retry := time.Duration(-1)
-	if v, ok := get("retry-after-ms"); ok {
+	if v, ok := get("Retry-After-Ms"); ok {
 		if f, err := strconv.ParseFloat(strings.TrimSpace(v), 64); err == nil && f >= 0 && !math.IsInf(f, 0) {
 			retry = time.Duration(f * float64(time.Millisecond))
 		}
 	}
-	if v, ok := get("retry-after"); ok && retry < 0 {
+	if v, ok := get("Retry-After"); ok && retry < 0 {
 		if f, err := strconv.ParseFloat(strings.TrimSpace(v), 64); err == nil {
 			if f >= 0 && !math.IsInf(f, 0) {
 				retry = time.Duration(f * float64(time.Second))
 			}
 		} else if t, err := http.ParseTime(v); err == nil {
-			retry = max(0, t.Sub(base))
+			retry = max(0, since(t))
 		}
 	}
 	if l.empty() {
 		return nil, retry
 	}
-	return l, retry
+	out := l // l stays on the stack: a response without rate-limit headers allocates nothing
+	return &out, retry
+}
+
+// hasRateLimitHeader says whether h has a header ParseRateLimitHeaders reads (one
+// pass over the keys, cheaper than the twenty lookups it would make).
+func hasRateLimitHeader(h http.Header) bool {
+	for k := range h {
+		switch {
+		case strings.HasPrefix(k, "X-Ratelimit-"), strings.HasPrefix(k, "Anthropic-Ratelimit-"),
+			strings.HasPrefix(k, "Retry-After"):
+			return true
+		}
+	}
+	return false
+}
+
+// anthropicKeys and openAIKeys are the limit, remaining and reset headers of each
+// dimension (requests, tokens, input tokens, output tokens), canonical as
+// http.Header keys them. OpenAI (and Azure) name only requests and tokens.
+var (
+	anthropicKeys = [4][3]string{
+		ratelimitKeys("Anthropic-Ratelimit-Requests-"),
+		ratelimitKeys("Anthropic-Ratelimit-Tokens-"),
+		ratelimitKeys("Anthropic-Ratelimit-Input-Tokens-"),
+		ratelimitKeys("Anthropic-Ratelimit-Output-Tokens-"),
+	}
+	openAIKeys = [2][3]string{
+		{"X-Ratelimit-Limit-Requests", "X-Ratelimit-Remaining-Requests", "X-Ratelimit-Reset-Requests"},
+		{"X-Ratelimit-Limit-Tokens", "X-Ratelimit-Remaining-Tokens", "X-Ratelimit-Reset-Tokens"},
+	}
+)
+
+func ratelimitKeys(prefix string) [3]string {
+	return [3]string{prefix + "Limit", prefix + "Remaining", prefix + "Reset"}
 }
 
 // parseResetDuration reads OpenAI's reset: a Go duration (6m0s, 250ms) or a bare

@@ -157,3 +157,30 @@ func TestSetLimitsTravelsWithTheReport(t *testing.T) {
 	}
 	_ = call.End(ctx)
 }
+
+// BenchmarkParseRateLimitHeaders: the transport parses every response's headers;
+// an OpenAI response with its six rate-limit headers, and one with none.
+func BenchmarkParseRateLimitHeaders(b *testing.B) {
+	openai := http.Header{}
+	for k, v := range map[string]string{
+		"x-ratelimit-limit-requests": "10000", "x-ratelimit-remaining-requests": "9999",
+		"x-ratelimit-reset-requests": "6ms", "x-ratelimit-limit-tokens": "2000000",
+		"x-ratelimit-remaining-tokens": "1999970", "x-ratelimit-reset-tokens": "0s",
+		"content-type": "application/json", "date": "Sat, 05 Dec 2026 12:00:00 GMT",
+	} {
+		openai.Set(k, v)
+	}
+	plain := http.Header{"Content-Type": {"application/json"}}
+	now := time.Now()
+	for _, c := range []struct {
+		name string
+		h    http.Header
+	}{{"openai", openai}, {"none", plain}} {
+		b.Run(c.name, func(b *testing.B) {
+			b.ReportAllocs()
+			for i := 0; i < b.N; i++ {
+				ParseRateLimitHeaders(c.h, now)
+			}
+		})
+	}
+}

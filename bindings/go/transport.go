@@ -223,12 +223,17 @@ func (t *Transport) RoundTrip(req *http.Request) (*http.Response, error) {
 		}
 		body = b
 	}
+	// One allocation holds the attempt and what the request needs beside it.
+	att := &attempt{reqCtx: ctx}
+	att.ctx = &att.detached
+	att.detached.parent = ctx
 	out := req
 	if req.Body != nil && req.Body != http.NoBody {
-		r2 := *req // RoundTrip must not modify the caller's request
-		r2.Body = newByteBody(body)
-		r2.GetBody = func() (io.ReadCloser, error) { return newByteBody(body), nil }
-		out = &r2
+		att.req = *req // RoundTrip must not modify the caller's request
+		att.reqBody.Reset(body)
+		att.req.Body = &att.reqBody
+		att.req.GetBody = func() (io.ReadCloser, error) { return newByteBody(body), nil }
+		out = &att.req
 	}
 	in, outTok := EstimateBody(body)
 	if t.Estimate != nil {
@@ -240,7 +245,8 @@ func (t *Transport) RoundTrip(req *http.Request) (*http.Response, error) {
 			outTok = ho
 		}
 		if body != nil {
-			out.Body = newByteBody(body)
+			att.reqBody.Reset(body)
+			out.Body = &att.reqBody
 		}
 	}
 
@@ -261,7 +267,7 @@ func (t *Transport) RoundTrip(req *http.Request) (*http.Response, error) {
 		}
 		return nil, err
 	}
-	att := &attempt{call: call, permit: p, ctx: context.WithoutCancel(ctx), reqCtx: ctx}
+	att.call, att.permit = call, p
 	if t.Routes != nil {
 		route, ok := t.Routes[p.Source]
 		if !ok {
@@ -440,7 +446,25 @@ type attempt struct {
 	reqCtx context.Context
 	// once makes the report happen exactly once (EOF, Close and ctx race).
 	once sync.Once
+	// detached is ctx (the request's context without its cancellation), held here
+	// so that it is not an allocation of its own.
+	detached detachedCtx
+	// req is the request as sent (a copy: RoundTrip must not modify the caller's),
+	// reqBody its buffered body and respBody a buffered response body: parts of
+	// the attempt's one allocation.
+	req      http.Request
+	reqBody  byteBody
+	respBody byteBody
 }
+
+// detachedCtx is context.WithoutCancel(parent) as a value (held in an attempt).
+type detachedCtx struct{ parent context.Context }
+
+func (*detachedCtx) Deadline() (time.Time, bool) { return time.Time{}, false }
+func (*detachedCtx) Done() <-chan struct{}       { return nil }
+func (*detachedCtx) Err() error                  { return nil }
+func (d *detachedCtx) Value(key any) any         { return d.parent.Value(key) }
+func (d *detachedCtx) String() string            { return "polygate.detached" }
 
 // settle sends the report made by send and ends the call, waiting for the answer
 // as Client.Run does (a lost connection ends the wait). Trouble with the sidecar
@@ -518,7 +542,8 @@ func (a *attempt) response(resp *http.Response) (*http.Response, error) {
 		if err != nil {
 			return nil, err
 		}
-		resp.Body = newByteBody(b)
+		a.respBody.Reset(b)
+		resp.Body = &a.respBody
 		return resp, nil
 	}
 	if resp.Body == nil || resp.Body == http.NoBody {
@@ -537,7 +562,8 @@ func (a *attempt) response(resp *http.Response) (*http.Response, error) {
 			return nil, err
 		}
 		a.success(jsonUsage(b))
-		resp.Body = newByteBody(b)
+		a.respBody.Reset(b)
+		resp.Body = &a.respBody
 	default:
 		resp.Body = newGatedBody(resp.Body, a, nil)
 	}
