@@ -92,10 +92,12 @@
 --   twice the basis ahead): one PEXPIREAT per basis period in steady traffic.
 -- * The quota hash reads as full and unblocked once every bucket has refilled and the
 --   429 block is over; it expires then (plus a minute, moved a minute at a time).
---   While it holds what a full bucket does not (§18: a limit learned for an "auto"
---   bucket, or calls in flight), it is kept at least an hour past its last write
---   (moved an hour at a time): an idle minute must not send a learned source back to
---   one call at a time, nor lose the reservations that observations subtract.
+--   While it holds a limit learned for an "auto" bucket (§18) it is kept at least an
+--   hour past its last write (moved an hour at a time): an idle minute must not send a
+--   learned source back to one call at a time. Calls in flight alone do not keep it:
+--   a report that never arrives (a host killed mid-call) leaves its count behind, and
+--   on an unlearned "auto" source that count holds admissions back until the hash
+--   expires, so that must stay a minute.
 
 local CLOSED, OPEN, HALF = 0, 1, 2
 -- Library functions as locals (a global lookup and a field lookup less per use), set
@@ -107,7 +109,7 @@ local DAY = 86400000000 -- one day in µs: the refill period of a per-day bucket
 -- max_rate_limit_block, default 10 min; this only bounds a misbehaving caller).
 local QMAX_BLOCK = 7 * 24 * 3600 * 1000000
 local QSLACK = MIN -- a quota hash's expiry moves this far past its need at a time
-local QKEEP = 60 * MIN -- the same while it holds a learned limit or calls in flight
+local QKEEP = 60 * MIN -- the same while it holds a learned limit
 
 -- The call's keys and arguments and its clock reading, set by `gate` on entry (module
 -- locals, so the same text also loads as a Redis Function library).
@@ -602,13 +604,9 @@ local function qsave(q)
   local on = q.on
   for k = 1, #on do need = max(need, q[QB[on[k]].f]) end
   local slack = QSLACK
-  if q.obs then
-    local keep = q.learned
-    for i = 1, 4 do keep = keep or q.fl[i] > 0 end
-    if keep then
-      need = max(need, now + QKEEP)
-      slack = QKEEP
-    end
+  if q.learned then
+    need = max(need, now + QKEEP)
+    slack = QKEEP
   end
   local expire = false
   if q.x == nil or q.x < need then
