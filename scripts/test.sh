@@ -34,10 +34,16 @@ fi
 if [ "${CI:-}" = true ]; then
     export CARGO_INCREMENTAL=0
 fi
-free_kb=$(df -Pk "$root" | awk 'NR == 2 { print $4 }')
-if [ -n "$free_kb" ] && [ "$free_kb" -lt 4000000 ]; then
-    echo "warning: only $((free_kb / 1024)) MB free on $(df -P "$root" | awk 'NR == 2 { print $6 }'); the Rust, Go and Node builds need about 3 GB" >&2
-fi
+# Only a warning: a df that fails or prints no number skips it.
+free_kb=$(df -Pk "$root" 2>/dev/null | awk 'NR == 2 { print $4 }') || free_kb=
+case $free_kb in
+    '' | *[!0-9]*) ;;
+    *)
+        if [ "$free_kb" -lt 4000000 ]; then
+            echo "warning: only $((free_kb / 1024)) MB free under $root; the Rust, Go and Node builds need about 3 GB" >&2
+        fi
+        ;;
+esac
 
 step "cargo fmt --check"
 cargo fmt --all -- --check
