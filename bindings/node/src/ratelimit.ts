@@ -65,23 +65,37 @@ export function parseDuration(text: string): number | null {
   return pos === t.length && pos > 0 ? total : null;
 }
 
-function getter(h: HeaderSource): (name: string) => string | null {
-  if (typeof (h as { get?: unknown }).get === "function" && !(Symbol.iterator in h && Array.isArray(h))) {
+/** Whether the parser reads header `k` (lower case): rate limits, retry-after, date. */
+function wanted(k: string): boolean {
+  return k.startsWith("x-ratelimit-") || k.startsWith("anthropic-ratelimit-") || k.startsWith("retry-after") || k === "date";
+}
+
+/**
+ * A lookup of the headers the parser reads, or null when there is none. An
+ * iterable or a plain object is read in one pass, keeping only those headers
+ * (a fetch `Headers.get` validates and normalises its name on each of the ~20
+ * lookups the parser makes: ~3.5 µs per response, against ~0.5 µs for the pass).
+ */
+function getter(h: HeaderSource): ((name: string) => string | null) | null {
+  const iterable = Symbol.iterator in h;
+  if (!iterable && typeof (h as { get?: unknown }).get === "function") {
     const g = h as { get(name: string): string | null };
     return (name) => g.get(name);
   }
-  const table = new Map<string, string>();
+  let table: Map<string, string> | null = null;
   const add = (k: string, v: unknown): void => {
     const key = k.toLowerCase();
-    if (table.has(key) || v === undefined || v === null) return;
-    table.set(key, Array.isArray(v) ? String(v[0]) : String(v));
+    if (v === undefined || v === null || !wanted(key)) return;
+    table ??= new Map<string, string>();
+    if (!table.has(key)) table.set(key, Array.isArray(v) ? String(v[0]) : String(v));
   };
-  if (Symbol.iterator in h) {
-    for (const [k, v] of h as Iterable<[string, string]>) add(k, v);
+  if (iterable) {
+    for (const [k, v] of h as Iterable<[string, unknown]>) add(k, v);
   } else {
     for (const [k, v] of Object.entries(h)) add(k, v);
   }
-  return (name) => table.get(name) ?? null;
+  const found = table as Map<string, string> | null; // assigned in add (not seen by narrowing)
+  return found === null ? null : (name) => found.get(name) ?? null;
 }
 
 /** The largest count a parsed header gives (the sidecar cuts larger ones to it). */
@@ -103,6 +117,19 @@ function httpDate(v: string | null): number | null {
   return Number.isNaN(ms) ? null : ms / 1000;
 }
 
+/** Each dimension's limit, remaining and reset headers (OpenAI and Azure name two). */
+const keys = (p: string): readonly [string, string, string] => [`${p}limit`, `${p}remaining`, `${p}reset`];
+const ANTHROPIC = {
+  requests: keys("anthropic-ratelimit-requests-"),
+  tokens: keys("anthropic-ratelimit-tokens-"),
+  inputTokens: keys("anthropic-ratelimit-input-tokens-"),
+  outputTokens: keys("anthropic-ratelimit-output-tokens-"),
+} as const;
+const OPENAI = {
+  requests: ["x-ratelimit-limit-requests", "x-ratelimit-remaining-requests", "x-ratelimit-reset-requests"],
+  tokens: ["x-ratelimit-limit-tokens", "x-ratelimit-remaining-tokens", "x-ratelimit-reset-tokens"],
+} as const;
+
 /**
  * `{limits, retryAfterS}` of one response's headers: `limits` is null when no
  * rate-limit header was found, `retryAfterS` when none was given. `now` (Unix
@@ -110,29 +137,28 @@ function httpDate(v: string | null): number | null {
  */
 export function parseRateLimitHeaders(headers: HeaderSource, now?: number): { limits: Limits | null; retryAfterS: number | null } {
   const get = getter(headers);
-  const base = httpDate(get("date")) ?? now ?? Date.now() / 1000;
+  if (get === null) return { limits: null, retryAfterS: null };
+  // Instants count from the response's date, else from now (parsed once, when needed).
+  let baseS: number | null = null;
+  const base = (): number => (baseS ??= httpDate(get("date")) ?? now ?? Date.now() / 1000);
   const reset = (v: string | null): number | null => {
     if (v === null) return null;
     const d = parseDuration(v);
     if (d !== null) return d;
     if (!/^\d{4}-\d{2}-\d{2}T/.test(v.trim())) return null;
     const ms = Date.parse(v.trim());
-    return Number.isNaN(ms) ? null : Math.max(0, ms / 1000 - base);
+    return Number.isNaN(ms) ? null : Math.max(0, ms / 1000 - base());
   };
   const dim = (lim: string, rem: string, rst: string): Limit | null => {
     const d: Limit = { limit: count(get(lim)), remaining: count(get(rem)), resetS: reset(get(rst)) };
     return d.limit === null && d.remaining === null && d.resetS === null ? null : d;
   };
-  const a = (d: string): Limit | null => {
-    const p = `anthropic-ratelimit-${d}-`;
-    return dim(p + "limit", p + "remaining", p + "reset");
-  };
-  const o = (d: string): Limit | null => dim(`x-ratelimit-limit-${d}`, `x-ratelimit-remaining-${d}`, `x-ratelimit-reset-${d}`);
+  const of = (k: readonly [string, string, string]): Limit | null => dim(k[0], k[1], k[2]);
   const limits: Limits = {
-    requests: a("requests") ?? o("requests"),
-    tokens: a("tokens") ?? o("tokens"),
-    inputTokens: a("input-tokens"),
-    outputTokens: a("output-tokens"),
+    requests: of(ANTHROPIC.requests) ?? of(OPENAI.requests),
+    tokens: of(ANTHROPIC.tokens) ?? of(OPENAI.tokens),
+    inputTokens: of(ANTHROPIC.inputTokens),
+    outputTokens: of(ANTHROPIC.outputTokens),
   };
   let retryAfterS: number | null = null;
   const ms = get("retry-after-ms");
@@ -143,7 +169,7 @@ export function parseRateLimitHeaders(headers: HeaderSource, now?: number): { li
       retryAfterS = Number(ra);
     } else {
       const at = httpDate(ra);
-      if (at !== null) retryAfterS = Math.max(0, at - base);
+      if (at !== null) retryAfterS = Math.max(0, at - base());
     }
   }
   const empty = !limits.requests && !limits.tokens && !limits.inputTokens && !limits.outputTokens;

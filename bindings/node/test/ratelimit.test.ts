@@ -7,7 +7,7 @@ import * as path from "node:path";
 import { describe, test } from "node:test";
 
 import { connect } from "../src/client.js";
-import { Limit, parseDuration, parseRateLimitHeaders, toWireLimits } from "../src/ratelimit.js";
+import { HeaderSource, Limit, parseDuration, parseRateLimitHeaders, toWireLimits } from "../src/ratelimit.js";
 import { encodeFinish } from "../src/wire.js";
 import { FakeSidecar } from "./fake-sidecar.js";
 import { REPO } from "./support.js";
@@ -33,9 +33,22 @@ function near(got: number | null, want: number | null, what: string): void {
 describe("rate-limit header vectors", { timeout: 10_000 }, () => {
   assert.ok(cases.length >= 5);
   for (const c of cases) {
-    for (const shape of ["object", "Headers"] as const) {
+    // A plain object, fetch Headers, a Map and pairs with upper-case names (read in
+    // one pass, names compared in lower case), and a get-only object.
+    const upper = (): [string, string][] => Object.entries(c.headers).map(([k, v]) => [k.toUpperCase(), v]);
+    const shapes = {
+      object: () => c.headers,
+      Headers: () => new Headers(c.headers),
+      "Map, upper-case names": () => new Map(upper()),
+      "pairs, upper-case names": () => upper(),
+      "get only": () => {
+        const h = new Headers(c.headers);
+        return { get: (n: string) => h.get(n) };
+      },
+    };
+    for (const [shape, make] of Object.entries(shapes)) {
       test(`${c.name} (${shape})`, () => {
-        const src = shape === "object" ? c.headers : new Headers(c.headers);
+        const src = make() as HeaderSource;
         const { limits, retryAfterS } = parseRateLimitHeaders(src, 0);
         near(retryAfterS, c.retry_after_s, "retry_after_s");
         if (c.expected === null) {
