@@ -63,6 +63,7 @@ class Limits:
 
 _DURATION_PART = re.compile(r"(\d+(?:\.\d*)?|\.\d+)(ms|us|µs|ns|h|m|s)")
 _UNIT_S = {"h": 3600.0, "m": 60.0, "s": 1.0, "ms": 1e-3, "us": 1e-6, "µs": 1e-6, "ns": 1e-9}
+_NUMBER_END = frozenset("0123456789.")
 
 
 def parse_duration(text: str) -> Optional[float]:
@@ -71,11 +72,12 @@ def parse_duration(text: str) -> Optional[float]:
     t = text.strip()
     if not t:
         return None
-    try:
-        v = float(t)
-        return v if math.isfinite(v) and v >= 0 else None
-    except ValueError:
-        pass
+    if t[-1] in _NUMBER_END:  # a bare number (a unit ends in a letter: no exception to raise)
+        try:
+            v = float(t)
+            return v if math.isfinite(v) and v >= 0 else None
+        except ValueError:
+            pass
     pos, total = 0, 0.0
     for m in _DURATION_PART.finditer(t):
         if m.start() != pos:
@@ -107,6 +109,7 @@ def _http_date(text: str) -> Optional[datetime]:
 
 
 _WANTED = ("x-ratelimit-", "anthropic-ratelimit-", "retry-after", "date")
+_WANTED_B = tuple(w.encode() for w in _WANTED)
 
 
 def _table(headers: Any) -> Dict[str, str]:
@@ -125,7 +128,12 @@ def _table(headers: Any) -> Dict[str, str]:
     else:
         items = headers
     for k, v in items:
-        key = (k.decode("latin-1") if isinstance(k, bytes) else str(k)).lower()
+        if type(k) is bytes:  # httpx's raw pairs: only the wanted names are decoded
+            kb = k.lower()
+            if kb.startswith(_WANTED_B):
+                table.setdefault(kb.decode("latin-1"), v.decode("latin-1") if type(v) is bytes else str(v))
+            continue
+        key = str(k).lower()
         if key.startswith(_WANTED):
             table.setdefault(key, v.decode("latin-1") if isinstance(v, bytes) else str(v))
     return table
@@ -147,6 +155,17 @@ def _count(v: Optional[str]) -> Optional[int]:
     # The sidecar cuts counts above 10^9 (PROTOCOL §14.6); cutting here keeps an
     # absurd header from failing the report's encoding.
     return min(int(n), MAX_COUNT)
+
+
+def _keys(prefix: str) -> Tuple[str, str, str]:
+    return prefix + "limit", prefix + "remaining", prefix + "reset"
+
+
+# Each dimension's limit, remaining and reset headers: requests, tokens, input and
+# output tokens (Anthropic); requests and tokens (OpenAI, Azure).
+_ANTHROPIC = tuple(_keys("anthropic-ratelimit-%s-" % d) for d in ("requests", "tokens", "input-tokens", "output-tokens"))
+_OPENAI = tuple(("x-ratelimit-limit-" + d, "x-ratelimit-remaining-" + d, "x-ratelimit-reset-" + d)
+                for d in ("requests", "tokens"))
 
 
 def parse_headers(headers: Any, now: Optional[float] = None) -> Tuple[Optional[Limits], Optional[float]]:
@@ -179,15 +198,8 @@ def parse_headers(headers: Any, now: Optional[float] = None) -> Tuple[Optional[L
             return None
         return max(0.0, at.timestamp() - base_ts())
 
-    def dim(prefix: str, suffix: str, anthropic: bool) -> Optional[Limit]:
-        if anthropic:
-            lim = get("%s-%s-limit" % (prefix, suffix))
-            rem = get("%s-%s-remaining" % (prefix, suffix))
-            rst = get("%s-%s-reset" % (prefix, suffix))
-        else:
-            lim = get("%s-limit-%s" % (prefix, suffix))
-            rem = get("%s-remaining-%s" % (prefix, suffix))
-            rst = get("%s-reset-%s" % (prefix, suffix))
+    def dim(keys: Tuple[str, str, str]) -> Optional[Limit]:
+        lim, rem, rst = get(keys[0]), get(keys[1]), get(keys[2])
         if lim is None and rem is None and rst is None:
             return None
         d = Limit(_count(lim), _count(rem), reset_of(rst))
@@ -195,16 +207,8 @@ def parse_headers(headers: Any, now: Optional[float] = None) -> Tuple[Optional[L
             return None
         return d
 
-    limits = Limits()
-    a = "anthropic-ratelimit"
-    limits.requests = dim(a, "requests", True)
-    limits.tokens = dim(a, "tokens", True)
-    limits.input_tokens = dim(a, "input-tokens", True)
-    limits.output_tokens = dim(a, "output-tokens", True)
-    if limits.requests is None:
-        limits.requests = dim("x-ratelimit", "requests", False)
-    if limits.tokens is None:
-        limits.tokens = dim("x-ratelimit", "tokens", False)
+    limits = Limits(dim(_ANTHROPIC[0]) or dim(_OPENAI[0]), dim(_ANTHROPIC[1]) or dim(_OPENAI[1]),
+                    dim(_ANTHROPIC[2]), dim(_ANTHROPIC[3]))
 
     retry_after: Optional[float] = None
     ms = get("retry-after-ms")
