@@ -63,7 +63,6 @@ class Limits:
 
 _DURATION_PART = re.compile(r"(\d+(?:\.\d*)?|\.\d+)(ms|us|µs|ns|h|m|s)")
 _UNIT_S = {"h": 3600.0, "m": 60.0, "s": 1.0, "ms": 1e-3, "us": 1e-6, "µs": 1e-6, "ns": 1e-9}
-_NUMBER_END = frozenset("0123456789.")
 
 
 def parse_duration(text: str) -> Optional[float]:
@@ -72,7 +71,7 @@ def parse_duration(text: str) -> Optional[float]:
     t = text.strip()
     if not t:
         return None
-    if t[-1] in _NUMBER_END:  # a bare number (a unit ends in a letter: no exception to raise)
+    if t[-1].isdecimal() or t[-1] == ".":  # a bare number (a unit ends in a letter: no exception to raise)
         try:
             v = float(t)
             return v if math.isfinite(v) and v >= 0 else None
@@ -128,10 +127,10 @@ def _table(headers: Any) -> Dict[str, str]:
     else:
         items = headers
     for k, v in items:
-        if type(k) is bytes:  # httpx's raw pairs: only the wanted names are decoded
+        if isinstance(k, bytes):  # httpx's raw pairs: only the wanted names are decoded
             kb = k.lower()
             if kb.startswith(_WANTED_B):
-                table.setdefault(kb.decode("latin-1"), v.decode("latin-1") if type(v) is bytes else str(v))
+                table.setdefault(kb.decode("latin-1"), v.decode("latin-1") if isinstance(v, bytes) else str(v))
             continue
         key = str(k).lower()
         if key.startswith(_WANTED):
