@@ -149,16 +149,15 @@ export function parseRateLimitHeaders(headers: HeaderSource, now?: number): { li
     const ms = Date.parse(v.trim());
     return Number.isNaN(ms) ? null : Math.max(0, ms / 1000 - base());
   };
-  const dim = (lim: string, rem: string, rst: string): Limit | null => {
+  const dim = ([lim, rem, rst]: readonly [string, string, string]): Limit | null => {
     const d: Limit = { limit: count(get(lim)), remaining: count(get(rem)), resetS: reset(get(rst)) };
     return d.limit === null && d.remaining === null && d.resetS === null ? null : d;
   };
-  const of = (k: readonly [string, string, string]): Limit | null => dim(k[0], k[1], k[2]);
   const limits: Limits = {
-    requests: of(ANTHROPIC.requests) ?? of(OPENAI.requests),
-    tokens: of(ANTHROPIC.tokens) ?? of(OPENAI.tokens),
-    inputTokens: of(ANTHROPIC.inputTokens),
-    outputTokens: of(ANTHROPIC.outputTokens),
+    requests: dim(ANTHROPIC.requests) ?? dim(OPENAI.requests),
+    tokens: dim(ANTHROPIC.tokens) ?? dim(OPENAI.tokens),
+    inputTokens: dim(ANTHROPIC.inputTokens),
+    outputTokens: dim(ANTHROPIC.outputTokens),
   };
   let retryAfterS: number | null = null;
   const ms = get("retry-after-ms");
