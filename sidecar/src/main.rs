@@ -31,6 +31,16 @@ struct Cli {
     /// Validate the configuration, print a one-line summary and exit.
     #[arg(long)]
     check_config: bool,
+    /// Started by a client's autostart (DESIGN §20; the bindings pass it): an unset
+    /// `sidecar.idle_exit` means 10 minutes instead of never, and the process holds
+    /// the lock file SOCKET.lock for its life (exit status 75 when another process
+    /// holds it) and removes it with the socket on exit.
+    #[arg(long)]
+    autostarted: bool,
+    /// With --autostarted: the inherited descriptor of SOCKET.lock, which the
+    /// starting client has locked (the lock passes to this process).
+    #[arg(long, value_name = "FD", requires = "autostarted")]
+    lock_fd: Option<i32>,
     /// A subcommand; none runs the daemon.
     #[command(subcommand)]
     command: Option<Command>,
@@ -86,7 +96,10 @@ fn main() -> ExitCode {
                 let line = cli::summary(&config, cli.config.as_deref());
                 return cli::print_out(&format!("{line}\n"));
             }
-            daemon::run(config, cli.config)
+            let autostart = cli.autostarted.then_some(daemon::autostart::Autostart {
+                lock_fd: cli.lock_fd,
+            });
+            daemon::run(config, cli.config, autostart)
         }
     }
 }

@@ -1330,3 +1330,42 @@ fn observed_limit_keys_parse_name_the_key_and_override() {
         &["CHAT__SOURCES__0__RPM", "\"auto\""],
     );
 }
+
+#[test]
+fn idle_exit_is_off_for_a_daemon_and_ten_minutes_when_autostarted() {
+    use polygate::config::IdleExit;
+    // §20: unset depends on how the process started.
+    let unset = parse(MINIMAL).unwrap().sidecar.idle_exit;
+    assert_eq!(unset, IdleExit::Default);
+    assert_eq!(unset.resolve(false), None);
+    assert_eq!(unset.resolve(true), Some(Duration::from_secs(600)));
+    // Set, it applies either way; "off" turns it off for an autostarted one too.
+    let set = parse(&sidecar_with("idle_exit = \"1500ms\""))
+        .unwrap()
+        .sidecar
+        .idle_exit;
+    assert_eq!(set, IdleExit::After(Duration::from_millis(1500)));
+    assert_eq!(set.resolve(false), Some(Duration::from_millis(1500)));
+    let off = parse(&sidecar_with("idle_exit = \"off\""))
+        .unwrap()
+        .sidecar
+        .idle_exit;
+    assert_eq!((off.resolve(false), off.resolve(true)), (None, None));
+    // The environment's override.
+    let env_set = parse_str(MINIMAL, env(&[("SIDECAR__IDLE_EXIT", "30s")])).unwrap();
+    assert_eq!(
+        env_set.sidecar.idle_exit,
+        IdleExit::After(Duration::from_secs(30))
+    );
+    for bad in ["0s", "soon", "2years"] {
+        err(
+            &sidecar_with(&format!("idle_exit = \"{bad}\"")),
+            &["sidecar.idle_exit", bad, "\"off\""],
+        );
+    }
+    err_env(
+        MINIMAL,
+        &[("SIDECAR__IDLE_EXIT", "never")],
+        &["SIDECAR__IDLE_EXIT=never", "\"off\""],
+    );
+}

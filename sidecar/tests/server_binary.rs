@@ -1217,3 +1217,78 @@ async fn health_probes_the_admin_listener() {
         "{out:?}"
     );
 }
+
+/// §20: `--autostarted` holds SOCKET.lock for its life (a second one exits 75 and
+/// leaves the first alone), stays while a connection is open, exits within
+/// `idle_exit` (+ one tick) after the last one closes, and removes socket and lock.
+#[tokio::test(flavor = "multi_thread")]
+async fn an_autostarted_sidecar_holds_its_lock_and_exits_when_idle() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("run").join("sidecar.sock");
+    let lock = dir.path().join("run").join("sidecar.sock.lock");
+    let file = dir.path().join("polygate.toml");
+    std::fs::write(&file, config(&path)).unwrap();
+    let start = move || {
+        let mut cmd = sidecar();
+        cmd.arg("--config")
+            .arg(&file)
+            .arg("--autostarted")
+            .env("SIDECAR__IDLE_EXIT", "700ms")
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped());
+        cmd
+    };
+    let start2 = start.clone();
+    let mut child = start().spawn().unwrap();
+    listening(&path, "the autostarted sidecar never listened").await;
+    assert!(lock.exists(), "the lock file sits beside the socket");
+
+    let second = tokio::task::spawn_blocking(move || start2().output().unwrap())
+        .await
+        .unwrap();
+    let err = String::from_utf8_lossy(&second.stderr);
+    assert_eq!(second.status.code(), Some(75), "{err}");
+    assert!(err.contains("sidecar.sock.lock"), "{err}");
+    assert!(
+        path.exists() && lock.exists(),
+        "the loser leaves both alone"
+    );
+
+    let framed = hello(UnixStream::connect(&path).await.unwrap(), "idle-test").await;
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    assert!(
+        child.try_wait().unwrap().is_none(),
+        "exited with a connection open"
+    );
+    drop(framed);
+    let closed = Instant::now();
+    let (status, stderr) = tokio::task::spawn_blocking(move || {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while child.try_wait().unwrap().is_none() {
+            if Instant::now() > deadline {
+                let _ = child.kill();
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        let mut err = String::new();
+        use std::io::Read;
+        child
+            .stderr
+            .take()
+            .unwrap()
+            .read_to_string(&mut err)
+            .unwrap();
+        (child.wait().unwrap(), err)
+    })
+    .await
+    .unwrap();
+    let took = closed.elapsed();
+    assert!(status.success(), "{status:?}\n{stderr}");
+    assert!(
+        took >= Duration::from_millis(700) && took < Duration::from_millis(2700),
+        "exited {took:?} after the last connection closed (idle_exit 700ms)"
+    );
+    assert!(stderr.contains("idle_exit"), "{stderr}");
+    assert!(!path.exists(), "socket removed");
+    assert!(!lock.exists(), "lock file removed");
+}

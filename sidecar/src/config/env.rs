@@ -109,6 +109,7 @@ const SIDECAR_KEYS: &[(&str, Slot<RawSidecar>)] = &[
     ("MAX_BUFFERED", Slot::Int(|s| &mut s.max_buffered)),
     ("MAX_WAITERS", Slot::Int(|s| &mut s.max_waiters)),
     ("WORKER_THREADS", Slot::Int(|s| &mut s.worker_threads)),
+    ("IDLE_EXIT", Slot::Text(|s| &mut s.idle_exit)),
 ];
 
 /// Every `{SCOPE}__` key, in the order an unknown-key error lists them.

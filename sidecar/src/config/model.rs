@@ -236,7 +236,38 @@ pub struct SidecarConfig {
     /// serves; `Some(n)` a work-stealing runtime of n workers; `None` (written `0`)
     /// one worker per available core.
     pub worker_threads: Option<usize>,
+    /// §20: exit after this long without a connection, removing the socket (and an
+    /// autostarted sidecar's lock file): a sidecar a client started for itself must
+    /// not outlive its users forever, while a configured daemon keeps running.
+    pub idle_exit: IdleExit,
 }
+
+/// `sidecar.idle_exit` (§20) as configured; [`IdleExit::resolve`] gives the bound a
+/// process uses, which for an unset key depends on how it was started.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum IdleExit {
+    /// Unset: off for a configured daemon, [`AUTOSTART_IDLE_EXIT`] for one a client
+    /// autostarted (`--autostarted`).
+    Default,
+    /// `"off"`: never exit for want of connections.
+    Off,
+    /// Exit once no connection has been open for this long.
+    After(Duration),
+}
+
+impl IdleExit {
+    /// The idle bound of a process started `autostarted` or not; `None` = never.
+    pub fn resolve(self, autostarted: bool) -> Option<Duration> {
+        match self {
+            IdleExit::Default if autostarted => Some(AUTOSTART_IDLE_EXIT),
+            IdleExit::Default | IdleExit::Off => None,
+            IdleExit::After(d) => Some(d),
+        }
+    }
+}
+
+/// §20: `sidecar.idle_exit` of an autostarted sidecar when the key is unset.
+pub const AUTOSTART_IDLE_EXIT: Duration = Duration::from_secs(600);
 
 /// `[scopes.NAME]`.
 #[derive(Debug, Clone, PartialEq)]
@@ -445,6 +476,7 @@ impl Default for SidecarConfig {
             max_buffered: DEFAULT_MAX_BUFFERED,
             max_waiters: None,
             worker_threads: DEFAULT_WORKER_THREADS,
+            idle_exit: IdleExit::Default,
         }
     }
 }

@@ -77,6 +77,8 @@ pub(super) struct RawSidecar {
     pub max_waiters: Option<i64>,
     /// Runtime threads; signed so a negative value is reported by key.
     pub worker_threads: Option<i64>,
+    /// §20: `"off"` or a duration string: exit after this long without a connection.
+    pub idle_exit: Option<String>,
 }
 
 /// A key that is a string or a number (`degraded_share = "auto"` or `= 0.25`), kept
@@ -297,6 +299,7 @@ fn type_hint(path: &str) -> &'static str {
         "shutdown_grace",
         "metrics_refresh",
         "max_rate_limit_block",
+        "idle_exit",
     ];
     let last = path.rsplit('.').next().unwrap_or(path);
     if DURATIONS.contains(&last) {

@@ -6,16 +6,20 @@
 //! socket exists, so an early SIGTERM drains cleanly), the admin listener (if its
 //! address is taken, exit before a worker can connect), the worker socket, then
 //! `READY=1`. The pieces: `listen` (sockets), `signals` (SIGTERM,
-//! SIGINT, SIGHUP and reload), [`systemd`] (sd_notify, socket activation, watchdog).
+//! SIGINT, SIGHUP and reload), [`systemd`] (sd_notify, socket activation, watchdog),
+//! and for §20 [`autostart`] (the lock file of a sidecar a client started) and `idle`
+//! (`idle_exit`). An autostarted sidecar takes its lock before anything is bound.
 
+pub mod autostart;
 pub mod fdlimit;
+mod idle;
 mod listen;
 mod signals;
 mod sockfile;
 pub mod systemd;
 
 use std::io::{self, IsTerminal};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::Duration;
@@ -31,6 +35,7 @@ use crate::config::{Config, LogFormat};
 use crate::engine::Engine;
 use crate::metrics::{self, Exposition, SharedView};
 use crate::server::{self, ServerOptions};
+use autostart::{Autostart, LockError, SocketLock};
 use signals::{Lifecycle, Reload};
 use systemd::sd_notify;
 
@@ -38,8 +43,9 @@ use systemd::sd_notify;
 const EXIT_SLACK: Duration = Duration::from_secs(2);
 
 /// Run the daemon on `config` (read from `path`, which SIGHUP re-reads; `None`: the
-/// embedded example) until it is stopped; the process's exit status.
-pub fn run(config: Config, path: Option<PathBuf>) -> ExitCode {
+/// embedded example) until it is stopped; the process's exit status. `autostart`:
+/// started by a client's autostart (`--autostarted`, §20).
+pub fn run(config: Config, path: Option<PathBuf>, autostart: Option<Autostart>) -> ExitCode {
     init_tracing(config.sidecar.log_format);
     let rt = match runtime(config.sidecar.worker_threads) {
         Ok(rt) => rt,
@@ -48,7 +54,7 @@ pub fn run(config: Config, path: Option<PathBuf>) -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    let code = rt.block_on(serve(config, path));
+    let code = rt.block_on(serve(config, path, autostart));
     // Request tasks still stuck (e.g. on a dead backend) must not hold up the exit.
     rt.shutdown_timeout(Duration::from_millis(200));
     code
@@ -89,7 +95,7 @@ fn init_tracing(format: LogFormat) {
 }
 
 /// Set everything up in order, serve, and clean up the socket file.
-async fn serve(config: Config, path: Option<PathBuf>) -> ExitCode {
+async fn serve(config: Config, path: Option<PathBuf>, autostart: Option<Autostart>) -> ExitCode {
     // The connection cap must fit the fd limit, or workers past it would hang in the
     // backlog: refuse a config that cannot hold, before anything is bound.
     let max_connections = match fdlimit::raise_nofile()
@@ -130,6 +136,26 @@ async fn serve(config: Config, path: Option<PathBuf>) -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
+    // §20: an autostarted sidecar holds the lock beside its socket from here to its
+    // exit; one that finds it held leaves at once (another start is under way).
+    let lock = match autostart {
+        Some(a) if passed_worker.is_none() => {
+            match SocketLock::acquire(Path::new(&config.sidecar.socket), a) {
+                Ok(l) => Some(l),
+                Err(LockError::Busy(e)) => {
+                    info!("{e}");
+                    signals.abort();
+                    return ExitCode::from(autostart::EXIT_BUSY);
+                }
+                Err(LockError::Failed(e)) => {
+                    error!("{e}");
+                    signals.abort();
+                    return ExitCode::FAILURE;
+                }
+            }
+        }
+        _ => None,
+    };
     // The admin listener first: if its address is taken, exit before the worker socket
     // exists, so no worker ever connects to a daemon that is about to go away.
     let admin = match listen::admin(&config, passed_admin).await {
@@ -156,22 +182,32 @@ async fn serve(config: Config, path: Option<PathBuf>) -> ExitCode {
         worker: bound.listener,
         admin,
     };
-    let limits = Limits { max_connections };
+    let limits = Limits {
+        max_connections,
+        idle_exit: config.sidecar.idle_exit.resolve(autostart.is_some()),
+    };
     let code = run_engine(
         &config, lifecycle, reload, backend, clock, listeners, limits,
     )
     .await;
     signals.abort();
     listen::remove_created(bound.created.as_ref());
+    // After the socket: a client that finds no lock file finds no socket either.
+    if let Some(lock) = lock {
+        lock.remove();
+    }
     info!("stopped");
     code
 }
 
-/// The limits derived at start-up (from the config and the process's fd limit).
+/// The limits derived at start-up (from the config, the process's fd limit and how
+/// it was started).
 struct Limits {
     /// Worker connections served at once (`sidecar.max_connections`, checked against
     /// `RLIMIT_NOFILE`).
     max_connections: u32,
+    /// §20 `sidecar.idle_exit` for this process (autostarted or not); `None`: never.
+    idle_exit: Option<Duration>,
 }
 
 /// The bound sockets the daemon serves.
@@ -235,6 +271,13 @@ async fn run_engine(
     );
     let watchdog = systemd::spawn_watchdog();
     let log_flusher = Some(crate::logs::spawn_flusher());
+    let idle = limits.idle_exit.map(|after| {
+        info!(
+            idle_exit = %humantime::format_duration(after),
+            "exits after sidecar.idle_exit without a connection"
+        );
+        idle::spawn(opts.stats.clone(), after, lifecycle.clone())
+    });
 
     info!(
         version = env!("CARGO_PKG_VERSION"),
@@ -278,7 +321,7 @@ async fn run_engine(
     };
     admin_stop.cancel();
     reloader.abort();
-    for task in [watchdog, admin_sync, admin_http, refresh, log_flusher]
+    for task in [watchdog, admin_sync, admin_http, refresh, log_flusher, idle]
         .into_iter()
         .flatten()
     {

@@ -97,6 +97,11 @@ pub struct ServerOptions {
 pub struct ServerStats {
     in_flight: AtomicUsize,
     peak_in_flight: AtomicUsize,
+    /// Worker connections open now (§20: `idle_exit` watches it).
+    open: AtomicUsize,
+    /// Connections accepted so far: one that came and went between two looks of
+    /// the `idle_exit` watcher still counts as activity.
+    accepted: AtomicU64,
 }
 
 impl ServerStats {
@@ -109,6 +114,14 @@ impl ServerStats {
     /// The most requests any one connection has had in progress at once.
     pub fn peak_in_flight(&self) -> usize {
         self.peak_in_flight.load(Ordering::Relaxed)
+    }
+
+    /// Worker connections open now, and connections accepted since the start.
+    pub fn connections(&self) -> (usize, u64) {
+        (
+            self.open.load(Ordering::Acquire),
+            self.accepted.load(Ordering::Acquire),
+        )
     }
 }
 
@@ -173,6 +186,7 @@ pub(crate) struct ConnSlot(pub Arc<Shared>);
 impl Drop for ConnSlot {
     fn drop(&mut self) {
         self.0.connections.fetch_sub(1, Ordering::AcqRel);
+        self.0.opts.stats.open.fetch_sub(1, Ordering::AcqRel);
     }
 }
 
@@ -250,6 +264,8 @@ where
                 Ok((stream, _)) => {
                     let id = next_id.fetch_add(1, Ordering::Relaxed);
                     let open = shared.connections.fetch_add(1, Ordering::AcqRel) + 1;
+                    shared.opts.stats.open.fetch_add(1, Ordering::AcqRel);
+                    shared.opts.stats.accepted.fetch_add(1, Ordering::AcqRel);
                     let slot = ConnSlot(shared.clone());
                     let max = shared.opts.max_connections.max(1);
                     if open > max + RESERVED_CONNECTIONS as usize {

@@ -4,7 +4,7 @@
 use super::{choice, duration, non_empty, redis_url};
 use crate::config::env::Origins;
 use crate::config::raw::RawSidecar;
-use crate::config::{ConfigError, DegradedShare, SidecarConfig};
+use crate::config::{ConfigError, DegradedShare, IdleExit, SidecarConfig};
 
 /// Smallest accepted `sidecar.max_frame`.
 const MIN_MAX_FRAME: u64 = 1024;
@@ -222,7 +222,25 @@ pub(super) fn validate_sidecar(
         }
     };
 
+    // §20: "off", or a positive duration; unset depends on how the process started.
+    let idle_exit = match raw.idle_exit {
+        None => d.idle_exit,
+        Some(s) if s.trim().eq_ignore_ascii_case("off") => IdleExit::Off,
+        Some(s) => match humantime::parse_duration(s.trim()) {
+            Ok(v) if !v.is_zero() && v <= crate::limits::MAX_CONFIG_DURATION => IdleExit::After(v),
+            _ => {
+                return Err(ctx.err(
+                    "sidecar.idle_exit",
+                    format_args!("{s:?}"),
+                    "expected \"off\" or a duration greater than zero and at most a year, \
+                     such as 30s or 10m",
+                ))
+            }
+        },
+    };
+
     Ok(SidecarConfig {
+        idle_exit,
         worker_threads,
         max_connections,
         idle_timeout,
