@@ -73,7 +73,7 @@ use crate::engine::error::{EngineError, SkipReason};
 use crate::engine::pass::nap;
 use crate::engine::runtime::bump;
 use crate::engine::Engine;
-use crate::metrics::histogram::Histogram;
+use crate::histogram::Histogram;
 
 impl<B: Backend> Engine<B> {
     /// The Acquire starts sleeping: count it against `sidecar.max_waiters` (past it
