@@ -446,7 +446,7 @@ mod tests {
         }
         assert!(
             !lua.contains(&format!("ARGV[{}]", SLOTS.len() + 1)),
-            "gate.lua reads a slot script.rs does not send"
+            "gate.lua reads a slot script/argv.rs does not send"
         );
     }
 }
