@@ -40,8 +40,9 @@ pub enum Counts {
     Output,
 }
 
-/// The kinds of bucket, in the order [`Quota`] stores them and the Redis script
-/// lists them (`gate.lua` `QB`): what each counts and its refill period.
+/// The kinds of bucket, in the order [`Quota`](super::Quota) stores them and the
+/// Redis script lists them (`gate.lua` `QB`): what each counts and its refill
+/// period.
 pub const BUCKETS: [(Bucket, Counts, Duration); 6] = [
     (Bucket::Tpm, Counts::Tokens, MINUTE),
     (Bucket::Rpm, Counts::Requests, MINUTE),
