@@ -1292,3 +1292,25 @@ async fn an_autostarted_sidecar_holds_its_lock_and_exits_when_idle() {
     assert!(!path.exists(), "socket removed");
     assert!(!lock.exists(), "lock file removed");
 }
+
+/// §20: an autostarted sidecar that took its lock and then cannot start (its admin
+/// address is taken) removes the lock file again: nothing is left beside the socket.
+#[test]
+fn an_autostarted_sidecar_that_fails_to_bind_removes_its_lock_file() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("sidecar.sock");
+    let lock = dir.path().join("sidecar.sock.lock");
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let out = sidecar()
+        .arg("--autostarted")
+        .env("SIDECAR__SOCKET", &path)
+        .env("SIDECAR__ADMIN_LISTEN", taken.local_addr().unwrap().to_string())
+        .stdout(Stdio::null())
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(err.contains(&taken.local_addr().unwrap().to_string()), "{err}");
+    assert!(!lock.exists(), "the lock file was left behind");
+    assert!(!path.exists(), "no socket was made");
+}

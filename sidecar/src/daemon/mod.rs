@@ -158,21 +158,20 @@ async fn serve(config: Config, path: Option<PathBuf>, autostart: Option<Autostar
     };
     // The admin listener first: if its address is taken, exit before the worker socket
     // exists, so no worker ever connects to a daemon that is about to go away.
+    // A start that fails from here on removes the lock file it made.
+    let fail = |e: &dyn std::fmt::Display, lock: Option<SocketLock>| {
+        error!("{e}");
+        signals.abort();
+        lock.map(SocketLock::remove);
+        ExitCode::FAILURE
+    };
     let admin = match listen::admin(&config, passed_admin).await {
         Ok(l) => l,
-        Err(e) => {
-            error!("{e}");
-            signals.abort();
-            return ExitCode::FAILURE;
-        }
+        Err(e) => return fail(&e, lock),
     };
     let bound = match listen::listen(&config, passed_worker) {
         Ok(b) => b,
-        Err(e) => {
-            error!("{e}");
-            signals.abort();
-            return ExitCode::FAILURE;
-        }
+        Err(e) => return fail(&e, lock),
     };
     let reload = Reload {
         requests: reload_rx,
