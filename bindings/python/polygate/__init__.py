@@ -13,6 +13,7 @@
 """
 
 from ._core import Limit, Limits, Outcome, ReportResult, ScopeStatus, SourceStatus, Status, parse_headers
+from ._autostart import sidecar_path
 from ._version import __version__
 from ._sync import Call, Client, Permit, connect
 from .errors import (
@@ -29,6 +30,7 @@ __all__ = [
     "Limits",
     "parse_headers",
     "connect",
+    "sidecar_path",
     "Client",
     "Call",
     "Permit",

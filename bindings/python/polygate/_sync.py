@@ -39,7 +39,7 @@ import threading
 import time
 from typing import Any, Callable, Dict, List, Optional, TypeVar
 
-from . import _core, _frames, _wire
+from . import _autostart, _core, _frames, _wire
 from ._core import ReportResult
 from .errors import GatewayUnavailableError, PolyGateError, SidecarError
 
@@ -725,7 +725,7 @@ class Client(_core.WelcomeInfo[_Connection]):
 
 
 def connect(path: Optional[str] = None, *, client_name: Optional[str] = None,
-            timeout: Optional[float] = 10.0) -> Client:
+            timeout: Optional[float] = 10.0, autostart: Optional[bool] = None) -> Client:
     """Connect to the sidecar and do the Hello/Welcome handshake.
 
     ``path``: the socket; default ``$POLYGATE_SOCKET``, else the default for
@@ -734,8 +734,12 @@ def connect(path: Optional[str] = None, *, client_name: Optional[str] = None,
     (here and at every reconnect). Raises :class:`SidecarError` (naming the
     path) if it cannot connect, or if the sidecar does not speak protocol
     version 2. The client reconnects by itself after a lost connection.
+    ``autostart`` (default ``$POLYGATE_AUTOSTART``): when nothing answers on the
+    socket, start the bundled sidecar for it first (DESIGN §20, :mod:`polygate._autostart`).
     """
     path = _core.resolve_path(path)
+    if _autostart.wanted(autostart):
+        _autostart.ensure(path, timeout)
     return Client(_open(path, client_name, timeout), client_name, timeout)
 
 

@@ -35,7 +35,7 @@ import itertools
 import time
 from typing import Any, Awaitable, Callable, Dict, List, Optional, TypeVar
 
-from . import _core, _frames, _wire
+from . import _autostart, _core, _frames, _wire
 from ._core import Outcome, ReportResult, ScopeStatus, SourceStatus, Status
 from .errors import (
     AllSourcesExhausted,
@@ -507,10 +507,13 @@ def _retrieve(task: "asyncio.Task[Any]") -> None:
 
 
 async def connect(path: Optional[str] = None, *, client_name: Optional[str] = None,
-                  timeout: Optional[float] = 10.0) -> Client:
+                  timeout: Optional[float] = 10.0, autostart: Optional[bool] = None) -> Client:
     """Connect and handshake; see :func:`polygate.connect` (the client
-    reconnects by itself after a lost connection)."""
+    reconnects by itself after a lost connection; ``autostart`` as there, the
+    start run in a thread)."""
     path = _core.resolve_path(path)
+    if _autostart.wanted(autostart):
+        await asyncio.get_running_loop().run_in_executor(None, _autostart.ensure, path, timeout)
     return Client(await _open(path, client_name, timeout), client_name, timeout)
 
 

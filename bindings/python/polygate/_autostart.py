@@ -1,0 +1,231 @@
+"""Autostart (DESIGN §20): start a sidecar for this socket when none answers.
+
+Opt-in (``connect(autostart=True)`` or ``$POLYGATE_AUTOSTART=1``). When nothing
+answers on the socket, take ``SOCKET.lock`` (``flock``, exclusive, not waiting),
+look once more, and start :func:`sidecar_path` detached (its own session, so it
+outlives this process) as ``polygate-sidecar --autostarted --lock-fd N`` on the
+embedded default configuration (or ``$POLYGATE_CONFIG``), bound to this socket
+(``SIDECAR__SOCKET``). The locked descriptor is inherited: the lock becomes the
+sidecar's and is held until it exits, so of any number of processes starting at
+once exactly one starts a sidecar and the others connect to it. The sidecar's
+stderr goes to ``SOCKET.log``; if it exits before it listens, the caller gets a
+:class:`~polygate.errors.SidecarError` carrying its first lines and the log path.
+An autostarted sidecar exits after ``sidecar.idle_exit`` (10 min unless set)
+without a connection, removing socket and lock file.
+
+Blocking; :mod:`polygate.aio` runs it in a thread.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import sysconfig
+import threading
+import time
+from typing import List, Optional
+
+from .errors import SidecarError
+
+AUTOSTART_ENV = "POLYGATE_AUTOSTART"
+SIDECAR_ENV = "POLYGATE_SIDECAR"
+CONFIG_ENV = "POLYGATE_CONFIG"
+BINARY = "polygate-sidecar"
+EXIT_BUSY = 75
+"""The sidecar's exit status when another process holds the lock (``EX_TEMPFAIL``)."""
+START_TIMEOUT = 10.0
+"""How long a start may take when the caller set no timeout, in seconds."""
+_POLL = 0.01
+_ERROR_LINES = 12
+
+# A connect that fails with one of these means "nobody is serving there".
+_ABSENT = (errno.ENOENT, errno.ECONNREFUSED)
+
+
+def wanted(autostart: Optional[bool]) -> bool:
+    """``autostart`` as given, else ``$POLYGATE_AUTOSTART`` (``1``/``true``/``yes``)."""
+    if autostart is not None:
+        return autostart
+    return os.environ.get(AUTOSTART_ENV, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def sidecar_path() -> str:
+    """The ``polygate-sidecar`` binary: ``$POLYGATE_SIDECAR``, else the one the
+    platform wheel installed beside this environment's scripts, else ``PATH``.
+    Raises :class:`SidecarError` when there is none."""
+    env = os.environ.get(SIDECAR_ENV)
+    if env:
+        return env
+    for scripts in _script_dirs():
+        candidate = os.path.join(scripts, BINARY)
+        if os.path.isfile(candidate) and os.access(candidate, os.X_OK):
+            return candidate
+    found = shutil.which(BINARY)
+    if found:
+        return found
+    raise SidecarError(
+        "no %s binary: install the platform wheel of polygate (it carries one), put it on PATH, "
+        "or set $%s" % (BINARY, SIDECAR_ENV),
+        kind="connection",
+    )
+
+
+def _script_dirs() -> List[str]:
+    """Where an installed wheel's scripts land: this scheme's, the user scheme's,
+    and beside the interpreter (the ruff/uv ``find_*_bin`` rule)."""
+    dirs = []
+    for scheme in (None, "%s_user" % os.name):
+        try:
+            d = sysconfig.get_path("scripts") if scheme is None else sysconfig.get_path("scripts", scheme)
+        except KeyError:
+            continue
+        if d:
+            dirs.append(d)
+    dirs.append(os.path.dirname(sys.executable))
+    return dirs
+
+
+def _answers(path: str) -> bool:
+    """True when something listens on ``path`` (or a connect fails for a reason a
+    start cannot fix, which ``connect`` then reports)."""
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        s.settimeout(1.0)
+        s.connect(path)
+        return True
+    except OSError as e:
+        return e.errno not in _ABSENT
+    finally:
+        s.close()
+
+
+def ensure(path: str, timeout: Optional[float]) -> None:
+    """Return once a sidecar answers on ``path``, starting one if none does (see
+    the module text). ``timeout``: the bound in seconds (``None``: 10 s)."""
+    if _answers(path):
+        return
+    path = os.path.abspath(path)
+    lock_path = path + ".lock"
+    deadline = time.monotonic() + (timeout if timeout is not None else START_TIMEOUT)
+    directory = os.path.dirname(path)
+    try:
+        os.makedirs(directory, mode=0o700, exist_ok=True)
+    except OSError as e:
+        raise SidecarError("autostart: cannot create the socket directory %s: %s" % (directory, e),
+                           kind="connection") from None
+    while True:
+        if _answers(path):
+            return
+        fd = _try_lock(lock_path)
+        if fd is not None:
+            try:
+                if _answers(path):  # a daemon that is not ours came up meanwhile
+                    return
+                proc, log_path = _spawn(path, fd)
+            finally:
+                os.close(fd)  # the sidecar holds the lock now
+            if _wait(proc, path, log_path, deadline):
+                return
+            continue  # it found the lock taken (exit 75): look again
+        if time.monotonic() > deadline:
+            raise SidecarError(
+                "autostart: no sidecar answers on %s and another process holds %s (starting one?) "
+                "past the timeout" % (path, lock_path),
+                kind="connection",
+            )
+        time.sleep(_POLL)
+
+
+def _try_lock(lock_path: str) -> Optional[int]:
+    """``lock_path`` opened and locked (exclusive, not waiting), or ``None`` when
+    another process holds it or the file was replaced under us."""
+    try:
+        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    except OSError as e:
+        raise SidecarError("autostart: cannot open the lock file %s: %s" % (lock_path, e),
+                           kind="connection") from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return None
+    except OSError as e:
+        os.close(fd)
+        raise SidecarError("autostart: cannot lock %s: %s" % (lock_path, e), kind="connection") from None
+    # An exiting sidecar unlinks the file: a lock on the unlinked one guards nothing.
+    try:
+        same = os.path.samestat(os.fstat(fd), os.stat(lock_path))
+    except OSError:
+        same = False
+    if not same:
+        os.close(fd)
+        return None
+    return fd
+
+
+def _spawn(path: str, lock_fd: int) -> "tuple[subprocess.Popen[bytes], str]":
+    """Start the sidecar detached on ``path`` with the locked ``lock_fd``."""
+    binary = sidecar_path()
+    args = [binary, "--autostarted", "--lock-fd", str(lock_fd)]
+    config = os.environ.get(CONFIG_ENV)
+    if config:
+        args[1:1] = ["--config", os.path.abspath(config)]
+    env = dict(os.environ)
+    env["SIDECAR__SOCKET"] = path
+    log_path = path + ".log"
+    try:
+        log = open(log_path, "wb")  # we hold the lock: nobody else writes it now
+    except OSError as e:
+        raise SidecarError("autostart: cannot open the log file %s: %s" % (log_path, e),
+                           kind="connection") from None
+    try:
+        proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=log, stderr=log, env=env,
+                                pass_fds=(lock_fd,), start_new_session=True, cwd="/")
+    except OSError as e:
+        raise SidecarError("autostart: cannot start %s: %s" % (binary, e), kind="connection") from None
+    finally:
+        log.close()
+    return proc, log_path
+
+
+def _wait(proc: "subprocess.Popen[bytes]", path: str, log_path: str, deadline: float) -> bool:
+    """Wait until ``proc`` listens on ``path`` (True), found the lock taken (False),
+    or failed (raise, with its first stderr lines)."""
+    while True:
+        if _answers(path):
+            # Reap it when it exits some day, so it leaves no zombie behind.
+            threading.Thread(target=proc.wait, name="polygate-sidecar-reaper", daemon=True).start()
+            return True
+        code = proc.poll()
+        if code == EXIT_BUSY:
+            return False
+        if code is not None:
+            raise SidecarError(
+                "autostart: the sidecar exited with status %d before listening on %s:\n%s\n(log: %s)"
+                % (code, path, _first_lines(log_path), log_path),
+                kind="connection",
+            )
+        if time.monotonic() > deadline:
+            proc.kill()
+            proc.wait()
+            raise SidecarError(
+                "autostart: the sidecar did not listen on %s in time (killed it):\n%s\n(log: %s)"
+                % (path, _first_lines(log_path), log_path),
+                kind="connection",
+            )
+        time.sleep(_POLL)
+
+
+def _first_lines(log_path: str) -> str:
+    try:
+        with open(log_path, "rb") as f:
+            text = f.read(16384).decode("utf-8", "replace")
+    except OSError as e:
+        return "(cannot read the log: %s)" % e
+    lines = [line for line in text.splitlines() if line.strip()][:_ERROR_LINES]
+    return "\n".join(lines) if lines else "(it wrote nothing)"

@@ -1,0 +1,192 @@
+"""Autostart (DESIGN §20, issue 31) against the real daemon: 100 processes racing
+``connect(autostart=True)`` on one socket make exactly one sidecar and all get a
+permit; an idle autostarted sidecar exits within ``idle_exit`` + 2 s, removing
+socket and lock file; a bad config surfaces the sidecar's own message within 5 s;
+autostart stays off unless asked for."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+from pathlib import Path
+from typing import Iterator, List
+
+import pytest
+
+import polygate
+import polygate.aio
+from polygate.errors import SidecarError
+
+from .polygate_e2e import wait_until
+
+
+@pytest.fixture
+def run_dir() -> Iterator[Path]:
+    """A short directory (AF_UNIX paths are <= 108 bytes); any sidecar still
+    serving there is stopped at teardown."""
+    d = Path(tempfile.mkdtemp(prefix="pg-auto-"))
+    yield d
+    for pid in _sidecars_in(d):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.fixture
+def counting_bin(sidecar_bin: Path, run_dir: Path) -> Path:
+    """A wrapper that records each start of the real binary in ``starts``, then
+    execs it (the inherited lock descriptor survives the exec)."""
+    w = run_dir / "polygate-sidecar"
+    w.write_text("#!/bin/sh\necho $$ >> %s\nexec %s \"$@\"\n" % (run_dir / "starts", sidecar_bin))
+    w.chmod(0o755)
+    return w
+
+
+def _sidecars_in(d: Path) -> List[int]:
+    """Live autostarted sidecars whose socket is under ``d``."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            cmd = Path("/proc", entry, "cmdline").read_bytes().split(b"\0")
+            env = Path("/proc", entry, "environ").read_bytes().split(b"\0")
+            state = Path("/proc", entry, "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if state != "Z" and b"--autostarted" in cmd and any(
+                e.startswith(b"SIDECAR__SOCKET=" + os.fsencode(d)) for e in env):
+            pids.append(int(entry))
+    return pids
+
+
+def _env(binary: Path, **extra: str) -> dict:
+    env = {k: v for k, v in os.environ.items() if "__" not in k and not k.startswith("POLYGATE_")}
+    env["POLYGATE_SIDECAR"] = str(binary)
+    env.update(extra)
+    return env
+
+
+WORKER = textwrap.dedent("""
+    import sys, time
+    import polygate
+    path, start_at = sys.argv[1], float(sys.argv[2])
+    time.sleep(max(0.0, start_at - time.time()))
+    c = polygate.connect(path, autostart=True, timeout=60)
+    with c.call("chat", est_tokens=10) as call:
+        p = call.acquire()
+        p.success(tokens=5)
+    print("admitted", p.source)
+    c.close()
+""")
+
+
+@pytest.mark.timeout(180)
+def test_100_processes_racing_autostart_make_one_sidecar_and_all_are_admitted(run_dir, counting_bin):
+    sock = run_dir / "run" / "s.sock"
+    script = run_dir / "worker.py"
+    script.write_text(WORKER)
+    n = 100
+    # Every worker imports first, then connects at the same instant.
+    start_at = time.time() + 8.0
+    env = _env(counting_bin)
+    procs = [subprocess.Popen([sys.executable, str(script), str(sock), str(start_at)], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(n)]
+    outs = []
+    for p in procs:
+        out, err = p.communicate(timeout=150)
+        outs.append((p.returncode, out, err))
+    failed = [o for o in outs if o[0] != 0 or not o[1].startswith("admitted ")]
+    assert not failed, "%d of %d failed; first: %r" % (len(failed), n, failed[:1])
+    starts = (run_dir / "starts").read_text().split()
+    assert len(starts) == 1, "the binary was started %d times: %s" % (len(starts), starts)
+    assert _sidecars_in(run_dir) == [int(starts[0])], "exactly one sidecar serves the socket"
+
+
+@pytest.mark.timeout(60)
+def test_an_idle_autostarted_sidecar_exits_and_removes_socket_and_lock(run_dir, sidecar_bin, monkeypatch):
+    sock = run_dir / "s.sock"
+    for k, v in _env(sidecar_bin, SIDECAR__IDLE_EXIT="1s").items():
+        monkeypatch.setenv(k, v)
+    c = polygate.connect(str(sock), autostart=True)
+    (pid,) = _sidecars_in(run_dir)
+    assert sock.exists() and Path(str(sock) + ".lock").exists()
+    time.sleep(2.0)
+    assert _sidecars_in(run_dir) == [pid], "it exited while a connection was open"
+    c.close()
+    closed = time.monotonic()
+    wait_until(lambda: not _sidecars_in(run_dir), timeout=10, what="the idle sidecar to exit")
+    took = time.monotonic() - closed
+    assert 1.0 <= took <= 3.0, "exited %.2f s after the last connection closed (idle_exit 1s)" % took
+    assert not sock.exists(), "socket removed"
+    assert not Path(str(sock) + ".lock").exists(), "lock file removed"
+    # The next connect with autostart starts a new one.
+    with polygate.connect(str(sock), autostart=True) as c2:
+        assert c2.sidecar_version
+    assert [p for p in _sidecars_in(run_dir) if p != pid]
+
+
+@pytest.mark.timeout(30)
+def test_a_bad_config_gives_the_sidecars_message_within_5_s(run_dir, sidecar_bin, monkeypatch):
+    bad = run_dir / "bad.toml"
+    bad.write_text("[sidecar]\nmax_frame = 10\n\n[scopes.chat]\n[[scopes.chat.sources]]\nname = \"a\"\n")
+    for k, v in _env(sidecar_bin, POLYGATE_CONFIG=str(bad)).items():
+        monkeypatch.setenv(k, v)
+    sock = run_dir / "s.sock"
+    t0 = time.monotonic()
+    with pytest.raises(SidecarError) as e:
+        polygate.connect(str(sock), autostart=True)
+    took = time.monotonic() - t0
+    assert took < 5.0, took
+    msg = str(e.value)
+    assert "sidecar.max_frame" in msg and "10" in msg, msg
+    assert "exited with status" in msg and str(sock) + ".log" in msg, msg
+    assert not Path(str(sock) + ".lock").exists() or not _sidecars_in(run_dir)
+
+
+@pytest.mark.timeout(30)
+def test_autostart_is_opt_in_and_the_env_turns_it_on(run_dir, sidecar_bin, monkeypatch):
+    for k, v in _env(sidecar_bin).items():
+        monkeypatch.setenv(k, v)
+    sock = run_dir / "s.sock"
+    with pytest.raises(SidecarError, match="cannot connect"):
+        polygate.connect(str(sock))
+    assert not _sidecars_in(run_dir) and not sock.exists(), "nothing was started without autostart"
+    monkeypatch.setenv("POLYGATE_AUTOSTART", "1")
+
+    async def main() -> str:
+        c = await polygate.aio.connect(str(sock))
+        try:
+            return c.sidecar_version
+        finally:
+            await c.close()
+    assert asyncio.run(main())
+    assert len(_sidecars_in(run_dir)) == 1
+    # A sidecar already serving is used, not replaced: no second start.
+    with polygate.connect(str(sock)) as c:
+        assert c.sidecar_version
+    assert len(_sidecars_in(run_dir)) == 1
+
+
+@pytest.mark.timeout(30)
+def test_sidecar_path_honours_the_override_and_names_what_to_do(monkeypatch, tmp_path):
+    monkeypatch.setenv("POLYGATE_SIDECAR", "/opt/x/polygate-sidecar")
+    assert polygate.sidecar_path() == "/opt/x/polygate-sidecar"
+    monkeypatch.delenv("POLYGATE_SIDECAR")
+    monkeypatch.setenv("PATH", str(tmp_path))
+    monkeypatch.setattr(polygate._autostart, "_script_dirs", lambda: [str(tmp_path / "none")])
+    with pytest.raises(SidecarError, match="POLYGATE_SIDECAR"):
+        polygate.sidecar_path()
+    exe = tmp_path / "polygate-sidecar"
+    exe.write_text("#!/bin/sh\n")
+    exe.chmod(0o755)
+    assert polygate.sidecar_path() == str(exe)
