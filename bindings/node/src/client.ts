@@ -19,6 +19,7 @@
 
 import * as net from "node:net";
 
+import { autostartWanted, ensureSidecar } from "./autostart.js";
 import { Usage, Verdict, classifyError, usageOf } from "./classify.js";
 import type { FailureKind } from "./classify.js";
 import "./codec.js"; // registers the generic decoder of the cold replies
@@ -83,6 +84,8 @@ export interface ConnectOptions {
   clientName?: string;
   /** Bound on connecting + the Hello/Welcome handshake, in milliseconds (default 10000). */
   timeoutMs?: number;
+  /** When nothing answers on the socket, start the packaged sidecar first (DESIGN §20); default `$POLYGATE_AUTOSTART`. */
+  autostart?: boolean;
 }
 
 /** Options of a call (PROTOCOL §14.2). */
@@ -1217,6 +1220,7 @@ function statusFromJson(doc: unknown): Status {
 /** Connect to the sidecar: `path`, else `$POLYGATE_SOCKET`, else {@link defaultSocket} for this uid. */
 export async function connect(path?: string | null, opts: ConnectOptions = {}): Promise<Client> {
   const p = resolvePath(path);
+  if (autostartWanted(opts.autostart)) await ensureSidecar(p, opts.timeoutMs ?? 10_000);
   const conn = await Connection.open(p, opts);
   return new Client(p, conn, opts);
 }

@@ -22,6 +22,7 @@ export type { ExhaustionReason, SkipReason } from "./errors.js";
 export { classifyError, retryAfterOf, statusOf, usageOf } from "./classify.js";
 export type { FailureKind, Usage, Verdict } from "./classify.js";
 export { PROTOCOL_VERSION } from "./wire.js";
+export { AUTOSTART_ENV, CONFIG_ENV, SIDECAR_ENV, platformPackage, sidecarPath } from "./autostart.js";
 export { limitsOf, parseDuration, parseRateLimitHeaders, toWireLimits } from "./ratelimit.js";
 export type { HeaderSource, Limit, Limits } from "./ratelimit.js";
 export { RouteMissingError, fetch } from "./transport.js";

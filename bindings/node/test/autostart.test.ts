@@ -1,0 +1,101 @@
+// Autostart (DESIGN §20) against the real daemon: off unless asked for; on, it starts
+// one sidecar that several concurrent connects share (the sidecar's own lock sends the
+// extra starts away with status 75); a bad config's message reaches the caller; SIGTERM
+// (like idle_exit) removes socket and lock.
+
+import * as assert from "node:assert/strict";
+import * as fs from "node:fs";
+import * as path from "node:path";
+import { afterEach, describe, test } from "node:test";
+
+import { SidecarError, connect, sidecarPath } from "../src/index.js";
+import { sidecarBin, sleep, tempDir } from "./support.js";
+
+/** Live autostarted sidecars whose socket is under `dir`. */
+function sidecarsIn(dir: string): number[] {
+  const pids: number[] = [];
+  for (const e of fs.readdirSync("/proc")) {
+    if (!/^\d+$/.test(e)) continue;
+    try {
+      const cmd = fs.readFileSync(`/proc/${e}/cmdline`, "utf8");
+      const env = fs.readFileSync(`/proc/${e}/environ`, "utf8").split("\0");
+      const state = fs.readFileSync(`/proc/${e}/stat`, "utf8").split(") ")[1]?.[0];
+      if (state !== "Z" && cmd.includes("--autostarted") && env.some((v) => v.startsWith(`SIDECAR__SOCKET=${dir}`))) {
+        pids.push(Number(e));
+      }
+    } catch {
+      // gone meanwhile
+    }
+  }
+  return pids;
+}
+
+const saved = { ...process.env };
+const dirs: string[] = [];
+afterEach(() => {
+  for (const d of dirs.splice(0)) for (const pid of sidecarsIn(d)) process.kill(pid, "SIGKILL");
+  for (const k of Object.keys(process.env)) if (!(k in saved)) delete process.env[k];
+  Object.assign(process.env, saved);
+});
+
+function setup(): { dir: string; sock: string } {
+  const dir = tempDir("pg-auto-");
+  dirs.push(dir);
+  for (const k of Object.keys(process.env)) if (k.includes("__") || k.startsWith("POLYGATE_")) delete process.env[k];
+  process.env.POLYGATE_SIDECAR = sidecarBin();
+  return { dir, sock: path.join(dir, "run", "s.sock") };
+}
+
+describe("autostart", { timeout: 60_000 }, () => {
+  test("off by default; on, concurrent connects share one sidecar; SIGTERM removes socket and lock", async () => {
+    const { dir, sock } = setup();
+    await assert.rejects(connect(sock), SidecarError);
+    assert.deepEqual(sidecarsIn(dir), [], "nothing started without autostart");
+
+    const clients = await Promise.all(Array.from({ length: 8 }, () => connect(sock, { autostart: true })));
+    const pids = sidecarsIn(dir);
+    assert.equal(pids.length, 1, `one sidecar serves the socket: ${pids}`);
+    const permit = await (await clients[0]!.call("chat", { estTokens: 10 })).acquire();
+    await permit.success({ tokens: 5 });
+    for (const c of clients) await c.close();
+    assert.ok(fs.existsSync(`${sock}.lock`));
+
+    process.env.POLYGATE_AUTOSTART = "1";
+    const again = await connect(sock);
+    await again.close();
+    assert.deepEqual(sidecarsIn(dir), pids, "the running one is used, not replaced");
+
+    process.kill(pids[0]!, "SIGTERM");
+    const until = Date.now() + 10_000;
+    while (sidecarsIn(dir).length > 0 && Date.now() < until) await sleep(20);
+    assert.ok(!fs.existsSync(sock) && !fs.existsSync(`${sock}.lock`), "socket and lock removed");
+  });
+
+  test("a bad config gives the sidecar's own message and the log path, fast", async () => {
+    const { dir, sock } = setup();
+    const bad = path.join(dir, "bad.toml");
+    fs.writeFileSync(bad, '[sidecar]\nmax_frame = 10\n\n[scopes.chat]\n[[scopes.chat.sources]]\nname = "a"\n');
+    process.env.POLYGATE_CONFIG = bad;
+    const t0 = Date.now();
+    const err = await connect(sock, { autostart: true }).then(
+      () => assert.fail("connected"),
+      (e: unknown) => e,
+    );
+    assert.ok(Date.now() - t0 < 5000);
+    assert.ok(err instanceof SidecarError);
+    assert.match(err.message, /sidecar\.max_frame/);
+    assert.ok(err.message.includes(`${sock}.log`), err.message);
+  });
+
+  test("sidecarPath: $POLYGATE_SIDECAR, else PATH, else an error naming the fixes", async () => {
+    setup();
+    process.env.POLYGATE_SIDECAR = "/opt/x/polygate-sidecar";
+    assert.equal(await sidecarPath(), "/opt/x/polygate-sidecar");
+    delete process.env.POLYGATE_SIDECAR;
+    const dir = tempDir("pg-path-");
+    process.env.PATH = dir;
+    await assert.rejects(sidecarPath(), /POLYGATE_SIDECAR/);
+    fs.writeFileSync(path.join(dir, "polygate-sidecar"), "#!/bin/sh\n", { mode: 0o755 });
+    assert.equal(await sidecarPath(), path.join(dir, "polygate-sidecar"));
+  });
+});
