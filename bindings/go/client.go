@@ -73,6 +73,10 @@ type Options struct {
 	// ClientName is sent in Hello and shows in the sidecar's logs; default
 	// "polygate-go/<ClientVersion>".
 	ClientName string
+	// Autostart: when nothing answers on the socket, start a sidecar for it
+	// first ($POLYGATE_SIDECAR or polygate-sidecar on PATH; DESIGN §20). Off
+	// unless set here or by POLYGATE_AUTOSTART=1.
+	Autostart bool
 }
 
 // Dial connects to the sidecar at path and performs the handshake; ctx bounds
@@ -101,6 +105,11 @@ func DialOptions(ctx context.Context, path string, o Options) (*Client, error) {
 	}
 	if !utf8.ValidString(name) {
 		return nil, invalidArgument("ClientName %q is not valid UTF-8", name)
+	}
+	if autostartWanted(o.Autostart) {
+		if err := ensureSidecar(ctx, path); err != nil {
+			return nil, err
+		}
 	}
 	c := &Client{path: path, name: name}
 	if _, err := c.conn(ctx); err != nil {
