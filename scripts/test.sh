@@ -6,7 +6,9 @@
 # then the Go binding (gofmt, go vet, go test -race: vectors, fake sidecar,
 # conformance scenarios and end-to-end tests against the real daemon and Redis),
 # then the Node.js binding (npm ci from its lockfile, tsc --strict, vectors, fake
-# sidecar, conformance scenarios and end-to-end tests against the daemon and Redis).
+# sidecar, conformance scenarios and end-to-end tests against the daemon and Redis),
+# then the packages (scripts/package.sh; the wheel installed into a fresh venv and the
+# npm tarballs into a fresh directory, each autostarting a sidecar for a gated call).
 #
 # It installs what it needs: redis-server (Debian package) if missing, and a Python
 # venv in .venv with pytest, pytest-timeout, mypy and the `polygate` binding
@@ -77,7 +79,9 @@ step "mypy --strict on the binding (it ships py.typed)"
 
 step "Python tests (binding, vectors, end-to-end against the real daemon; 60 s timeout each)"
 export POLYGATE_SIDECAR_BIN="$root/target/debug/polygate-sidecar"
-.venv/bin/python -m pytest -q bindings/python/tests tests
+# tests/test_install_packages.py needs the Node.js binding's dev dependencies: it runs
+# as its own step after the Node.js one.
+.venv/bin/python -m pytest -q bindings/python/tests tests --ignore=tests/test_install_packages.py
 
 step "Go binding (gofmt, go vet, go test -race: vectors, fake sidecar, conformance, e2e)"
 if ! command -v go >/dev/null 2>&1; then
@@ -114,6 +118,16 @@ else
         npm run --silent build:test
         timeout 900 node --test build/test/*.test.js
     )
+fi
+
+step "packages (scripts/package.sh: wheel + npm tarballs; installed outside the repo, autostart; ~25 s)"
+if command -v node >/dev/null 2>&1 && [ -d bindings/node/node_modules ]; then
+    .venv/bin/python -m pytest -q tests/test_install_packages.py
+elif [ "${CI:-}" = true ]; then
+    echo "the package test needs node/npm and bindings/node/node_modules; CI=true, so this fails the run" >&2
+    exit 1
+else
+    echo "node/npm missing: skipping the package test (tests/test_install_packages.py)" >&2
 fi
 
 step "polygate-bench smoke test (every scenario prints its keys; tiny durations, no figures checked)"
