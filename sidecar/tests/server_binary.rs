@@ -1304,13 +1304,19 @@ fn an_autostarted_sidecar_that_fails_to_bind_removes_its_lock_file() {
     let out = sidecar()
         .arg("--autostarted")
         .env("SIDECAR__SOCKET", &path)
-        .env("SIDECAR__ADMIN_LISTEN", taken.local_addr().unwrap().to_string())
+        .env(
+            "SIDECAR__ADMIN_LISTEN",
+            taken.local_addr().unwrap().to_string(),
+        )
         .stdout(Stdio::null())
         .output()
         .unwrap();
     let err = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(1), "{err}");
-    assert!(err.contains(&taken.local_addr().unwrap().to_string()), "{err}");
+    assert!(
+        err.contains(&taken.local_addr().unwrap().to_string()),
+        "{err}"
+    );
     assert!(!lock.exists(), "the lock file was left behind");
     assert!(!path.exists(), "no socket was made");
 }

@@ -162,7 +162,9 @@ async fn serve(config: Config, path: Option<PathBuf>, autostart: Option<Autostar
     let fail = |e: &dyn std::fmt::Display, lock: Option<SocketLock>| {
         error!("{e}");
         signals.abort();
-        lock.map(SocketLock::remove);
+        if let Some(lock) = lock {
+            lock.remove();
+        }
         ExitCode::FAILURE
     };
     let admin = match listen::admin(&config, passed_admin).await {
