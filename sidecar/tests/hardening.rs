@@ -710,6 +710,121 @@ async fn clients_that_never_read_cannot_grow_memory_and_others_are_served() {
     assert!(d.alive());
 }
 
+/// Issue 29 item 2: twenty connections pipelining `Status` (a ~45 KB reply: 280
+/// sources) and reading nothing. Every byte they make the sidecar hold — replies
+/// being built, waiting for the sidecar-wide status pacing, built and not yet
+/// written — must be within the reply budgets (1 MiB unsent per connection,
+/// `max_buffered` in all), so RSS grows by at most 150 MB; and a healthy client is
+/// answered meanwhile: `Ping` promptly, `Status` too. Run on the default
+/// current-thread runtime and on two worker threads (where one reading thread
+/// keeps the other's status replies coming).
+#[tokio::test(flavor = "multi_thread")]
+async fn twenty_connections_pipelining_status_unread_stay_within_the_reply_budget() {
+    for threads in [1, 2] {
+        let d = Daemon::start(
+            &format!("worker_threads = {threads}"),
+            &format!("{SCOPES}\n{}", many_sources(280)),
+            &[],
+        );
+        bounded(status_flood(&d, threads)).await;
+        let mut d = d;
+        assert!(d.alive());
+    }
+}
+
+/// The flood of [`twenty_connections_pipelining_status_unread_stay_within_the_reply_budget`]
+/// against `d` (`threads`: its `worker_threads`, for the messages).
+async fn status_flood(d: &Daemon, threads: usize) {
+    /// Connections that flood.
+    const HOGS: usize = 20;
+    /// `Status` frames each one pipelines: more than `max_in_flight` (1024) and
+    /// than 1 MiB of replies, so the sidecar has to stop reading them.
+    const FRAMES: u64 = 4000;
+    /// How long RSS is watched once every flood is written (past the 2 s after
+    /// which a connection that reads nothing is closed).
+    const WATCH: Duration = Duration::from_secs(4);
+    /// The bound of the earlier issue.
+    const GROWTH_KIB: u64 = 150 * 1024;
+    /// A healthy `Ping` while the flood goes on ("promptly", generously: it takes
+    /// about a millisecond; a sidecar-wide budget spent by the flood holds it ~2 s).
+    const PROMPT: Duration = Duration::from_secs(1);
+    /// A healthy `Status` (it waits behind the flood's paced replies).
+    const STATUS_PROMPT: Duration = Duration::from_secs(5);
+    let mut good = Client::connect(&d.socket, 2).await;
+    let Reply::Status(s) = good.call(Request::Status).await else {
+        panic!("status")
+    };
+    let size = ipc_protocol::encode_server(&ipc_protocol::ServerFrame {
+        id: 0,
+        reply: Reply::Status(s),
+    })
+    .unwrap()
+    .len();
+    assert!(size > 40_000, "a ~45 KB status reply: {size} bytes");
+    let before = d.rss_kib();
+    let mut burst = Vec::new();
+    for id in 0..FRAMES {
+        burst.extend(frame_bytes(100 + id, Request::Status));
+    }
+    let burst = Arc::new(burst);
+    let mut writers = Vec::new();
+    for _ in 0..HOGS {
+        let mut c = Client::connect(&d.socket, 2).await;
+        let burst = burst.clone();
+        writers.push(tokio::spawn(async move {
+            use tokio::io::AsyncWriteExt;
+            // Until the sidecar stops reading (then the write blocks) or closes.
+            let _ = tokio::time::timeout(
+                Duration::from_secs(3),
+                c.framed.get_mut().write_all(&burst),
+            )
+            .await;
+            c
+        }));
+    }
+    let mut hogs = Vec::new();
+    for w in writers {
+        hogs.push(w.await.expect("writer"));
+    }
+    let mut peak = before;
+    let mut slowest = Duration::ZERO;
+    let watch = std::time::Instant::now();
+    while watch.elapsed() < WATCH {
+        peak = peak.max(d.rss_kib());
+        let t = std::time::Instant::now();
+        // A late Pong is read (and measured) by the next call, which skips it.
+        let r = tokio::time::timeout(PROMPT, good.call(Request::Ping)).await;
+        assert!(matches!(r, Ok(Reply::Pong) | Err(_)), "{r:?}");
+        slowest = slowest.max(t.elapsed());
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let t = std::time::Instant::now();
+    let r = tokio::time::timeout(STATUS_PROMPT, good.call(Request::Status)).await;
+    let status = matches!(r, Ok(Reply::Status(_)));
+    let status_took = t.elapsed();
+    peak = peak.max(d.rss_kib());
+    eprintln!(
+        "status flood, worker_threads = {threads}: RSS {before} KiB -> peak {peak} KiB \
+         (+{} MiB); slowest healthy Ping {slowest:?}, healthy Status {status_took:?}",
+        (peak - before) / 1024
+    );
+    assert!(
+        peak <= before + GROWTH_KIB,
+        "worker_threads = {threads}: RSS grew from {before} KiB to {peak} KiB (+{} MiB, \
+         bound 150 MiB)",
+        (peak - before) / 1024
+    );
+    assert!(
+        slowest < PROMPT,
+        "worker_threads = {threads}: a healthy Ping took {slowest:?} during the flood"
+    );
+    assert!(
+        status,
+        "worker_threads = {threads}: no healthy Status within {STATUS_PROMPT:?}"
+    );
+    drop(hogs);
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn a_flood_of_bad_requests_writes_a_bounded_number_of_log_lines() {
     let d = Daemon::start("", SCOPES, &[]);

@@ -29,7 +29,9 @@ use tokio::net::UnixStream;
 use tracing::{debug, warn};
 
 use super::budget::Budget;
-use super::dispatch::{self, panicked, Ctx, Done, Job, Pending, Running, Step, Timer};
+use super::dispatch::{
+    self, panicked, Answer, Ctx, Done, Encoded, Job, Pending, Running, Step, Timer,
+};
 use super::guard::{self, Idle, IdleWatch, Unsent};
 use super::transport::{self, Filled, Inbox, Outbox, Socket};
 use super::{convert, ConnSlot};
@@ -206,6 +208,20 @@ impl<B: Backend> Conn<B> {
         }
         dispatch::log_error(self.id(), id, &reply);
         self.out.push(self.id(), id, reply);
+        self.count_peak();
+    }
+
+    /// Buffer a status reply encoded already (its slot handed over by the caller);
+    /// its reservation ends once the outbox counts its bytes.
+    fn reply_encoded(&mut self, id: u64, reply: Encoded) {
+        self.out.push_frame(id, &reply.frame);
+        self.count_peak();
+        self.publish_bytes(self.out.bytes() as u64);
+        drop(reply.held);
+    }
+
+    /// A reply was buffered: keep the peak of requests in flight.
+    fn count_peak(&mut self) {
         let n = self.in_flight();
         if n > self.peak {
             self.peak = n;
@@ -245,7 +261,7 @@ impl<B: Backend> Conn<B> {
 
     /// Reading is held back by bytes ([`Unsent::over`]).
     fn over_bytes(&self) -> bool {
-        Unsent::over(&self.out, &self.ctx.shared)
+        Unsent::over(&self.out, self.ctx.budget.reserved(), &self.ctx.shared)
     }
 
     /// The request loop, handshake included.
@@ -315,10 +331,10 @@ impl<B: Backend> Conn<B> {
             self.publish(now);
             self.publish_bytes(self.out.bytes() as u64);
             if r.is_pending() {
-                let shared = &self.ctx.shared;
+                let (shared, reserved) = (&self.ctx.shared, self.ctx.budget.reserved());
                 if self
                     .unsent
-                    .poll_stall(cx, self.ctx.owner, &self.out, shared)
+                    .poll_stall(cx, self.ctx.owner, &self.out, reserved, shared)
                 {
                     return Poll::Ready(End::Closed);
                 }
@@ -592,11 +608,20 @@ impl<B: Backend> Conn<B> {
 
     /// A request's reply is ready (inline, or its task ended and owned the reply).
     fn finished(&mut self, id: u64, done: Done) {
-        if done.holds_slot {
-            self.ctx.budget.slot_done();
-            self.reply(id, done.reply);
-        } else {
-            self.reply_when_room(id, done.reply);
+        match (done.reply, done.holds_slot) {
+            (Answer::Reply(reply), true) => {
+                self.ctx.budget.slot_done();
+                self.reply(id, reply);
+            }
+            (Answer::Reply(reply), false) => self.reply_when_room(id, reply),
+            // A status request keeps its slot to the end (it never waits for a
+            // source), so its reply always has one.
+            (Answer::Status(reply), holds_slot) => {
+                if holds_slot {
+                    self.ctx.budget.slot_done();
+                }
+                self.reply_encoded(id, reply);
+            }
         }
     }
 

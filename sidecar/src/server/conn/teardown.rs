@@ -9,7 +9,7 @@ use std::time::Duration;
 use futures_util::StreamExt;
 use tracing::{debug, warn};
 
-use super::{dispatch, Conn, End};
+use super::{dispatch, Answer, Conn, End};
 use crate::backend::Backend;
 
 /// How long teardown waits for the last replies to be written (after a protocol
@@ -36,7 +36,10 @@ impl<B: Backend> Conn<B> {
                     if done.holds_slot {
                         self.ctx.budget.slot_done();
                     }
-                    self.out.push(self.ctx.owner, id, done.reply);
+                    match done.reply {
+                        Answer::Reply(reply) => self.out.push(self.ctx.owner, id, reply),
+                        Answer::Status(reply) => self.out.push_frame(id, &reply.frame),
+                    }
                 } else {
                     if done.holds_slot {
                         self.ctx.budget.slot_done();
