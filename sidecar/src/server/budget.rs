@@ -145,9 +145,7 @@ impl Reserved {
     /// Reserve `bytes` (the expected size of the reply).
     pub fn new(budget: &Arc<Budget>, shared: &Arc<Shared>, bytes: usize) -> Reserved {
         budget.reserved.fetch_add(bytes, Ordering::AcqRel);
-        shared
-            .buffered
-            .fetch_add(bytes as u64, Ordering::Relaxed);
+        shared.buffered.fetch_add(bytes as u64, Ordering::Relaxed);
         Reserved {
             budget: budget.clone(),
             shared: shared.clone(),

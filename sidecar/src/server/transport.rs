@@ -284,7 +284,10 @@ mod tests {
             by_reply.push(1, id, reply.clone());
         }
         assert_eq!(by_frame.buf, by_reply.buf);
-        assert_eq!(by_frame.ends, by_reply.ends, "each reply's end, for its slot");
+        assert_eq!(
+            by_frame.ends, by_reply.ends,
+            "each reply's end, for its slot"
+        );
         assert_eq!(by_frame.replies(), 3);
     }
 }

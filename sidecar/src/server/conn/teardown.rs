@@ -9,8 +9,9 @@ use std::time::Duration;
 use futures_util::StreamExt;
 use tracing::{debug, warn};
 
-use super::{dispatch, Answer, Conn, End};
+use super::{dispatch, Conn, End};
 use crate::backend::Backend;
+use crate::server::dispatch::Answer;
 
 /// How long teardown waits for the last replies to be written (after a protocol
 /// violation too: a peer that does not read cannot hold the connection open).
