@@ -716,10 +716,10 @@ async fn clients_that_never_read_cannot_grow_memory_and_others_are_served() {
 /// written — must be within the reply budgets (1 MiB unsent per connection,
 /// `max_buffered` in all), so RSS grows by at most 150 MB (the bound of issue 10;
 /// before, each paced request held its own copy of the report outside any budget:
-/// +650 MB and more); and a healthy client is still answered. Run on the default
-/// current-thread runtime and on two worker threads (in a debug build only two
-/// threads produce status bytes faster than the pacing lets out, so requests wait
-/// for it: the case that grew).
+/// +650 MiB with two threads here); and a healthy client is still answered. Run on
+/// the default current-thread runtime and on two worker threads (in a debug build
+/// only two threads produce status bytes faster than the pacing lets out, so
+/// requests wait for it: the case that grew).
 #[tokio::test(flavor = "multi_thread")]
 async fn twenty_connections_pipelining_status_unread_stay_within_the_reply_budget() {
     for threads in [1, 2] {
