@@ -172,3 +172,31 @@ impl Drop for Reserved {
         self.resize(0);
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::peer::AccessPolicy;
+    use crate::server::ServerOptions;
+
+    #[test]
+    fn a_reservation_counts_in_both_budgets_at_its_latest_size_until_dropped() {
+        let opts = ServerOptions::new(65536, AccessPolicy::default());
+        let shared = Arc::new(Shared::new(opts));
+        let budget = Budget::new(4);
+        let held = || (budget.reserved(), shared.buffered.load(Ordering::Relaxed));
+        // Bytes the connection's outbox already published stay as they are.
+        shared.buffered.fetch_add(7, Ordering::Relaxed);
+        let mut a = Reserved::new(&budget, &shared, 65536);
+        let b = Reserved::new(&budget, &shared, 1000);
+        assert_eq!(held(), (66536, 66543));
+        a.resize(45_000);
+        assert_eq!(held(), (46_000, 46_007), "the real size, smaller");
+        a.resize(2_000_000);
+        assert_eq!(held(), (2_001_000, 2_001_007), "the real size, larger");
+        drop(a);
+        assert_eq!(held(), (1000, 1007));
+        drop(b);
+        assert_eq!(held(), (0, 7), "nothing left reserved");
+    }
+}
