@@ -710,6 +710,105 @@ async fn clients_that_never_read_cannot_grow_memory_and_others_are_served() {
     assert!(d.alive());
 }
 
+/// Issue 29 item 2: twenty connections pipelining `Status` (a ~45 KB reply: 280
+/// sources) and reading nothing. Every byte they make the sidecar hold — replies
+/// being built, waiting for the sidecar-wide status pacing, built and not yet
+/// written — must be within the reply budgets (1 MiB unsent per connection,
+/// `max_buffered` in all), so RSS grows by at most 150 MB (the bound of issue 10;
+/// before, each paced request held its own copy of the report outside any budget:
+/// +650 MiB with two threads here); and a healthy client is still answered. Run on
+/// the default current-thread runtime and on two worker threads (in a debug build
+/// only two threads produce status bytes faster than the pacing lets out, so
+/// requests wait for it: the case that grew).
+#[tokio::test(flavor = "multi_thread")]
+async fn twenty_connections_pipelining_status_unread_stay_within_the_reply_budget() {
+    for threads in [1, 2] {
+        let mut d = Daemon::start(
+            &format!("worker_threads = {threads}"),
+            &format!("{SCOPES}\n{}", many_sources(280)),
+            &[],
+        );
+        bounded(status_flood(&d, threads)).await;
+        assert!(d.alive());
+    }
+}
+
+/// The flood of [`twenty_connections_pipelining_status_unread_stay_within_the_reply_budget`]
+/// against `d` (`threads`: its `worker_threads`, for the messages).
+async fn status_flood(d: &Daemon, threads: usize) {
+    /// Connections that flood.
+    const HOGS: usize = 20;
+    /// `Status` frames each one pipelines: more than `max_in_flight` (1024) and
+    /// than 1 MiB of replies, so the sidecar has to stop reading them.
+    const FRAMES: u64 = 4000;
+    /// How long RSS is watched once every flood is written (past the 2 s after
+    /// which a connection that reads nothing is closed).
+    const WATCH: Duration = Duration::from_secs(4);
+    /// The bound of issue 10: 150 MB (VmRSS counts KiB).
+    const GROWTH_KIB: u64 = 150_000_000 / 1024;
+    let mut good = Client::connect(&d.socket, 2).await;
+    let Reply::Status(s) = good.call(Request::Status).await else {
+        panic!("status")
+    };
+    let size = ipc_protocol::encode_server(&ipc_protocol::ServerFrame {
+        id: 0,
+        reply: Reply::Status(s),
+    })
+    .unwrap()
+    .len();
+    assert!(size > 40_000, "a ~45 KB status reply: {size} bytes");
+    let before = d.rss_kib();
+    let mut burst = Vec::new();
+    for id in 0..FRAMES {
+        burst.extend(frame_bytes(100 + id, Request::Status));
+    }
+    let burst = Arc::new(burst);
+    let mut writers = Vec::new();
+    for _ in 0..HOGS {
+        let mut c = Client::connect(&d.socket, 2).await;
+        let burst = burst.clone();
+        writers.push(tokio::spawn(async move {
+            use tokio::io::AsyncWriteExt;
+            // Until the sidecar stops reading (then the write blocks) or closes.
+            let _ =
+                tokio::time::timeout(Duration::from_secs(3), c.framed.get_mut().write_all(&burst))
+                    .await;
+            c
+        }));
+    }
+    let mut hogs = Vec::new();
+    for w in writers {
+        hogs.push(w.await.expect("writer"));
+    }
+    let mut peak = d.rss_kib().max(before);
+    let watch = std::time::Instant::now();
+    // Served during the flood (promptly or not: that is the bench's to measure).
+    assert_eq!(
+        good.call(Request::Ping).await,
+        Reply::Pong,
+        "{threads} threads"
+    );
+    while watch.elapsed() < WATCH {
+        peak = peak.max(d.rss_kib());
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    eprintln!(
+        "status flood, worker_threads = {threads}: RSS {before} KiB -> peak {peak} KiB \
+         (+{} MiB)",
+        (peak - before) / 1024
+    );
+    assert!(
+        peak <= before + GROWTH_KIB,
+        "worker_threads = {threads}: RSS grew from {before} KiB to {peak} KiB (+{} MiB, \
+         bound 150 MB)",
+        (peak - before) / 1024
+    );
+    // And after it (the flood's clients are still connected, or closed for not reading).
+    let r = good.call(Request::Status).await;
+    assert!(matches!(r, Reply::Status(_)), "{threads} threads: {r:?}");
+    drop(hogs);
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn a_flood_of_bad_requests_writes_a_bounded_number_of_log_lines() {
     let d = Daemon::start("", SCOPES, &[]);

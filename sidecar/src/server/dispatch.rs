@@ -26,7 +26,7 @@ use ipc_protocol::{ErrorKind, Reply, Request};
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
 
-use super::budget::{Budget, SlotGuard};
+use super::budget::{Budget, Reserved, SlotGuard};
 use super::convert;
 use super::snapshot::Report as StatusKind;
 use super::Shared;
@@ -65,9 +65,32 @@ pub(super) struct Job {
     pub cancel: CancelBy,
 }
 
+/// What a finished job answers.
+pub(super) enum Answer {
+    /// A reply, encoded when it is buffered.
+    Reply(Reply),
+    /// A status reply, encoded already.
+    Status(Encoded),
+}
+
+impl From<Reply> for Answer {
+    fn from(r: Reply) -> Answer {
+        Answer::Reply(r)
+    }
+}
+
+/// A status reply as its snapshot holds it (`snapshot`), with the bytes its request
+/// reserved of the connection's budget: released once the frame is in the outbox.
+pub(super) struct Encoded {
+    /// The whole frame with id 0 (the connection sets the request's id).
+    pub frame: bytes::Bytes,
+    /// Its reservation (`budget::Reserved`), dropped after the frame is buffered.
+    pub held: Reserved,
+}
+
 /// A finished job.
 pub(super) struct Done {
-    pub reply: Reply,
+    pub reply: Answer,
     /// The request still held its in-flight slot: the reply takes it over.
     pub holds_slot: bool,
     /// A `Start` or `Retry`: if the client was already told `Cancelled`, a grant in
@@ -142,7 +165,7 @@ macro_rules! job {
                 }
                 .await;
                 Done {
-                    reply,
+                    reply: reply.into(),
                     holds_slot: $slot.finish(),
                     ends_call: $ends_call,
                 }
@@ -299,8 +322,11 @@ pub(super) fn dispatch<B: Backend>(cx: &Ctx<B>, request: Request) -> Step {
             };
             let shared = cx.shared.clone();
             let seen = cx.seen.load(std::sync::atomic::Ordering::Relaxed);
+            // Charged from now (the frame is read) until the reply is buffered.
+            let mut held = Reserved::new(&cx.budget, &cx.shared, shared.status.estimate(kind));
             job!(&cx.budget, CancelBy::Abort, false, |slot| {
-                shared.status.get(kind, &engine, seen).await
+                let frame = shared.status.get(kind, &engine, seen, &mut held).await;
+                Answer::Status(Encoded { frame, held })
             })
         }
         Request::ForceOpen { source, seconds } => {
@@ -361,7 +387,8 @@ fn admin_result(conn: OwnerId, op: &str, source: &str, r: Result<Applied, Engine
 /// the client will never learn of goes straight back (reported `Cancelled`, which
 /// refunds it), and the call of a cancelled `Start` or `Retry` ends.
 pub(super) fn give_back<B: Backend>(engine: &Arc<Engine<B>>, owner: OwnerId, done: Done) {
-    let (Reply::Granted { permit, .. } | Reply::Started { permit, .. }) = done.reply else {
+    let Answer::Reply(Reply::Granted { permit, .. } | Reply::Started { permit, .. }) = done.reply
+    else {
         return;
     };
     let engine = engine.clone();
@@ -507,7 +534,7 @@ impl Future for Running {
                 this.id,
                 this.seq,
                 Some(Done {
-                    reply: panicked(this.conn, this.id),
+                    reply: panicked(this.conn, this.id).into(),
                     holds_slot: false,
                     ends_call: false,
                 }),

@@ -8,9 +8,11 @@
 //!   `Hello` is read and dropped, so the close is no reset: [`write_refusal`]);
 //! - `idle_timeout`: a connection that holds nothing, or whose partial frame does not
 //!   complete, is closed ([`IdleWatch`], checked periodically, no timer per frame);
-//! - unsent bytes: past [`MAX_UNSENT`] of its own (or the sidecar-wide
-//!   `max_buffered`) a connection reads no more frames, and one that writes nothing
-//!   for [`STALL_TIMEOUT`] above its own bound is closed ([`Unsent`]).
+//! - unsent bytes: past [`MAX_UNSENT`] of its own — buffered replies, and status
+//!   replies read and not yet buffered (`budget::Reserved`) — or past the
+//!   sidecar-wide `max_buffered` (which counts both too) a connection reads no more
+//!   frames, and one that writes nothing for [`STALL_TIMEOUT`] with its buffered
+//!   replies above its own bound is closed ([`Unsent`]).
 //!
 //! The connection task (`conn`) asks these; they own only the bookkeeping.
 
@@ -211,10 +213,11 @@ impl Unsent {
         self.published = now;
     }
 
-    /// Reading is held back by bytes (this connection's [`MAX_UNSENT`] or the
-    /// global `max_buffered`).
-    pub fn over(out: &Outbox, shared: &Shared) -> bool {
-        out.bytes() >= MAX_UNSENT
+    /// Reading is held back by bytes: this connection's [`MAX_UNSENT`] (its buffered
+    /// replies and the `reserved` bytes of its status replies still on their way:
+    /// `budget::Reserved`) or the global `max_buffered`.
+    pub fn over(out: &Outbox, reserved: usize, shared: &Shared) -> bool {
+        out.bytes() + reserved >= MAX_UNSENT
             || shared.buffered.load(Ordering::Relaxed) > shared.opts.max_buffered
     }
 
@@ -226,9 +229,10 @@ impl Unsent {
         cx: &mut Context<'_>,
         id: OwnerId,
         out: &Outbox,
+        reserved: usize,
         shared: &Shared,
     ) -> bool {
-        if !Self::over(out, shared) {
+        if !Self::over(out, reserved, shared) {
             self.stalled = None;
             return false;
         }

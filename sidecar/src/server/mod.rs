@@ -196,7 +196,7 @@ pub use crate::limits::RESERVED_CONNECTIONS;
 impl Shared {
     pub fn new(opts: ServerOptions) -> Shared {
         Shared {
-            status: snapshot::StatusCache::new(opts.status_refresh),
+            status: snapshot::StatusCache::new(opts.status_refresh, opts.max_frame as usize),
             opts,
             draining: CancellationToken::new(),
             hard_stop: CancellationToken::new(),

@@ -36,21 +36,34 @@
 //! began after they arrived: it holds everything answered before they asked),
 //! instead of building their own.
 //!
-//! Serving a snapshot still costs its bytes (a clone, the encoding, the write: ~2 MB
-//! for 3,000 sources), and a client can ask as fast as it reads. So status replies
-//! are also **paced by bytes**, sidecar-wide: [`STATUS_BYTES_PER_S`] refill a bucket
-//! of [`STATUS_BURST`] bytes, and a reply the bucket cannot pay for is sent when it
-//! could (the request waits on a timer, costing nothing meanwhile). Small configs
-//! never notice (a 10-source report is a few KiB: thousands per second); on 3,000
-//! sources a flood gets ~30 replies a second and the other clients keep their core
-//! (docs/benchmarks.md, `--scenario status-flood`).
+//! A report is kept **encoded**: the whole frame (length prefix, id 0, reply), built
+//! once, shared by every request it answers (a reference count, no copy) and copied
+//! into the connection's write buffer with the request's id set. Serving it still
+//! costs its bytes (the copy, the write: ~2 MB for 3,000 sources), and a client can
+//! ask as fast as it reads. So status replies are also **paced by bytes**,
+//! sidecar-wide: [`STATUS_BYTES_PER_S`] refill a bucket of [`STATUS_BURST`] bytes, and
+//! a reply the bucket cannot pay for is sent when it could (the request waits on a
+//! timer). Small configs never notice (a 10-source report is a few KiB: thousands
+//! per second); on 3,000 sources a flood gets ~30 replies a second and the other
+//! clients keep their core (docs/benchmarks.md, `--scenario status-flood`).
+//!
+//! What a status request holds while it is built, paced and buffered is charged to
+//! its connection's byte budget from the moment its frame is read
+//! (`budget::Reserved`, sized by [`StatusCache::estimate`] until the reply exists):
+//! a client that asks and does not read gets no more status replies in flight than
+//! its unsent-bytes bound holds (issue 29 item 2: before, every paced request held
+//! its own copy of the reply outside any budget).
 
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-use ipc_protocol::Reply;
+use bytes::{Bytes, BytesMut};
+use ipc_protocol::{ErrorKind, Reply, ServerCodec, ServerFrame};
+use tokio_util::codec::Encoder;
+use tracing::warn;
 
+use super::budget::Reserved;
 use super::convert;
 use crate::backend::Backend;
 use crate::engine::Engine;
@@ -76,6 +89,10 @@ pub const MIN_CACHED_COST: Duration = Duration::from_millis(1);
 /// 3,000-source report of issue 21 item 6 took ~70 ms.
 pub const SHARED_COST: Duration = Duration::from_millis(10);
 
+/// What a status request reserves of its connection's byte budget before any
+/// report of its kind was built (then the last build's size is the estimate).
+pub const FIRST_ESTIMATE: usize = 64 * 1024;
+
 /// Which report.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Report {
@@ -100,10 +117,9 @@ struct Snap {
     shared: bool,
     /// How long it may be served: `min(metrics_refresh, COST_FACTOR × build time)`.
     valid_for: Duration,
-    /// The reply, cloned for each request it answers.
-    reply: Reply,
-    /// Its encoded size, what the pacing charges per reply.
-    bytes: usize,
+    /// The reply's whole frame (id 0), shared by every request it answers; its
+    /// length is what the pacing charges and the byte budgets count.
+    frame: Bytes,
 }
 
 /// The byte bucket of the pacing.
@@ -127,11 +143,17 @@ pub(crate) struct StatusCache {
     /// Requests answered (other than status and `Ping`) and connections ended: a
     /// snapshot built before the last of them is not served again.
     changes: AtomicU64,
+    /// The frame size of the last build of each [`Report`] (0: none yet): what a
+    /// status request reserves when its frame is read ([`StatusCache::estimate`]).
+    sizes: [AtomicUsize; 2],
+    /// `sidecar.max_frame`, the limit the frames are encoded with (status replies
+    /// may be larger: up to `ipc_protocol::MAX_STATUS_FRAME`).
+    max_frame: usize,
 }
 
 impl StatusCache {
-    /// Snapshots kept for at most `refresh`.
-    pub fn new(refresh: Duration) -> StatusCache {
+    /// Snapshots kept for at most `refresh`, encoded within `max_frame`.
+    pub fn new(refresh: Duration, max_frame: usize) -> StatusCache {
         StatusCache {
             refresh,
             snaps: [Mutex::new(None), Mutex::new(None)],
@@ -141,6 +163,17 @@ impl StatusCache {
                 at: Instant::now(),
             }),
             changes: AtomicU64::new(0),
+            sizes: [AtomicUsize::new(0), AtomicUsize::new(0)],
+            max_frame,
+        }
+    }
+
+    /// The bytes a request for `kind` is expected to take: the last build's size
+    /// ([`FIRST_ESTIMATE`] before any).
+    pub fn estimate(&self, kind: Report) -> usize {
+        match self.sizes[kind as usize].load(Ordering::Relaxed) {
+            0 => FIRST_ESTIMATE,
+            n => n,
         }
     }
 
@@ -172,15 +205,23 @@ impl StatusCache {
         }
     }
 
-    /// The report of `kind` (see [`StatusCache::report`]), sent when the byte pacing
-    /// allows.
-    pub async fn get<B: Backend>(&self, kind: Report, engine: &Engine<B>, seen: u64) -> Reply {
-        let (reply, bytes) = self.report(kind, engine, seen).await;
-        let wait = self.charge(bytes);
+    /// The report of `kind` as a whole frame with id 0 (see [`StatusCache::report`]),
+    /// once the byte pacing allows; `held` (the request's reservation) is set to its
+    /// size as soon as it exists.
+    pub(super) async fn get<B: Backend>(
+        &self,
+        kind: Report,
+        engine: &Engine<B>,
+        seen: u64,
+        held: &mut Reserved,
+    ) -> Bytes {
+        let frame = self.report(kind, engine, seen).await;
+        held.resize(frame.len());
+        let wait = self.charge(frame.len());
         if !wait.is_zero() {
             tokio::time::sleep(wait).await;
         }
-        reply
+        frame
     }
 
     /// The snapshot of `kind` if it may still be served to a request that arrived
@@ -188,7 +229,7 @@ impl StatusCache {
     /// last change, or its accept), with its size: one whose build began after
     /// `asked`; else one young enough, if nothing was answered since its build began,
     /// or if it is a shared (expensive) one built after `seen`.
-    fn cached(&self, kind: Report, asked: Instant, seen: u64) -> Option<(Reply, usize)> {
+    fn cached(&self, kind: Report, asked: Instant, seen: u64) -> Option<Bytes> {
         let snap = self.snaps[kind as usize]
             .lock()
             .unwrap_or_else(|e| e.into_inner());
@@ -199,17 +240,12 @@ impl StatusCache {
                     || (s.built.elapsed() < s.valid_for
                         && (s.changes == changes || (s.shared && s.changes >= seen)))
             })
-            .map(|s| (s.reply.clone(), s.bytes))
+            .map(|s| s.frame.clone())
     }
 
-    /// The report of `kind` and its encoded size: a snapshot that may be served
-    /// (see the module docs), else a new build, kept for the requests that follow.
-    async fn report<B: Backend>(
-        &self,
-        kind: Report,
-        engine: &Engine<B>,
-        seen: u64,
-    ) -> (Reply, usize) {
+    /// The report of `kind`, encoded: a snapshot that may be served (see the module
+    /// docs), else a new build, kept for the requests that follow.
+    async fn report<B: Backend>(&self, kind: Report, engine: &Engine<B>, seen: u64) -> Bytes {
         let asked = Instant::now();
         if let Some(r) = self.cached(kind, asked, seen) {
             return r;
@@ -230,15 +266,9 @@ impl StatusCache {
                 &scopes,
             )),
         };
+        let frame = self.encode(reply);
         let cost = started.elapsed();
-        let bytes = match &reply {
-            Reply::StatusJson(doc) => doc.len(),
-            r => ipc_protocol::encode_server(&ipc_protocol::ServerFrame {
-                id: 0,
-                reply: r.clone(),
-            })
-            .map_or(0, |v| v.len()),
-        };
+        self.sizes[kind as usize].store(frame.len(), Ordering::Relaxed);
         let snap = Snap {
             began: started,
             changes,
@@ -248,13 +278,32 @@ impl StatusCache {
                 true => cost.saturating_mul(COST_FACTOR).min(self.refresh),
                 false => Duration::ZERO,
             },
-            reply: reply.clone(),
-            bytes,
+            frame: frame.clone(),
         };
         *self.snaps[kind as usize]
             .lock()
             .unwrap_or_else(|e| e.into_inner()) = Some(snap);
-        (reply, bytes)
+        frame
+    }
+
+    /// `reply` as a whole frame with id 0 (the connection sets each request's id). A
+    /// report that cannot be framed (larger than `MAX_STATUS_FRAME`) becomes an
+    /// `Internal` error, so whoever asked still gets an answer.
+    fn encode(&self, reply: Reply) -> Bytes {
+        let mut codec = ServerCodec::new(self.max_frame);
+        let mut buf = BytesMut::new();
+        if let Err(e) = codec.encode(ServerFrame { id: 0, reply }, &mut buf) {
+            warn!(error = %e, "status reply could not be sent");
+            buf.clear();
+            let reply = Reply::Error(convert::error(
+                ErrorKind::Internal,
+                format!("the reply could not be sent: {e}"),
+            ));
+            codec
+                .encode(ServerFrame { id: 0, reply }, &mut buf)
+                .expect("a short error fits any frame limit");
+        }
+        buf.freeze()
     }
 }
 
@@ -265,7 +314,7 @@ mod tests {
     /// A cache holding one `Json` snapshot built at `began` (now − `ago`), costing
     /// `cost`, at the change count of that moment.
     fn cache_with(cost: Duration, ago: Duration) -> StatusCache {
-        let c = StatusCache::new(Duration::from_secs(5));
+        let c = StatusCache::new(Duration::from_secs(5), 65536);
         let began = Instant::now() - ago;
         *c.snaps[Report::Json as usize].lock().unwrap() = Some(Snap {
             began,
@@ -276,8 +325,7 @@ mod tests {
                 true => cost.saturating_mul(COST_FACTOR).min(c.refresh),
                 false => Duration::ZERO,
             },
-            reply: Reply::StatusJson("{}".into()),
-            bytes: 2,
+            frame: c.encode(Reply::StatusJson("{}".into())),
         });
         c
     }
@@ -285,6 +333,23 @@ mod tests {
     /// Served to a connection that has seen the change count `seen`?
     fn served(c: &StatusCache, seen: u64) -> bool {
         c.cached(Report::Json, Instant::now(), seen).is_some()
+    }
+
+    #[test]
+    fn a_report_too_large_to_frame_is_kept_as_an_internal_error() {
+        let c = StatusCache::new(Duration::from_secs(5), 65536);
+        let doc = "x".repeat(ipc_protocol::MAX_STATUS_FRAME + 1);
+        let frame = c.encode(Reply::StatusJson(doc));
+        let payload = &frame[ipc_protocol::framing::HEADER_LEN..];
+        let decoded = ipc_protocol::decode_server(payload).unwrap();
+        match decoded.reply {
+            Reply::Error(e) => {
+                assert_eq!(e.kind, ErrorKind::Internal);
+                assert!(e.message.contains("could not be sent"), "{}", e.message);
+            }
+            r => panic!("{r:?}"),
+        }
+        assert!(frame.len() < 1024, "{}", frame.len());
     }
 
     #[test]

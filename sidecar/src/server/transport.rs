@@ -213,6 +213,17 @@ impl Outbox {
         self.ends.push_back(self.pushed);
     }
 
+    /// Copy `frame` — a whole frame encoded with id 0 (a status snapshot) — to the
+    /// end of the buffer as the reply to request `id`.
+    pub fn push_frame(&mut self, id: u64, frame: &[u8]) {
+        let at = self.buf.len() + ipc_protocol::framing::HEADER_LEN;
+        self.buf.extend_from_slice(frame);
+        // Every server payload starts with its id, a little-endian u64.
+        self.buf[at..at + 8].copy_from_slice(&id.to_le_bytes());
+        self.pushed += frame.len() as u64;
+        self.ends.push_back(self.pushed);
+    }
+
     /// Write as much as the socket takes. `Ready(Ok)` once everything is written;
     /// `Pending` (with a wake-up registered) while the socket is full.
     pub fn poll_flush(&mut self, cx: &mut Context<'_>, s: &Socket) -> Poll<io::Result<()>> {
@@ -247,5 +258,36 @@ impl Outbox {
     /// Write everything (teardown, refusals).
     pub async fn flush(&mut self, s: &Socket) -> io::Result<()> {
         std::future::poll_fn(|cx| self.poll_flush(cx, s)).await
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_frame_encoded_with_id_0_is_pushed_as_the_reply_to_each_request() {
+        let reply = Reply::StatusJson("{\"scopes\":{}}".into());
+        let mut frame = BytesMut::new();
+        ServerCodec::new(65536)
+            .encode(
+                ServerFrame {
+                    id: 0,
+                    reply: reply.clone(),
+                },
+                &mut frame,
+            )
+            .unwrap();
+        let (mut by_frame, mut by_reply) = (Outbox::new(65536), Outbox::new(65536));
+        for id in [7, 1 << 40, u64::MAX] {
+            by_frame.push_frame(id, &frame);
+            by_reply.push(1, id, reply.clone());
+        }
+        assert_eq!(by_frame.buf, by_reply.buf);
+        assert_eq!(
+            by_frame.ends, by_reply.ends,
+            "each reply's end, for its slot"
+        );
+        assert_eq!(by_frame.replies(), 3);
     }
 }

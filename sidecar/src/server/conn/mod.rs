@@ -18,7 +18,6 @@
 use std::collections::{HashMap, VecDeque};
 use std::future::Future;
 use std::panic::AssertUnwindSafe;
-use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Duration;
@@ -38,6 +37,7 @@ use crate::engine::{Engine, OwnerId};
 use crate::logs::{self, Kind};
 use crate::peer::peer_of;
 
+mod reply;
 mod teardown;
 
 /// While draining, how often an open connection checks whether it is idle.
@@ -193,61 +193,6 @@ impl<B: Backend> Conn<B> {
         self.in_flight() < self.ctx.budget.max
     }
 
-    /// Buffer a reply (its slot is already counted by the caller's rules).
-    fn reply(&mut self, id: u64, mut reply: Reply) {
-        if self.version.is_some_and(|v| v < 2) {
-            // §11b: `Overloaded` (an engine refusal: `max_waiters`) is protocol 2's;
-            // a version-1 client gets `Busy`.
-            if let Reply::Error(e) = &mut reply {
-                if e.kind == ErrorKind::Overloaded {
-                    e.kind = ErrorKind::Busy;
-                }
-            }
-        }
-        dispatch::log_error(self.id(), id, &reply);
-        self.out.push(self.id(), id, reply);
-        let n = self.in_flight();
-        if n > self.peak {
-            self.peak = n;
-            let stats = &self.ctx.shared.opts.stats;
-            stats.peak_in_flight.fetch_max(n, Ordering::Relaxed);
-        }
-    }
-
-    /// A reply that needs a slot of its own: buffered if there is room, else it waits.
-    fn reply_when_room(&mut self, id: u64, reply: Reply) {
-        if self.overflow.is_empty() && self.room() {
-            self.reply(id, reply);
-        } else {
-            self.overflow.push_back((id, reply));
-        }
-    }
-
-    /// Bring the server's in-flight count up to date with this connection's.
-    fn publish(&mut self, now: usize) {
-        let stats = &self.ctx.shared.opts.stats;
-        if now > self.published {
-            stats
-                .in_flight
-                .fetch_add(now - self.published, Ordering::Relaxed);
-        } else if now < self.published {
-            stats
-                .in_flight
-                .fetch_sub(self.published - now, Ordering::Relaxed);
-        }
-        self.published = now;
-    }
-
-    /// Bring the sidecar-wide count of unsent bytes up to date.
-    fn publish_bytes(&mut self, now: u64) {
-        self.unsent.publish(&self.ctx.shared.buffered, now);
-    }
-
-    /// Reading is held back by bytes ([`Unsent::over`]).
-    fn over_bytes(&self) -> bool {
-        Unsent::over(&self.out, &self.ctx.shared)
-    }
-
     /// The request loop, handshake included.
     async fn run(&mut self) -> End {
         let shared = self.ctx.shared.clone();
@@ -315,10 +260,10 @@ impl<B: Backend> Conn<B> {
             self.publish(now);
             self.publish_bytes(self.out.bytes() as u64);
             if r.is_pending() {
-                let shared = &self.ctx.shared;
+                let (shared, reserved) = (&self.ctx.shared, self.ctx.budget.reserved());
                 if self
                     .unsent
-                    .poll_stall(cx, self.ctx.owner, &self.out, shared)
+                    .poll_stall(cx, self.ctx.owner, &self.out, reserved, shared)
                 {
                     return Poll::Ready(End::Closed);
                 }
@@ -587,16 +532,6 @@ impl<B: Backend> Conn<B> {
                 drop(job);
                 self.reply_when_room(id, panicked(self.id(), id));
             }
-        }
-    }
-
-    /// A request's reply is ready (inline, or its task ended and owned the reply).
-    fn finished(&mut self, id: u64, done: Done) {
-        if done.holds_slot {
-            self.ctx.budget.slot_done();
-            self.reply(id, done.reply);
-        } else {
-            self.reply_when_room(id, done.reply);
         }
     }
 

@@ -11,6 +11,7 @@ use tracing::{debug, warn};
 
 use super::{dispatch, Conn, End};
 use crate::backend::Backend;
+use crate::server::dispatch::Answer;
 
 /// How long teardown waits for the last replies to be written (after a protocol
 /// violation too: a peer that does not read cannot hold the connection open).
@@ -36,7 +37,10 @@ impl<B: Backend> Conn<B> {
                     if done.holds_slot {
                         self.ctx.budget.slot_done();
                     }
-                    self.out.push(self.ctx.owner, id, done.reply);
+                    match done.reply {
+                        Answer::Reply(reply) => self.out.push(self.ctx.owner, id, reply),
+                        Answer::Status(reply) => self.out.push_frame(id, &reply.frame),
+                    }
                 } else {
                     if done.holds_slot {
                         self.ctx.budget.slot_done();
