@@ -149,6 +149,18 @@ spelled! {
 }
 
 spelled! {
+    /// How a scope with tenants orders its waiting calls within a priority class
+    /// (§19 fair turns).
+    pub enum Fairness {
+        /// Token-weighted virtual time (VTC): the waiting tenant that has received the
+        /// least service (tokens settled ÷ weight) on this host goes next.
+        Vtc = "vtc",
+        /// Arrival order, as a scope without tenants (the control of the bench).
+        Fifo = "fifo",
+    }
+}
+
+spelled! {
     /// How log lines are written (§12).
     pub enum LogFormat {
         /// One human-readable line per event.
@@ -236,6 +248,9 @@ pub struct SidecarConfig {
     /// serves; `Some(n)` a work-stealing runtime of n workers; `None` (written `0`)
     /// one worker per available core.
     pub worker_threads: Option<usize>,
+    /// §19: `/metrics` carries per-tenant families for this many tenants per scope
+    /// (the top by spend), plus totals, so cardinality stays bounded.
+    pub tenant_metrics_top: u32,
 }
 
 /// `[scopes.NAME]`.
@@ -271,7 +286,98 @@ pub struct ScopeConfig {
     /// §15: above this share of a source's tpm/rpm (or pacer slots) in use,
     /// reserves apply; below it any class may use idle capacity.
     pub saturation: f64,
+    /// §19: `[scopes.NAME.tenants]`: per-tenant limits, budgets and fair turns;
+    /// `None` = the scope has no tenants (a tenant id on its calls is ignored).
+    pub tenants: Option<TenantsConfig>,
 }
+
+/// `[scopes.NAME.tenants]` (§19): what every tenant of the scope may use, and how
+/// the scope's waiters take turns among tenants.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TenantsConfig {
+    /// Order among waiters of one priority class.
+    pub fairness: Fairness,
+    /// Limits of a tenant no override names (`default = {…}`; empty = none).
+    pub default: TenantLimits,
+    /// Limits of the anonymous tenant, the calls that name none (`anonymous = {…}`;
+    /// unset = none: "no tenant limit applies to it unless configured").
+    pub anonymous: TenantLimits,
+    /// `[[scopes.NAME.tenants.override]]`, config order: named tenants' limits, each
+    /// key it leaves unset taken from `default`.
+    pub overrides: Vec<TenantOverride>,
+    /// Most tenants this host tracks in the scope at once (ledgers in memory, fair
+    /// turn counters): a worker inventing tenant ids cannot grow the sidecar without
+    /// bound; past it, a call of a new tenant is refused `Overloaded`.
+    pub max_tenants: u32,
+}
+
+/// One tenant's limits in a scope (§19); every limit optional.
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub struct TenantLimits {
+    /// Tokens per minute (continuous refill, a minute's worth: §7).
+    pub tpm: Option<u64>,
+    /// Requests per minute.
+    pub rpm: Option<u64>,
+    /// Tokens per day (continuous refill, a day's worth: §7a).
+    pub tpd: Option<u64>,
+    /// Requests per day.
+    pub rpd: Option<u64>,
+    /// Dollars per calendar day (UTC), in nano-dollars: spent, never refilled until
+    /// the day ends.
+    pub usd_per_day: Option<u64>,
+    /// Dollars per calendar month (UTC), in nano-dollars.
+    pub usd_per_month: Option<u64>,
+    /// Share of the fair turns among waiting tenants (> 0; `None` = 1).
+    pub weight: Option<f64>,
+}
+
+impl TenantLimits {
+    /// `self`'s keys, each unset one taken from `base` (an override over `default`).
+    pub fn or(self, base: TenantLimits) -> TenantLimits {
+        TenantLimits {
+            tpm: self.tpm.or(base.tpm),
+            rpm: self.rpm.or(base.rpm),
+            tpd: self.tpd.or(base.tpd),
+            rpd: self.rpd.or(base.rpd),
+            usd_per_day: self.usd_per_day.or(base.usd_per_day),
+            usd_per_month: self.usd_per_month.or(base.usd_per_month),
+            weight: self.weight.or(base.weight),
+        }
+    }
+
+    /// `true` when no limit is set (the tenant is tracked, never refused).
+    pub fn unlimited(&self) -> bool {
+        self.tpm.is_none()
+            && self.rpm.is_none()
+            && self.tpd.is_none()
+            && self.rpd.is_none()
+            && self.usd_per_day.is_none()
+            && self.usd_per_month.is_none()
+    }
+}
+
+/// `[[scopes.NAME.tenants.override]]`: one named tenant's limits.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TenantOverride {
+    /// The tenant id, as calls name it.
+    pub name: String,
+    /// Its limits (unset keys already filled from `default`).
+    pub limits: TenantLimits,
+}
+
+/// A tenant id is at most this many bytes of UTF-8 (§19).
+pub const MAX_TENANT_ID: usize = 128;
+
+/// Default [`TenantsConfig::max_tenants`].
+pub const DEFAULT_MAX_TENANTS: u32 = 100_000;
+
+/// Default `sidecar.tenant_metrics_top`: per-tenant metric families for this many
+/// tenants (by spend) per scope.
+pub const DEFAULT_TENANT_METRICS_TOP: u32 = 20;
+
+/// Nano-dollars in a dollar: money is kept as integers of this unit everywhere (a
+/// Redis script's numbers are doubles, exact below 2^53 n$ ≈ $9 million).
+pub const NANOS_PER_USD: f64 = 1e9;
 
 /// `[[scopes.NAME.priorities]]`: one priority class (§15).
 #[derive(Debug, Clone, PartialEq)]
@@ -366,6 +472,13 @@ pub struct SourceConfig {
     /// §18: bit `i` set = the `i`-th per-minute bucket (tpm, rpm, itpm, otpm) is
     /// `"auto"`: its limit is learned from the provider's `limit` header.
     pub auto: u8,
+    /// §19: dollars per million input tokens (input excluding cached reads), for
+    /// tenants' dollar budgets and spend; `None` = free.
+    pub usd_per_1m_input: Option<f64>,
+    /// §19: dollars per million output tokens.
+    pub usd_per_1m_output: Option<f64>,
+    /// §19: dollars per million cached input reads; `None` = the input price.
+    pub usd_per_1m_cached_input: Option<f64>,
 }
 
 impl SourceConfig {
@@ -445,6 +558,7 @@ impl Default for SidecarConfig {
             max_buffered: DEFAULT_MAX_BUFFERED,
             max_waiters: None,
             worker_threads: DEFAULT_WORKER_THREADS,
+            tenant_metrics_top: DEFAULT_TENANT_METRICS_TOP,
         }
     }
 }

@@ -36,6 +36,8 @@ use std::sync::{Arc, Mutex, MutexGuard};
 
 use tokio::sync::Notify;
 
+use super::lanes::{Counters, LaneId, Lanes};
+
 /// Waiting for a turn.
 const QUEUED: u8 = 0;
 /// Given a turn: running (or about to run) an admission pass.
@@ -48,6 +50,12 @@ const GONE: u8 = 2;
 pub(crate) struct Waiter {
     /// Index of the waiter's class in the scope's classes.
     class: usize,
+    /// §19: its tenant's lane within the class.
+    pub(crate) lane: LaneId,
+    /// §19: arrival number (ties among tenants' lanes go to the earliest front).
+    pub(crate) seq: u64,
+    /// §19: its tenant's weight (a grant charges the tenant tokens ÷ weight).
+    weight: f64,
     /// `QUEUED` / `WOKEN` / `GONE`; written only under the queue lock.
     state: AtomicU8,
     /// Woken when the waiter is given a turn by someone else (a stored permit if it
@@ -78,8 +86,9 @@ struct ClassQ {
     stride: f64,
     /// Virtual finish time of the class's last turn.
     pass: f64,
-    /// Entries in arrival order (some may be `WOKEN` or `GONE`).
-    entries: VecDeque<Arc<Waiter>>,
+    /// Entries: in arrival order, or (§19) in fair order among tenants (some may be
+    /// `WOKEN` or `GONE`).
+    entries: Lanes,
     /// Entries not `GONE`.
     live: u32,
     /// Entries `QUEUED`.
@@ -105,6 +114,15 @@ struct State {
     /// given a turn (or to its stall edge), so a saturated scope's waiting costs one
     /// nap per poll interval, not one per waiter. `None`: nobody has it yet.
     napper: Option<Arc<Waiter>>,
+    /// §19: the tenants' fair-turn counters (unused without fair lanes).
+    counters: Counters,
+    /// §19: arrivals so far (each waiter's `seq`).
+    arrivals: u64,
+}
+
+/// Whether a waiter left the queue (granted, refused, cancelled).
+fn gone(w: &Waiter) -> bool {
+    w.state() == GONE
 }
 
 /// A classed scope's waiters in fair order.
@@ -124,8 +142,9 @@ pub(crate) struct ClassQueueView {
 }
 
 impl WaitQueue {
-    /// An empty queue over classes of these weights (each > 0).
-    pub(crate) fn new(weights: &[f64]) -> Self {
+    /// An empty queue over classes of these weights (each > 0); `fair`: §19 lanes
+    /// per tenant within each class (else FIFO within a class).
+    pub(crate) fn new(weights: &[f64], fair: bool) -> Self {
         WaitQueue {
             state: Mutex::new(State {
                 classes: weights
@@ -133,7 +152,7 @@ impl WaitQueue {
                     .map(|&w| ClassQ {
                         stride: 1.0 / w.max(f64::MIN_POSITIVE),
                         pass: 0.0,
-                        entries: VecDeque::new(),
+                        entries: Lanes::new(fair),
                         live: 0,
                         queued: 0,
                         turns: 0,
@@ -143,6 +162,8 @@ impl WaitQueue {
                 pending: 0,
                 woken: 0,
                 napper: None,
+                counters: Counters::default(),
+                arrivals: 0,
             }),
         }
     }
@@ -159,21 +180,30 @@ impl WaitQueue {
         }
     }
 
-    /// Join `class` at the back. The returned place leaves the queue when dropped.
-    pub(crate) fn join(&self, class: usize) -> Place<'_> {
+    /// Join `class` at the back (§19: of `lane`, its tenant's, of weight `weight`).
+    /// The returned place leaves the queue when dropped.
+    pub(crate) fn join(&self, class: usize, lane: LaneId, weight: f64) -> Place<'_> {
+        let mut st = self.lock();
+        st.arrivals += 1;
         let w = Arc::new(Waiter {
             class,
+            lane,
+            seq: st.arrivals,
+            weight: weight.max(f64::MIN_POSITIVE),
             state: AtomicU8::new(QUEUED),
             notify: Notify::new(),
             chain: AtomicBool::new(false),
         });
-        let mut st = self.lock();
         let vtime = st.vtime;
-        let c = &mut st.classes[class];
+        let idle = !st.classes.iter().any(|c| c.entries.has(&w.lane));
+        let State {
+            classes, counters, ..
+        } = &mut *st;
+        let c = &mut classes[class];
         if c.live == 0 {
             c.pass = c.pass.max(vtime); // an idle class banks no credit
         }
-        c.entries.push_back(w.clone());
+        c.entries.push(w.clone(), counters, idle);
         c.live += 1;
         c.queued += 1;
         drop(st);
@@ -202,12 +232,39 @@ impl WaitQueue {
     pub(crate) fn wake_all(&self) {
         let st = self.lock();
         for c in &st.classes {
-            for w in &c.entries {
+            c.entries.for_each(|w| {
                 if w.state() == QUEUED {
                     w.notify.notify_one();
                 }
-            }
+            });
         }
+    }
+
+    /// §19: a permit of `lane`'s tenant settled `delta` tokens from its estimate
+    /// (usage − estimate; weight `weight`): its counter follows what it really used.
+    pub(crate) fn correct(&self, lane: &LaneId, delta: f64, weight: f64) {
+        let mut st = self.lock();
+        let State {
+            classes, counters, ..
+        } = &mut *st;
+        counters.correct(lane, delta / weight.max(f64::MIN_POSITIVE));
+        for c in classes.iter_mut() {
+            c.entries.rekey(lane, counters, gone);
+        }
+    }
+
+    /// §19: `lane`'s tenant here: its waiters (queued or mid-pass) and its counter.
+    pub(crate) fn tenant(&self, lane: &LaneId) -> (u32, f64) {
+        let st = self.lock();
+        let mut waiting = 0;
+        for c in &st.classes {
+            c.entries.for_each(|w| {
+                if w.lane == *lane && !gone(w) {
+                    waiting += 1;
+                }
+            });
+        }
+        (waiting, st.counters.of(lane))
     }
 
     /// Per-class figures, config order.
@@ -229,17 +286,19 @@ impl WaitQueue {
 /// concurrent pass by a lower class could take the freed unit first. Only a class's
 /// head ever gets a turn, so within a class the order is strictly FIFO.
 fn pick(st: &mut State) -> Option<Arc<Waiter>> {
-    for c in &mut st.classes {
-        while c.entries.front().is_some_and(|w| w.state() == GONE) {
-            c.entries.pop_front();
-        }
-    }
+    let State {
+        classes, counters, ..
+    } = &mut *st;
+    let heads: Vec<Option<Arc<Waiter>>> = classes
+        .iter_mut()
+        .map(|c| c.entries.front(counters, gone))
+        .collect();
     let (ci, queued) = st
         .classes
         .iter()
         .enumerate()
         .filter_map(|(i, c)| {
-            let head = c.entries.front()?;
+            let head = heads[i].as_ref()?;
             let queued = head.state() == QUEUED;
             let tag = if queued { c.pass } else { c.pass - c.stride };
             Some((i, tag, queued))
@@ -254,8 +313,11 @@ fn pick(st: &mut State) -> Option<Arc<Waiter>> {
 
 /// Give class `ci`'s head its turn.
 fn charge(st: &mut State, ci: usize) -> Option<Arc<Waiter>> {
-    let c = &mut st.classes[ci];
-    let w = c.entries.front()?.clone();
+    let State {
+        classes, counters, ..
+    } = &mut *st;
+    let c = &mut classes[ci];
+    let w = c.entries.front(counters, gone)?;
     w.set(WOKEN);
     c.queued -= 1;
     c.turns += 1;
@@ -365,12 +427,14 @@ impl Place<'_> {
         self.waiter.notify.notified().await
     }
 
-    /// Leave with a grant: the turn stays charged to the class.
-    pub(crate) fn granted(self) {
-        self.leave(true);
+    /// Leave with a grant of `tokens`: the turn stays charged to the class, and
+    /// (§19) the grant to the waiter's tenant.
+    pub(crate) fn granted(self, tokens: u64) {
+        self.leave(Some(tokens));
     }
 
-    fn leave(&self, granted: bool) {
+    fn leave(&self, grant: Option<u64>) {
+        let granted = grant.is_some();
         let mut st = self.queue.lock();
         let was = self.waiter.state();
         if was == GONE {
@@ -395,7 +459,19 @@ impl Place<'_> {
             st.woken -= 1;
             st.pending = st.pending.min(st.woken);
         }
-        let c = &mut st.classes[self.waiter.class];
+        let State {
+            classes, counters, ..
+        } = &mut *st;
+        let lane = &self.waiter.lane;
+        if let Some(tokens) = grant {
+            // §19: the tenant is charged its grant (tokens ÷ weight); a settlement
+            // corrects it to the usage.
+            counters.grant(lane, tokens as f64 / self.waiter.weight);
+            for c in classes.iter_mut() {
+                c.entries.rekey(lane, counters, gone);
+            }
+        }
+        let c = &mut classes[self.waiter.class];
         c.live -= 1;
         if was == QUEUED {
             c.queued -= 1;
@@ -405,12 +481,12 @@ impl Place<'_> {
             c.turns -= 1;
             c.pass -= c.stride;
         }
-        while c.entries.front().is_some_and(|w| w.state() == GONE) {
-            c.entries.pop_front();
-        }
+        c.entries.rekey(lane, counters, gone);
         if c.entries.len() > 2 * c.live as usize + 16 {
-            c.entries.retain(|w| w.state() != GONE);
+            c.entries.compact(counters, gone);
         }
+        let live: usize = classes.iter().map(|c| c.live as usize).sum();
+        counters.prune(live, |id| classes.iter().any(|c| c.entries.has(id)));
         if pass_on {
             if let Some(w) = pick(&mut st) {
                 w.chain.store(chain || napper, Ordering::Relaxed);
@@ -418,8 +494,11 @@ impl Place<'_> {
             } else if napper {
                 // The head is mid-turn: make its turn a chain, so a grant on it hands
                 // on (a refusal claims the nap duty), and the queue keeps a looker.
-                for c in &st.classes {
-                    if let Some(h) = c.entries.front().filter(|h| h.state() == WOKEN) {
+                let State {
+                    classes, counters, ..
+                } = &mut *st;
+                for c in classes.iter_mut() {
+                    if let Some(h) = c.entries.front(counters, gone).filter(|h| h.state() == WOKEN) {
                         h.chain.store(true, Ordering::Relaxed);
                     }
                 }
@@ -430,7 +509,7 @@ impl Place<'_> {
 
 impl Drop for Place<'_> {
     fn drop(&mut self) {
-        self.leave(false);
+        self.leave(None);
     }
 }
 
@@ -635,12 +714,12 @@ mod tests {
     /// Who gets each of `n` turns when every class always has a waiter queued (a
     /// grant passes the turn on: the next is the one it woke).
     fn shares(weights: &[f64], n: usize) -> Vec<usize> {
-        let q = WaitQueue::new(weights);
+        let q = WaitQueue::new(weights, false);
         let mut places: Vec<VecDeque<Place<'_>>> =
             weights.iter().map(|_| VecDeque::new()).collect();
         for (c, p) in places.iter_mut().enumerate() {
             for _ in 0..3 {
-                p.push_back(q.join(c));
+                p.push_back(q.join(c, None, 1.0));
             }
         }
         let mut got = vec![0; weights.len()];
@@ -661,8 +740,8 @@ mod tests {
             let class = woken[0];
             got[class] += 1;
             let p = places[class].pop_front().unwrap();
-            p.granted();
-            places[class].push_back(q.join(class));
+            p.granted(1);
+            places[class].push_back(q.join(class, None, 1.0));
         }
         got
     }
@@ -677,10 +756,10 @@ mod tests {
 
     #[test]
     fn a_turn_given_back_is_not_charged_and_a_cancelled_turn_passes_on() {
-        let q = WaitQueue::new(&[1.0, 1.0]);
-        let a = q.join(0);
-        let b = q.join(1);
-        let a2 = q.join(0);
+        let q = WaitQueue::new(&[1.0, 1.0], false);
+        let a = q.join(0, None, 1.0);
+        let b = q.join(1, None, 1.0);
+        let a2 = q.join(0, None, 1.0);
         assert!(a.turn(), "class 0 first on a tie");
         assert!(!a.retry_now());
         assert!(a.turn(), "given back: class 0 still has the smaller pass");
@@ -691,14 +770,14 @@ mod tests {
             "a2: class 0 was not charged for a"
         );
         assert_eq!(b.waiter.state(), QUEUED);
-        a2.granted();
+        a2.granted(1);
         assert!(b.turn(), "class 1 is behind now");
     }
 
     #[test]
     fn a_wake_during_a_pass_is_not_lost() {
-        let q = WaitQueue::new(&[1.0]);
-        let a = q.join(0);
+        let q = WaitQueue::new(&[1.0], false);
+        let a = q.join(0, None, 1.0);
         assert!(a.turn());
         q.wake_next(); // nobody queued, a is mid-pass
         assert!(a.retry_now(), "the freed unit came after a looked");

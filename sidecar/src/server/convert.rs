@@ -52,6 +52,12 @@ pub enum ArgumentError {
     /// A split token count whose sum does not fit.
     #[error("est_input_tokens + est_output_tokens must be at most {max}", max = MAX_TOKENS)]
     SplitSum,
+    /// §19: a tenant id longer than [`crate::config::MAX_TENANT_ID`] bytes.
+    #[error("tenant must be at most {max} bytes of UTF-8, got {len} bytes", max = crate::config::MAX_TENANT_ID)]
+    TenantTooLong {
+        /// Its length in bytes.
+        len: usize,
+    },
 }
 
 /// What a version-2 `CallSpec` asks the engine for.
@@ -190,6 +196,33 @@ pub fn seconds(name: &'static str, value: f64, positive: bool) -> Result<Duratio
 /// `retry_after_s` of any size is accepted (the engine cuts it to
 /// `max_rate_limit_block`, §7); NaN, infinite or negative ones are refused.
 pub fn outcome(o: wire::Outcome) -> Result<backend::Outcome, ArgumentError> {
+    outcome_cached(o).map(|(o, _)| o)
+}
+
+/// [`outcome`], and the cached input reads a v3 `SuccessCached` counts (§19; 0 for
+/// every other outcome).
+pub fn outcome_cached(o: wire::Outcome) -> Result<(backend::Outcome, u64), ArgumentError> {
+    if let wire::Outcome::SuccessCached {
+        usage,
+        cached_input_tokens,
+        count_attempt,
+    } = o
+    {
+        let cached = tokens("cached_input_tokens", cached_input_tokens)?;
+        let (tokens, split) = usage_tokens(usage)?;
+        return Ok((
+            backend::Outcome::Success {
+                tokens,
+                split,
+                count_attempt,
+            },
+            cached,
+        ));
+    }
+    Ok((plain_outcome(o)?, 0))
+}
+
+fn plain_outcome(o: wire::Outcome) -> Result<backend::Outcome, ArgumentError> {
     Ok(match o {
         wire::Outcome::Success {
             tokens: t,
@@ -227,7 +260,31 @@ pub fn outcome(o: wire::Outcome) -> Result<backend::Outcome, ArgumentError> {
                 split,
             }
         }
+        wire::Outcome::SuccessCached { .. } => unreachable!("outcome_cached takes it"),
     })
+}
+
+/// §19: a v3 `StartTenant` / `BeginTenant` → the v2 request it extends, and the
+/// tenant it names (`None`: every other request, and an empty tenant id, which is the
+/// anonymous tenant). An id over [`crate::config::MAX_TENANT_ID`] bytes is refused.
+pub fn split_tenant(
+    r: wire::Request,
+) -> Result<(wire::Request, Option<String>), ArgumentError> {
+    let (r, tenant) = match r {
+        wire::Request::StartTenant { spec, tenant } => (wire::Request::Start(spec), tenant),
+        wire::Request::BeginTenant { spec, tenant } => (wire::Request::Begin(spec), tenant),
+        r => return Ok((r, None)),
+    };
+    tenant_id(&tenant)?;
+    Ok((r, (!tenant.is_empty()).then_some(tenant)))
+}
+
+/// §19: a tenant id is at most [`crate::config::MAX_TENANT_ID`] bytes.
+pub fn tenant_id(t: &str) -> Result<(), ArgumentError> {
+    if t.len() > crate::config::MAX_TENANT_ID {
+        return Err(ArgumentError::TenantTooLong { len: t.len() });
+    }
+    Ok(())
 }
 
 /// §18: a report with observed limits → the same report without them, and the
@@ -318,6 +375,7 @@ fn skip_reason(r: engine::SkipReason) -> wire::SkipReason {
         engine::SkipReason::Paced => wire::SkipReason::Paced,
         engine::SkipReason::RateLimited => wire::SkipReason::RateLimited,
         engine::SkipReason::BackendUnavailable => wire::SkipReason::BackendUnavailable,
+        engine::SkipReason::TenantLimited => wire::SkipReason::TenantLimited,
     }
 }
 
@@ -398,10 +456,57 @@ pub fn engine_error(e: &EngineError) -> wire::ErrorReply {
         EngineError::Busy(_) => error(K::Busy, ""),
         EngineError::ShuttingDown => error(K::ShuttingDown, ""),
         EngineError::CallEnded(_) => error(K::Cancelled, ""),
-        EngineError::TooManyWaiters(_) => error(K::Overloaded, ""),
+        EngineError::TooManyWaiters(_) | EngineError::TooManyTenants { .. } => {
+            error(K::Overloaded, "")
+        }
+        EngineError::TenantLimited {
+            scope,
+            retry_after,
+            reasons: r,
+            ..
+        } => wire::ErrorReply {
+            retry_after_s: retry_after.as_secs_f64(),
+            per_source_reasons: reasons(r),
+            scope: Some(scope.clone()),
+            ..error(K::TenantLimited, "")
+        },
     };
     reply.message = message;
     reply
+}
+
+/// Engine error → its reply: §19's `TenantLimited` (naming the tenant and the limit)
+/// for a tenant refusal, `Error` for every other.
+pub fn engine_reply(e: &EngineError) -> wire::Reply {
+    match e {
+        EngineError::TenantLimited { tenant, limit, .. } => {
+            wire::Reply::TenantLimited(wire::TenantRefusal {
+                error: engine_error(e),
+                tenant: tenant.clone(),
+                limit: limit.as_str().into(),
+            })
+        }
+        _ => wire::Reply::Error(engine_error(e)),
+    }
+}
+
+/// §19: a reply as a version-1 or -2 connection can read it: a tenant refusal is an
+/// `AllSourcesExhausted` (`quota_exhausted`) error with the same message and retry
+/// hint, and a `tenant_limited` skip reason reads `rate_limited`.
+pub fn downgrade_tenant(reply: &mut wire::Reply) {
+    if let wire::Reply::TenantLimited(t) = reply {
+        let mut e = std::mem::replace(&mut t.error, error(wire::ErrorKind::Internal, ""));
+        e.kind = wire::ErrorKind::AllSourcesExhausted;
+        e.exhausted = Some(wire::ExhaustionReason::QuotaExhausted);
+        *reply = wire::Reply::Error(e);
+    }
+    if let wire::Reply::Error(e) = reply {
+        for (_, r) in &mut e.per_source_reasons {
+            if *r == wire::SkipReason::TenantLimited {
+                *r = wire::SkipReason::RateLimited;
+            }
+        }
+    }
 }
 
 /// A grant → `Granted`.
@@ -507,6 +612,10 @@ pub fn status_json(
             // §15: only a scope that declares classes shows them.
             if !sc.classes.is_empty() {
                 doc["classes"] = sc.classes.iter().map(class_json).collect();
+            }
+            // §19: and only a scope with tenants, its tenants.
+            if let Some(t) = &sc.tenants {
+                doc["tenants"] = super::tenant_doc::tenants_json(t);
             }
             doc
         })

@@ -32,6 +32,7 @@ pub mod convert;
 mod dispatch;
 mod guard;
 mod snapshot;
+pub mod tenant_doc;
 mod transport;
 
 use std::future::Future;
