@@ -172,7 +172,7 @@ async fn main() {
         .expect("connect for INFO");
     // Warm up: loads the script, creates the keys.
     for s in &sources {
-        if let Ok(Admit::Admitted { epoch, is_probe }) =
+        if let Ok(Admit::Admitted { epoch, is_probe, .. }) =
             backend.admit(s, AdmitRequest::new(&bp(), &qp(), 10)).await
         {
             let ok = Outcome::Success {
@@ -207,7 +207,7 @@ async fn main() {
             while !stop.load(Ordering::Relaxed) {
                 let s = &sources[i % sources.len()];
                 i += 1;
-                let Ok(Admit::Admitted { epoch, is_probe }) =
+                let Ok(Admit::Admitted { epoch, is_probe, .. }) =
                     b.admit(s, AdmitRequest::new(&bp(), &qp(), 10)).await
                 else {
                     continue;

@@ -33,7 +33,6 @@ struct Scope {
 const FIRST_SWEEP: usize = 1024;
 
 /// Every scope's tenants' ledgers.
-#[derive(Debug)]
 pub struct Ledgers {
     /// The backend's clock (buckets).
     clock: Arc<dyn Clock>,

@@ -33,6 +33,8 @@ pub struct MemoryBackend {
     /// drained by the next admission (which carries the quota parameters), under the
     /// source's lock.
     drain: HashMap<String, AtomicBool>,
+    /// §19: every scope's tenants' ledgers.
+    tenants: Ledgers,
 }
 
 impl MemoryBackend {

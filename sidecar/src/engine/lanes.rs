@@ -242,6 +242,7 @@ impl Lanes {
         }
     }
 
+    #[cfg(test)]
     /// Tenants with a lane here now.
     pub(crate) fn tenants(&self) -> usize {
         match self {

@@ -190,6 +190,7 @@ impl<B: Backend> Engine<B> {
                     max_tenants: max,
                 }),
             };
+            let ask_cost = admission.tenant.as_ref().map(|t| t.charge.cost);
             let answer = self
                 .detached(admission)
                 .await
@@ -213,9 +214,9 @@ impl<B: Backend> Engine<B> {
                         is_probe,
                         tokens,
                         class,
-                        ledger: admission.tenant.as_ref().map(|t| LedgerHold {
+                        ledger: ask_cost.map(|cost| LedgerHold {
                             day: tenant_day,
-                            cost: t.charge.cost,
+                            cost,
                         }),
                         tenant: tenant.clone(),
                     });

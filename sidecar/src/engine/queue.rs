@@ -314,16 +314,20 @@ fn pick(st: &mut State) -> Option<Arc<Waiter>> {
 /// Give class `ci`'s head its turn.
 fn charge(st: &mut State, ci: usize) -> Option<Arc<Waiter>> {
     let State {
-        classes, counters, ..
+        classes,
+        counters,
+        vtime,
+        woken,
+        ..
     } = &mut *st;
     let c = &mut classes[ci];
     let w = c.entries.front(counters, gone)?;
     w.set(WOKEN);
     c.queued -= 1;
     c.turns += 1;
-    st.vtime = c.pass;
+    *vtime = c.pass;
     c.pass += c.stride;
-    st.woken += 1;
+    *woken += 1;
     Some(w)
 }
 
@@ -845,13 +849,13 @@ mod tests {
 
     #[test]
     fn a_grant_for_one_freed_unit_does_not_hand_on_but_a_chain_grant_does() {
-        let q = WaitQueue::new(&[1.0]);
-        let a = q.join(0);
-        let b = q.join(0);
-        let c = q.join(0);
+        let q = WaitQueue::new(&[1.0], false);
+        let a = q.join(0, None, 1.0);
+        let b = q.join(0, None, 1.0);
+        let c = q.join(0, None, 1.0);
         q.wake_next(); // one unit: a's turn, not a chain
         assert_eq!(a.waiter.state(), WOKEN);
-        a.granted();
+        a.granted(0);
         assert_eq!(
             b.waiter.state(),
             QUEUED,
@@ -860,15 +864,15 @@ mod tests {
         // b asks (as a napper does when its nap ends): a chain; its grant hands
         // the turn on to c.
         assert!(b.turn());
-        b.granted();
+        b.granted(0);
         assert_eq!(c.waiter.state(), WOKEN, "a chain grant hands the turn on");
     }
 
     #[test]
     fn a_leaving_napper_hands_a_turn_on() {
-        let q = WaitQueue::new(&[1.0]);
-        let a = q.join(0);
-        let b = q.join(0);
+        let q = WaitQueue::new(&[1.0], false);
+        let a = q.join(0, None, 1.0);
+        let b = q.join(0, None, 1.0);
         assert!(a.napping(), "the first to ask naps");
         assert!(!b.napping(), "one napper per queue");
         drop(a); // cancelled while napping (queued, no turn)

@@ -201,6 +201,8 @@ pub struct ErrorCounts {
     pub retry_exhausted: AtomicU64,
     /// Acquires refused because the shared backend is unreachable (`fail_closed`).
     pub backend_unavailable: AtomicU64,
+    /// §19: Acquires that ended refused by the call's tenant's limits.
+    pub tenant_limited: AtomicU64,
 }
 
 impl ErrorCounts {
@@ -219,18 +221,20 @@ impl ErrorCounts {
                 ..
             } => &self.quota_exhausted,
             EngineError::Exhausted { .. } => &self.retry_exhausted,
+            EngineError::TenantLimited { .. } => &self.tenant_limited,
             _ => &self.backend_unavailable,
         }
     }
 
     /// Every counter with its kind label, in exposition order (`/metrics`, status).
-    pub fn by_kind(&self) -> [(&'static str, &AtomicU64); 5] {
+    pub fn by_kind(&self) -> [(&'static str, &AtomicU64); 6] {
         [
             ("circuit_open", &self.circuit_open),
             ("stalled", &self.stalled),
             ("quota_exhausted", &self.quota_exhausted),
             ("retry_exhausted", &self.retry_exhausted),
             ("backend_unavailable", &self.backend_unavailable),
+            ("tenant_limited", &self.tenant_limited),
         ]
     }
 }

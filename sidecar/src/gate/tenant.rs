@@ -367,8 +367,14 @@ impl Ledger {
         let today = calendar::day_of(wall);
         let reserved = self.quota.reserve(&p.q, c.tokens, now);
         debug_assert!(matches!(reserved, super::quota::Reserve::Reserved));
-        self.day.add(today, c.cost);
-        self.month.add(calendar::month_of(today), c.cost);
+        // A window is kept only under its budget (as `gate.lua` does): a tenant
+        // without one has nothing to forget and is idle as soon as its buckets are.
+        if p.usd_per_day.is_some() {
+            self.day.add(today, c.cost);
+        }
+        if p.usd_per_month.is_some() {
+            self.month.add(calendar::month_of(today), c.cost);
+        }
         self.in_flight = self.in_flight.saturating_add(1);
         today
     }
@@ -393,10 +399,10 @@ impl Ledger {
             self.month.give_back(month, c.cost - cost);
         } else {
             let more = cost - c.cost;
-            if self.day.id == day {
+            if self.day.id == day && p.usd_per_day.is_some() {
                 self.day.add(day, more);
             }
-            if self.month.id == month {
+            if self.month.id == month && p.usd_per_month.is_some() {
                 self.month.add(month, more);
             }
         }
