@@ -366,8 +366,8 @@ def check_welcome(reply: Reply, version: int = _wire.PROTOCOL_VERSION) -> Dict[s
             return welcome
         theirs = body["protocol_version"]
     elif name == "Error" and body["kind"] == "ProtocolViolation" and "version" in body["message"]:
-        # "... this sidecar speaks versions 1 to 2" (or "speaks version 1")
-        m = re.search(r"sidecar speaks versions? (\d+)(?: to (\d+))?", body["message"])
+        # "... this sidecar speaks versions 1 to 2" (or "speaks version 1", "speaks 1")
+        m = re.search(r"sidecar speaks (?:versions? )?(\d+)(?: to (\d+))?", body["message"])
         theirs = int(m.group(2) or m.group(1)) if m else None
         if version > _wire.FALLBACK_VERSION and (theirs is None or theirs >= _wire.FALLBACK_VERSION):
             raise VersionFallback(_wire.FALLBACK_VERSION, body["message"])
