@@ -286,3 +286,24 @@ def test_aio_v2_fallback_refuses_tenants(fake):
     assert _names(fake) == ["Hello", "Hello", "Start", "Finish"]
     assert fake.requests("Finish")[0]["request"]["Finish"]["outcome"] == {"SuccessUsage": {
         "usage": {"tokens": None, "input_tokens": 1, "output_tokens": 2}, "count_attempt": True}}
+
+
+@pytest.mark.parametrize("said, fallback, named", [
+    ('protocol version mismatch: client "x" speaks version 3, this sidecar speaks versions 1 to 2', True, None),
+    ('protocol version mismatch: client "x" speaks version 3, this sidecar speaks version 1', False, "1"),
+    ("protocol version 3 not supported; this sidecar speaks 1", False, "1"),
+    ("protocol version 3 not supported", True, None),  # names no version: try 2, whose refusal is then final
+])
+def test_the_refusal_is_read_for_the_sidecar_s_versions(said, fallback, named):
+    from polygate import _core
+    reply = {"Error": {"kind": "ProtocolViolation", "message": said, "retry_after_s": 0.0,
+                       "per_source_reasons": [], "exhausted": None, "scope": None}}
+    if fallback:
+        with pytest.raises(_core.VersionFallback) as fb:
+            _core.check_welcome(reply, 3)
+        assert fb.value.version == 2
+    else:
+        with pytest.raises(polygate.SidecarError, match="speaks protocol %s, this client needs 2" % named):
+            _core.check_welcome(reply, 3)
+    with pytest.raises(polygate.SidecarError, match="this client needs 2: upgrade"):  # saying 2 already: final
+        _core.check_welcome(reply, 2)
