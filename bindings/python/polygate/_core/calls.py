@@ -138,7 +138,8 @@ class CallBase(Generic[P]):
                  est_output_tokens: Optional[int] = None, tenant: Optional[str] = None) -> None:
         # validated and encoded once, before anything is sent
         self._spec = p.call_spec(scope, est_tokens, priority, est_input_tokens, est_output_tokens)
-        self._tenant = p.tenant_id(tenant)  # None: the anonymous tenant (plain Start / Begin)
+        # None: the anonymous tenant (plain Start / Begin)
+        self._tenant = None if tenant is None else p.tenant_id(tenant)
         self._client = client
         # The connection this call's frames go to: bound by its first frame (Start
         # or Begin), so a call made before a lost connection was replaced uses the
