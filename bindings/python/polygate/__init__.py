@@ -22,6 +22,7 @@ from .errors import (
     PolyGateError,
     RouteMissingError,
     SidecarError,
+    TenantLimitExceeded,
 )
 
 __all__ = [
@@ -42,6 +43,7 @@ __all__ = [
     "GatewayUnavailableError",
     "CircuitOpenError",
     "AllSourcesExhausted",
+    "TenantLimitExceeded",
     "RouteMissingError",
     "__version__",
 ]
