@@ -21,6 +21,7 @@ mod admin;
 mod detach;
 mod error;
 mod lanes;
+mod line;
 mod pass;
 mod queue;
 mod report;
@@ -281,7 +282,7 @@ pub struct Engine<B: Backend> {
     shutdown: CancellationToken,
     /// §5 quota lines, one per scope (config order): who of a scope's quota
     /// waiters polls, so their cost is per scope and size, not per waiter.
-    quota_lines: Vec<queue::QuotaLine>,
+    quota_lines: Vec<line::QuotaLine>,
     /// Admission passes run (§4), for tests and debugging: a waiter's cost is its
     /// passes, which the backend's counters do not see (the quota hint answers most).
     passes: std::sync::atomic::AtomicU64,
@@ -305,7 +306,7 @@ impl<B: Backend> Engine<B> {
             sources,
             source_index,
         } = Topology::build(config);
-        let quota_lines = scopes.iter().map(|_| queue::QuotaLine::default()).collect();
+        let quota_lines = scopes.iter().map(|_| line::QuotaLine::default()).collect();
         Arc::new_cyclic(|me| Engine {
             me: me.clone(),
             backend,

@@ -33,6 +33,7 @@ mod dispatch;
 mod guard;
 mod snapshot;
 pub mod tenant_doc;
+mod tenant_wire;
 mod transport;
 
 use std::future::Future;

@@ -51,9 +51,12 @@ fn open() -> QuotaParams {
 }
 
 async fn admit<B: Backend>(b: &B, source: &str, q: &QuotaParams, t: TenantAdmit<'_>) -> Admit {
-    b.admit(source, AdmitRequest::new(&bp(), q, t.charge.tokens).tenant(t))
-        .await
-        .expect("admit")
+    b.admit(
+        source,
+        AdmitRequest::new(&bp(), q, t.charge.tokens).tenant(t),
+    )
+    .await
+    .expect("admit")
 }
 
 async fn view<B: Backend>(b: &B, tenant: &str, p: &TenantParams) -> LedgerView {
@@ -275,8 +278,6 @@ pub async fn concurrent_admissions_never_exceed_the_tenant<H: Harness>(h: &H) {
             (Some(o), 1) => o.clone(),
             _ => b.clone(),
         };
-        let t = t;
-        let q = q;
         tasks.push(async move {
             let source = if i % 3 == 0 { S2 } else { S1 };
             matches!(

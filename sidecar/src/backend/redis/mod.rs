@@ -60,7 +60,7 @@ use pubsub::AdminFeed;
 pub use reach::RETRY_INTERVAL;
 use reach::{Reach, Route};
 use script::{Announce, Op};
-use tenant::{TReserveArgs, TSettleArgs, TSnapshotArgs};
+use tenant::TSettleArgs;
 
 /// How to reach Redis and what to do when it cannot be reached.
 #[derive(Debug, Clone, PartialEq)]
@@ -208,9 +208,15 @@ impl RedisBackend {
     pub async fn tenant_calendar(&self, day: u32) -> BResult<(u32, u64)> {
         let p = TenantParams::default();
         let op = tenant::TCalArgs { params: &p, day };
-        self.exec_tenant(&self.tenant_key(TenantKey { scope: "", tenant: "" }), op)
-            .await?
-            .ok_or_else(|| BackendError::Unavailable("redis unreachable".into()))
+        self.exec_tenant(
+            &self.tenant_key(TenantKey {
+                scope: "",
+                tenant: "",
+            }),
+            op,
+        )
+        .await?
+        .ok_or_else(|| BackendError::Unavailable("redis unreachable".into()))
     }
 
     /// Stop this host's heartbeat (it no longer counts once its TTL passes). For
@@ -295,109 +301,6 @@ impl RedisBackend {
                     return Err(self.reach.admin_not_applied(&msg));
                 }
                 self.reach.after_outage(&msg).map(|()| None)
-            }
-        }
-    }
-
-    /// A tenant op on the ledger `key` alone (§19). `Ok(None)`: Redis cannot be
-    /// reached and the local fallback serves it (`on_backend_error = "local"`). The
-    /// sources' reachability is not touched: a tenant op names no source.
-    async fn exec_tenant<O: Op>(&self, key: &str, op: O) -> BResult<Option<O::Reply>> {
-        let inv = script::tenant_invocation(key, &op);
-        match self.conn.run(&inv).await {
-            Ok(v) => O::read(&v).map(Some),
-            Err(Fault::Rejected(msg)) => Err(BackendError::Protocol(format!(
-                "redis {} rejected `{}` for tenant ledger {key:?}: {msg}",
-                self.conn.describe(),
-                O::NAME
-            ))),
-            Err(Fault::Unreachable(msg)) => {
-                self.conn.invalidate();
-                match self.on_error {
-                    OnBackendError::Local => Ok(None),
-                    _ => Err(BackendError::Unavailable(format!(
-                        "tenant ledger unreachable on redis {}: {msg}",
-                        self.conn.describe()
-                    ))),
-                }
-            }
-        }
-    }
-
-    /// The ledger key of `key`.
-    fn tenant_key(&self, key: TenantKey<'_>) -> String {
-        script::tenant_key(&self.prefix, key.scope, key.tenant)
-    }
-
-    /// §10: a tenant's limits as the local fallback applies them (this host's share).
-    fn local_tenant(&self, p: &TenantParams) -> TenantParams {
-        p.share(self.local_share())
-    }
-
-    /// The local fallback's admission, every limit (the tenant's too) cut to this
-    /// host's share.
-    async fn admit_locally(&self, source: &str, r: AdmitRequest<'_>) -> BResult<Admit> {
-        let q = self.local_q(r.q);
-        let tp = r.tenant.map(|t| self.local_tenant(t.params));
-        let tenant = r
-            .tenant
-            .zip(tp.as_ref())
-            .map(|(t, params)| TenantAdmit { params, ..t });
-        self.local
-            .admit_no_probe(source, AdmitRequest { q: &q, tenant, ..r })
-            .await
-    }
-
-    /// §19 on a Redis Cluster: the tenant's ledger first (its own slot), then the
-    /// source; a source refusal gives the tenant's reservation back.
-    async fn admit_two_step(
-        &self,
-        source: &str,
-        t: TenantAdmit<'_>,
-        r: AdmitRequest<'_>,
-    ) -> BResult<Admit> {
-        if let Route::Local = self.reach.route(source, false)? {
-            return self.admit_locally(source, r).await;
-        }
-        let key = self.tenant_key(t.key);
-        let op = TReserveArgs {
-            params: t.params,
-            charge: t.charge,
-        };
-        let day = match self.exec_tenant(&key, op).await? {
-            None => return self.admit_locally(source, r).await,
-            Some(Admit::Admitted { tenant_day, .. }) => tenant_day,
-            Some(refused) => return Ok(refused),
-        };
-        let op = AdmitArgs {
-            p: r.p,
-            q: r.q,
-            tokens: r.tokens,
-            class: r.class,
-            tenant: None,
-        };
-        let answer = self.exec(source, op).await;
-        let give_back = || self.exec_tenant(&key, TSettleArgs { t: tenant::refund(&t, day) });
-        match answer {
-            Ok(Some(Admit::Admitted {
-                epoch, is_probe, ..
-            })) => Ok(Admit::Admitted {
-                epoch,
-                is_probe,
-                tenant_day: day,
-            }),
-            Ok(Some(refused)) => {
-                give_back().await?;
-                Ok(refused)
-            }
-            Ok(None) => {
-                // The source went local meanwhile: so does the whole admission.
-                let _ = give_back().await;
-                self.admit_locally(source, r).await
-            }
-            Err(e) => {
-                let _ = give_back().await;
-                Err(e)
             }
         }
     }
@@ -638,7 +541,9 @@ impl Backend for RedisBackend {
         match answer? {
             Some(a) => {
                 if let (Some(Ok(None)), Some(t), Some(p)) = (tenant, r.tenant, &local_tenant) {
-                    self.local.tenant_settle(TenantSettle { params: p, ..t }).await?;
+                    self.local
+                        .tenant_settle(TenantSettle { params: p, ..t })
+                        .await?;
                 }
                 Ok(a)
             }
@@ -663,31 +568,11 @@ impl Backend for RedisBackend {
     }
 
     async fn tenant_reserve(&self, t: TenantAdmit<'_>) -> BResult<Admit> {
-        let op = TReserveArgs {
-            params: t.params,
-            charge: t.charge,
-        };
-        match self.exec_tenant(&self.tenant_key(t.key), op).await? {
-            Some(a) => Ok(a),
-            None => {
-                let p = self.local_tenant(t.params);
-                self.local
-                    .tenant_reserve(TenantAdmit { params: &p, ..t })
-                    .await
-            }
-        }
+        self.reserve_tenant(t).await
     }
 
     async fn tenant_settle(&self, t: TenantSettle<'_>) -> BResult<()> {
-        match self.exec_tenant(&self.tenant_key(t.key), TSettleArgs { t }).await? {
-            Some(()) => Ok(()),
-            None => {
-                let p = self.local_tenant(t.params);
-                self.local
-                    .tenant_settle(TenantSettle { params: &p, ..t })
-                    .await
-            }
-        }
+        self.settle_tenant(t).await
     }
 
     async fn tenant_snapshot(
@@ -695,12 +580,6 @@ impl Backend for RedisBackend {
         key: TenantKey<'_>,
         p: &TenantParams,
     ) -> BResult<Option<LedgerView>> {
-        match self
-            .exec_tenant(&self.tenant_key(key), TSnapshotArgs { params: p })
-            .await?
-        {
-            Some(v) => Ok(Some(v)),
-            None => self.local.tenant_snapshot(key, &self.local_tenant(p)).await,
-        }
+        self.snapshot_tenant(key, p).await
     }
 }
