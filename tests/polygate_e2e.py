@@ -76,20 +76,28 @@ def _toml_value(v: Any) -> str:
         return json.dumps(v)
     if isinstance(v, (list, tuple)):
         return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    if isinstance(v, dict):  # an inline table
+        return "{ " + ", ".join("%s = %s" % (k, _toml_value(x)) for k, x in v.items()) + " }"
     raise TypeError("cannot write %r as TOML" % (v,))
 
 
 def render_config(sidecar: Dict[str, Any], scopes: Dict[str, Dict[str, Any]]) -> str:
     """A TOML config: ``[sidecar]`` keys, and per scope its scalar keys, optional
     ``breaker`` / ``pacer`` tables, the ``sources`` list of tables and an optional
-    ``priorities`` list of tables (DESIGN §15)."""
+    ``priorities`` list of tables (DESIGN §15) and an optional ``tenants`` table
+    (DESIGN §19: its keys, ``default`` / ``anonymous`` as inline tables, and an
+    ``override`` list of tables)."""
     out: List[str] = ["[sidecar]"]
     out += ["%s = %s" % (k, _toml_value(v)) for k, v in sidecar.items()]
     for name, scope in scopes.items():
         scope = dict(scope)
         sources = scope.pop("sources")
         priorities = scope.pop("priorities", [])
+        tenants = dict(scope.pop("tenants", None) or {})
+        overrides = tenants.pop("override", [])
         tables = {k: scope.pop(k) for k in ("breaker", "pacer") if k in scope}
+        if tenants or overrides:
+            tables["tenants"] = tenants
         out += ["", "[scopes.%s]" % name]
         out += ["%s = %s" % (k, _toml_value(v)) for k, v in scope.items()]
         for t, body in tables.items():
@@ -101,6 +109,9 @@ def render_config(sidecar: Dict[str, Any], scopes: Dict[str, Dict[str, Any]]) ->
         for cls in priorities:
             out += ["", "[[scopes.%s.priorities]]" % name]
             out += ["%s = %s" % (k, _toml_value(v)) for k, v in cls.items()]
+        for o in overrides:
+            out += ["", "[[scopes.%s.tenants.override]]" % name]
+            out += ["%s = %s" % (k, _toml_value(v)) for k, v in o.items()]
     return "\n".join(out) + "\n"
 
 

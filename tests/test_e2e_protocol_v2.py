@@ -17,13 +17,13 @@ def _calls(client, name="chat"):
     return client.status()["scopes"][name]["calls"]
 
 
-def test_speaks_version_2_and_status_json(sidecar):
+def test_speaks_version_3_and_status_json(sidecar):
     sidecar.write_config({"chat": scope({"name": "a", "tpm": 6000})})
     sidecar.start()
     client = sidecar.client()
-    assert client.protocol_version == 2
+    assert client.protocol_version == 3
     st = client.status()
-    assert st["protocol_version"] == 2 and st["backend"] == "memory"
+    assert st["protocol_version"] == 3 and st["backend"] == "memory"
     a = st["scopes"]["chat"]["sources"]["a"]
     assert a["state"] == "closed" and a["tokens_available"] == pytest.approx(6000, abs=5)
     assert "name" not in a

@@ -247,7 +247,7 @@ def _raw_connect(path):
     s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     s.settimeout(5)
     s.connect(path)
-    hello = _wire.encode_client_frame({"id": 1, "request": _core.hello("raw-test")})
+    hello = _wire.encode_client_frame({"id": 1, "request": _core.hello("raw-test", 2)})
     s.sendall(_wire.frame(hello))
     frames = _read_frames(s, want=1)
     assert frames and "Welcome" in frames[0]["reply"], frames

@@ -53,6 +53,11 @@ type Usage struct {
 	InputTokens int
 	// OutputTokens are the answer's tokens.
 	OutputTokens int
+	// CachedInputTokens are the input tokens the provider read from its prompt
+	// cache (apart from InputTokens): a tenant's dollar cost prices them at the
+	// cached rate (DESIGN §19). Sent (as SuccessCached) on a version-3 connection
+	// only, with a success; dropped on an older one.
+	CachedInputTokens int
 }
 
 func (u *Usage) wire() (w usage, split bool, err error) {
@@ -67,6 +72,9 @@ func (u *Usage) wire() (w usage, split bool, err error) {
 	}
 	if sum := u.InputTokens + u.OutputTokens; sum > maxCount {
 		err = invalidArgument("InputTokens + OutputTokens = %d exceeds the limit of %d", sum, maxCount)
+		return
+	}
+	if _, err = countField("CachedInputTokens", u.CachedInputTokens); err != nil {
 		return
 	}
 	return w, w.input.ok || w.output.ok, nil
@@ -128,6 +136,8 @@ const (
 type Call struct {
 	client *Client
 	spec   callSpec
+	// tenant is the call's tenant ("": the scope's anonymous tenant, a plain Start).
+	tenant string
 
 	mu    sync.Mutex
 	state callState
@@ -227,6 +237,9 @@ func (c *Call) Acquire(ctx context.Context) (*Permit, error) {
 		return nil, err
 	case callIdle:
 		r = request{tag: reqStart, spec: c.spec}
+		if c.tenant != "" {
+			r = request{tag: reqStartTenant, spec: c.spec, tenant: c.tenant}
+		}
 	case callActive:
 		cn = c.conn
 		switch p := c.permit; {
@@ -244,7 +257,11 @@ func (c *Call) Acquire(ctx context.Context) (*Permit, error) {
 
 	if cn == nil {
 		var err error
-		if cn, err = c.client.conn(ctx); err != nil {
+		if cn, err = c.client.conn(ctx); err == nil && r.tag == reqStartTenant && cn.version < tenantVersion {
+			// Never sent without its tenant: refused here (PROTOCOL.md §15).
+			err = tenantsUnsupported(fmt.Sprintf("call in scope %q for tenant %q", c.spec.scope, c.tenant), cn.version, c.spec.scope)
+		}
+		if err != nil {
 			c.mu.Lock()
 			c.busy = false
 			c.mu.Unlock()
@@ -268,7 +285,7 @@ func (c *Call) Acquire(ctx context.Context) (*Permit, error) {
 	c.busy = false
 	if err != nil {
 		var se *SidecarError
-		if errors.As(err, &se) && r.tag != reqStart {
+		if errors.As(err, &se) && r.tag != reqStart && r.tag != reqStartTenant {
 			// The connection is gone, and with it the call.
 			c.over(err)
 		} else {
@@ -278,21 +295,31 @@ func (c *Call) Acquire(ctx context.Context) (*Permit, error) {
 		}
 		return nil, err
 	}
+	starting := r.tag == reqStart || r.tag == reqStartTenant
 	switch rep.tag {
 	case repStarted:
 		c.state, c.conn, c.id = callActive, cn, rep.call
 		return c.granted(&rep.grant), nil
 	case repGranted:
-		if r.tag != reqStart {
+		if !starting {
 			return c.granted(&rep.grant), nil
 		}
+	case repTenantLimited:
+		// The tenant's refusal ends the call (PROTOCOL.md §15): nothing is left of
+		// it after a StartTenant or a Retry; an Acquire's call is ended here.
+		e := tenantLimitError(rep.err, rep.tenant, rep.limit)
+		if r.tag == reqAcquire {
+			cn.fireAndForget(&request{tag: reqEndCall, target: id})
+		}
+		c.over(e)
+		return nil, e
 	case repError:
 		e := errorFromReply(rep.err)
 		switch {
 		case r.tag == reqRetry && rep.err.kind == kindInvalidArgument:
 			// Refused before anything changed: the permit is unreported again.
 			c.permit.state = permitOpen
-		case r.tag == reqStart && (rep.err.kind == kindCancelled || rep.err.kind == kindOverloaded):
+		case starting && (rep.err.kind == kindCancelled || rep.err.kind == kindOverloaded):
 			// No call exists; a later Acquire may start it again.
 			c.state, c.conn, c.permit = callIdle, nil, nil
 		case r.tag == reqAcquire:
@@ -368,7 +395,8 @@ func (p *Permit) Success(ctx context.Context, tokens int) error {
 	return p.SuccessWith(ctx, SuccessOptions{Usage: Usage{Tokens: tokens}})
 }
 
-// SuccessWith is Success with a token split and/or NotCounted.
+// SuccessWith is Success with a token split (and cached input reads) and/or
+// NotCounted.
 func (p *Permit) SuccessWith(ctx context.Context, o SuccessOptions) error {
 	u, split, err := o.Usage.wire()
 	if err != nil {
@@ -378,10 +406,24 @@ func (p *Permit) SuccessWith(ctx context.Context, o SuccessOptions) error {
 	if split {
 		out = outcome{tag: outSuccessUsage, usage: u, countAttempt: !o.NotCounted}
 	}
+	if o.Usage.CachedInputTokens > 0 && p.connVersion() >= tenantVersion {
+		out = outcome{tag: outSuccessCached, usage: u, cached: uint64(o.Usage.CachedInputTokens), countAttempt: !o.NotCounted}
+	}
 	if o.NotCounted {
 		return p.hold(out)
 	}
 	return p.finish(ctx, out)
+}
+
+// connVersion is the protocol version of the connection p's call lives on.
+func (p *Permit) connVersion() uint32 {
+	c := p.call
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.conn == nil {
+		return 0
+	}
+	return c.conn.version
 }
 
 // Failure reports that the attempt failed. The report is held and sent with the

@@ -2,6 +2,7 @@ package polygate
 
 import (
 	"context"
+	"encoding/json"
 	"fmt"
 	"os"
 	"strings"
@@ -202,6 +203,8 @@ func expect(rep *reply, want uint32) error {
 		return nil
 	case repError:
 		return errorFromReply(rep.err)
+	case repTenantLimited:
+		return tenantLimitError(rep.err, rep.tenant, rep.limit)
 	}
 	return &SidecarError{Kind: "protocol", Message: fmt.Sprintf("the sidecar answered %s where %s was expected", nameOf(replyNames[:], rep.tag), nameOf(replyNames[:], want))}
 }
@@ -277,6 +280,11 @@ type CallOptions struct {
 	EstInputTokens int
 	// EstOutputTokens estimates the answer, normally the request's max_tokens.
 	EstOutputTokens int
+	// Tenant is the tenant the call is made for (DESIGN §19): at most
+	// MaxTenantBytes (128) bytes of UTF-8; "" = the scope's anonymous tenant (a
+	// plain Start). It needs a sidecar that speaks protocol 3: with an older one
+	// the call fails before anything is sent.
+	Tenant string
 	// Classify, used by Run only, decides what an error returned by the attempt
 	// function means; a zero Verdict falls back to the built-in rules (see
 	// Classify the function). Nil = the built-in rules.
@@ -326,6 +334,66 @@ func (o *CallOptions) spec(scope string) (callSpec, error) {
 	return s, nil
 }
 
+// checkTenant validates a tenant id where it is given.
+func checkTenant(tenant string) error {
+	if !utf8.ValidString(tenant) {
+		return invalidArgument("tenant %q is not valid UTF-8", tenant)
+	}
+	if len(tenant) > MaxTenantBytes {
+		short := tenant[:32]
+		for !utf8.ValidString(short) {
+			short = short[:len(short)-1]
+		}
+		return invalidArgument("tenant id %q... is %d bytes of UTF-8; the limit is %d bytes", short, len(tenant), MaxTenantBytes)
+	}
+	return nil
+}
+
+// tenantsUnsupported is the error of a tenant call (or TenantStatus) on a
+// connection older than version 3: it is refused here, never sent without its
+// tenant (PROTOCOL.md §15).
+func tenantsUnsupported(what string, version uint32, scope string) *SidecarError {
+	return &SidecarError{Kind: "protocol_violation", Scope: scope, Message: fmt.Sprintf(
+		"%s: the sidecar speaks protocol %d; tenants need %d: upgrade polygate-sidecar", what, version, tenantVersion)}
+}
+
+// TenantStatus returns one tenant's ledger (DESIGN §19) as the sidecar's JSON
+// document, decoded: {"tenant": ..., "scopes": {NAME: {...}}} — per scope with
+// tenants (only scope, if not ""), its limits, bucket levels, spend in the
+// current day and month, calls in flight and waiting. tenant "" is the
+// anonymous tenant. It needs a sidecar that speaks protocol 3.
+func (c *Client) TenantStatus(ctx context.Context, tenant, scope string) (map[string]any, error) {
+	if err := checkTenant(tenant); err != nil {
+		return nil, err
+	}
+	r := request{tag: reqTenantStatus, tenant: tenant}
+	if scope != "" {
+		if !utf8.ValidString(scope) {
+			return nil, invalidArgument("scope %q is not valid UTF-8", scope)
+		}
+		r.scope = optStr{scope, true}
+	}
+	cn, err := c.conn(ctx)
+	if err != nil {
+		return nil, err
+	}
+	if cn.version < tenantVersion {
+		return nil, tenantsUnsupported(fmt.Sprintf("TenantStatus(%q)", tenant), cn.version, scope)
+	}
+	rep, err := cn.roundTrip(ctx, &r, rtCancellable, 0)
+	if err == nil {
+		err = expect(&rep, repStatusJSON)
+	}
+	if err != nil {
+		return nil, err
+	}
+	var doc map[string]any
+	if err := json.Unmarshal([]byte(rep.text), &doc); err != nil {
+		return nil, &SidecarError{Kind: "protocol", Message: "the sidecar's tenant status is not a JSON object", Err: err}
+	}
+	return doc, nil
+}
+
 // Begin opens a call in scope. Nothing is sent yet: the first Acquire starts the
 // call and acquires its first permit in one round trip. Always End the call
 // (defer call.End(context.Background())) — End releases whatever the call still
@@ -333,6 +401,9 @@ func (o *CallOptions) spec(scope string) (callSpec, error) {
 // connection.
 func (c *Client) Begin(ctx context.Context, scope string, opts CallOptions) (*Call, error) {
 	spec, err := opts.spec(scope)
+	if err == nil {
+		err = checkTenant(opts.Tenant)
+	}
 	if err != nil {
 		err.(*SidecarError).Scope = scope
 		return nil, err
@@ -340,7 +411,7 @@ func (c *Client) Begin(ctx context.Context, scope string, opts CallOptions) (*Ca
 	if _, err := c.conn(ctx); err != nil {
 		return nil, err
 	}
-	return &Call{client: c, spec: spec}, nil
+	return &Call{client: c, spec: spec, tenant: opts.Tenant}, nil
 }
 
 // optSeconds converts a Retry-After to the wire's seconds, refusing what no

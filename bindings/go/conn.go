@@ -15,7 +15,8 @@ import (
 	"io"
 	"net"
 	"os"
-	"strings"
+	"regexp"
+	"strconv"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -62,6 +63,9 @@ type conn struct {
 	maxFrame int
 	// sidecarVersion is Welcome.sidecar_version, for messages.
 	sidecarVersion string
+	// version is the protocol version of the connection (Welcome's): 3, or 2 with
+	// an older sidecar, where a tenant call is refused before it is sent.
+	version uint32
 
 	nextID atomic.Uint64
 	// dead is set once, by kill; read without the lock on the hot path.
@@ -100,9 +104,28 @@ func connectError(path string, err error) *SidecarError {
 	}
 }
 
-// dial connects to path and performs the handshake (PROTOCOL.md §6): Hello with
-// protocol version 2, then Welcome. ctx bounds both.
+// versionFallback is a refusal of Hello 3 by an older sidecar that speaks version
+// (2): it closed the connection; dial again saying version.
+type versionFallback struct {
+	version uint32
+	said    string
+}
+
+func (e *versionFallback) Error() string { return e.said }
+
+// dial connects to path and performs the handshake (PROTOCOL.md §6, §15): Hello
+// with protocol version 3, then Welcome; a sidecar that refuses 3 naming versions
+// up to 2 gets a second connection saying 2. ctx bounds all of it.
 func dial(ctx context.Context, path, clientName string) (*conn, error) {
+	c, err := dialVersion(ctx, path, clientName, protocolVersion)
+	var fb *versionFallback
+	if errors.As(err, &fb) {
+		return dialVersion(ctx, path, clientName, fb.version)
+	}
+	return c, err
+}
+
+func dialVersion(ctx context.Context, path, clientName string, version uint32) (*conn, error) {
 	var d net.Dialer
 	nc, err := d.DialContext(ctx, "unix", path)
 	if err != nil {
@@ -112,7 +135,7 @@ func dial(ctx context.Context, path, clientName string) (*conn, error) {
 		return nil, connectError(path, err)
 	}
 	c := &conn{nc: nc, path: path, maxFrame: defaultMaxFrame, pending: make(map[uint64]*pending), done: make(chan struct{})}
-	if err := c.handshake(ctx, clientName); err != nil {
+	if err := c.handshake(ctx, clientName, version); err != nil {
 		nc.Close()
 		return nil, err
 	}
@@ -120,10 +143,10 @@ func dial(ctx context.Context, path, clientName string) (*conn, error) {
 	return c, nil
 }
 
-func (c *conn) handshake(ctx context.Context, clientName string) error {
+func (c *conn) handshake(ctx context.Context, clientName string, version uint32) error {
 	stop := context.AfterFunc(ctx, func() { c.nc.SetDeadline(time.Unix(1, 0)) })
 	defer stop()
-	hello := request{tag: reqHello, version: protocolVersion, clientName: clientName, pid: uint32(os.Getpid())}
+	hello := request{tag: reqHello, version: version, clientName: clientName, pid: uint32(os.Getpid())}
 	if _, err := c.nc.Write(appendRequest(nil, 0, &hello)); err != nil {
 		return c.handshakeIOError(ctx, err)
 	}
@@ -139,18 +162,22 @@ func (c *conn) handshake(ctx context.Context, clientName string) error {
 		return &SidecarError{Kind: "protocol", Message: fmt.Sprintf("the sidecar at %s answered Hello with a frame this client cannot decode", c.path), Err: err}
 	}
 	switch {
-	case r.tag == repWelcome && r.version == protocolVersion:
+	case r.tag == repWelcome && r.version >= fallbackVersion && r.version <= version:
 		if r.maxFrame >= 1024 {
 			c.maxFrame = int(r.maxFrame)
 		}
-		c.sidecarVersion = r.sidecarVersion
+		c.sidecarVersion, c.version = r.sidecarVersion, r.version
 		return nil
 	case r.tag == repWelcome:
 		return versionError(c.path, fmt.Sprint(r.version), "")
 	case r.tag == repError && r.err.kind == kindProtocolViolation:
 		// Our first frame is a Hello, sent at once: the only violation left is the
 		// version.
-		return versionError(c.path, spokenVersion(r.err.message), r.err.message)
+		theirs := spokenVersion(r.err.message)
+		if n, err := strconv.Atoi(theirs); version > fallbackVersion && (err != nil || n >= fallbackVersion) {
+			return &versionFallback{version: fallbackVersion, said: r.err.message}
+		}
+		return versionError(c.path, theirs, r.err.message)
 	case r.tag == repError:
 		e := errorFromReply(r.err)
 		if se, ok := e.(*SidecarError); ok {
@@ -168,21 +195,24 @@ func (c *conn) handshakeIOError(ctx context.Context, err error) error {
 	return &SidecarError{Kind: "connection", Message: fmt.Sprintf("the sidecar at %s closed the connection during the handshake", c.path), Err: err}
 }
 
-// spokenVersion pulls the sidecar's version out of its refusal ("... this sidecar
-// speaks 1"); a sidecar that refuses version 2 speaks version 1.
+// spokenVersion pulls the sidecar's highest version out of its refusal ("... this
+// sidecar speaks versions 1 to 2", "... speaks version 1", "... speaks 1"); a
+// refusal that names none is taken for a version-1 sidecar's.
 func spokenVersion(message string) string {
-	if i := strings.LastIndex(message, "speaks "); i >= 0 {
-		v := strings.TrimRight(message[i+len("speaks "):], ". ")
-		if v != "" && len(v) <= 16 {
-			return v
+	if m := spokenRE.FindStringSubmatch(message); m != nil {
+		if m[2] != "" {
+			return m[2]
 		}
+		return m[1]
 	}
 	return "1"
 }
 
+var spokenRE = regexp.MustCompile(`speaks (?:versions? )?(\d{1,9})(?: to (\d{1,9}))?\W*$`)
+
 func versionError(path, theirs, said string) *SidecarError {
 	msg := fmt.Sprintf("the sidecar at %s speaks protocol version %s, this client (polygate-go %s) needs version %d: upgrade polygate-sidecar",
-		path, theirs, ClientVersion, protocolVersion)
+		path, theirs, ClientVersion, fallbackVersion)
 	if said != "" {
 		msg += " (the sidecar said: " + said + ")"
 	}
@@ -263,7 +293,7 @@ func (c *conn) dispatch(id uint64, r reply) {
 		case r.tag == repStarted || r.tag == repGranted:
 			fin := request{tag: reqFinish, target: r.grant.permit, outcome: outcome{tag: outCancelled}}
 			go c.fireAndForget(&fin)
-		case r.tag == repError && p.endCall != 0:
+		case (r.tag == repError || r.tag == repTenantLimited) && p.endCall != 0:
 			end := request{tag: reqEndCall, target: p.endCall}
 			go c.fireAndForget(&end)
 		}

@@ -86,7 +86,7 @@ func TestE2ERunFailsOver(t *testing.T) {
 			t.Fatalf("scope %+v\na %+v\nb %+v", sc, a, b)
 		}
 		wantBackend := d.backendName()
-		if st.Backend != wantBackend || st.ProtocolVersion != 2 || st.SidecarVersion == "" {
+		if st.Backend != wantBackend || st.ProtocolVersion != 3 || st.SidecarVersion == "" {
 			t.Fatalf("status %q %d %q", st.Backend, st.ProtocolVersion, st.SidecarVersion)
 		}
 	})

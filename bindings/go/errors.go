@@ -23,6 +23,8 @@ const (
 	SkipPaced              = "paced"
 	SkipRateLimited        = "rate_limited"
 	SkipBackendUnavailable = "backend_unavailable"
+	// SkipTenantLimited: the call's tenant has no room on this source (DESIGN §19).
+	SkipTenantLimited = "tenant_limited"
 )
 
 // GatewayUnavailableError means the call-level budget is spent: no source can serve
@@ -33,11 +35,11 @@ const (
 //
 // It is returned as is when the shared backend is unreachable and the sidecar is
 // configured on_backend_error = "fail_closed" (Kind "backend_unavailable"), and is
-// the base of *CircuitOpenError and *AllSourcesExhaustedError: errors.As(err,
-// &gu) with gu a *GatewayUnavailableError matches all three.
+// the base of *CircuitOpenError, *AllSourcesExhaustedError and *TenantLimitError:
+// errors.As(err, &gu) with gu a *GatewayUnavailableError matches all of them.
 type GatewayUnavailableError struct {
 	// Kind is the wire error kind in snake_case: "circuit_open",
-	// "all_sources_exhausted" or "backend_unavailable".
+	// "all_sources_exhausted", "tenant_limited" or "backend_unavailable".
 	Kind string
 	// Message is the sidecar's explanation, naming the scope and sources.
 	Message string
@@ -45,7 +47,8 @@ type GatewayUnavailableError struct {
 	// now or unknown (a half-open source's probe may succeed at any moment).
 	RetryAfter time.Duration
 	// PerSourceReasons maps each source skipped in the last admission pass to why:
-	// SkipCircuitOpen, SkipPaced, SkipRateLimited or SkipBackendUnavailable.
+	// SkipCircuitOpen, SkipPaced, SkipRateLimited, SkipBackendUnavailable or
+	// SkipTenantLimited.
 	PerSourceReasons map[string]string
 	// Scope is the call's scope ("" when the sidecar did not say).
 	Scope string
@@ -76,6 +79,24 @@ type AllSourcesExhaustedError struct {
 
 // Unwrap returns the embedded *GatewayUnavailableError, so errors.As finds it.
 func (e *AllSourcesExhaustedError) Unwrap() error { return &e.GatewayUnavailableError }
+
+// TenantLimitError: the call's tenant is over one of its limits (DESIGN §19,
+// PROTOCOL.md §15); the call is over, and Run returns it at once, with no other
+// attempt. Tenant names the tenant ("" is the scope's anonymous tenant), Limit the
+// limit that refused: "tpm", "rpm", "tpd", "rpd", "usd_per_day" or
+// "usd_per_month". RetryAfter is how long until the tenant's bucket certainly
+// holds the call, or, for a spent dollar budget, until its calendar window (UTC
+// day or month) ends. It unwraps to its *GatewayUnavailableError.
+type TenantLimitError struct {
+	GatewayUnavailableError
+	// Tenant is the tenant whose limit refused.
+	Tenant string
+	// Limit is the limit that refused.
+	Limit string
+}
+
+// Unwrap returns the embedded *GatewayUnavailableError, so errors.As finds it.
+func (e *TenantLimitError) Unwrap() error { return &e.GatewayUnavailableError }
 
 // SidecarError is trouble with the sidecar or with the request rather than an
 // answer about the gateway: the connection could not be made or was lost, a
@@ -117,6 +138,29 @@ func secondsToDuration(s float64) time.Duration {
 		return time.Duration(1<<63 - 1)
 	}
 	return time.Duration(s * float64(time.Second))
+}
+
+// tenantLimitError maps a wire TenantRefusal (Reply::TenantLimited, v3).
+func tenantLimitError(e *errorReply, tenant, limit string) *TenantLimitError {
+	message := e.message
+	if message == "" {
+		message = fmt.Sprintf("tenant %q is over its %s limit", tenant, limit)
+	}
+	te := &TenantLimitError{
+		GatewayUnavailableError: GatewayUnavailableError{
+			Kind:             "tenant_limited",
+			Message:          message,
+			RetryAfter:       secondsToDuration(e.retryAfter),
+			PerSourceReasons: make(map[string]string, len(e.reasons)),
+			Scope:            e.scope.v,
+		},
+		Tenant: tenant,
+		Limit:  limit,
+	}
+	for _, r := range e.reasons {
+		te.PerSourceReasons[r.source] = nameOf(skipSnake, r.reason)
+	}
+	return te
 }
 
 // errorFromReply maps a wire ErrorReply to the matching error.

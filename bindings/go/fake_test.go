@@ -53,7 +53,8 @@ type fakeLogEntry struct {
 type fakeSidecar struct {
 	path string
 	ln   net.Listener
-	// version is the protocol version the fake speaks: 1 refuses Hello v2.
+	// version is the highest protocol version the fake speaks: a Hello above it is
+	// refused, as a version-1 or version-2 sidecar does.
 	version uint32
 	// welcomeVersion, if set, is what Welcome announces instead of the Hello's.
 	welcomeVersion uint32
@@ -81,6 +82,10 @@ type fakeConn struct {
 	calls   map[uint64]*fakeCall
 	permits map[uint64]*fakePermit
 	waiting map[uint64]chan struct{}
+	// version is the protocol version its Hello said.
+	version uint32
+	// raw holds the payload of every request after Hello, as received.
+	raw [][]byte
 }
 
 // newFake starts a fake sidecar in dir with the given scopes.
@@ -90,7 +95,7 @@ func newFake(dir string, scopes ...*fakeScope) (*fakeSidecar, error) {
 	if err != nil {
 		return nil, err
 	}
-	s := &fakeSidecar{path: path, ln: ln, version: 2, maxFrame: defaultMaxFrame, scopes: scopes, stats: map[string]*fakeSourceStats{}}
+	s := &fakeSidecar{path: path, ln: ln, version: 3, maxFrame: defaultMaxFrame, scopes: scopes, stats: map[string]*fakeSourceStats{}}
 	for _, sc := range scopes {
 		if sc.maxAttempts == 0 {
 			sc.maxAttempts = 3
@@ -212,9 +217,14 @@ func (c *fakeConn) serve() {
 		return
 	}
 	if hello.version > c.s.version {
-		c.replyErr(id, kindProtocolViolation, fmt.Sprintf("protocol version %d not supported; this sidecar speaks %d", hello.version, c.s.version))
+		if c.s.version == 1 {
+			c.replyErr(id, kindProtocolViolation, fmt.Sprintf("protocol version %d not supported; this sidecar speaks %d", hello.version, c.s.version))
+		} else { // what a version-2 sidecar says
+			c.replyErr(id, kindProtocolViolation, fmt.Sprintf("protocol version mismatch: client %q speaks version %d, this sidecar speaks versions 1 to %d", hello.clientName, hello.version, c.s.version))
+		}
 		return
 	}
+	c.version = hello.version
 	v := hello.version
 	if c.s.welcomeVersion != 0 {
 		v = c.s.welcomeVersion
@@ -237,6 +247,7 @@ func (c *fakeConn) serve() {
 		}
 		c.s.mu.Lock()
 		c.s.log = append(c.s.log, fakeLogEntry{c.idx, id, r})
+		c.raw = append(c.raw, append([]byte(nil), payload...))
 		hook := c.s.hook
 		c.s.mu.Unlock()
 		if hook != nil && hook(c, id, &r) {
@@ -278,8 +289,23 @@ func (s *fakeSidecar) scope(name string) *fakeScope {
 
 func (c *fakeConn) handle(id uint64, r *request) {
 	s := c.s
+	if c.version < tenantVersion && (r.tag == reqStartTenant || r.tag == reqBeginTenant || r.tag == reqTenantStatus ||
+		((r.tag == reqRetry || r.tag == reqFinish || r.tag == reqReport) && r.outcome.tag == outSuccessCached)) {
+		// as the sidecar does: a version-3 message on an older connection
+		c.replyErr(id, kindInvalidArgument, requestNames[r.tag]+" needs protocol version 3")
+		return
+	}
 	switch r.tag {
-	case reqStart, reqBegin, reqBeginCall:
+	case reqTenantStatus:
+		scopes := map[string]any{}
+		for _, sc := range s.scopes {
+			if !r.scope.ok || r.scope.v == sc.name {
+				scopes[sc.name] = map[string]any{"limits": map[string]any{"tpm": 1000}, "in_flight": 0, "waiting": 0}
+			}
+		}
+		b, _ := json.Marshal(map[string]any{"tenant": r.tenant, "scopes": scopes})
+		c.reply(id, &reply{tag: repStatusJSON, text: string(b)})
+	case reqStart, reqBegin, reqBeginCall, reqStartTenant, reqBeginTenant:
 		sc := s.scope(r.spec.scope)
 		if sc == nil {
 			c.reply(id, &reply{tag: repError, err: &errorReply{kind: kindUnknownScope, message: fmt.Sprintf("unknown scope %q", r.spec.scope), scope: optStr{r.spec.scope, true}}})
@@ -296,7 +322,7 @@ func (c *fakeConn) handle(id uint64, r *request) {
 		c.mu.Lock()
 		c.calls[callID] = call
 		c.mu.Unlock()
-		if r.tag != reqStart {
+		if r.tag != reqStart && r.tag != reqStartTenant {
 			c.reply(id, &reply{tag: repCallBegun, call: callID})
 			return
 		}
@@ -416,7 +442,7 @@ func (c *fakeConn) apply(permit uint64, o *outcome) (uint64, *errorReply) {
 	st := c.s.stats[p.source]
 	st.inFlight--
 	switch o.tag {
-	case outSuccess, outSuccessUsage:
+	case outSuccess, outSuccessUsage, outSuccessCached:
 		st.streak = 0
 		if o.countAttempt {
 			st.successes++

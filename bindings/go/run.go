@@ -2,6 +2,7 @@ package polygate
 
 import (
 	"context"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"io"
@@ -199,7 +200,12 @@ func Classify(err error) Verdict {
 //     returns ctx.Err();
 //   - the call cannot proceed → Run returns the *CircuitOpenError or
 //     *AllSourcesExhaustedError (or another *GatewayUnavailableError /
-//     *SidecarError) of the last Acquire.
+//     *SidecarError) of the last Acquire; a tenant's refusal (*TenantLimitError,
+//     opts.Tenant) is returned at once, with no other attempt.
+//
+// fn sets the usage with p.SetUsage(polygate.UsageOf(resp)) for an OpenAI or
+// Anthropic response (cached input reads included: sent as SuccessCached on a
+// version-3 connection), or p.SetTokens / p.SetUsage by hand.
 //
 // A result of fn travels through its closure.
 func (c *Client) Run(ctx context.Context, scope string, opts CallOptions, fn func(ctx context.Context, p *Permit) error) error {
@@ -257,4 +263,87 @@ func (c *Client) Run(ctx context.Context, scope string, opts CallOptions, fn fun
 			}
 		}
 	}
+}
+
+// UsageOf reads the usage of an LLM response, for p.SetUsage in Run's attempt
+// function: result is a JSON body ([]byte, json.RawMessage, string), a decoded
+// JSON object (map[string]any), or any value encoding/json can marshal (an SDK's
+// response struct: openai-go, anthropic-sdk-go). Its "usage" object (or result
+// itself, if it has none) is read as
+//
+//   - OpenAI chat: Tokens = total_tokens; InputTokens = prompt_tokens minus
+//     prompt_tokens_details.cached_tokens, which are CachedInputTokens;
+//     OutputTokens = completion_tokens;
+//   - OpenAI responses: total_tokens; input_tokens minus
+//     input_tokens_details.cached_tokens (CachedInputTokens); output_tokens;
+//   - Anthropic: InputTokens = input_tokens (cache reads already apart),
+//     CachedInputTokens = cache_read_input_tokens, OutputTokens = output_tokens.
+//
+// Counts that are not plausible (negative, fractional, above 1,000,000,000) are
+// left 0 ("not given"); so is everything when result has no usage.
+func UsageOf(result any) Usage {
+	var raw []byte
+	switch v := result.(type) {
+	case nil:
+		return Usage{}
+	case []byte:
+		raw = v
+	case json.RawMessage:
+		raw = v
+	case string:
+		raw = []byte(v)
+	case map[string]any:
+		return usageOfObject(v)
+	default:
+		b, err := json.Marshal(v)
+		if err != nil {
+			return Usage{}
+		}
+		raw = b
+	}
+	var doc map[string]any
+	if json.Unmarshal(raw, &doc) != nil {
+		return Usage{}
+	}
+	return usageOfObject(doc)
+}
+
+func usageOfObject(doc map[string]any) Usage {
+	u, ok := doc["usage"].(map[string]any)
+	if !ok {
+		u = doc
+	}
+	num := func(o any, key string) (int, bool) {
+		m, ok := o.(map[string]any)
+		if !ok {
+			return 0, false
+		}
+		f, ok := m[key].(float64)
+		if !ok || f < 0 || f > maxCount || f != float64(int(f)) {
+			return 0, false
+		}
+		return int(f), true
+	}
+	var out Usage
+	out.Tokens, _ = num(u, "total_tokens")
+	if prompt, ok := num(u, "prompt_tokens"); ok {
+		out.CachedInputTokens, _ = num(u["prompt_tokens_details"], "cached_tokens")
+		out.InputTokens = max(0, prompt-out.CachedInputTokens)
+		out.OutputTokens, _ = num(u, "completion_tokens")
+	} else {
+		in, hasIn := num(u, "input_tokens")
+		out.OutputTokens, _ = num(u, "output_tokens")
+		if cached, ok := num(u["input_tokens_details"], "cached_tokens"); ok {
+			in, out.CachedInputTokens = max(0, in-cached), cached
+		} else {
+			out.CachedInputTokens, _ = num(u, "cache_read_input_tokens")
+		}
+		if hasIn {
+			out.InputTokens = in
+		}
+	}
+	if out.InputTokens+out.OutputTokens > maxCount {
+		out.InputTokens, out.OutputTokens = 0, 0
+	}
+	return out
 }

@@ -1,6 +1,6 @@
 package polygate
 
-// The wire codec: every frame of bindings/PROTOCOL.md (versions 1 and 2), encoded
+// The wire codec: every frame of bindings/PROTOCOL.md (versions 1, 2 and 3), encoded
 // and decoded by hand into flat structs — no reflection, no interface boxing, one
 // append per field. Both directions are implemented (client and server frames)
 // so that the golden vectors can be checked byte for byte both ways and the tests'
@@ -13,8 +13,20 @@ import (
 	"unicode/utf8"
 )
 
-// protocolVersion is the version this client speaks (PROTOCOL.md §14).
-const protocolVersion = 2
+// Protocol versions (PROTOCOL.md §13–§15).
+const (
+	// protocolVersion is the version this client says in Hello (tenants, §15).
+	protocolVersion = 3
+	// fallbackVersion is said to a sidecar that refuses 3: everything works but
+	// tenants.
+	fallbackVersion = 2
+	// tenantVersion is the first version with tenants (StartTenant, BeginTenant,
+	// TenantStatus, SuccessCached, Reply::TenantLimited).
+	tenantVersion = 3
+)
+
+// MaxTenantBytes is the longest tenant id, in bytes of UTF-8 (PROTOCOL.md §15).
+const MaxTenantBytes = 128
 
 // Frame limits (PROTOCOL.md §2, §14.4).
 const (
@@ -46,6 +58,9 @@ const (
 	reqReportObserved
 	reqRetryObserved
 	reqFinishObserved
+	reqStartTenant
+	reqBeginTenant
+	reqTenantStatus
 	reqTags
 )
 
@@ -61,6 +76,7 @@ const (
 	repError
 	repStarted
 	repStatusJSON
+	repTenantLimited
 	repTags
 )
 
@@ -72,6 +88,7 @@ const (
 	outCancelled
 	outSuccessUsage
 	outFailureUsage
+	outSuccessCached
 	outTags
 )
 
@@ -93,17 +110,18 @@ const (
 	kindBusy
 	kindInternal
 	kindOverloaded
+	kindTenantLimited
 )
 
 // Wire names of the enums, indexed by tag; their snake_case forms are what the API
 // exposes (SidecarError.Kind, reasons, states).
 var (
-	requestNames   = [...]string{"Hello", "BeginCall", "Acquire", "Report", "EndCall", "Status", "ForceOpen", "ForceClose", "Reset", "Ping", "Cancel", "Start", "Retry", "Finish", "Begin", "StatusJson", "ReportObserved", "RetryObserved", "FinishObserved"}
-	replyNames     = [...]string{"Welcome", "CallBegun", "Granted", "Reported", "Ok", "Status", "Pong", "Error", "Started", "StatusJson"}
-	outcomeNames   = [...]string{"Success", "Failure", "RateLimited", "Cancelled", "SuccessUsage", "FailureUsage"}
+	requestNames   = [...]string{"Hello", "BeginCall", "Acquire", "Report", "EndCall", "Status", "ForceOpen", "ForceClose", "Reset", "Ping", "Cancel", "Start", "Retry", "Finish", "Begin", "StatusJson", "ReportObserved", "RetryObserved", "FinishObserved", "StartTenant", "BeginTenant", "TenantStatus"}
+	replyNames     = [...]string{"Welcome", "CallBegun", "Granted", "Reported", "Ok", "Status", "Pong", "Error", "Started", "StatusJson", "TenantLimited"}
+	outcomeNames   = [...]string{"Success", "Failure", "RateLimited", "Cancelled", "SuccessUsage", "FailureUsage", "SuccessCached"}
 	failureNames   = [...]string{"Timeout", "ServerError", "Connection", "BadResult", "Error"}
-	errorKindNames = [...]string{"CircuitOpen", "AllSourcesExhausted", "UnknownScope", "UnknownCall", "UnknownPermit", "InvalidArgument", "Malformed", "FrameTooLarge", "ProtocolViolation", "PermissionDenied", "ShuttingDown", "BackendUnavailable", "Cancelled", "Busy", "Internal", "Overloaded"}
-	skipNames      = [...]string{"CircuitOpen", "Paced", "RateLimited", "BackendUnavailable"}
+	errorKindNames = [...]string{"CircuitOpen", "AllSourcesExhausted", "UnknownScope", "UnknownCall", "UnknownPermit", "InvalidArgument", "Malformed", "FrameTooLarge", "ProtocolViolation", "PermissionDenied", "ShuttingDown", "BackendUnavailable", "Cancelled", "Busy", "Internal", "Overloaded", "TenantLimited"}
+	skipNames      = [...]string{"CircuitOpen", "Paced", "RateLimited", "BackendUnavailable", "TenantLimited"}
 	exhaustNames   = [...]string{"Stalled", "QuotaExhausted", "RetryExhausted"}
 	stateNames     = [...]string{"Closed", "Open", "HalfOpen"}
 
@@ -194,10 +212,11 @@ type usage struct {
 type outcome struct {
 	tag          uint32
 	tokens       optU64 // Success
-	countAttempt bool   // Success, SuccessUsage
+	countAttempt bool   // Success, SuccessUsage, SuccessCached
 	kind         uint32 // Failure, FailureUsage: a FailureKind tag
 	retryAfter   optF64 // RateLimited
-	usage        usage  // SuccessUsage, FailureUsage
+	usage        usage  // SuccessUsage, FailureUsage, SuccessCached
+	cached       uint64 // SuccessCached: input tokens read from the provider's prompt cache
 }
 
 // request is one Request (PROTOCOL.md §4.2); tag selects which fields are on the wire.
@@ -207,8 +226,12 @@ type request struct {
 	version    uint32
 	clientName string
 	pid        uint32
-	// BeginCall (scope, estTokens), Start, Begin
+	// BeginCall (scope, estTokens), Start, Begin, StartTenant, BeginTenant
 	spec callSpec
+	// StartTenant, BeginTenant, TenantStatus: the tenant id
+	tenant string
+	// TenantStatus: only this scope (none: every scope with tenants)
+	scope optStr
 	// Acquire, EndCall: the call; Report, Retry, Finish: the permit; Cancel: the target id
 	target  uint64
 	outcome outcome    // Report, Retry, Finish
@@ -298,8 +321,10 @@ type reply struct {
 	status *statusReport
 	// StatusJson
 	text string
-	// Error
+	// Error, TenantLimited (the refusal's error)
 	err *errorReply
+	// TenantLimited: the tenant and the limit that refused
+	tenant, limit string
 }
 
 // ---------------------------------------------------------------- encoding
@@ -381,6 +406,10 @@ func putOutcome(b []byte, o *outcome) []byte {
 	case outFailureUsage:
 		b = putU32(b, o.kind)
 		b = putUsage(b, &o.usage)
+	case outSuccessCached:
+		b = putUsage(b, &o.usage)
+		b = putU64(b, o.cached)
+		b = putBool(b, o.countAttempt)
 	}
 	return b
 }
@@ -430,6 +459,12 @@ func appendRequest(b []byte, id uint64, r *request) []byte {
 		b = putStr(b, r.source)
 	case reqStart, reqBegin:
 		b = putSpec(b, &r.spec)
+	case reqStartTenant, reqBeginTenant:
+		b = putSpec(b, &r.spec)
+		b = putStr(b, r.tenant)
+	case reqTenantStatus:
+		b = putOptStr(b, r.scope)
+		b = putStr(b, r.tenant)
 	case reqStatus, reqPing, reqStatusJSON:
 	}
 	return endFrame(b, start)
@@ -517,6 +552,10 @@ func appendReply(b []byte, id uint64, r *reply) []byte {
 		b = putGrant(b, &r.grant)
 	case repStatusJSON:
 		b = putStr(b, r.text)
+	case repTenantLimited:
+		b = putErrorReply(b, r.err)
+		b = putStr(b, r.tenant)
+		b = putStr(b, r.limit)
 	case repOk, repPong:
 	}
 	return endFrame(b, start)
@@ -720,6 +759,10 @@ func (d *dec) outcome(o *outcome) {
 	case outFailureUsage:
 		o.kind = d.tag("FailureKind", uint32(len(failureNames)))
 		d.usage(&o.usage)
+	case outSuccessCached:
+		d.usage(&o.usage)
+		o.cached = d.u64("cached_input_tokens")
+		o.countAttempt = d.flag("count_attempt")
 	}
 }
 
@@ -754,6 +797,12 @@ func decodeRequest(payload []byte) (uint64, request, error) {
 		r.source = d.str("source")
 	case reqStart, reqBegin:
 		d.spec(&r.spec)
+	case reqStartTenant, reqBeginTenant:
+		d.spec(&r.spec)
+		r.tenant = d.str("tenant")
+	case reqTenantStatus:
+		r.scope = d.optStr("scope")
+		r.tenant = d.str("tenant")
 	}
 	return id, r, d.done()
 }
@@ -856,6 +905,10 @@ func decodeReply(payload []byte, intern map[string]string) (uint64, reply, error
 		d.grant(&r.grant)
 	case repStatusJSON:
 		r.text = d.str("status JSON")
+	case repTenantLimited:
+		r.err = d.errorReply()
+		r.tenant = d.str("tenant")
+		r.limit = d.str("limit")
 	}
 	return id, r, d.done()
 }

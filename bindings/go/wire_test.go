@@ -246,6 +246,8 @@ func outcomeFromJSON(j *jv) outcome {
 		o.usage, o.countAttempt = usageFromJSON(b.get("usage")), b.get("count_attempt").boolean()
 	case outFailureUsage:
 		o.kind, o.usage = b.get("kind").tag(failureNames[:]), usageFromJSON(b.get("usage"))
+	case outSuccessCached:
+		o.usage, o.cached, o.countAttempt = usageFromJSON(b.get("usage")), b.get("cached_input_tokens").u64(), b.get("count_attempt").boolean()
 	}
 	if b != nil {
 		b.close()
@@ -278,6 +280,10 @@ func requestFromJSON(j *jv) request {
 	case reqStart, reqBegin:
 		r.spec = specFromJSON(b)
 		return r
+	case reqStartTenant, reqBeginTenant:
+		r.spec, r.tenant = specFromJSON(b.get("spec")), b.get("tenant").str()
+	case reqTenantStatus:
+		r.scope, r.tenant = b.get("scope").optStr(), b.get("tenant").str()
 	}
 	if b != nil {
 		b.close()
@@ -349,6 +355,10 @@ func replyFromJSON(j *jv) reply {
 	case repStatusJSON:
 		r.text = b.str()
 		return r
+	case repTenantLimited:
+		ej := b.get("error")
+		r.err, r.tenant, r.limit = errorReplyFromJSON(ej), b.get("tenant").str(), b.get("limit").str()
+		ej.close()
 	}
 	if b != nil {
 		b.close()
@@ -475,7 +485,7 @@ func TestDecodeRefusesBadBytes(t *testing.T) {
 		name, payload, want string
 	}{
 		{"unknown reply tag", id + "63000000", "unknown Reply tag 99"},
-		{"unknown error kind", id + "07000000" + "10000000", "unknown ErrorKind tag 16"},
+		{"unknown error kind", id + "07000000" + "11000000", "unknown ErrorKind tag 17"},
 		{"bad bool", id + "03000000" + "02", "applied: byte 0x02"},
 		{"bad option byte", errHead + "0000000000000000" + "02", "exhausted (Option): byte 0x02"},
 		{"invalid utf-8", id + "09000000" + "0200000000000000" + "c328", "invalid UTF-8"},

@@ -268,6 +268,15 @@ pub(crate) mod tests {
                     kind: FailureKind::BadResult,
                     usage: Usage::default(),
                 },
+                Outcome::SuccessCached {
+                    usage: Usage {
+                        tokens: Some(10),
+                        input_tokens: Some(4),
+                        output_tokens: Some(6),
+                    },
+                    cached_input_tokens: 1000,
+                    count_attempt: true,
+                },
             ])
             .collect();
         for outcome in &outcomes {
@@ -294,8 +303,24 @@ pub(crate) mod tests {
             est_output_tokens: Some(4),
         };
         v.push(Request::Start(spec.clone()));
-        v.push(Request::Begin(spec));
+        v.push(Request::Begin(spec.clone()));
         v.push(Request::StatusJson);
+        v.push(Request::StartTenant {
+            spec: spec.clone(),
+            tenant: "acme".into(),
+        });
+        v.push(Request::BeginTenant {
+            spec,
+            tenant: "équipe-7".into(),
+        });
+        v.push(Request::TenantStatus {
+            scope: None,
+            tenant: "acme".into(),
+        });
+        v.push(Request::TenantStatus {
+            scope: Some("chat".into()),
+            tenant: String::new(),
+        });
         let limits = ObservedLimits {
             requests: Some(ObservedLimit {
                 limit: Some(500),
@@ -395,6 +420,7 @@ pub(crate) mod tests {
             ("b".into(), SkipReason::Paced),
             ("c".into(), SkipReason::RateLimited),
             ("d".into(), SkipReason::BackendUnavailable),
+            ("e".into(), SkipReason::TenantLimited),
         ];
         e.exhausted = Some(ExhaustionReason::Stalled);
         e.scope = Some("chat".into());
@@ -416,9 +442,19 @@ pub(crate) mod tests {
                 ErrorKind::Busy,
                 ErrorKind::Internal,
                 ErrorKind::Overloaded,
+                ErrorKind::TenantLimited,
             ]
             .map(|k| Reply::Error(error(k))),
         );
+        let mut e = error(ErrorKind::TenantLimited);
+        e.retry_after_s = 3600.0;
+        e.per_source_reasons = vec![("a".into(), SkipReason::TenantLimited)];
+        e.scope = Some("chat".into());
+        v.push(Reply::TenantLimited(TenantRefusal {
+            error: e,
+            tenant: "acme".into(),
+            limit: "usd_per_day".into(),
+        }));
         v.push(Reply::Started {
             call: u64::MAX,
             permit: 1,

@@ -113,6 +113,11 @@ impl<'a> Rd<'a> {
                 kind: self.kind()?,
                 usage: self.usage()?,
             },
+            6 => Outcome::SuccessCached {
+                usage: self.usage()?,
+                cached_input_tokens: self.u64()?,
+                count_attempt: self.bool()?,
+            },
             _ => return None,
         })
     }
@@ -188,6 +193,14 @@ pub(crate) fn decode_client(payload: &[u8]) -> Option<ClientFrame> {
             permit: r.u64()?,
             outcome: r.outcome()?,
             limits: r.limits()?,
+        },
+        19 => Request::StartTenant {
+            spec: r.spec()?,
+            tenant: r.string()?,
+        },
+        20 => Request::BeginTenant {
+            spec: r.spec()?,
+            tenant: r.string()?,
         },
         _ => return None,
     };
@@ -294,6 +307,11 @@ mod tests {
                 usage,
                 count_attempt,
             });
+            v.push(Outcome::SuccessCached {
+                usage,
+                cached_input_tokens: u64::MAX,
+                count_attempt,
+            });
         }
         for kind in [
             FailureKind::Timeout,
@@ -319,7 +337,15 @@ mod tests {
                 est_output_tokens: None,
             };
             v.push(Request::Start(spec.clone()));
-            v.push(Request::Begin(spec));
+            v.push(Request::Begin(spec.clone()));
+            v.push(Request::StartTenant {
+                spec: spec.clone(),
+                tenant: scope.into(),
+            });
+            v.push(Request::BeginTenant {
+                spec,
+                tenant: "t\u{1F600}".into(),
+            });
         }
         for outcome in edge_outcomes() {
             v.push(Request::Report {
@@ -454,6 +480,8 @@ mod tests {
                     | Request::ReportObserved { .. }
                     | Request::RetryObserved { .. }
                     | Request::FinishObserved { .. }
+                    | Request::StartTenant { .. }
+                    | Request::BeginTenant { .. }
             );
             assert_eq!(decode_client(&good).is_some(), handled, "{frame:?}");
         }

@@ -15,7 +15,7 @@ pub use framing::{
 pub use messages::*;
 
 /// The newest protocol version spoken by this crate.
-pub const PROTOCOL_VERSION: u32 = 2;
+pub const PROTOCOL_VERSION: u32 = 3;
 
 /// The oldest protocol version a sidecar still accepts in `Hello`: version-1
 /// clients keep working unchanged (DESIGN §11a).

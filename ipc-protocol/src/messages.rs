@@ -10,9 +10,13 @@
 //! replies `Started`, `StatusJson` (8–9), error kind `Overloaded` (15), and the
 //! structs [`CallSpec`] and [`Usage`] they carry; then (DESIGN §18) requests
 //! `ReportObserved`, `RetryObserved`, `FinishObserved` (tags 16–18) with the
-//! structs [`ObservedLimits`] and [`ObservedLimit`]. Every version-1 frame keeps its
-//! bytes; [`Request::min_version`] / [`Outcome::min_version`] say which version a
-//! message needs.
+//! structs [`ObservedLimits`] and [`ObservedLimit`]. Version 3 (DESIGN §19, tenants)
+//! appended requests `StartTenant`, `BeginTenant`, `TenantStatus` (tags 19–21), the
+//! outcome `SuccessCached` (6), the reply `TenantLimited` (10) with its struct
+//! [`TenantRefusal`], error kind `TenantLimited` (16) and skip reason `TenantLimited`
+//! (4). Every version-1 and version-2 frame keeps its bytes;
+//! [`Request::min_version`] / [`Outcome::min_version`] say which version a message
+//! needs.
 //!
 //! A client sends [`ClientFrame`]s; the sidecar answers each with a [`ServerFrame`]
 //! carrying the same `id`. The first frame of a connection must be
@@ -194,6 +198,32 @@ pub enum Request {
         /// What the provider said is left.
         limits: ObservedLimits,
     },
+    /// Tag 19 (v3, DESIGN §19). `Start` on behalf of a tenant: the call is charged to
+    /// `tenant`'s ledger as well as the source's, and waits its tenant's fair turn.
+    StartTenant {
+        /// The call, as in `Start`.
+        spec: CallSpec,
+        /// The tenant id: 1 to 128 bytes of UTF-8 (an empty one is the anonymous
+        /// tenant, as a plain `Start`).
+        #[serde(deserialize_with = "owned_str")]
+        tenant: String,
+    },
+    /// Tag 20 (v3, §19). `Begin` on behalf of a tenant; answered with `CallBegun`.
+    BeginTenant {
+        /// The call, as in `Begin`.
+        spec: CallSpec,
+        /// The tenant id, as in `StartTenant`.
+        #[serde(deserialize_with = "owned_str")]
+        tenant: String,
+    },
+    /// Tag 21 (v3, §19). One tenant's ledger (buckets, spend, waiters, in flight) in
+    /// every scope that has tenants, or in `scope` only; answered with `StatusJson`.
+    TenantStatus {
+        /// Only this scope (`None`: every scope with tenants).
+        scope: Option<String>,
+        /// The tenant id (empty: the anonymous tenant).
+        tenant: String,
+    },
 }
 
 /// One dimension of a provider's rate-limit headers (§18): each part optional, since
@@ -231,15 +261,16 @@ impl Request {
     /// The lowest protocol version that has this request (and its outcome).
     pub fn min_version(&self) -> u32 {
         match self {
-            Request::Start(_)
-            | Request::Retry { .. }
-            | Request::Finish { .. }
-            | Request::Begin(_)
-            | Request::StatusJson
-            | Request::ReportObserved { .. }
-            | Request::RetryObserved { .. }
-            | Request::FinishObserved { .. } => 2,
+            Request::Start(_) | Request::Begin(_) | Request::StatusJson => 2,
+            Request::StartTenant { .. }
+            | Request::BeginTenant { .. }
+            | Request::TenantStatus { .. } => 3,
             Request::Report { outcome, .. } => outcome.min_version(),
+            Request::Retry { outcome, .. }
+            | Request::Finish { outcome, .. }
+            | Request::ReportObserved { outcome, .. }
+            | Request::RetryObserved { outcome, .. }
+            | Request::FinishObserved { outcome, .. } => outcome.min_version().max(2),
             _ => 1,
         }
     }
@@ -312,6 +343,18 @@ pub enum Outcome {
         /// Tokens used, if the upstream said.
         usage: Usage,
     },
+    /// Tag 6 (v3, §19). `SuccessUsage` that also counts the cached input reads the
+    /// provider billed at its cached price (`usage.input_tokens` excludes them, as
+    /// everywhere): a tenant's dollar cost prices them at the source's
+    /// `usd_per_1m_cached_input`. Quota buckets settle exactly as `SuccessUsage`.
+    SuccessCached {
+        /// Tokens used (input excluding cached reads).
+        usage: Usage,
+        /// Input tokens read from the provider's prompt cache.
+        cached_input_tokens: u64,
+        /// `false` keeps a success whose result was unusable out of the breaker window.
+        count_attempt: bool,
+    },
 }
 
 impl Outcome {
@@ -319,6 +362,7 @@ impl Outcome {
     pub fn min_version(&self) -> u32 {
         match self {
             Outcome::SuccessUsage { .. } | Outcome::FailureUsage { .. } => 2,
+            Outcome::SuccessCached { .. } => 3,
             _ => 1,
         }
     }
@@ -416,6 +460,24 @@ pub enum Reply {
     },
     /// Tag 9 (v2). Answer to `StatusJson`: one UTF-8 JSON document.
     StatusJson(String),
+    /// Tag 10 (v3, §19). The call was refused by its tenant's limit; the call is over
+    /// (as after any call-ending error). Version-1 and -2 connections get an `Error`
+    /// of kind `AllSourcesExhausted` (`quota_exhausted`) in its place.
+    TenantLimited(TenantRefusal),
+}
+
+/// A refusal by a tenant's limit (§19).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct TenantRefusal {
+    /// The error, of kind `TenantLimited`: message, `retry_after_s` (until the
+    /// tenant's bucket, or its dollar budget's window, certainly admits the call),
+    /// the skip reason per source and the scope.
+    pub error: ErrorReply,
+    /// The tenant whose limit refused (empty: the anonymous tenant).
+    pub tenant: String,
+    /// The limit that refused: `tpm`, `rpm`, `tpd`, `rpd`, `usd_per_day` or
+    /// `usd_per_month`.
+    pub limit: String,
 }
 
 /// A failed request.
@@ -471,6 +533,9 @@ pub enum ErrorKind {
     /// Tag 15 (v2). A sidecar-wide limit is reached (connections, memory budget):
     /// retry later. Version-1 connections get `Busy` in its place.
     Overloaded,
+    /// Tag 16 (v3, §19). The call's tenant is over one of its limits (inside
+    /// `Reply::TenantLimited`, which names the tenant and the limit).
+    TenantLimited,
 }
 
 /// Why a source was skipped in an admission pass (§4).
@@ -484,6 +549,10 @@ pub enum SkipReason {
     RateLimited,
     /// Tag 3. The shared backend is unreachable (`fail_closed`).
     BackendUnavailable,
+    /// Tag 4 (v3, §19). The call's tenant has no room for it on this source (its
+    /// token or request bucket, or its dollar budget at this source's price).
+    /// Version-1 and -2 connections see `RateLimited`.
+    TenantLimited,
 }
 
 /// Which budget of the call ran out (§5).

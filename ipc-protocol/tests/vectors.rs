@@ -874,6 +874,112 @@ fn samples() -> Vec<Sample> {
                 },
             },
         ),
+        // ---- DESIGN §19: tenants (protocol 3), appended variants only ----
+        c(
+            "hello_v3",
+            "Hello from a version-3 client (tenants)",
+            0,
+            Request::Hello {
+                protocol_version: 3,
+                client_name: "polygate-python/0.3.0".into(),
+                pid: 4242,
+            },
+        ),
+        c(
+            "start_tenant",
+            "StartTenant (tag 19): a Start charged to tenant \"acme\"",
+            30,
+            Request::StartTenant {
+                spec: CallSpec {
+                    scope: "chat".into(),
+                    est_tokens: None,
+                    priority: None,
+                    est_input_tokens: Some(800),
+                    est_output_tokens: Some(200),
+                },
+                tenant: "acme".into(),
+            },
+        ),
+        c(
+            "begin_tenant_unicode",
+            "BeginTenant (tag 20) with a priority and a non-ASCII tenant id",
+            31,
+            Request::BeginTenant {
+                spec: CallSpec {
+                    scope: "chat".into(),
+                    est_tokens: Some(1200),
+                    priority: Some("interactive".into()),
+                    est_input_tokens: None,
+                    est_output_tokens: None,
+                },
+                tenant: "équipe-東京".into(),
+            },
+        ),
+        c(
+            "tenant_status_all_scopes",
+            "TenantStatus (tag 21): one tenant in every scope with tenants",
+            32,
+            Request::TenantStatus {
+                scope: None,
+                tenant: "acme".into(),
+            },
+        ),
+        c(
+            "tenant_status_one_scope",
+            "TenantStatus for the anonymous tenant (empty id) of scope chat",
+            33,
+            Request::TenantStatus {
+                scope: Some("chat".into()),
+                tenant: String::new(),
+            },
+        ),
+        c(
+            "finish_success_cached",
+            "Finish with SuccessCached (outcome tag 6): usage plus 2,048 cached input reads",
+            34,
+            Request::Finish {
+                permit: 40,
+                outcome: Outcome::SuccessCached {
+                    usage: Usage {
+                        tokens: None,
+                        input_tokens: Some(512),
+                        output_tokens: Some(300),
+                    },
+                    cached_input_tokens: 2048,
+                    count_attempt: true,
+                },
+            },
+        ),
+        s(
+            "welcome_v3",
+            "Welcome for a version-3 connection",
+            0,
+            Reply::Welcome {
+                protocol_version: 3,
+                sidecar_version: "0.3.0".into(),
+                max_frame: 65536,
+            },
+        ),
+        s(
+            "tenant_limited_usd",
+            "TenantLimited (reply tag 10, error kind 16): acme spent its usd_per_day; retry at the day's end",
+            30,
+            Reply::TenantLimited(TenantRefusal {
+                error: ErrorReply {
+                    kind: K::TenantLimited,
+                    message: "tenant \"acme\" of scope \"chat\" is over its usd_per_day budget".into(),
+                    retry_after_s: 5400.0,
+                    per_source_reasons: vec![
+                        ("openai-gpt4o-eu".into(), SkipReason::TenantLimited),
+                        ("local-llama".into(), SkipReason::CircuitOpen),
+                    ],
+                    exhausted: None,
+                    scope: Some("chat".into()),
+                },
+                tenant: "acme".into(),
+                limit: "usd_per_day".into(),
+            }),
+        ),
         s(
             "welcome_v2",
             "Welcome for a version-2 connection",
@@ -1053,7 +1159,7 @@ fn samples_cover_every_variant() {
                             }
                         }
                     }
-                    Reply::Error(e) => {
+                    Reply::Error(e) | Reply::TenantLimited(TenantRefusal { error: e, .. }) => {
                         note(format!("ErrorKind::{:?}", e.kind));
                         for (_, r) in &e.per_source_reasons {
                             note(format!("SkipReason::{r:?}"));
@@ -1087,6 +1193,13 @@ fn samples_cover_every_variant() {
         "Request::ReportObserved",
         "Request::RetryObserved",
         "Request::FinishObserved",
+        "Request::StartTenant",
+        "Request::BeginTenant",
+        "Request::TenantStatus",
+        "Outcome::SuccessCached",
+        "Reply::TenantLimited",
+        "ErrorKind::TenantLimited",
+        "SkipReason::TenantLimited",
         "Outcome::SuccessUsage",
         "Outcome::FailureUsage",
         "Reply::Started",

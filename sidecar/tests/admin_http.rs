@@ -841,11 +841,13 @@ polygate_acquire_errors_total{scope="chat",kind="stalled"} 0
 polygate_acquire_errors_total{scope="chat",kind="quota_exhausted"} 0
 polygate_acquire_errors_total{scope="chat",kind="retry_exhausted"} 0
 polygate_acquire_errors_total{scope="chat",kind="backend_unavailable"} 0
+polygate_acquire_errors_total{scope="chat",kind="tenant_limited"} 0
 polygate_acquire_errors_total{scope="bg",kind="circuit_open"} 2
 polygate_acquire_errors_total{scope="bg",kind="stalled"} 0
 polygate_acquire_errors_total{scope="bg",kind="quota_exhausted"} 0
 polygate_acquire_errors_total{scope="bg",kind="retry_exhausted"} 0
 polygate_acquire_errors_total{scope="bg",kind="backend_unavailable"} 0
+polygate_acquire_errors_total{scope="bg",kind="tenant_limited"} 0
 # HELP polygate_class_waiters Acquires of the priority class currently waiting.
 # TYPE polygate_class_waiters gauge
 polygate_class_waiters{scope="chat",class="interactive"} 1
@@ -873,6 +875,7 @@ polygate_class_refusals_total{scope="chat",class="interactive",reason="stalled"}
 polygate_class_refusals_total{scope="chat",class="interactive",reason="quota_exhausted"} 0
 polygate_class_refusals_total{scope="chat",class="interactive",reason="retry_exhausted"} 0
 polygate_class_refusals_total{scope="chat",class="interactive",reason="backend_unavailable"} 0
+polygate_class_refusals_total{scope="chat",class="interactive",reason="tenant_limited"} 0
 polygate_class_refusals_total{scope="chat",class="interactive",reason="held_limit"} 0
 polygate_class_refusals_total{scope="chat",class="interactive",reason="held_reserve"} 0
 polygate_class_refusals_total{scope="chat",class="batch",reason="circuit_open"} 0
@@ -880,6 +883,7 @@ polygate_class_refusals_total{scope="chat",class="batch",reason="stalled"} 0
 polygate_class_refusals_total{scope="chat",class="batch",reason="quota_exhausted"} 0
 polygate_class_refusals_total{scope="chat",class="batch",reason="retry_exhausted"} 0
 polygate_class_refusals_total{scope="chat",class="batch",reason="backend_unavailable"} 0
+polygate_class_refusals_total{scope="chat",class="batch",reason="tenant_limited"} 0
 polygate_class_refusals_total{scope="chat",class="batch",reason="held_limit"} 0
 polygate_class_refusals_total{scope="chat",class="batch",reason="held_reserve"} 0
 polygate_class_refusals_total{scope="bg",class="low",reason="circuit_open"} 2
@@ -887,6 +891,7 @@ polygate_class_refusals_total{scope="bg",class="low",reason="stalled"} 0
 polygate_class_refusals_total{scope="bg",class="low",reason="quota_exhausted"} 0
 polygate_class_refusals_total{scope="bg",class="low",reason="retry_exhausted"} 0
 polygate_class_refusals_total{scope="bg",class="low",reason="backend_unavailable"} 0
+polygate_class_refusals_total{scope="bg",class="low",reason="tenant_limited"} 0
 polygate_class_refusals_total{scope="bg",class="low",reason="held_limit"} 0
 polygate_class_refusals_total{scope="bg",class="low",reason="held_reserve"} 0
 "#;

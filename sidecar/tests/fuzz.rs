@@ -264,10 +264,11 @@ fn mutate(r: &Request, rng: &mut StdRng, c: &Corpus, learned: &[u64]) -> Request
     let u = |rng: &mut StdRng| pick_u64(rng, learned);
     match base {
         Request::Hello { .. } => Request::Hello {
-            protocol_version: match rng.random_range(0..4) {
+            protocol_version: match rng.random_range(0..5) {
                 0 => 1,
                 1 => 2,
                 2 => 0,
+                3 => 3,
                 _ => rng.random(),
             },
             client_name: pick_string(rng, &c.names),
@@ -323,6 +324,18 @@ fn mutate(r: &Request, rng: &mut StdRng, c: &Corpus, learned: &[u64]) -> Request
             permit: u(rng),
             outcome: pick_outcome(rng, learned),
             limits: pick_limits(rng, learned),
+        },
+        Request::StartTenant { .. } => Request::StartTenant {
+            spec: pick_spec(rng, c, learned),
+            tenant: pick_string(rng, &c.names),
+        },
+        Request::BeginTenant { .. } => Request::BeginTenant {
+            spec: pick_spec(rng, c, learned),
+            tenant: pick_string(rng, &c.names),
+        },
+        Request::TenantStatus { .. } => Request::TenantStatus {
+            scope: rng.random_bool(0.5).then(|| pick_string(rng, &c.names)),
+            tenant: pick_string(rng, &c.names),
         },
         other @ (Request::Status | Request::Ping | Request::StatusJson) => other,
     }

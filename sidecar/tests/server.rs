@@ -946,9 +946,9 @@ async fn absurd_token_counts_are_refused() {
 // ---- protocol version 2 (DESIGN §11a): Start / Retry / Finish / Begin / StatusJson ----
 
 #[tokio::test]
-async fn both_protocol_versions_are_accepted_and_welcomed_as_sent() {
+async fn every_protocol_version_is_accepted_and_welcomed_as_sent() {
     let server = Server::start().await;
-    for v in [1, 2] {
+    for v in [1, 2, 3] {
         let mut c = Client::raw(&server.path).await;
         c.send(1, hello(v)).await;
         match c.recv().await.reply {
@@ -959,9 +959,9 @@ async fn both_protocol_versions_are_accepted_and_welcomed_as_sent() {
         }
     }
     let mut future = Client::raw(&server.path).await;
-    future.send(1, hello(3)).await;
+    future.send(1, hello(4)).await;
     let e = error_frame(future.recv().await, 1, ErrorKind::ProtocolViolation);
-    assert!(e.message.contains("1 to 2"), "{e:?}");
+    assert!(e.message.contains("1 to 3"), "{e:?}");
     server.shutdown().await.unwrap();
 }
 
@@ -1286,7 +1286,7 @@ async fn status_json_names_every_scope_and_source() {
     };
     let v: serde_json::Value = serde_json::from_str(&json).expect("valid JSON");
     assert_eq!(v["backend"], "memory");
-    assert_eq!(v["protocol_version"], 2);
+    assert_eq!(v["protocol_version"], 3);
     let scopes = v["scopes"].as_array().unwrap();
     let names: Vec<&str> = scopes.iter().map(|s| s["name"].as_str().unwrap()).collect();
     assert_eq!(names, ["chat", "slow"]);

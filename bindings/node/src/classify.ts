@@ -181,3 +181,19 @@ export function usageOf(result: unknown): Usage | undefined {
   }
   return out.tokens === undefined && out.inputTokens === undefined && out.outputTokens === undefined ? undefined : out;
 }
+
+/**
+ * The input tokens an SDK result says the provider read from its prompt cache
+ * (`result.usage`), or `undefined`: OpenAI chat `prompt_tokens_details.cached_tokens`,
+ * OpenAI Responses `input_tokens_details.cached_tokens`, Anthropic
+ * `cache_read_input_tokens`. {@link usageOf}'s input already excludes them; `run`
+ * reports them as `cachedInputTokens` (a tenant's dollar cost prices them at the
+ * cached rate, DESIGN §19).
+ */
+export function cachedInputTokensOf(result: unknown): number | undefined {
+  const u = field(result, "usage");
+  if (typeof u !== "object" || u === null) return undefined;
+  return count(field(field(u, "prompt_tokens_details"), "cached_tokens"))
+    ?? count(field(field(u, "input_tokens_details"), "cached_tokens"))
+    ?? count(field(u, "cache_read_input_tokens"));
+}

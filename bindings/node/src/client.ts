@@ -12,6 +12,10 @@
  *   `Finish`;
  * - `success()` sends `Finish` (report + end) at once.
  *
+ * `Hello` says version 3 (tenants, PROTOCOL §15); a sidecar that refuses it but
+ * speaks 2 gets a second connection saying 2, where every call works except one
+ * for a tenant, which is refused here before anything is sent.
+ *
  * A closed connection fails every pending promise with {@link SidecarError}
  * (`kind` `"connection"`); the next call reconnects. The socket is unref'd while
  * nothing is pending, so an idle client never keeps the process alive.
@@ -20,17 +24,20 @@
 import * as net from "node:net";
 
 import { autostartWanted, ensureSidecar } from "./autostart.js";
-import { Usage, Verdict, classifyError, usageOf } from "./classify.js";
+import { Usage, Verdict, cachedInputTokensOf, classifyError, usageOf } from "./classify.js";
 import type { FailureKind } from "./classify.js";
 import "./codec.js"; // registers the generic decoder of the cold replies
-import { GatewayUnavailableError, PolyGateError, SidecarError, errorFromReply } from "./errors.js";
+import {
+  GatewayUnavailableError, PolyGateError, SidecarError, errorFromReply, errorFromTenantRefusal,
+} from "./errors.js";
 import { parseJson } from "./json.js";
 import { Limits, limitsOf, toWireLimits } from "./ratelimit.js";
 import {
-  DEFAULT_MAX_FRAME, MAX_INCOMING_FRAME, PROTOCOL_VERSION, REQUEST_TAGS, U64, WireCallSpec, WireFailureKind,
-  WireGranted, WireLimits, WireOutcome, WireReply, WireUsage, WireWelcome, decodeReply, encodeAcquire, encodeCallSpec,
-  encodeCancel, encodeEndCall, encodeFinish, encodeForceOpen, encodeHello, encodeRetry, encodeSource,
-  encodeStart, encodeUnit, isU64, payloadIdNumber,
+  DEFAULT_MAX_FRAME, FALLBACK_VERSION, MAX_INCOMING_FRAME, MAX_TENANT_BYTES, PROTOCOL_VERSION, REQUEST_TAGS,
+  TENANT_VERSION, U64, WireCallSpec, WireFailureKind, WireGranted, WireLimits, WireOutcome, WireReply, WireUsage,
+  WireWelcome, decodeReply, encodeAcquire, encodeCallSpec, encodeCancel, encodeEndCall, encodeFinish,
+  encodeForceOpen, encodeHello, encodeRetry, encodeSource, encodeStart, encodeStartTenant, encodeTenantSpec,
+  encodeTenantStatus, encodeUnit, isU64, payloadIdNumber,
 } from "./wire.js";
 
 /** This package's version (also in `Hello.client_name`). */
@@ -98,6 +105,18 @@ export interface CallOptions {
   estInputTokens?: number | bigint;
   /** Output estimate, normally the request's `max_tokens`. */
   estOutputTokens?: number | bigint;
+  /**
+   * The tenant the call is made for (DESIGN §19): at most 128 bytes of UTF-8; absent,
+   * `null` or `""` = the scope's anonymous tenant (a plain `Start`). Needs a sidecar
+   * that speaks protocol 3.
+   */
+  tenant?: string | null;
+}
+
+/** Options of {@link Client.tenantStatus}. */
+export interface TenantStatusOptions {
+  /** Only this scope (absent: every scope with tenants). */
+  scope?: string | null;
 }
 
 /** Options of {@link Call.acquire}. */
@@ -123,6 +142,12 @@ export interface SuccessOptions {
   inputTokens?: number | bigint | null;
   /** Output tokens. */
   outputTokens?: number | bigint | null;
+  /**
+   * Input tokens the provider read from its prompt cache (a tenant's dollar cost
+   * prices them at the cached rate): sent as `SuccessCached` on a version-3
+   * connection, dropped on an older one.
+   */
+  cachedInputTokens?: number | bigint | null;
   /** `false`: the answer was unusable — kept out of the breaker window, and the call may retry. */
   countAttempt?: boolean;
 }
@@ -225,6 +250,8 @@ function expectReply<K extends string>(reply: WireReply, name: K): unknown {
     return (reply as Record<string, unknown>)[name];
   } else if ("Error" in reply) {
     throw errorFromReply(reply.Error);
+  } else if ("TenantLimited" in reply) {
+    throw errorFromTenantRefusal(reply.TenantLimited);
   }
   const got = typeof reply === "string" ? reply : Object.keys(reply)[0];
   throw new SidecarError(`unexpected reply ${got} from the sidecar (expected ${name})`, "protocol");
@@ -351,8 +378,20 @@ export class Connection {
     this.sock.on("close", () => this.die(this.closeReason()));
   }
 
-  /** Connect and handshake (`Hello` v2 → `Welcome`). */
-  static open(path: string, opts: ConnectOptions = {}): Promise<Connection> {
+  /**
+   * Connect and handshake (`Hello` v3 → `Welcome`); a sidecar that refuses 3 naming
+   * versions up to 2 (it closes the connection) gets a second one saying 2.
+   */
+  static async open(path: string, opts: ConnectOptions = {}): Promise<Connection> {
+    try {
+      return await Connection.openVersion(path, opts, PROTOCOL_VERSION);
+    } catch (e) {
+      if (!(e instanceof VersionFallback)) throw e;
+      return Connection.openVersion(path, opts, e.version);
+    }
+  }
+
+  private static openVersion(path: string, opts: ConnectOptions, version: number): Promise<Connection> {
     const conn = new Connection(path);
     const ms = opts.timeoutMs ?? 10_000;
     const name = opts.clientName ?? `polygate-node/${VERSION}`;
@@ -364,14 +403,14 @@ export class Connection {
       }, ms);
       // Hello uses id 0 (PROTOCOL §6), so a PermissionDenied with id 0 answers it too.
       const hello = new Request(conn, 0, undefined, DISCARD);
-      conn.register(0, hello, encodeHello(0, PROTOCOL_VERSION, name, process.pid));
+      conn.register(0, hello, encodeHello(0, version, name, process.pid));
       hello.promise.then(
         (reply) => {
           clearTimeout(timer);
           try {
-            conn.welcome = checkWelcome(reply, path);
+            conn.welcome = checkWelcome(reply, path, version);
           } catch (e) {
-            conn.close(e as SidecarError);
+            conn.close(e instanceof SidecarError ? e : undefined);
             reject(e);
             return;
           }
@@ -548,22 +587,59 @@ export class Connection {
   }
 }
 
-function checkWelcome(reply: WireReply, path: string): WireWelcome {
+/** An older sidecar refused `Hello` 3 but speaks {@link version}: connect again saying it. @internal */
+class VersionFallback extends Error {
+  constructor(readonly version: number, said: string) {
+    super(said);
+  }
+}
+
+function checkWelcome(reply: WireReply, path: string, version: number): WireWelcome {
   if (typeof reply === "object" && "Error" in reply && reply.Error.kind === "ProtocolViolation") {
-    const m = /speaks (?:versions? )?(\d+)(?: to (\d+))?/.exec(reply.Error.message);
-    const theirs = m === null ? "an older protocol" : `protocol ${m[2] ?? m[1]}`;
+    // "... this sidecar speaks versions 1 to 2" (the client's own "speaks version 3" comes first)
+    const m = /sidecar speaks (?:versions? )?(\d+)(?: to (\d+))?/.exec(reply.Error.message);
+    const highest = m === null ? null : Number(m[2] ?? m[1]);
+    if (version > FALLBACK_VERSION && (highest === null || highest >= FALLBACK_VERSION)) {
+      throw new VersionFallback(FALLBACK_VERSION, reply.Error.message);
+    }
+    const theirs = highest === null ? "an older protocol" : `protocol ${highest}`;
     throw new SidecarError(
       `the sidecar at ${path} speaks ${theirs}, this client (polygate-node ${VERSION}) needs protocol `
-      + `${PROTOCOL_VERSION}: upgrade polygate-sidecar (the sidecar said: ${reply.Error.message})`,
+      + `${FALLBACK_VERSION}: upgrade polygate-sidecar (the sidecar said: ${reply.Error.message})`,
       "protocol_violation");
   }
   const w = expectReply(reply, "Welcome") as WireWelcome;
-  if (w.protocol_version !== PROTOCOL_VERSION) {
+  if (w.protocol_version < FALLBACK_VERSION || w.protocol_version > version) {
     throw new SidecarError(
       `the sidecar at ${path} answered with protocol ${w.protocol_version}, this client needs `
-      + `${PROTOCOL_VERSION}: upgrade polygate-sidecar`, "protocol_violation");
+      + `${FALLBACK_VERSION} to ${PROTOCOL_VERSION}: upgrade polygate-sidecar`, "protocol_violation");
   }
   return w;
+}
+
+/**
+ * A tenant call (or tenant status) on a connection older than version 3: refused
+ * here, never sent without its tenant (PROTOCOL §15).
+ */
+function tenantsUnsupported(what: string, version: number, scope: string | null): SidecarError {
+  return new SidecarError(
+    `${what}: the sidecar speaks protocol ${version}; tenants need ${TENANT_VERSION}: upgrade polygate-sidecar`,
+    "protocol_violation", { scope });
+}
+
+/** Lone UTF-16 surrogates: `Buffer.from` would turn them into U+FFFD, a different tenant id. */
+const LONE_SURROGATE = /[\uD800-\uDBFF](?![\uDC00-\uDFFF])|(?<![\uD800-\uDBFF])[\uDC00-\uDFFF]/;
+
+/** A tenant id, checked where it is given: a string of at most 128 bytes of UTF-8. */
+function checkTenant(tenant: unknown): string {
+  if (typeof tenant !== "string") throw new TypeError(`tenant must be a string (a tenant id), got ${String(tenant)}`);
+  if (LONE_SURROGATE.test(tenant)) throw new TypeError(`tenant ${JSON.stringify(tenant)} is not valid Unicode (a lone surrogate)`);
+  const n = Buffer.byteLength(tenant, "utf8");
+  if (n > MAX_TENANT_BYTES) {
+    throw new RangeError(
+      `tenant id ${JSON.stringify(tenant.slice(0, 32))}... is ${n} bytes of UTF-8; the limit is ${MAX_TENANT_BYTES} bytes`);
+  }
+  return tenant;
 }
 
 // ------------------------------------------------------------------ permit
@@ -586,6 +662,8 @@ export class Permit {
   inputTokens?: number;
   /** Output tokens; set by a `run` function. */
   outputTokens?: number;
+  /** Input tokens read from the provider's prompt cache; set by a `run` function. */
+  cachedInputTokens?: number;
   /**
    * The provider's rate-limit headers of this attempt's response (DESIGN §18),
    * sent with its report: set by hand (`permit.limits = parseRateLimitHeaders(res.headers).limits`)
@@ -628,9 +706,19 @@ export class Permit {
     const countAttempt = opts.countAttempt ?? true;
     try {
       const u = usageFields(opts);
-      outcome = u === null || (u.input_tokens === null && u.output_tokens === null)
-        ? { Success: { tokens: u === null ? null : u.tokens, count_attempt: countAttempt } }
-        : { SuccessUsage: { usage: u, count_attempt: countAttempt } };
+      const cached = count(opts.cachedInputTokens, "cachedInputTokens");
+      if (cached !== null && cached !== 0 && cached !== 0n && this._call._protocolVersion() >= TENANT_VERSION) {
+        outcome = {
+          SuccessCached: {
+            usage: u ?? { tokens: null, input_tokens: null, output_tokens: null },
+            cached_input_tokens: cached, count_attempt: countAttempt,
+          },
+        };
+      } else {
+        outcome = u === null || (u.input_tokens === null && u.output_tokens === null)
+          ? { Success: { tokens: u === null ? null : u.tokens, count_attempt: countAttempt } }
+          : { SuccessUsage: { usage: u, count_attempt: countAttempt } };
+      }
     } catch (e) {
       return Promise.reject(e);
     }
@@ -735,8 +823,12 @@ export class Call {
   readonly scope: string;
   /** The call's id on its connection, once the first acquire began it. */
   id: bigint | null = null;
+  /** The tenant the call is made for (`null`: the scope's anonymous tenant). */
+  readonly tenant: string | null;
   private readonly client: Client;
   private readonly spec: Buffer;
+  /** `StartTenant`'s body (spec + tenant id), for a call with a tenant. */
+  private readonly tenantSpec: Buffer | null;
   private conn: Connection | null = null;
   private state: CallState = "new";
   private permit: Permit | null = null;
@@ -761,9 +853,17 @@ export class Call {
       est_input_tokens: count(opts.estInputTokens, "estInputTokens"),
       est_output_tokens: count(opts.estOutputTokens, "estOutputTokens"),
     };
+    const tenant = opts.tenant === undefined || opts.tenant === null ? null : checkTenant(opts.tenant);
     this.client = client;
     this.scope = scope;
     this.spec = encodeCallSpec(spec);
+    this.tenant = tenant ? tenant : null;
+    this.tenantSpec = this.tenant === null ? null : encodeTenantSpec(this.spec, this.tenant);
+  }
+
+  /** @internal the version of the connection the call went to (a success's outcome depends on it). */
+  _protocolVersion(): number {
+    return this.conn?.welcome?.protocol_version ?? FALLBACK_VERSION;
   }
 
   /** The permit of the current attempt, if one is held and unreported. */
@@ -818,13 +918,20 @@ export class Call {
       }
     }
     const kind = this.state === "new" ? "start" : this.held !== null ? "retry" : "acquire";
+    const tenantSpec = this.tenantSpec;
+    if (kind === "start" && tenantSpec !== null) {
+      const version = conn.welcome?.protocol_version ?? FALLBACK_VERSION;
+      if (version < TENANT_VERSION) {
+        throw tenantsUnsupported(`call in scope "${this.scope}" for tenant "${this.tenant}"`, version, this.scope);
+      }
+    }
     const held = this.held;
     this.held = null;
     const callId = this.id;
     const spec = this.spec;
     const late = new LateAcquire(conn, kind, callId);
     const req = conn.request(
-      kind === "start" ? (id) => encodeStart(id, spec)
+      kind === "start" ? (tenantSpec === null ? (id) => encodeStart(id, spec) : (id) => encodeStartTenant(id, tenantSpec))
         : kind === "retry" ? (id) => encodeRetry(id, held!.permit.id, held!.outcome, held!.limits)
           : (id) => encodeAcquire(id, callId!),
       signal, late);
@@ -848,6 +955,12 @@ export class Call {
         return (this.permit = new Permit(this, s));
       }
       if ("Granted" in reply) return (this.permit = new Permit(this, reply.Granted));
+      if ("TenantLimited" in reply) {
+        // The tenant's refusal ends the call (PROTOCOL §15): nothing is left to end after a
+        // StartTenant or a Retry; after an Acquire, end() ends the call as after any error.
+        this.state = kind === "acquire" ? "over" : "gone";
+        throw errorFromTenantRefusal(reply.TenantLimited);
+      }
       if ("Error" in reply) {
         const err = errorFromReply(reply.Error);
         if (kind === "start") {
@@ -1077,7 +1190,8 @@ export class Client {
    * re-thrown at once, anything else), report, fail over, end the call on every path.
    * Resolves with `fn`'s result — its `usage` (OpenAI / Anthropic) or `permit.tokens`
    * settles the quota — or rejects with the call's final error (its `cause` is the
-   * last error `fn` threw).
+   * last error `fn` threw). A tenant's refusal ({@link TenantLimitExceededError},
+   * `opts.tenant`) rejects at once: no other attempt, no other source.
    */
   run<T>(scope: string, fn: (permit: Permit) => Promise<T> | T): Promise<T>;
   run<T>(scope: string, opts: RunOptions, fn: (permit: Permit) => Promise<T> | T): Promise<T>;
@@ -1124,7 +1238,12 @@ export class Client {
           continue;
         }
         if (permit.limits === null) permit.limits = limitsOf(result); // §18: a raw response's headers
-        if (!permit.reported) await permit.success(permitUsage(permit) ?? usageOf(result) ?? {});
+        if (!permit.reported) {
+          const own = permitUsage(permit);
+          const cached = own !== undefined || permit.cachedInputTokens !== undefined
+            ? permit.cachedInputTokens : cachedInputTokensOf(result);
+          await permit.success({ ...(own ?? usageOf(result) ?? {}), cachedInputTokens: cached ?? null });
+        }
         return result;
       }
     } finally {
@@ -1137,6 +1256,29 @@ export class Client {
     const reply = await this.request((id) => encodeUnit(id, REQUEST_TAGS.StatusJson));
     const text = expectReply(reply, "StatusJson") as string;
     return statusFromJson(parseJson(text));
+  }
+
+  /**
+   * One tenant's ledger (DESIGN §19): `{tenant, scopes: {NAME: {...}}}` — per scope
+   * with tenants (only `opts.scope` when given), its limits, bucket levels, spend in the
+   * current day and month, calls in flight and waiting, as the sidecar sends it
+   * (`TenantStatus`; `""` is the anonymous tenant). Needs a sidecar that speaks protocol 3.
+   */
+  async tenantStatus(tenant: string, opts: TenantStatusOptions = {}): Promise<Record<string, unknown>> {
+    checkTenant(tenant);
+    const scope = opts.scope ?? null;
+    if (scope !== null && (typeof scope !== "string" || scope === "")) {
+      throw new TypeError(`scope must be a non-empty string, got ${String(scope)}`);
+    }
+    const conn = await this._connection();
+    const version = conn.welcome?.protocol_version ?? FALLBACK_VERSION;
+    if (version < TENANT_VERSION) throw tenantsUnsupported(`tenantStatus("${tenant}")`, version, scope);
+    const reply = await conn.request((id) => encodeTenantStatus(id, scope, tenant)).promise;
+    const doc = parseJson(expectReply(reply, "StatusJson") as string);
+    if (typeof doc !== "object" || doc === null || Array.isArray(doc)) {
+      throw new SidecarError("the sidecar's tenant status is not a JSON object", "protocol");
+    }
+    return doc as Record<string, unknown>;
   }
 
   /** Admin: open `source`'s breaker for `seconds` (needs a uid in `admin_uids`). */

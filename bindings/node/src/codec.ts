@@ -10,7 +10,7 @@
 import {
   BREAKER_STATES, ERROR_KINDS, EXHAUSTION_REASONS, FAILURE_KINDS, Reader, SKIP_REASONS, WireError,
   WireReply, decodeReply, encodeAcquire, encodeCallSpec, encodeCancel, encodeEndCall, encodeFinish,
-  encodeReport, encodeRetry, encodeStart, isU64, setColdReplyDecoder, writeU64,
+  encodeReport, encodeRetry, encodeStart, encodeStartTenant, encodeBeginTenant, encodeTenantSpec, encodeTenantStatus, isU64, setColdReplyDecoder, writeU64,
 } from "./wire.js";
 import type { U64, WireCallSpec, WireLimits, WireOutcome } from "./wire.js";
 
@@ -48,6 +48,7 @@ const Outcome: Ty = {
     { name: "Cancelled" },
     { name: "SuccessUsage", fields: [["usage", Usage], ["count_attempt", "bool"]] },
     { name: "FailureUsage", fields: [["kind", FailureKind], ["usage", Usage]] },
+    { name: "SuccessCached", fields: [["usage", Usage], ["cached_input_tokens", "u64"], ["count_attempt", "bool"]] },
   ],
 };
 
@@ -88,6 +89,9 @@ const Request: Ty = {
     { name: "ReportObserved", fields: [["permit", "u64"], ["outcome", Outcome], ["limits", ObservedLimits]] },
     { name: "RetryObserved", fields: [["permit", "u64"], ["outcome", Outcome], ["limits", ObservedLimits]] },
     { name: "FinishObserved", fields: [["permit", "u64"], ["outcome", Outcome], ["limits", ObservedLimits]] },
+    { name: "StartTenant", fields: [["spec", CallSpec], ["tenant", "string"]] },
+    { name: "BeginTenant", fields: [["spec", CallSpec], ["tenant", "string"]] },
+    { name: "TenantStatus", fields: [["scope", { opt: "string" }], ["tenant", "string"]] },
   ],
 };
 
@@ -136,6 +140,7 @@ const Reply: Ty = {
     { name: "Error", value: ErrorReply },
     { name: "Started", fields: [["call", "u64"], ...Granted] },
     { name: "StatusJson", value: "string" },
+    { name: "TenantLimited", value: { struct: [["error", ErrorReply], ["tenant", "string"], ["limit", "string"]] } },
   ],
 };
 
@@ -307,6 +312,16 @@ export function encodeClientFrame(frame: { id: U64; request: unknown }): Buffer 
       switch (keys[0]) {
         case "Start":
           return encodeStart(id, encodeCallSpec(body as unknown as WireCallSpec));
+        case "StartTenant":
+          if (typeof body.tenant !== "string") fail("request.StartTenant.tenant", "a string", body.tenant);
+          return encodeStartTenant(id, encodeTenantSpec(encodeCallSpec(body.spec as WireCallSpec), body.tenant));
+        case "BeginTenant":
+          if (typeof body.tenant !== "string") fail("request.BeginTenant.tenant", "a string", body.tenant);
+          return encodeBeginTenant(id, encodeTenantSpec(encodeCallSpec(body.spec as WireCallSpec), body.tenant));
+        case "TenantStatus":
+          if (typeof body.tenant !== "string") fail("request.TenantStatus.tenant", "a string", body.tenant);
+          if (body.scope !== null && typeof body.scope !== "string") fail("request.TenantStatus.scope", "a string or null", body.scope);
+          return encodeTenantStatus(id, body.scope, body.tenant);
         case "Retry":
           return encodeRetry(id, body.permit as U64, body.outcome as WireOutcome);
         case "Finish":

@@ -3,8 +3,8 @@
  * the Python binding's, in camelCase.
  *
  * - {@link GatewayUnavailableError} (`retryAfterS`, `perSourceReasons`, `scope`) and
- *   its subclasses {@link CircuitOpenError} and {@link AllSourcesExhaustedError}
- *   (`reason`): the sidecar answered, and the call-level budget is spent — retries,
+ *   its subclasses {@link CircuitOpenError}, {@link AllSourcesExhaustedError}
+ *   (`reason`) and {@link TenantLimitExceededError} (`tenant`, `limit`): the sidecar answered, and the call-level budget is spent — retries,
  *   back-off, failover and waiting already happened inside PolyGate. Re-submitting
  *   the job later is a task-level retry; `retryAfterS` says when that is certainly
  *   worth it (0 = now or unknown).
@@ -14,10 +14,10 @@
  *   `"invalid_argument"`, `"permission_denied"`, `"shutting_down"`.
  */
 
-import type { WireErrorReply } from "./wire.js";
+import type { WireErrorReply, WireTenantRefusal } from "./wire.js";
 
 /** Why a source was skipped in the last admission pass (PROTOCOL §4.9). */
-export type SkipReason = "circuit_open" | "paced" | "rate_limited" | "backend_unavailable";
+export type SkipReason = "circuit_open" | "paced" | "rate_limited" | "backend_unavailable" | "tenant_limited";
 /** Which budget of the call ran out (PROTOCOL §4.11). */
 export type ExhaustionReason = "stalled" | "quota_exhausted" | "retry_exhausted";
 
@@ -90,13 +90,49 @@ export class AllSourcesExhaustedError extends GatewayUnavailableError {
   }
 }
 
+/**
+ * The call's tenant is over one of its limits (DESIGN §19, PROTOCOL §15): the call is
+ * over, and `run` throws it at once, without another attempt. `limit` is `tpm`, `rpm`,
+ * `tpd`, `rpd`, `usd_per_day` or `usd_per_month`; `retryAfterS` is how long until the
+ * tenant's bucket certainly holds the call, or, for a spent dollar budget, until its
+ * calendar window (UTC day or month) ends.
+ */
+export class TenantLimitExceededError extends GatewayUnavailableError {
+  /** The tenant whose limit refused (`""`: the scope's anonymous tenant). */
+  readonly tenant: string;
+  /** The limit that refused. */
+  readonly limit: string;
+
+  constructor(
+    message: string,
+    opts: { tenant: string; limit: string; retryAfterS?: number; perSourceReasons?: Record<string, SkipReason>; scope?: string | null },
+  ) {
+    super(message, { ...opts, kind: "tenant_limited" });
+    this.tenant = opts.tenant;
+    this.limit = opts.limit;
+  }
+}
+
+function reasonsOf(e: WireErrorReply): Record<string, SkipReason> {
+  const perSourceReasons: Record<string, SkipReason> = {};
+  for (const [src, why] of e.per_source_reasons) perSourceReasons[src] = snake(why) as SkipReason;
+  return perSourceReasons;
+}
+
+/** The error for a wire `TenantRefusal` (`Reply::TenantLimited`, v3). */
+export function errorFromTenantRefusal(r: WireTenantRefusal): TenantLimitExceededError {
+  const e = r.error;
+  return new TenantLimitExceededError(e.message || `tenant "${r.tenant}" is over its ${r.limit} limit`, {
+    tenant: r.tenant, limit: r.limit, retryAfterS: e.retry_after_s, perSourceReasons: reasonsOf(e), scope: e.scope,
+  });
+}
+
 /** The error class and fields for a wire `ErrorReply`. */
 export function errorFromReply(e: WireErrorReply): PolyGateError {
   const message = e.message || e.kind;
   const scope = e.scope;
   const retryAfterS = e.retry_after_s;
-  const perSourceReasons: Record<string, SkipReason> = {};
-  for (const [src, why] of e.per_source_reasons) perSourceReasons[src] = snake(why) as SkipReason;
+  const perSourceReasons = reasonsOf(e);
   switch (e.kind) {
     case "CircuitOpen":
       return new CircuitOpenError(message, { retryAfterS, perSourceReasons, scope });

@@ -13,15 +13,16 @@ export {
 } from "./client.js";
 export type {
   AcquireOptions, CallOptions, ClassifyResult, ConnectOptions, FailureOptions, ReportResult, RunOptions,
-  ScopeStatus, SourceStatus, Status, SuccessOptions,
+  ScopeStatus, SourceStatus, Status, SuccessOptions, TenantStatusOptions,
 } from "./client.js";
 export {
   AllSourcesExhaustedError, CircuitOpenError, GatewayUnavailableError, PolyGateError, SidecarError,
+  TenantLimitExceededError,
 } from "./errors.js";
 export type { ExhaustionReason, SkipReason } from "./errors.js";
-export { classifyError, retryAfterOf, statusOf, usageOf } from "./classify.js";
+export { cachedInputTokensOf, classifyError, retryAfterOf, statusOf, usageOf } from "./classify.js";
 export type { FailureKind, Usage, Verdict } from "./classify.js";
-export { PROTOCOL_VERSION } from "./wire.js";
+export { MAX_TENANT_BYTES, PROTOCOL_VERSION } from "./wire.js";
 export { AUTOSTART_ENV, CONFIG_ENV, SIDECAR_ENV, platformPackage, sidecarPath } from "./autostart.js";
 export { limitsOf, parseDuration, parseRateLimitHeaders, toWireLimits } from "./ratelimit.js";
 export type { HeaderSource, Limit, Limits } from "./ratelimit.js";

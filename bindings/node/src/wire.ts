@@ -3,8 +3,8 @@
  * 4-byte big-endian length + a bincode-legacy payload (little-endian fixed-width
  * integers, u64 string/list lengths, u32 enum tags, Option as a 0/1 byte).
  *
- * The hot frames — the requests of a call (Start, Retry, Finish, Report, Acquire,
- * EndCall, Cancel) and their replies (Started, Granted, Reported, Error, CallBegun,
+ * The hot frames — the requests of a call (Start, StartTenant, Retry, Finish, Report,
+ * Acquire, EndCall, Cancel) and their replies (Started, Granted, Reported, Error, CallBegun,
  * Ok) — are encoded and decoded here by hand, field after field, with no schema
  * walk. Everything else goes through the generic codec of `codec.ts`, which also
  * checks these against the golden vectors.
@@ -17,7 +17,13 @@
 import { TextDecoder } from "node:util";
 
 /** The protocol version this client speaks (`Hello.protocol_version`). */
-export const PROTOCOL_VERSION = 2;
+export const PROTOCOL_VERSION = 3;
+/** The version said to a sidecar that refuses 3 (PROTOCOL §15): everything works but tenants. */
+export const FALLBACK_VERSION = 2;
+/** The first version with tenants (StartTenant, BeginTenant, TenantStatus, SuccessCached). */
+export const TENANT_VERSION = 3;
+/** A tenant id's limit, in bytes of UTF-8 (PROTOCOL §15). */
+export const MAX_TENANT_BYTES = 128;
 /** Frame payload limit until `Welcome` announces the sidecar's. */
 export const DEFAULT_MAX_FRAME = 65536;
 /** The largest incoming frame accepted: status replies may be this large (§14.4). */
@@ -27,21 +33,22 @@ export const REQUEST_TAGS = {
   Hello: 0, BeginCall: 1, Acquire: 2, Report: 3, EndCall: 4, Status: 5, ForceOpen: 6,
   ForceClose: 7, Reset: 8, Ping: 9, Cancel: 10, Start: 11, Retry: 12, Finish: 13,
   Begin: 14, StatusJson: 15, ReportObserved: 16, RetryObserved: 17, FinishObserved: 18,
+  StartTenant: 19, BeginTenant: 20, TenantStatus: 21,
 } as const;
 
 export const REPLY_TAGS = {
   Welcome: 0, CallBegun: 1, Granted: 2, Reported: 3, Ok: 4, Status: 5, Pong: 6,
-  Error: 7, Started: 8, StatusJson: 9,
+  Error: 7, Started: 8, StatusJson: 9, TenantLimited: 10,
 } as const;
 
 export const FAILURE_KINDS = ["Timeout", "ServerError", "Connection", "BadResult", "Error"] as const;
 export const BREAKER_STATES = ["Closed", "Open", "HalfOpen"] as const;
-export const SKIP_REASONS = ["CircuitOpen", "Paced", "RateLimited", "BackendUnavailable"] as const;
+export const SKIP_REASONS = ["CircuitOpen", "Paced", "RateLimited", "BackendUnavailable", "TenantLimited"] as const;
 export const EXHAUSTION_REASONS = ["Stalled", "QuotaExhausted", "RetryExhausted"] as const;
 export const ERROR_KINDS = [
   "CircuitOpen", "AllSourcesExhausted", "UnknownScope", "UnknownCall", "UnknownPermit",
   "InvalidArgument", "Malformed", "FrameTooLarge", "ProtocolViolation", "PermissionDenied",
-  "ShuttingDown", "BackendUnavailable", "Cancelled", "Busy", "Internal", "Overloaded",
+  "ShuttingDown", "BackendUnavailable", "Cancelled", "Busy", "Internal", "Overloaded", "TenantLimited",
 ] as const;
 
 export type WireFailureKind = (typeof FAILURE_KINDS)[number];
@@ -82,7 +89,8 @@ export type WireOutcome =
   | { RateLimited: { retry_after_s: number | null } }
   | "Cancelled"
   | { SuccessUsage: { usage: WireUsage; count_attempt: boolean } }
-  | { FailureUsage: { kind: WireFailureKind; usage: WireUsage } };
+  | { FailureUsage: { kind: WireFailureKind; usage: WireUsage } }
+  | { SuccessCached: { usage: WireUsage; cached_input_tokens: U64; count_attempt: boolean } };
 
 /** `CallSpec` (§14.2). */
 export interface WireCallSpec {
@@ -100,6 +108,13 @@ export interface WireErrorReply {
   per_source_reasons: [string, WireSkipReason][];
   exhausted: WireExhaustion | null;
   scope: string | null;
+}
+
+/** `TenantRefusal` (v3, PROTOCOL §15): the body of `Reply::TenantLimited`. */
+export interface WireTenantRefusal {
+  error: WireErrorReply;
+  tenant: string;
+  limit: string;
 }
 
 export interface WireGranted {
@@ -137,7 +152,8 @@ export type WireReply =
   | "Pong"
   | { Error: WireErrorReply }
   | { Started: WireStarted }
-  | { StatusJson: string };
+  | { StatusJson: string }
+  | { TenantLimited: WireTenantRefusal };
 
 /** Raised for anything undecodable or unencodable. */
 export class WireError extends Error {
@@ -360,6 +376,7 @@ export function outcomeSize(o: WireOutcome): number {
   if ("RateLimited" in o) return o.RateLimited.retry_after_s === null ? 5 : 13;
   if ("SuccessUsage" in o) return 4 + usageSize(o.SuccessUsage.usage) + 1;
   if ("FailureUsage" in o) return 8 + usageSize(o.FailureUsage.usage);
+  if ("SuccessCached" in o) return 4 + usageSize(o.SuccessCached.usage) + 9;
   throw new WireError(`unknown Outcome ${JSON.stringify(o)}`);
 }
 
@@ -395,6 +412,13 @@ export function writeOutcome(buf: Buffer, off: number, o: WireOutcome): number {
     buf.writeUInt32LE(4, off);
     off = writeUsage(buf, off + 4, o.SuccessUsage.usage);
     buf[off] = o.SuccessUsage.count_attempt ? 1 : 0;
+    return off + 1;
+  }
+  if ("SuccessCached" in o) {
+    buf.writeUInt32LE(6, off);
+    off = writeUsage(buf, off + 4, o.SuccessCached.usage);
+    off = writeU64(buf, off, checkU64(o.SuccessCached.cached_input_tokens, "cached_input_tokens"));
+    buf[off] = o.SuccessCached.count_attempt ? 1 : 0;
     return off + 1;
   }
   buf.writeUInt32LE(5, off);
@@ -436,6 +460,44 @@ export function encodeStart(id: U64, spec: Buffer): Buffer {
 /** `Begin(CallSpec)` (tag 14). */
 export function encodeBegin(id: U64, spec: Buffer): Buffer {
   return specFrame(id, 14, spec);
+}
+
+/**
+ * The body of `StartTenant` / `BeginTenant` (v3): a pre-encoded `CallSpec` followed by
+ * the tenant id (cached by a call, like its spec).
+ */
+export function encodeTenantSpec(spec: Buffer, tenant: string): Buffer {
+  const t = utf8(tenant);
+  const buf = Buffer.allocUnsafe(spec.length + 8 + t.length);
+  spec.copy(buf, 0);
+  writeStr(buf, spec.length, t);
+  return buf;
+}
+
+/** `StartTenant{spec, tenant}` (tag 19) from {@link encodeTenantSpec}'s bytes. */
+export function encodeStartTenant(id: U64, tenantSpec: Buffer): Buffer {
+  return specFrame(id, 19, tenantSpec);
+}
+
+/** `BeginTenant{spec, tenant}` (tag 20). */
+export function encodeBeginTenant(id: U64, tenantSpec: Buffer): Buffer {
+  return specFrame(id, 20, tenantSpec);
+}
+
+/** `TenantStatus{scope, tenant}` (tag 21): `scope` null = every scope with tenants. */
+export function encodeTenantStatus(id: U64, scope: string | null, tenant: string): Buffer {
+  const sc = scope === null ? null : Buffer.from(scope, "utf8");
+  const t = Buffer.from(tenant, "utf8");
+  const buf = frame(id, 21, (sc === null ? 1 : 9 + sc.length) + 8 + t.length);
+  let off = 16;
+  if (sc === null) {
+    buf[off++] = 0;
+  } else {
+    buf[off++] = 1;
+    off = writeStr(buf, off, sc);
+  }
+  writeStr(buf, off, t);
+  return buf;
 }
 
 function limitsSize(l: WireLimits): number {
@@ -574,7 +636,7 @@ export function decodeErrorReply(r: Reader): WireErrorReply {
   return { kind, message, retry_after_s, per_source_reasons, exhausted, scope };
 }
 
-/** Fallback for the cold replies (Welcome, Status, Pong, StatusJson); set by codec.ts. */
+/** Fallback for the cold replies (Welcome, Status, Pong, StatusJson, TenantLimited); set by codec.ts. */
 let coldReply: ((r: Reader, tag: number) => WireReply) | null = null;
 
 /** @internal codec.ts registers its generic decoder for the replies decoded here by hand. */

@@ -31,6 +31,10 @@ export class FakeConn {
   /** How many `data` events (reads) carried requests. */
   reads = 0;
   hello: Record<string, unknown> | null = null;
+  /** The protocol version its Hello said (after a Welcome). */
+  version = 0;
+  /** Every request frame received after the handshake, as bytes (length prefix included). */
+  readonly rawFrames: Buffer[] = [];
   private buf = Buffer.alloc(0);
 
   constructor(readonly fake: FakeSidecar, readonly sock: net.Socket) {
@@ -44,7 +48,8 @@ export class FakeConn {
     while (this.buf.length >= 4) {
       const n = this.buf.readUInt32BE(0);
       if (this.buf.length < 4 + n) break;
-      const frame = decodeClientFrame(this.buf.subarray(0, 4 + n));
+      const bytes = Buffer.from(this.buf.subarray(0, 4 + n));
+      const frame = decodeClientFrame(bytes);
       this.buf = this.buf.subarray(4 + n);
       const [name, body] = variant(frame.request);
       if (name === "Hello") {
@@ -57,6 +62,7 @@ export class FakeConn {
         counted = true;
       }
       this.requests.push(frame);
+      this.rawFrames.push(bytes);
       this.fake.handle(frame, this);
     }
   }
@@ -100,7 +106,12 @@ export class FakeSidecar {
   readonly server: net.Server;
   /** The server's own sockets (to tell client writes from server writes). */
   readonly serverSockets = new Set<net.Socket>();
-  welcome: Value = { Welcome: { protocol_version: 2, sidecar_version: "0.2.0-fake", max_frame: 65536 } };
+  /** The highest version it speaks: a Hello above it is refused as a version-2 sidecar does. */
+  protocolVersion = 3;
+  /** The Welcome sent; `null`: one with the Hello's version. */
+  welcome: Value | null = null;
+  /** Tenant of each call begun by StartTenant / BeginTenant. */
+  readonly tenants = new Map<bigint, string>();
   handle: (req: Req, conn: FakeConn) => void = (req, conn) => this.auto(req, conn);
   sources = ["a", "b", "c"];
   private nextCall = 100n;
@@ -125,7 +136,17 @@ export class FakeSidecar {
   }
 
   onHello(conn: FakeConn, frame: Req): void {
-    conn.send(frame.id, this.welcome);
+    const v = Number(conn.hello!.protocol_version);
+    if (v > this.protocolVersion) {
+      // what an older sidecar says, before it closes the connection
+      const speaks = this.protocolVersion === 1 ? "version 1" : `versions 1 to ${this.protocolVersion}`;
+      conn.send(frame.id, errorReply("ProtocolViolation", `protocol version mismatch: client `
+        + `${JSON.stringify(conn.hello!.client_name)} speaks version ${v}, this sidecar speaks ${speaks}`));
+      conn.sock.end();
+      return;
+    }
+    conn.version = v;
+    conn.send(frame.id, this.welcome ?? { Welcome: { protocol_version: v, sidecar_version: "0.2.0-fake", max_frame: 65536 } });
   }
 
   /** The n-th connection (0-based), once it exists. */
@@ -147,7 +168,33 @@ export class FakeSidecar {
   auto(req: Req, conn: FakeConn): void {
     const [variantName, body] = variant(req.request);
     const name = variantName.replace(/Observed$/, ""); // §18: answered like the plain report
+    const outcome = body.outcome;
+    if (conn.version < 3 && (["StartTenant", "BeginTenant", "TenantStatus"].includes(name)
+      || (outcome !== undefined && variant(outcome)[0] === "SuccessCached"))) {
+      // like the sidecar: a version-3 message on an older connection
+      return conn.send(req.id, errorReply("InvalidArgument", `${name} needs protocol version 3`));
+    }
     switch (name) {
+      case "StartTenant": {
+        const call = this.nextCall++;
+        this.tenants.set(call, body.tenant as string);
+        conn.send(req.id, { Started: { call, ...this.grant(call) } });
+        break;
+      }
+      case "BeginTenant": {
+        const call = this.nextCall++;
+        this.tenants.set(call, body.tenant as string);
+        conn.send(req.id, { CallBegun: { call } });
+        break;
+      }
+      case "TenantStatus": {
+        const scopes: Record<string, unknown> = {};
+        for (const sc of body.scope === null ? ["chat", "embed"] : [body.scope as string]) {
+          scopes[sc] = { limits: { tpm: 1000 }, in_flight: 0, waiting: 0, spend_usd: { day: 0.25 } };
+        }
+        conn.send(req.id, { StatusJson: JSON.stringify({ tenant: body.tenant, scopes }) });
+        break;
+      }
       case "Start": {
         const call = this.nextCall++;
         conn.send(req.id, { Started: { call, ...this.grant(call) } });

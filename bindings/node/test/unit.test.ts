@@ -43,7 +43,7 @@ function sharedFake(): void {
 }
 
 describe("connecting", () => {
-  test("Hello v2 → Welcome; the path falls back to $POLYGATE_SOCKET", T, async () => {
+  test("Hello v3 → Welcome; the path falls back to $POLYGATE_SOCKET", T, async () => {
     const fake = await FakeSidecar.start();
     const old = process.env.POLYGATE_SOCKET;
     process.env.POLYGATE_SOCKET = fake.socket;
@@ -52,11 +52,11 @@ describe("connecting", () => {
       assert.equal(resolvePath("/x.sock"), "/x.sock");
       const client = await connect();
       const conn = await fake.conn(0);
-      assert.equal(conn.hello!.protocol_version, 2);
+      assert.equal(conn.hello!.protocol_version, 3);
       assert.equal(conn.hello!.client_name, "polygate-node/0.2.0");
       assert.equal(conn.hello!.pid, process.pid);
       assert.equal(client.sidecarVersion, "0.2.0-fake");
-      assert.equal(client.protocolVersion, 2);
+      assert.equal(client.protocolVersion, 3);
       assert.equal(await client.ping() >= 0, true);
       await client.close();
     } finally {
@@ -110,7 +110,7 @@ describe("connecting", () => {
     });
     fake.welcome = { Welcome: { protocol_version: 1, sidecar_version: "0.1.0", max_frame: 65536 } };
     fake.onHello = (c, f) => c.send(f.id, fake.welcome);
-    await assert.rejects(connect(fake.socket), /answered with protocol 1, this client needs 2/);
+    await assert.rejects(connect(fake.socket), /answered with protocol 1, this client needs 2 to 3/);
     await fake.stop();
   });
 
@@ -528,7 +528,7 @@ describe("the connection", () => {
     const r = await client.run("chat", async (p) => p.source);
     assert.equal(r, "a");
     assert.equal(fake.conns.length, 2, "reconnected once");
-    assert.equal(fake.conns[1]!.hello!.protocol_version, 2);
+    assert.equal(fake.conns[1]!.hello!.protocol_version, 3);
     await teardown(fake, client);
   });
 
@@ -674,7 +674,9 @@ describe("run()", () => {
       { RateLimited: { retry_after_s: 3 } },
       { Failure: { kind: "Connection" } },
       { Failure: { kind: "Timeout" } },
-      { SuccessUsage: { usage: { tokens: 1200n, input_tokens: 600n, output_tokens: 200n }, count_attempt: true } },
+      // v3: the cached reads go out with the usage (SuccessCached, outcome tag 6)
+      { SuccessCached: { usage: { tokens: 1200n, input_tokens: 600n, output_tokens: 200n }, cached_input_tokens: 400n,
+        count_attempt: true } },
     ]);
     assert.equal(conn.named("Start")[0]!.est_tokens, 50n);
   });
@@ -689,7 +691,8 @@ describe("run()", () => {
     await client.run("chat", async () => "no usage");
     assert.deepEqual(outcomes(), [
       { Success: { tokens: 812n, count_attempt: true } },
-      { SuccessUsage: { usage: { tokens: null, input_tokens: 30n, output_tokens: 7n }, count_attempt: true } },
+      { SuccessCached: { usage: { tokens: null, input_tokens: 30n, output_tokens: 7n }, cached_input_tokens: 100n,
+        count_attempt: true } },
       { Success: { tokens: null, count_attempt: true } },
     ]);
   });

@@ -50,16 +50,18 @@ function same(a: unknown, b: unknown, where = "value"): void {
   assert.equal(a, b, where);
 }
 
-const HOT_REQUESTS = new Set(["Start", "Retry", "Finish", "Report", "Acquire", "EndCall", "Cancel"]);
+const HOT_REQUESTS = new Set(["Start", "StartTenant", "BeginTenant", "TenantStatus", "Retry", "Finish", "Report", "Acquire", "EndCall", "Cancel"]);
 const HOT_REPLIES = new Set(["Started", "Granted", "Reported", "Error", "CallBegun", "Ok"]);
 const variant = (v: unknown): string => (typeof v === "string" ? v : Object.keys(v as object)[0]!);
 
 describe("golden vectors", () => {
-  test("the file is version 2 and has the v2 vectors", { timeout: 10_000 }, () => {
+  test("the file is version 3 and has the v2 and v3 vectors", { timeout: 10_000 }, () => {
     assert.equal(doc.protocol_version, PROTOCOL_VERSION);
     const names = new Set(doc.vectors.map((v) => v.name));
     for (const n of ["hello_v2", "start_minimal", "start_full", "retry_failure_timeout", "finish_success_usage",
-      "started", "started_probe_max_ids", "status_json", "error_overloaded", "status_full", "ping_max_id"]) {
+      "started", "started_probe_max_ids", "status_json", "error_overloaded", "status_full", "ping_max_id",
+      "hello_v3", "welcome_v3", "start_tenant", "begin_tenant_unicode", "tenant_status_all_scopes",
+      "tenant_status_one_scope", "finish_success_cached", "tenant_limited_usd"]) {
       assert.ok(names.has(n), `vector ${n} missing`);
     }
     assert.ok(doc.vectors.length >= 60, `only ${doc.vectors.length} vectors`);
@@ -120,8 +122,8 @@ describe("strict decoding (PROTOCOL §3, §12)", () => {
 
   test("unknown tags are refused", { timeout: 10_000 }, () => {
     const p = Buffer.from(payloadOf("ok"));
-    p.writeUInt32LE(10, 8); // Reply tag 10 does not exist
-    assert.throws(() => decode(p), /unknown tag 10/);
+    p.writeUInt32LE(11, 8); // Reply tag 11 does not exist
+    assert.throws(() => decode(p), /unknown tag 11/);
     const e = Buffer.from(payloadOf("error_busy"));
     e.writeUInt32LE(99, 12); // ErrorKind
     assert.throws(() => decode(e), /unknown ErrorKind tag 99/);

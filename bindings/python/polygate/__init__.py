@@ -23,6 +23,7 @@ from .errors import (
     PolyGateError,
     RouteMissingError,
     SidecarError,
+    TenantLimitExceeded,
 )
 
 __all__ = [
@@ -44,6 +45,7 @@ __all__ = [
     "GatewayUnavailableError",
     "CircuitOpenError",
     "AllSourcesExhausted",
+    "TenantLimitExceeded",
     "RouteMissingError",
     "__version__",
 ]

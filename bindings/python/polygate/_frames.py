@@ -28,9 +28,9 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 from . import _wire
 
 __all__ = [
-    "frame", "call_spec", "start", "begin", "acquire", "report", "retry", "finish", "end_call", "cancel",
+    "frame", "call_spec", "tenant", "start", "begin", "start_tenant", "begin_tenant", "acquire", "report", "retry", "finish", "end_call", "cancel",
     "observed_limit", "observed_limits",
-    "success", "success_usage", "failure", "failure_usage", "rate_limited", "CANCELLED",
+    "success", "success_usage", "success_cached", "failure", "failure_usage", "rate_limited", "CANCELLED",
     "decode_server_frame", "HOT_REQUESTS", "HOT_REPLIES",
 ]
 
@@ -60,9 +60,12 @@ _START, _RETRY, _FINISH, _BEGIN = (_tag(n) for n in ("Start", "Retry", "Finish",
 _REPORT_OBS, _RETRY_OBS, _FINISH_OBS = (_tag(n) for n in ("ReportObserved", "RetryObserved", "FinishObserved"))
 _START_TAG = _U32.pack(_START)
 _BEGIN_TAG = _U32.pack(_BEGIN)
+_START_TENANT_TAG = _U32.pack(_tag("StartTenant"))
+_BEGIN_TENANT_TAG = _U32.pack(_tag("BeginTenant"))
 
-HOT_REQUESTS = ("Start", "Retry", "Finish", "Report", "Acquire", "EndCall", "Cancel")
-"""The request variants built here (``Begin`` too: it shares ``Start``'s body)."""
+HOT_REQUESTS = ("Start", "StartTenant", "Retry", "Finish", "Report", "Acquire", "EndCall", "Cancel")
+"""The request variants built here (``Begin`` and ``BeginTenant`` too: they share
+``Start``'s and ``StartTenant``'s bodies)."""
 
 
 def frame(rid: int, body: bytes) -> bytes:
@@ -104,6 +107,22 @@ def start(spec: bytes) -> bytes:
 def begin(spec: bytes) -> bytes:
     """``Begin(CallSpec)``: BeginCall with the version-2 fields."""
     return _BEGIN_TAG + spec
+
+
+def tenant(tenant_id: str) -> bytes:
+    """An encoded tenant id (built once per call, appended to the ``CallSpec``)."""
+    return _string(tenant_id)
+
+
+def start_tenant(spec: bytes, tenant_id: bytes) -> bytes:
+    """``StartTenant{spec, tenant}`` (v3): ``Start`` on behalf of a tenant;
+    ``tenant_id`` from :func:`tenant`."""
+    return _START_TENANT_TAG + spec + tenant_id
+
+
+def begin_tenant(spec: bytes, tenant_id: bytes) -> bytes:
+    """``BeginTenant{spec, tenant}`` (v3): ``Begin`` on behalf of a tenant."""
+    return _BEGIN_TENANT_TAG + spec + tenant_id
 
 
 def acquire(call: int) -> bytes:
@@ -163,8 +182,9 @@ def observed_limits(requests: Optional[bytes], tokens: Optional[bytes], input_to
 # ---------------------------------------------------------------- outcomes
 
 _O = _wire.OUTCOME
-_SUCCESS, _FAILURE, _RATE_LIMITED, _CANCELLED_TAG, _SUCCESS_USAGE, _FAILURE_USAGE = (
-    _tag(n, _O) for n in ("Success", "Failure", "RateLimited", "Cancelled", "SuccessUsage", "FailureUsage"))
+_SUCCESS, _FAILURE, _RATE_LIMITED, _CANCELLED_TAG, _SUCCESS_USAGE, _FAILURE_USAGE, _SUCCESS_CACHED = (
+    _tag(n, _O) for n in ("Success", "Failure", "RateLimited", "Cancelled", "SuccessUsage", "FailureUsage",
+                          "SuccessCached"))
 _FAILURE_KIND_INDEX = dict(_wire.FAILURE_KIND.index)
 
 CANCELLED = _U32.pack(_CANCELLED_TAG)
@@ -189,6 +209,13 @@ def success_usage(tokens: Optional[int], input_tokens: Optional[int], output_tok
     """``SuccessUsage{usage, count_attempt}``."""
     return (_U32.pack(_SUCCESS_USAGE) + _usage(tokens, input_tokens, output_tokens)
             + (b"\x01" if count_attempt else b"\x00"))
+
+
+def success_cached(tokens: Optional[int], input_tokens: Optional[int], output_tokens: Optional[int],
+                   cached_input_tokens: int, count_attempt: bool) -> bytes:
+    """``SuccessCached{usage, cached_input_tokens, count_attempt}`` (v3)."""
+    return (_U32.pack(_SUCCESS_CACHED) + _usage(tokens, input_tokens, output_tokens)
+            + _U64.pack(cached_input_tokens) + (b"\x01" if count_attempt else b"\x00"))
 
 
 def failure(kind: str) -> bytes:

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import json
 import select
 import signal
 import socket
@@ -425,17 +426,22 @@ class Permit(_core.PermitBase):
     _call: "Call"
 
     def success(self, tokens: Optional[int] = None, *, input_tokens: Optional[int] = None,
-                output_tokens: Optional[int] = None, count_attempt: bool = True) -> Optional[ReportResult]:
+                output_tokens: Optional[int] = None, cached_input_tokens: Optional[int] = None,
+                count_attempt: bool = True) -> Optional[ReportResult]:
         """The upstream answered usefully; this ends the call (one ``Finish``)
         and returns the sidecar's :class:`ReportResult`.
 
         ``tokens``: actual usage (None keeps the estimate); ``input_tokens`` /
         ``output_tokens``: the split (input excluding cached reads), ``tokens``
-        then defaults to their sum. ``count_attempt=False``: the answer was
+        then defaults to their sum. ``cached_input_tokens``: the input the
+        provider read from its prompt cache (a tenant's dollar cost prices them at
+        the cached rate; sent as ``SuccessCached`` on a version-3 connection,
+        dropped on an older one). ``count_attempt=False``: the answer was
         unusable — kept out of the breaker window, and the call goes on (the
         report is held like a failure's, and None is returned)."""
-        outcome = _core.outcome_success(tokens, count_attempt, input_tokens, output_tokens)
         call = self._call
+        outcome = _core.outcome_success(tokens, count_attempt, input_tokens, output_tokens, cached_input_tokens,
+                                        call._protocol_version)
         request = call._report(self, outcome, final=count_attempt)
         if request is None:
             return None
@@ -470,7 +476,7 @@ class Call(_core.CallBase[Permit]):
         """The call's first frame (``Start`` or ``Begin``) could not leave the
         connection it was bound to, found lost: reconnect, bind the call to the
         new connection and send it there (once)."""
-        conn = self._conn = self._client._reconnect(self._conn)
+        conn = self._bind(self._client._reconnect(self._conn))
         return conn.request(request, cancel_on_interrupt=cancel, on_late=on_late)
 
     def begin(self) -> "Call":
@@ -600,24 +606,36 @@ class Client(_core.WelcomeInfo[_Connection]):
         if closed:
             conn.close()  # the handshake fails now with the closed-client error
 
-    def _request(self, request: Any) -> Any:
+    def _request(self, request: Any, needs_tenants: Optional[str] = None) -> Any:
         """A request that stands alone (status, admin, ping) on the live
-        connection; its frame, if it could not leave a lost one, on a new one."""
+        connection; its frame, if it could not leave a lost one, on a new one.
+        ``needs_tenants`` (what the request is, for the error): refused on a
+        connection older than version 3."""
         conn = self._conn
         try:
+            if needs_tenants is not None and not conn.closed:
+                _core.require_tenants(conn.welcome, needs_tenants)
             return conn.request(request, fresh=True)  # found lost: NotSent, before any write
         except _core.NotSent:
-            return self._reconnect(conn).request(request)
+            conn = self._reconnect(conn)
+            if needs_tenants is not None:
+                _core.require_tenants(conn.welcome, needs_tenants)
+            return conn.request(request)
 
     def call(self, scope: str, est_tokens: Optional[int] = None, priority: Optional[str] = None, *,
-             est_input_tokens: Optional[int] = None, est_output_tokens: Optional[int] = None) -> Call:
+             est_input_tokens: Optional[int] = None, est_output_tokens: Optional[int] = None,
+             tenant: Optional[str] = None) -> Call:
         """A call in ``scope``; use ``with client.call(...) as call:``. Nothing is
-        sent until the first ``acquire()`` (or ``begin()``)."""
-        return Call(self, scope, est_tokens, priority, est_input_tokens, est_output_tokens)
+        sent until the first ``acquire()`` (or ``begin()``). ``tenant``: the
+        tenant the call is made for (DESIGN §19; at most 128 bytes of UTF-8;
+        None or ``""``: the scope's anonymous tenant); it needs a sidecar that
+        speaks protocol 3."""
+        return Call(self, scope, est_tokens, priority, est_input_tokens, est_output_tokens, tenant)
 
     def run(self, scope: str, fn: Callable[[Permit], T], est_tokens: Optional[int] = None,
             priority: Optional[str] = None, classify: Optional[_core.Classifier] = None, *,
-            est_input_tokens: Optional[int] = None, est_output_tokens: Optional[int] = None) -> T:
+            est_input_tokens: Optional[int] = None, est_output_tokens: Optional[int] = None,
+            tenant: Optional[str] = None) -> T:
         """Run ``fn(permit)`` under the sidecar's admission until it succeeds, and
         return its result: the whole acquire / call / report / fail-over loop.
 
@@ -631,11 +649,13 @@ class Client(_core.WelcomeInfo[_Connection]):
         on another source — or reported and re-raised at once (a 400, or an
         exception nothing recognises). When the call's budget is spent, the
         sidecar's error (``AllSourcesExhausted``, ``CircuitOpenError``) is raised
-        from the last exception. Every path releases what the call held.
+        from the last exception; a tenant's refusal (:class:`TenantLimitExceeded`,
+        ``tenant=``) at once, with no other attempt. Every path releases what the
+        call held.
         """
         last: Optional[BaseException] = None
         with self.call(scope, est_tokens, priority, est_input_tokens=est_input_tokens,
-                       est_output_tokens=est_output_tokens) as call:
+                       est_output_tokens=est_output_tokens, tenant=tenant) as call:
             while True:
                 try:
                     permit = call.acquire()
@@ -651,14 +671,16 @@ class Client(_core.WelcomeInfo[_Connection]):
                     last = exc
                     continue
                 if not permit.reported:
-                    tokens, input_tokens, output_tokens = _core.usage_of(result, permit.tokens)
+                    tokens, input_tokens, output_tokens, cached = _core.usage_of(result, permit.tokens)
                     if permit.limits is None:  # §18: a raw response carries its headers
                         permit.limits = _core.limits_of(result)
-                    permit.success(tokens, input_tokens=input_tokens, output_tokens=output_tokens)
+                    permit.success(tokens, input_tokens=input_tokens, output_tokens=output_tokens,
+                                   cached_input_tokens=cached)
                 return result
 
     def gated(self, scope: str, est_tokens: Optional[int] = None, priority: Optional[str] = None,
-              classify: Optional[_core.Classifier] = None) -> Callable[[Callable[..., T]], Callable[..., T]]:
+              classify: Optional[_core.Classifier] = None, *, tenant: Optional[str] = None
+              ) -> Callable[[Callable[..., T]], Callable[..., T]]:
         """Decorator form of :meth:`run`::
 
             @client.gated("chat", est_tokens=1200)
@@ -670,9 +692,21 @@ class Client(_core.WelcomeInfo[_Connection]):
         def wrap(fn: Callable[..., T]) -> Callable[..., T]:
             @functools.wraps(fn)
             def gated_call(*args: Any, **kwargs: Any) -> T:
-                return self.run(scope, lambda permit: fn(permit, *args, **kwargs), est_tokens, priority, classify)
+                return self.run(scope, lambda permit: fn(permit, *args, **kwargs), est_tokens, priority, classify,
+                                tenant=tenant)
             return gated_call
         return wrap
+
+    def tenant_status(self, tenant: str, scope: Optional[str] = None) -> Dict[str, Any]:
+        """One tenant's ledger (DESIGN §19): ``{"tenant": ..., "scopes": {scope:
+        {...}}}`` — per scope with tenants (only ``scope`` when given), its limits,
+        bucket levels, spend in the current day and month, calls in flight and
+        waiting, as the sidecar sends it (``TenantStatus``; ``""`` is the
+        anonymous tenant). Needs a sidecar that speaks protocol 3."""
+        request = _core.tenant_status(tenant, scope)
+        body = _core.expect(self._request(request, "tenant_status(%r)" % (tenant,)), "StatusJson")
+        doc: Dict[str, Any] = json.loads(body)
+        return doc
 
     def status(self) -> _core.Status:
         """Live state: {"sidecar_version", "backend", "scopes": {scope: {...,
@@ -732,8 +766,10 @@ def connect(path: Optional[str] = None, *, client_name: Optional[str] = None,
     this uid (``/run/polygate/sidecar.sock`` for root,
     ``$XDG_RUNTIME_DIR/polygate/sidecar.sock`` for anyone else). ``timeout`` bounds connect + handshake only
     (here and at every reconnect). Raises :class:`SidecarError` (naming the
-    path) if it cannot connect, or if the sidecar does not speak protocol
-    version 2. The client reconnects by itself after a lost connection.
+    path) if it cannot connect, or if the sidecar speaks neither protocol
+    version 3 nor 2 (with a version-2 sidecar everything works but tenants,
+    which are refused with a clear error). The client reconnects by itself
+    after a lost connection.
     ``autostart`` (default ``$POLYGATE_AUTOSTART``): when nothing answers on the
     socket, start the bundled sidecar for it first (DESIGN §20, :mod:`polygate._autostart`).
     """
@@ -746,23 +782,32 @@ def connect(path: Optional[str] = None, *, client_name: Optional[str] = None,
 def _open(path: str, client_name: Optional[str], timeout: Optional[float],
           opened: Optional[Callable[[_Connection], None]] = None) -> _Connection:
     """A new connection with its handshake done (``connect`` and every reconnect);
-    ``opened`` learns of the connection before its handshake."""
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        sock.settimeout(timeout)
-        sock.connect(path)
-        sock.settimeout(None)
-    except OSError as e:
-        sock.close()
-        raise _core.connect_error(path, e) from None
-    conn = _Connection(sock, path)
-    try:
-        if opened is not None:
-            opened(conn)
-        welcome = _core.check_welcome(conn.request(_core.hello(client_name), timeout=timeout))
-    except BaseException:
-        conn.close()
-        raise
-    conn.max_frame = welcome["max_frame"]
-    conn.welcome = welcome
-    return conn
+    ``opened`` learns of the connection before its handshake. ``Hello`` says 3;
+    a sidecar that refuses it but speaks 2 (it closes the connection) gets a
+    second connection saying 2 (PROTOCOL.md §15)."""
+    version = _wire.PROTOCOL_VERSION
+    while True:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.settimeout(timeout)
+            sock.connect(path)
+            sock.settimeout(None)
+        except OSError as e:
+            sock.close()
+            raise _core.connect_error(path, e) from None
+        conn = _Connection(sock, path)
+        try:
+            if opened is not None:
+                opened(conn)
+            welcome = _core.check_welcome(conn.request(_core.hello(client_name, version), timeout=timeout),
+                                          version)
+        except _core.VersionFallback as fallback:
+            conn.close()
+            version = fallback.version
+            continue
+        except BaseException:
+            conn.close()
+            raise
+        conn.max_frame = welcome["max_frame"]
+        conn.welcome = welcome
+        return conn

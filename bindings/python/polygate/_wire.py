@@ -24,15 +24,26 @@ from __future__ import annotations
 import struct
 from typing import Any, Dict, List, Optional, Tuple
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 # The newest protocol whose frames this codec can encode and decode (the vectors
 # file's version); the client says PROTOCOL_VERSION in Hello.
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
+# The version the client falls back to with a sidecar that refuses 3 (PROTOCOL.md
+# §15): every call works there, except those that name a tenant.
+FALLBACK_VERSION = 2
+# The first version with tenants (StartTenant / BeginTenant / TenantStatus,
+# SuccessCached, Reply::TenantLimited).
+TENANT_VERSION = 3
+# A tenant id's limit in UTF-8 bytes (PROTOCOL.md §15).
+MAX_TENANT_BYTES = 128
 DEFAULT_MAX_FRAME = 65536
 LENGTH_PREFIX = 4
 
 __all__ = [
     "PROTOCOL_VERSION",
+    "FALLBACK_VERSION",
+    "TENANT_VERSION",
+    "MAX_TENANT_BYTES",
     "DEFAULT_MAX_FRAME",
     "WireError",
     "encode_client_frame",
@@ -138,8 +149,9 @@ ERROR_KIND = _unit_enum(
     "Busy",
     "Internal",
     "Overloaded",
+    "TenantLimited",
 )
-SKIP_REASON = _unit_enum("SkipReason", "CircuitOpen", "Paced", "RateLimited", "BackendUnavailable")
+SKIP_REASON = _unit_enum("SkipReason", "CircuitOpen", "Paced", "RateLimited", "BackendUnavailable", "TenantLimited")
 EXHAUSTION_REASON = _unit_enum("ExhaustionReason", "Stalled", "QuotaExhausted", "RetryExhausted")
 
 USAGE = _Struct(
@@ -156,6 +168,7 @@ OUTCOME = _Enum(
         ("Cancelled", _UNIT),
         ("SuccessUsage", [("usage", USAGE), ("count_attempt", BOOL)]),
         ("FailureUsage", [("kind", FAILURE_KIND), ("usage", USAGE)]),
+        ("SuccessCached", [("usage", USAGE), ("cached_input_tokens", U64), ("count_attempt", BOOL)]),
     ],
 )
 
@@ -208,6 +221,9 @@ REQUEST = _Enum(
         ("ReportObserved", [("permit", U64), ("outcome", OUTCOME), ("limits", OBSERVED_LIMITS)]),
         ("RetryObserved", [("permit", U64), ("outcome", OUTCOME), ("limits", OBSERVED_LIMITS)]),
         ("FinishObserved", [("permit", U64), ("outcome", OUTCOME), ("limits", OBSERVED_LIMITS)]),
+        ("StartTenant", [("spec", CALL_SPEC), ("tenant", STR)]),
+        ("BeginTenant", [("spec", CALL_SPEC), ("tenant", STR)]),
+        ("TenantStatus", [("scope", _Option(STR)), ("tenant", STR)]),
     ],
 )
 
@@ -296,6 +312,7 @@ REPLY = _Enum(
             ],
         ),
         ("StatusJson", STR),
+        ("TenantLimited", _Struct("TenantRefusal", [("error", ERROR_REPLY), ("tenant", STR), ("limit", STR)])),
     ],
 )
 

@@ -32,6 +32,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import itertools
+import json
 import time
 from typing import Any, Awaitable, Callable, Dict, List, Optional, TypeVar
 
@@ -43,6 +44,7 @@ from .errors import (
     GatewayUnavailableError,
     PolyGateError,
     SidecarError,
+    TenantLimitExceeded,
 )
 
 T = TypeVar("T")
@@ -62,6 +64,7 @@ __all__ = [
     "GatewayUnavailableError",
     "CircuitOpenError",
     "AllSourcesExhausted",
+    "TenantLimitExceeded",
 ]
 
 
@@ -244,10 +247,12 @@ class Permit(_core.PermitBase):
     _call: "Call"
 
     async def success(self, tokens: Optional[int] = None, *, input_tokens: Optional[int] = None,
-                      output_tokens: Optional[int] = None, count_attempt: bool = True) -> Optional[ReportResult]:
+                      output_tokens: Optional[int] = None, cached_input_tokens: Optional[int] = None,
+                      count_attempt: bool = True) -> Optional[ReportResult]:
         """The upstream answered usefully; ends the call (see :meth:`polygate.Permit.success`)."""
-        outcome = _core.outcome_success(tokens, count_attempt, input_tokens, output_tokens)
         call = self._call
+        outcome = _core.outcome_success(tokens, count_attempt, input_tokens, output_tokens, cached_input_tokens,
+                                        call._protocol_version)
         request = call._report(self, outcome, final=count_attempt)
         if request is None:
             return None
@@ -278,7 +283,7 @@ class Call(_core.CallBase[Permit]):
         """The call's first frame (``Start`` or ``Begin``) never left the
         connection it was bound to, lost: reconnect, bind the call to the new
         connection and send it there (once)."""
-        conn = self._conn = await self._client._reconnect()
+        conn = self._bind(await self._client._reconnect())
         return await conn.request(request, cancel_on_cancel=cancel, on_late=on_late)
 
     async def begin(self) -> "Call":
@@ -394,30 +399,39 @@ class Client(_core.WelcomeInfo[_Connection]):
     def _opened(self, conn: _Connection) -> None:
         self._opening = conn
 
-    async def _request(self, request: Any) -> Any:
+    async def _request(self, request: Any, needs_tenants: Optional[str] = None) -> Any:
         """A request that stands alone (status, admin, ping) on the live
-        connection; its frame, if it never left a lost one, on a new one."""
+        connection; its frame, if it never left a lost one, on a new one.
+        ``needs_tenants``: refused on a connection older than version 3."""
         conn = self._conn
         try:
+            if needs_tenants is not None and not conn.closed:
+                _core.require_tenants(conn.welcome, needs_tenants)
             return await conn.request(request, fresh=True)  # found lost: NotSent, before any write
         except _core.NotSent:
-            return await (await self._reconnect()).request(request)
+            conn = await self._reconnect()
+            if needs_tenants is not None:
+                _core.require_tenants(conn.welcome, needs_tenants)
+            return await conn.request(request)
 
     def call(self, scope: str, est_tokens: Optional[int] = None, priority: Optional[str] = None, *,
-             est_input_tokens: Optional[int] = None, est_output_tokens: Optional[int] = None) -> Call:
-        """A call in ``scope``; ``async with client.call(...) as call:``."""
-        return Call(self, scope, est_tokens, priority, est_input_tokens, est_output_tokens)
+             est_input_tokens: Optional[int] = None, est_output_tokens: Optional[int] = None,
+             tenant: Optional[str] = None) -> Call:
+        """A call in ``scope``; ``async with client.call(...) as call:``
+        (``tenant``: see :meth:`polygate.Client.call`)."""
+        return Call(self, scope, est_tokens, priority, est_input_tokens, est_output_tokens, tenant)
 
     async def run(self, scope: str, fn: Callable[[Permit], Awaitable[T]], est_tokens: Optional[int] = None,
                   priority: Optional[str] = None, classify: Optional[_core.Classifier] = None, *,
-                  est_input_tokens: Optional[int] = None, est_output_tokens: Optional[int] = None) -> T:
+                  est_input_tokens: Optional[int] = None, est_output_tokens: Optional[int] = None,
+                  tenant: Optional[str] = None) -> T:
         """``await fn(permit)`` under the sidecar's admission until it succeeds
         (see :meth:`polygate.Client.run`). Cancelling the awaiting task — while
         it waits for a permit or inside ``fn`` — releases everything the call held
         and re-raises ``CancelledError``."""
         last: Optional[BaseException] = None
         async with self.call(scope, est_tokens, priority, est_input_tokens=est_input_tokens,
-                             est_output_tokens=est_output_tokens) as call:
+                             est_output_tokens=est_output_tokens, tenant=tenant) as call:
             while True:
                 try:
                     permit = await call.acquire()
@@ -433,23 +447,31 @@ class Client(_core.WelcomeInfo[_Connection]):
                     last = exc
                     continue
                 if not permit.reported:
-                    tokens, input_tokens, output_tokens = _core.usage_of(result, permit.tokens)
+                    tokens, input_tokens, output_tokens, cached = _core.usage_of(result, permit.tokens)
                     if permit.limits is None:  # §18: a raw response carries its headers
                         permit.limits = _core.limits_of(result)
-                    await permit.success(tokens, input_tokens=input_tokens, output_tokens=output_tokens)
+                    await permit.success(tokens, input_tokens=input_tokens, output_tokens=output_tokens,
+                                         cached_input_tokens=cached)
                 return result
 
     def gated(self, scope: str, est_tokens: Optional[int] = None, priority: Optional[str] = None,
-              classify: Optional[_core.Classifier] = None
+              classify: Optional[_core.Classifier] = None, *, tenant: Optional[str] = None
               ) -> Callable[[Callable[..., Awaitable[T]]], Callable[..., Awaitable[T]]]:
         """Decorator form of :meth:`run` for ``async def fn(permit, *args, **kwargs)``."""
         def wrap(fn: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T]]:
             @functools.wraps(fn)
             async def gated_call(*args: Any, **kwargs: Any) -> T:
                 return await self.run(scope, lambda permit: fn(permit, *args, **kwargs), est_tokens, priority,
-                                      classify)
+                                      classify, tenant=tenant)
             return gated_call
         return wrap
+
+    async def tenant_status(self, tenant: str, scope: Optional[str] = None) -> Dict[str, Any]:
+        """One tenant's ledger (see :meth:`polygate.Client.tenant_status`)."""
+        request = _core.tenant_status(tenant, scope)
+        body = _core.expect(await self._request(request, "tenant_status(%r)" % (tenant,)), "StatusJson")
+        doc: Dict[str, Any] = json.loads(body)
+        return doc
 
     async def status(self) -> Status:
         body = _core.expect(await self._request(_core.STATUS_JSON), "StatusJson")
@@ -520,7 +542,8 @@ async def connect(path: Optional[str] = None, *, client_name: Optional[str] = No
 async def _open(path: str, client_name: Optional[str], timeout: Optional[float],
                 opened: Optional[Callable[[_Connection], None]] = None) -> _Connection:
     """A new connection with its handshake done (``connect`` and every reconnect);
-    ``opened`` learns of the connection as soon as it exists."""
+    ``opened`` learns of the connection as soon as it exists. ``Hello`` says 3;
+    a sidecar that refuses it but speaks 2 gets a second connection saying 2."""
     loop = asyncio.get_running_loop()
 
     def make() -> _Connection:
@@ -528,23 +551,29 @@ async def _open(path: str, client_name: Optional[str], timeout: Optional[float],
         if opened is not None:
             opened(conn)
         return conn
-    try:
-        _, conn = await asyncio.wait_for(loop.create_unix_connection(make, path), timeout)
-    except asyncio.TimeoutError:
-        raise SidecarError("cannot connect to the PolyGate sidecar at %s: timed out" % path,
-                           kind="connection") from None
-    except OSError as e:
-        raise _core.connect_error(path, e) from None
-    try:
-        reply = await asyncio.wait_for(conn.request(_core.hello(client_name)), timeout)
-        welcome = _core.check_welcome(reply)
-    except asyncio.TimeoutError:
-        await conn.close()
-        raise SidecarError("no Welcome from the sidecar at %s within %ss" % (path, timeout),
-                           kind="connection") from None
-    except BaseException:
-        await conn.close()
-        raise
-    conn.max_frame = welcome["max_frame"]
-    conn.welcome = welcome
-    return conn
+    version = _wire.PROTOCOL_VERSION
+    while True:
+        try:
+            _, conn = await asyncio.wait_for(loop.create_unix_connection(make, path), timeout)
+        except asyncio.TimeoutError:
+            raise SidecarError("cannot connect to the PolyGate sidecar at %s: timed out" % path,
+                               kind="connection") from None
+        except OSError as e:
+            raise _core.connect_error(path, e) from None
+        try:
+            reply = await asyncio.wait_for(conn.request(_core.hello(client_name, version)), timeout)
+            welcome = _core.check_welcome(reply, version)
+        except _core.VersionFallback as fallback:
+            await conn.close()
+            version = fallback.version
+            continue
+        except asyncio.TimeoutError:
+            await conn.close()
+            raise SidecarError("no Welcome from the sidecar at %s within %ss" % (path, timeout),
+                               kind="connection") from None
+        except BaseException:
+            await conn.close()
+            raise
+        conn.max_frame = welcome["max_frame"]
+        conn.welcome = welcome
+        return conn

@@ -2,8 +2,8 @@
 
 Two families, both under :class:`PolyGateError`:
 
-* :class:`GatewayUnavailableError` (and its subclasses :class:`CircuitOpenError`
-  and :class:`AllSourcesExhausted`): the sidecar answered, and the answer is
+* :class:`GatewayUnavailableError` (and its subclasses :class:`CircuitOpenError`,
+  :class:`AllSourcesExhausted` and :class:`TenantLimitExceeded`): the sidecar answered, and the answer is
   that this *call* cannot be served. The call-level budget is spent: retries,
   back-off, failover between sources and waiting already happened inside
   PolyGate. Re-submitting the job later is a *task-level* retry, a different
@@ -28,6 +28,7 @@ __all__ = [
     "GatewayUnavailableError",
     "CircuitOpenError",
     "AllSourcesExhausted",
+    "TenantLimitExceeded",
     "RouteMissingError",
 ]
 
@@ -80,10 +81,11 @@ class GatewayUnavailableError(PolyGateError):
             (0.0 = unknown or now).
         per_source_reasons: ``{source: reason}`` in config order, reason one of
             ``"circuit_open"``, ``"paced"``, ``"rate_limited"``,
-            ``"backend_unavailable"``.
+            ``"backend_unavailable"``, ``"tenant_limited"``.
         scope: the scope of the call (or ``None``).
-        kind: ``"circuit_open"``, ``"all_sources_exhausted"`` or
-            ``"backend_unavailable"`` (the latter raised as this base class).
+        kind: ``"circuit_open"``, ``"all_sources_exhausted"``,
+            ``"tenant_limited"`` or ``"backend_unavailable"`` (the latter
+            raised as this base class).
     """
 
     def __init__(
@@ -140,6 +142,37 @@ class AllSourcesExhausted(GatewayUnavailableError):
         super().__init__(message, kind=kind, retry_after_s=retry_after_s,
                          per_source_reasons=per_source_reasons, scope=scope)
         self.reason = reason
+
+
+class TenantLimitExceeded(GatewayUnavailableError):
+    """The call's tenant is over one of its limits (DESIGN §19): the call is over.
+
+    Nothing was started (or the retry was refused); ``client.run`` raises it at
+    once, without another attempt — every source of the scope would refuse the
+    same tenant. ``tenant`` names the tenant (``""``: the scope's anonymous
+    tenant), ``limit`` the limit that refused: ``"tpm"``, ``"rpm"``, ``"tpd"``,
+    ``"rpd"``, ``"usd_per_day"`` or ``"usd_per_month"``. ``retry_after_s`` is how
+    long until the tenant's bucket certainly holds the call, or, for a spent dollar
+    budget, until its calendar window (UTC day or month) ends; re-submitting a job
+    before then is refused again. ``per_source_reasons`` names ``"tenant_limited"``
+    for each source the tenant refused.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        tenant: str,
+        limit: str,
+        kind: str = "tenant_limited",
+        retry_after_s: float = 0.0,
+        per_source_reasons: Optional[Dict[str, str]] = None,
+        scope: Optional[str] = None,
+    ) -> None:
+        super().__init__(message, kind=kind, retry_after_s=retry_after_s,
+                         per_source_reasons=per_source_reasons, scope=scope)
+        self.tenant = tenant
+        self.limit = limit
 
 
 class RouteMissingError(PolyGateError):

@@ -51,6 +51,7 @@ class FakeConn:
         self.send_lock = threading.Lock()
         self.held: Dict[int, Dict[str, Any]] = {}  # request id -> Acquire body
         self.closed = False
+        self.version = 0  # the protocol version its Hello said
 
     def send(self, rid: int, reply: Any) -> None:
         data = _wire.frame(_wire.encode_server_frame({"id": rid, "reply": reply}))
@@ -83,7 +84,7 @@ class FakeConn:
 
 class FakeSidecar:
     def __init__(self, path: str, scopes: Optional[Dict[str, List[str]]] = None,
-                 max_frame: int = 65536, version: str = "0.1.0-fake", protocol_version: int = 2) -> None:
+                 max_frame: int = 65536, version: str = "0.1.0-fake", protocol_version: int = 3) -> None:
         self.path = path
         self.scopes = scopes or {"chat": ["src-a", "src-b"], "embedding": ["emb-1"]}
         self.max_frame = max_frame
@@ -91,16 +92,21 @@ class FakeSidecar:
         self.protocol_version = protocol_version
         self.lock = threading.Condition()
         self.received: List[Tuple[int, Dict[str, Any]]] = []
+        self.payloads: List[bytes] = []  # every frame's payload as it arrived, in order
         self.conns: List[FakeConn] = []
         self._call_ids = itertools.count(100)
         self._permit_ids = itertools.count(500)
         self.attempts: Dict[int, int] = {}
         self.calls: Dict[int, str] = {}  # live calls: id -> scope
+        self.tenants: Dict[int, str] = {}  # calls begun by StartTenant / BeginTenant: id -> tenant
         self.permits: Dict[int, int] = {}  # granted permits: id -> call
         # Hooks: return a reply value, or HOLD (on_acquire only).
         self.on_acquire: Callable[[FakeConn, int, int], Any] = self.grant
         self.on_admin: Optional[Callable[[FakeConn, int, Any], Any]] = None
         self.on_cancel: Optional[Callable[[FakeConn, int, int], None]] = None
+        # StartTenant / BeginTenant: (conn, rid, spec, tenant) -> a reply that ends
+        # the call at once (e.g. tenant_limited(...)), or None to go on as Start / Begin.
+        self.on_tenant: Optional[Callable[[FakeConn, int, Dict[str, Any], str], Any]] = None
         # When set, a Hello is answered only once this event is set (a slow handshake).
         self.hello_gate: Optional[threading.Event] = None
         self._listener: Optional[socket.socket] = None
@@ -241,6 +247,14 @@ class FakeSidecar:
             self.calls[cid] = spec["scope"]
         return cid
 
+    def tenant_status_report(self, tenant: str, scope: Optional[str]) -> Dict[str, Any]:
+        """The TenantStatus document (a stand-in with the real one's outer shape)."""
+        with self.lock:
+            in_flight = sum(1 for c, t in self.tenants.items() if t == tenant and c in self.calls)
+        return {"tenant": tenant, "scopes": {
+            name: {"limits": {"tpm": 1000}, "in_flight": in_flight, "waiting": 0, "spend_usd": {"day": 0.5}}
+            for name in self.scopes if scope is None or name == scope}}
+
     def _serve(self, conn: FakeConn) -> None:
         dec = _wire.FrameDecoder(self.max_frame)
         try:
@@ -252,6 +266,7 @@ class FakeSidecar:
                     frame = _wire.decode_client_frame(payload)
                     with self.lock:
                         self.received.append((conn.index, frame))
+                        self.payloads.append(payload)
                         self.lock.notify_all()
                     self._handle(conn, frame)
         except (OSError, _wire.WireError):
@@ -272,14 +287,37 @@ class FakeSidecar:
                 self.hello_gate.wait(30)
             theirs = body["protocol_version"]
             if not 1 <= theirs <= self.protocol_version:
-                # what a version-1 sidecar says (and then it closes the connection)
+                # what a version-1 / version-2 sidecar says (and then it closes the connection)
+                speaks = ("version 1" if self.protocol_version == 1
+                          else "versions 1 to %d" % self.protocol_version)
                 conn.send(rid, error("ProtocolViolation", "protocol version mismatch: client %r speaks version "
-                                     "%d, this sidecar speaks version %d"
-                                     % (body["client_name"], theirs, self.protocol_version)))
+                                     "%d, this sidecar speaks %s" % (body["client_name"], theirs, speaks)))
                 conn.close()
                 return
+            conn.version = theirs
             reply = {"Welcome": {"protocol_version": theirs,
                                  "sidecar_version": self.version, "max_frame": self.max_frame}}
+        elif conn.version < 3 and _needs_v3(name, body):
+            # like the sidecar: a version-3 message on an older connection
+            reply = error("InvalidArgument", "%s needs protocol version 3; this connection speaks %d"
+                          % (name, conn.version))
+        elif name in ("StartTenant", "BeginTenant"):
+            refused = self.on_tenant(conn, rid, body["spec"], body["tenant"]) if self.on_tenant else None
+            if refused is not None:
+                reply = refused
+            else:
+                cid = self._new_call(dict({"priority": None}, **body["spec"]))
+                if isinstance(cid, int):
+                    with self.lock:
+                        self.tenants[cid] = body["tenant"]
+                if not isinstance(cid, int):
+                    reply = cid
+                elif name == "BeginTenant":
+                    reply = {"CallBegun": {"call": cid}}
+                else:
+                    reply = self._acquire(conn, rid, cid, "start")
+        elif name == "TenantStatus":
+            reply = {"StatusJson": json.dumps(self.tenant_status_report(body["tenant"], body["scope"]))}
         elif name in ("BeginCall", "Begin"):
             cid = self._new_call(dict({"priority": None}, **body))
             reply = {"CallBegun": {"call": cid}} if isinstance(cid, int) else cid
@@ -322,6 +360,21 @@ class FakeSidecar:
             reply = error("Internal", "fake cannot handle %s" % name)
         if reply is not HOLD:
             conn.send(rid, reply)
+
+
+def _needs_v3(name: str, body: Any) -> bool:
+    if name in ("StartTenant", "BeginTenant", "TenantStatus"):
+        return True
+    return isinstance(body, dict) and "outcome" in body and _name(body["outcome"]) == "SuccessCached"
+
+
+def tenant_limited(tenant: str, limit: str, *, retry_after_s: float = 0.0,
+                   reasons: Tuple[Tuple[str, str], ...] = (), scope: Optional[str] = None,
+                   message: str = "") -> Dict[str, Any]:
+    """A ``Reply::TenantLimited`` (v3): the tenant's refusal."""
+    err = error("TenantLimited", message or "tenant %r is over its %s limit" % (tenant, limit),
+                retry_after_s=retry_after_s, reasons=reasons, scope=scope)["Error"]
+    return {"TenantLimited": {"error": err, "tenant": tenant, "limit": limit}}
 
 
 def _name(value: Any) -> str:

@@ -288,7 +288,7 @@ def test_sync_threads_waiting_for_a_failed_dial_share_its_error(fake):
             t.join(10)
         assert len(errors) == n and all("upgrade polygate-sidecar" in str(e) for e in errors)
         assert len(fake.requests("Hello")) == 2  # one dial for all of them
-        fake.protocol_version = 2
+        fake.protocol_version = 3
         assert client.ping() >= 0  # a later use dials again
         assert len(fake.requests("Hello")) == 3
 

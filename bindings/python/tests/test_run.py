@@ -215,18 +215,19 @@ def test_stand_in_sdks_are_recognised_when_loaded(monkeypatch):
 
 @pytest.mark.parametrize("result, permit_tokens, want", [
     (Reply(Usage(prompt_tokens=900, completion_tokens=100, total_tokens=1000,
-                 prompt_tokens_details=Usage(cached_tokens=300))), None, (1000, 600, 100)),
-    (Reply(Usage(prompt_tokens=900, completion_tokens=100, total_tokens=1000)), None, (1000, 900, 100)),
-    (Reply(Usage(input_tokens=700, output_tokens=50, cache_read_input_tokens=5000)), None, (None, 700, 50)),
+                 prompt_tokens_details=Usage(cached_tokens=300))), None, (1000, 600, 100, 300)),
+    (Reply(Usage(prompt_tokens=900, completion_tokens=100, total_tokens=1000)), None, (1000, 900, 100, None)),
+    (Reply(Usage(input_tokens=700, output_tokens=50, cache_read_input_tokens=5000)), None, (None, 700, 50, 5000)),
     (Reply(Usage(input_tokens=700, output_tokens=50, total_tokens=750,
-                 input_tokens_details=Usage(cached_tokens=200))), None, (750, 500, 50)),
+                 input_tokens_details=Usage(cached_tokens=200))), None, (750, 500, 50, 200)),
     ({"usage": {"prompt_tokens": 10, "completion_tokens": 5, "total_tokens": 15,
-                "prompt_tokens_details": {"cached_tokens": 4}}}, None, (15, 6, 5)),
-    ({"usage": {"total_tokens": 42}}, None, (42, None, None)),
-    ("plain text", None, (None, None, None)),
-    (None, None, (None, None, None)),
-    (Reply(Usage(total_tokens=-5, prompt_tokens="x")), None, (None, None, None)),
-    (Reply(Usage(total_tokens=1000)), 812, (812, None, None)),
+                "prompt_tokens_details": {"cached_tokens": 4}}}, None, (15, 6, 5, 4)),
+    ({"usage": {"input_tokens": 10, "output_tokens": 5, "cache_read_input_tokens": -3}}, None, (None, 10, 5, None)),
+    ({"usage": {"total_tokens": 42}}, None, (42, None, None, None)),
+    ("plain text", None, (None, None, None, None)),
+    (None, None, (None, None, None, None)),
+    (Reply(Usage(total_tokens=-5, prompt_tokens="x")), None, (None, None, None, None)),
+    (Reply(Usage(total_tokens=1000, prompt_tokens_details=Usage(cached_tokens=9))), 812, (812, None, None, None)),
 ])
 def test_usage_of(result, permit_tokens, want):
     assert _core.usage_of(result, permit_tokens) == want
@@ -267,13 +268,35 @@ def _attempts(*steps):
 
 
 def test_run_success_reports_usage_from_the_result(fake):
-    reply = Reply(Usage(prompt_tokens=900, completion_tokens=100, total_tokens=1000,
-                        prompt_tokens_details=Usage(cached_tokens=300)))
+    reply = Reply(Usage(prompt_tokens=900, completion_tokens=100, total_tokens=1000))
     with polygate.connect(fake.path) as client:
         assert client.run("chat", _attempts(reply), est_tokens=1200) is reply
     assert _wire(fake) == [("Start", None), ("Finish", {"SuccessUsage": {"usage": {
-        "tokens": 1000, "input_tokens": 600, "output_tokens": 100}, "count_attempt": True}})]
+        "tokens": 1000, "input_tokens": 900, "output_tokens": 100}, "count_attempt": True}})]
     assert fake.requests("Start")[0]["request"]["Start"]["est_tokens"] == 1200
+
+
+@pytest.mark.parametrize("version", [3, 2])
+def test_run_reports_cached_input_as_success_cached_on_v3_only(fake, version):
+    """OpenAI's prompt_tokens_details.cached_tokens and Anthropic's
+    cache_read_input_tokens go out as SuccessCached (outcome tag 6) on a version-3
+    connection; a version-2 one gets SuccessUsage, the cached count dropped."""
+    fake.protocol_version = version
+    openai_reply = Reply(Usage(prompt_tokens=900, completion_tokens=100, total_tokens=1000,
+                               prompt_tokens_details=Usage(cached_tokens=300)))
+    anthropic_reply = {"usage": {"input_tokens": 700, "output_tokens": 50, "cache_read_input_tokens": 5000}}
+    with polygate.connect(fake.path) as client:
+        assert client.protocol_version == version
+        assert client.run("chat", _attempts(openai_reply)) is openai_reply
+        assert client.run("chat", _attempts(anthropic_reply)) is anthropic_reply
+    finishes = [f["request"]["Finish"]["outcome"] for f in fake.requests("Finish")]
+    usages = [{"tokens": 1000, "input_tokens": 600, "output_tokens": 100},
+              {"tokens": None, "input_tokens": 700, "output_tokens": 50}]
+    if version == 3:
+        assert finishes == [{"SuccessCached": {"usage": u, "cached_input_tokens": c, "count_attempt": True}}
+                            for u, c in zip(usages, (300, 5000))]
+    else:
+        assert finishes == [{"SuccessUsage": {"usage": u, "count_attempt": True}} for u in usages]
 
 
 def test_run_permit_tokens_and_no_usage(fake):

@@ -23,10 +23,10 @@ def _variant(x):
 def test_handshake(fake):
     with polygate.connect(fake.path) as client:
         assert client.sidecar_version == "0.1.0-fake"
-        assert client.protocol_version == 2 and client.max_frame == 65536
+        assert client.protocol_version == 3 and client.max_frame == 65536
         (hello,) = fake.requests("Hello")
         assert hello["request"]["Hello"] == {
-            "protocol_version": 2,
+            "protocol_version": 3,
             "client_name": "polygate-python/%s" % polygate.__version__,
             "pid": os.getpid(),
         }

@@ -184,6 +184,10 @@ def _hot_outcome(o):
     if name == "FailureUsage":
         u = body["usage"]
         return _frames.failure_usage(body["kind"], u["tokens"], u["input_tokens"], u["output_tokens"])
+    if name == "SuccessCached":
+        u = body["usage"]
+        return _frames.success_cached(u["tokens"], u["input_tokens"], u["output_tokens"],
+                                      body["cached_input_tokens"], body["count_attempt"])
     raise AssertionError("outcome %r has no hot encoder" % name)
 
 
@@ -195,6 +199,8 @@ def _spec(b):
 HOT_ENCODERS = {
     "Start": lambda b: _frames.start(_spec(b)),
     "Begin": lambda b: _frames.begin(_spec(b)),
+    "StartTenant": lambda b: _frames.start_tenant(_spec(b["spec"]), _frames.tenant(b["tenant"])),
+    "BeginTenant": lambda b: _frames.begin_tenant(_spec(b["spec"]), _frames.tenant(b["tenant"])),
     "Retry": lambda b: _frames.retry(b["permit"], _hot_outcome(b["outcome"])),
     "Finish": lambda b: _frames.finish(b["permit"], _hot_outcome(b["outcome"])),
     "Report": lambda b: _frames.report(b["permit"], _hot_outcome(b["outcome"])),
@@ -211,7 +217,7 @@ HOT_SERVER = [v for v in VECTORS if v["direction"] == "server" and _variant_name
 
 
 def test_hot_sets_are_the_brief():
-    assert set(HOT_ENCODERS) - {"Begin"} == set(_frames.HOT_REQUESTS)
+    assert set(HOT_ENCODERS) - {"Begin", "BeginTenant"} == set(_frames.HOT_REQUESTS)
     assert set(_frames.HOT_REPLIES) == {"Started", "Granted", "Reported", "Error", "CallBegun", "Ok", "Pong"}
     # every hot variant has vectors; every outcome variant is covered by some hot vector
     assert {_variant_name(v["value"]["request"]) for v in HOT_CLIENT} == set(HOT_ENCODERS)

@@ -14,7 +14,8 @@ use crate::clock::Clock;
 use crate::config::BackendKind;
 use crate::gate::breaker::{Applied, BreakerParams, Entry, Peek};
 use crate::gate::quota::{QuotaParams, Reserve, Settlement, Tokens};
-use crate::gate::{Admit, AdmitRequest, ReportRequest};
+use crate::gate::tenant::{LedgerView, TenantParams};
+use crate::gate::{Admit, AdmitRequest, ReportRequest, TenantAdmit, TenantKey, TenantSettle};
 
 /// Either backend; every [`Backend`] method delegates.
 // One per process, built once and never moved on a hot path: the size gap between the
@@ -203,5 +204,21 @@ impl Backend for AnyBackend {
 
     async fn neutral(&self, source: &str, epoch: u64, is_probe: bool) -> BResult<Applied> {
         delegate_async!(self, b => b.neutral(source, epoch, is_probe))
+    }
+
+    async fn tenant_reserve(&self, t: TenantAdmit<'_>) -> BResult<Admit> {
+        delegate_async!(self, b => b.tenant_reserve(t))
+    }
+
+    async fn tenant_settle(&self, t: TenantSettle<'_>) -> BResult<()> {
+        delegate_async!(self, b => b.tenant_settle(t))
+    }
+
+    async fn tenant_snapshot(
+        &self,
+        key: TenantKey<'_>,
+        p: &TenantParams,
+    ) -> BResult<Option<LedgerView>> {
+        delegate_async!(self, b => b.tenant_snapshot(key, p))
     }
 }

@@ -4,7 +4,9 @@
 //! operations on different sources never contend and the admission path allocates
 //! nothing. The combined operations (`admit`, `report`) are the gates' own
 //! compositions ([`Gates::admit`], [`Gates::report`]) run under one lock acquisition,
-//! which makes them atomic like the Redis scripts.
+//! which makes them atomic like the Redis scripts. A call's tenant (§19) is charged
+//! in the same step: the tenants' ledgers ([`super::ledgers`]) are locked first, then
+//! the source's cell, on every path that takes both.
 
 // foldhash: these maps are keyed by our own ids and config names (nothing a peer
 // inserts), and SipHash was ~1.5 % of the per-frame CPU (§16).
@@ -13,11 +15,15 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use super::ledgers::Ledgers;
 use super::{BResult, Backend, BackendError, SourceSnapshot};
 use crate::clock::Clock;
 use crate::gate::breaker::{Applied, BreakerParams, Entry, Peek, State};
 use crate::gate::quota::{QuotaParams, Reserve, Settlement, Tokens};
-use crate::gate::{Admit, AdmitRequest, Gates, ReportRequest};
+use crate::gate::tenant::{LedgerView, TenantParams};
+use crate::gate::{
+    Admit, AdmitRequest, Gates, ReportRequest, TenantAdmit, TenantKey, TenantSettle,
+};
 
 /// The memory backend.
 pub struct MemoryBackend {
@@ -29,6 +35,8 @@ pub struct MemoryBackend {
     /// drained by the next admission (which carries the quota parameters), under the
     /// source's lock.
     drain: HashMap<String, AtomicBool>,
+    /// §19: every scope's tenants' ledgers.
+    tenants: Ledgers,
 }
 
 impl MemoryBackend {
@@ -60,9 +68,43 @@ impl MemoryBackend {
             .map(|k| (k.clone(), AtomicBool::new(false)))
             .collect();
         MemoryBackend {
+            tenants: Ledgers::new(clock.clone()),
             clock,
             cells,
             drain,
+        }
+    }
+
+    /// §19: date the clock's zero at unix second `origin`, so tests drive the
+    /// calendar windows of dollar budgets (UTC days and months).
+    #[doc(hidden)]
+    pub fn set_wall_origin(&self, origin: u64) {
+        self.tenants.set_wall_origin(origin);
+    }
+
+    /// §19: tenants' ledgers held now (idle ones are forgotten as the maps grow, and
+    /// by [`MemoryBackend::sweep_tenants`]).
+    #[doc(hidden)]
+    pub fn tenant_ledgers(&self) -> usize {
+        self.tenants.lock().len()
+    }
+
+    /// §19: forget every idle tenant ledger now.
+    #[doc(hidden)]
+    pub fn sweep_tenants(&self) {
+        self.tenants.lock().sweep();
+    }
+
+    /// Gates 3 + 4 for `source`, with the call's tenant in the same step when it has
+    /// one (`admit` runs the source's part).
+    fn admit_with(
+        &self,
+        tenant: Option<TenantAdmit<'_>>,
+        admit: impl FnOnce() -> BResult<Admit>,
+    ) -> BResult<Admit> {
+        match tenant {
+            None => admit(),
+            Some(t) => self.tenants.lock().admit(t, admit),
         }
     }
 
@@ -135,16 +177,18 @@ impl MemoryBackend {
     /// [`Backend::admit`], except that a probe is never granted (as
     /// [`MemoryBackend::try_enter_no_probe`]); nothing is reserved then.
     pub async fn admit_no_probe(&self, source: &str, r: AdmitRequest<'_>) -> BResult<Admit> {
-        self.with(source, |c, now| match probe_due(c, now) {
-            Some(epoch) => Admit::CircuitOpen {
-                state: State::HalfOpen,
-                epoch,
-                retry_after: Duration::ZERO,
-            },
-            None => {
-                self.drain_if_seeded(source, c, r.q, now);
-                c.admit(now, r)
-            }
+        self.admit_with(r.tenant, || {
+            self.with(source, |c, now| match probe_due(c, now) {
+                Some(epoch) => Admit::CircuitOpen {
+                    state: State::HalfOpen,
+                    epoch,
+                    retry_after: Duration::ZERO,
+                },
+                None => {
+                    self.drain_if_seeded(source, c, r.q, now);
+                    c.admit(now, r)
+                }
+            })
         })
     }
 
@@ -299,11 +343,36 @@ impl Backend for MemoryBackend {
     }
 
     async fn admit(&self, source: &str, r: AdmitRequest<'_>) -> BResult<Admit> {
-        self.with(source, |c, now| c.admit(now, r))
+        self.admit_with(r.tenant, || self.with(source, |c, now| c.admit(now, r)))
     }
 
     async fn report(&self, source: &str, r: ReportRequest<'_>) -> BResult<Applied> {
-        self.with(source, |c, now| c.report(now, r))
+        match r.tenant {
+            None => self.with(source, |c, now| c.report(now, r)),
+            Some(t) => {
+                let mut ledgers = self.tenants.lock();
+                let a = self.with(source, |c, now| c.report(now, r))?;
+                ledgers.settle(t);
+                Ok(a)
+            }
+        }
+    }
+
+    async fn tenant_reserve(&self, t: TenantAdmit<'_>) -> BResult<Admit> {
+        Ok(self.tenants.lock().reserve(t))
+    }
+
+    async fn tenant_settle(&self, t: TenantSettle<'_>) -> BResult<()> {
+        self.tenants.lock().settle(t);
+        Ok(())
+    }
+
+    async fn tenant_snapshot(
+        &self,
+        key: TenantKey<'_>,
+        p: &TenantParams,
+    ) -> BResult<Option<LedgerView>> {
+        Ok(self.tenants.lock().view(key, p))
     }
 
     async fn neutral(&self, source: &str, epoch: u64, is_probe: bool) -> BResult<Applied> {

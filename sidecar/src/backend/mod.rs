@@ -100,6 +100,7 @@
 
 pub mod any;
 pub mod event;
+mod ledgers;
 pub mod memory;
 pub mod redis;
 pub use any::AnyBackend;
@@ -109,7 +110,10 @@ pub use crate::gate::breaker::{Applied, BreakerParams, Entry, Peek, State, Trip}
 pub use crate::gate::classes::{ClassShares, ClassTag, Held, Share};
 pub use crate::gate::observed::{Dim, LastSeen, Observation};
 pub use crate::gate::quota::{QuotaParams, Reserve, Settlement, Split, Tokens};
-pub use crate::gate::{Admit, AdmitRequest, FailureKind, Outcome, ReportRequest};
+pub use crate::gate::tenant::{Charge, LedgerView, TenantLimit, TenantParams};
+pub use crate::gate::{
+    Admit, AdmitRequest, FailureKind, Outcome, ReportRequest, TenantAdmit, TenantKey, TenantSettle,
+};
 
 use std::future::Future;
 use std::time::Duration;
@@ -337,4 +341,25 @@ pub trait Backend: Send + Sync + 'static {
         epoch: u64,
         is_probe: bool,
     ) -> impl Future<Output = BResult<Applied>> + Send;
+
+    // ---- tenants (§19) ----
+
+    /// The tenant's ledger alone: check and take the charge, or take nothing
+    /// (`Admitted` with the day charged — epoch and probe mean nothing here —,
+    /// `TenantLimited`, `TenantsFull`). [`Backend::admit`] with a tenant does this and
+    /// the source's gates in one step; a Redis Cluster, whose tenant key lives in
+    /// another slot, runs this first and gives it back (`tenant_settle` with
+    /// `Settlement::RefundAll`) when the source refuses.
+    fn tenant_reserve(&self, t: TenantAdmit<'_>) -> impl Future<Output = BResult<Admit>> + Send;
+
+    /// Settle a tenant reservation alone (an abandoned permit: the estimate kept; a
+    /// Redis Cluster's report, beside the source's).
+    fn tenant_settle(&self, t: TenantSettle<'_>) -> impl Future<Output = BResult<()>> + Send;
+
+    /// The tenant's ledger for status (`None`: nothing recorded: a fresh ledger).
+    fn tenant_snapshot(
+        &self,
+        key: TenantKey<'_>,
+        p: &TenantParams,
+    ) -> impl Future<Output = BResult<Option<LedgerView>>> + Send;
 }

@@ -110,6 +110,10 @@ const SIDECAR_KEYS: &[(&str, Slot<RawSidecar>)] = &[
     ("MAX_WAITERS", Slot::Int(|s| &mut s.max_waiters)),
     ("WORKER_THREADS", Slot::Int(|s| &mut s.worker_threads)),
     ("IDLE_EXIT", Slot::Text(|s| &mut s.idle_exit)),
+    (
+        "TENANT_METRICS_TOP",
+        Slot::Int(|s| &mut s.tenant_metrics_top),
+    ),
 ];
 
 /// Every `{SCOPE}__` key, in the order an unknown-key error lists them.
@@ -162,6 +166,15 @@ const SOURCE_KEYS: &[(&str, Slot<RawSource>)] = &[
     ("TPD", Slot::Int(|s| &mut s.tpd)),
     ("EST_OUTPUT_TOKENS", Slot::Int(|s| &mut s.est_output_tokens)),
     ("OBSERVE_LIMITS", Slot::Text(|s| &mut s.observe_limits)),
+    ("USD_PER_1M_INPUT", Slot::Float(|s| &mut s.usd_per_1m_input)),
+    (
+        "USD_PER_1M_OUTPUT",
+        Slot::Float(|s| &mut s.usd_per_1m_output),
+    ),
+    (
+        "USD_PER_1M_CACHED_INPUT",
+        Slot::Float(|s| &mut s.usd_per_1m_cached_input),
+    ),
 ];
 
 /// The environment prefix of a scope: uppercased, `-` → `_`.

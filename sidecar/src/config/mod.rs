@@ -14,6 +14,7 @@ mod env;
 mod error;
 mod model;
 mod raw;
+mod tenants;
 mod validate;
 
 use std::path::Path;
@@ -21,6 +22,7 @@ use std::path::Path;
 pub use env::scope_env_prefix;
 pub use error::ConfigError;
 pub use model::*;
+pub use tenants::*;
 
 /// The example configuration shipped in `examples/polygate.toml`; the daemon's
 /// embedded default when run without `--config`.

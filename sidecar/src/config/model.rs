@@ -4,6 +4,8 @@
 
 use std::time::Duration;
 
+use super::tenants::{TenantsConfig, DEFAULT_TENANT_METRICS_TOP};
+
 /// A configuration enumeration whose spellings come from one table: parsing reads
 /// it, and status, metrics and log lines print [`as_str`](Mode::as_str), which the
 /// same table generates.
@@ -149,6 +151,18 @@ spelled! {
 }
 
 spelled! {
+    /// How a scope with tenants orders its waiting calls within a priority class
+    /// (§19 fair turns).
+    pub enum Fairness {
+        /// Token-weighted virtual time (VTC): the waiting tenant that has received the
+        /// least service (tokens settled ÷ weight) on this host goes next.
+        Vtc = "vtc",
+        /// Arrival order, as a scope without tenants (the control of the bench).
+        Fifo = "fifo",
+    }
+}
+
+spelled! {
     /// How log lines are written (§12).
     pub enum LogFormat {
         /// One human-readable line per event.
@@ -240,6 +254,9 @@ pub struct SidecarConfig {
     /// autostarted sidecar's lock file): a sidecar a client started for itself must
     /// not outlive its users forever, while a configured daemon keeps running.
     pub idle_exit: IdleExit,
+    /// §19: `/metrics` carries per-tenant families for this many tenants per scope
+    /// (the top by spend), plus totals, so cardinality stays bounded.
+    pub tenant_metrics_top: u32,
 }
 
 /// `sidecar.idle_exit` (§20) as configured; [`IdleExit::resolve`] gives the bound a
@@ -302,6 +319,9 @@ pub struct ScopeConfig {
     /// §15: above this share of a source's tpm/rpm (or pacer slots) in use,
     /// reserves apply; below it any class may use idle capacity.
     pub saturation: f64,
+    /// §19: `[scopes.NAME.tenants]`: per-tenant limits, budgets and fair turns;
+    /// `None` = the scope has no tenants (a tenant id on its calls is ignored).
+    pub tenants: Option<TenantsConfig>,
 }
 
 /// `[[scopes.NAME.priorities]]`: one priority class (§15).
@@ -397,6 +417,13 @@ pub struct SourceConfig {
     /// §18: bit `i` set = the `i`-th per-minute bucket (tpm, rpm, itpm, otpm) is
     /// `"auto"`: its limit is learned from the provider's `limit` header.
     pub auto: u8,
+    /// §19: dollars per million input tokens (input excluding cached reads), for
+    /// tenants' dollar budgets and spend; `None` = free.
+    pub usd_per_1m_input: Option<f64>,
+    /// §19: dollars per million output tokens.
+    pub usd_per_1m_output: Option<f64>,
+    /// §19: dollars per million cached input reads; `None` = the input price.
+    pub usd_per_1m_cached_input: Option<f64>,
 }
 
 impl SourceConfig {
@@ -477,6 +504,7 @@ impl Default for SidecarConfig {
             max_waiters: None,
             worker_threads: DEFAULT_WORKER_THREADS,
             idle_exit: IdleExit::Default,
+            tenant_metrics_top: DEFAULT_TENANT_METRICS_TOP,
         }
     }
 }

@@ -79,6 +79,8 @@ pub(super) struct RawSidecar {
     pub worker_threads: Option<i64>,
     /// §20: `"off"` or a duration string: exit after this long without a connection.
     pub idle_exit: Option<String>,
+    /// §19: per-tenant metric families for this many tenants per scope.
+    pub tenant_metrics_top: Option<i64>,
 }
 
 /// A key that is a string or a number (`degraded_share = "auto"` or `= 0.25`), kept
@@ -128,6 +130,98 @@ pub(super) struct RawScope {
     pub saturation: Option<f64>,
     /// `[[scopes.NAME.priorities]]` (§15).
     pub priorities: Option<Vec<RawPriority>>,
+    /// `[scopes.NAME.tenants]` (§19).
+    pub tenants: Option<RawTenants>,
+}
+
+/// `[scopes.NAME.tenants]` as written; see [`TenantsConfig`](super::TenantsConfig).
+#[derive(Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawTenants {
+    /// `vtc` | `fifo`.
+    pub fairness: Option<String>,
+    /// Limits of every tenant no override names.
+    pub default: Option<RawTenantLimits>,
+    /// Limits of the calls that name no tenant.
+    pub anonymous: Option<RawTenantLimits>,
+    /// `[[scopes.NAME.tenants.override]]`.
+    #[serde(rename = "override")]
+    pub overrides: Option<Vec<RawTenantOverride>>,
+    /// Most tenants tracked at once; signed so a negative value is reported by key.
+    pub max_tenants: Option<i64>,
+}
+
+/// A tenant's limits as written (`default = {…}`, `anonymous = {…}`); see
+/// [`TenantLimits`](super::TenantLimits).
+#[derive(Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawTenantLimits {
+    /// Tokens per minute.
+    pub tpm: Option<i64>,
+    /// Requests per minute.
+    pub rpm: Option<i64>,
+    /// Tokens per day.
+    pub tpd: Option<i64>,
+    /// Requests per day.
+    pub rpd: Option<i64>,
+    /// Dollars per UTC day.
+    pub usd_per_day: Option<f64>,
+    /// Dollars per UTC month.
+    pub usd_per_month: Option<f64>,
+    /// Share of fair turns.
+    pub weight: Option<f64>,
+}
+
+/// `[[scopes.NAME.tenants.override]]` as written: a name and the keys of
+/// [`RawTenantLimits`] (spelled out: `deny_unknown_fields` does not combine with
+/// `flatten`).
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawTenantOverride {
+    /// Required; validation says so by key.
+    pub name: Option<String>,
+    /// Tokens per minute.
+    pub tpm: Option<i64>,
+    /// Requests per minute.
+    pub rpm: Option<i64>,
+    /// Tokens per day.
+    pub tpd: Option<i64>,
+    /// Requests per day.
+    pub rpd: Option<i64>,
+    /// Dollars per UTC day.
+    pub usd_per_day: Option<f64>,
+    /// Dollars per UTC month.
+    pub usd_per_month: Option<f64>,
+    /// Share of fair turns.
+    pub weight: Option<f64>,
+}
+
+impl RawTenantOverride {
+    /// The name and the limits, as a limits table.
+    pub(super) fn split(self) -> (Option<String>, RawTenantLimits) {
+        let RawTenantOverride {
+            name,
+            tpm,
+            rpm,
+            tpd,
+            rpd,
+            usd_per_day,
+            usd_per_month,
+            weight,
+        } = self;
+        (
+            name,
+            RawTenantLimits {
+                tpm,
+                rpm,
+                tpd,
+                rpd,
+                usd_per_day,
+                usd_per_month,
+                weight,
+            },
+        )
+    }
 }
 
 /// `[[scopes.NAME.priorities]]` as written; see
@@ -209,6 +303,12 @@ pub(super) struct RawSource {
     pub est_output_tokens: Option<i64>,
     /// `on` | `off` (§18).
     pub observe_limits: Option<String>,
+    /// §19: dollars per million input tokens.
+    pub usd_per_1m_input: Option<f64>,
+    /// §19: dollars per million output tokens.
+    pub usd_per_1m_output: Option<f64>,
+    /// §19: dollars per million cached input reads.
+    pub usd_per_1m_cached_input: Option<f64>,
 }
 
 /// A per-minute limit as written: a number, or text (`"auto"`, §18; validation

@@ -16,6 +16,8 @@ pub enum SkipReason {
     RateLimited,
     /// Shared backend unreachable under `fail_closed`.
     BackendUnavailable,
+    /// §19: the call's tenant had no room for it on this source.
+    TenantLimited,
 }
 
 /// Which budget of a call ran out (§5).
@@ -113,6 +115,52 @@ pub enum EngineError {
     /// would have waited too and is refused instead.
     #[error("the sidecar already has {0} requests waiting (sidecar.max_waiters); retry later")]
     TooManyWaiters(usize),
+    /// §19: the call's tenant is over one of its limits; the call is over.
+    #[error("{}", tenant_limited(scope, tenant, *limit, *retry_after))]
+    TenantLimited {
+        /// Scope of the call.
+        scope: String,
+        /// The tenant (empty: the anonymous tenant); the client's string, at most
+        /// 128 bytes.
+        tenant: String,
+        /// Which of its limits refused.
+        limit: crate::gate::tenant::TenantLimit,
+        /// §6: until the tenant's bucket certainly holds the call's estimate, or the
+        /// budget's calendar window ends.
+        retry_after: Duration,
+        /// Per-source skip reasons of the last pass, config order.
+        reasons: Vec<(String, SkipReason)>,
+    },
+    /// §19: this host already tracks the scope's `max_tenants` tenants and the call's
+    /// is a new one.
+    #[error(
+        "scope {scope:?} already tracks {max} tenants (scopes.{scope}.tenants.max_tenants);          retry later"
+    )]
+    TooManyTenants {
+        /// The scope.
+        scope: String,
+        /// Its `max_tenants`.
+        max: u32,
+    },
+}
+
+fn tenant_limited(
+    scope: &str,
+    tenant: &str,
+    limit: crate::gate::tenant::TenantLimit,
+    retry_after: Duration,
+) -> String {
+    let who = if tenant.is_empty() {
+        "the anonymous tenant".to_string()
+    } else {
+        format!("tenant {tenant:?}")
+    };
+    let what = if limit.is_budget() { "budget" } else { "limit" };
+    format!(
+        "scope {scope:?}: {who} is over its {} {what} (retry after {:.3}s)",
+        limit.as_str(),
+        retry_after.as_secs_f64()
+    )
 }
 
 /// `scope "x": message`, or just the message for errors outside a call (admin).
@@ -142,6 +190,16 @@ pub enum ReloadError {
     )]
     ClassesChanged {
         /// The scope whose classes changed.
+        scope: String,
+    },
+    /// §19: a scope's `[tenants]` table was added or removed, or its `fairness`
+    /// changed (limits, budgets, weights and overrides may change on reload).
+    #[error(
+        "scope {scope:?}: its [tenants] table was added or removed, or its fairness \
+         changed: that needs a restart; the running configuration is kept"
+    )]
+    TenantsChanged {
+        /// The scope whose tenants changed.
         scope: String,
     },
 }

@@ -20,17 +20,21 @@ mod acquire;
 mod admin;
 mod detach;
 mod error;
+mod lanes;
+mod line;
 mod pass;
 mod queue;
 mod report;
 mod runtime;
 mod status;
 mod tables;
+mod tenants;
 mod transitions;
 
 pub use error::{EngineError, Exhaustion, ReloadError, SkipReason};
 pub use runtime::{ClassCounters, ErrorCounts, ScopeCounters, SourceCounters};
 pub use tables::{LiveCounts, OwnerId, MAX_CALLS_PER_OWNER};
+pub use tenants::TenantStats;
 
 use crate::gate::quota::{Bucket, QuotaParams, BUCKETS};
 // foldhash: these maps are keyed by our own ids and config names (nothing a peer
@@ -176,6 +180,54 @@ pub struct ScopeStatus {
     pub sources: Vec<SourceStatus>,
     /// §15: the scope's priority classes, config order (empty: none).
     pub classes: Vec<ClassStatus>,
+    /// §19: the scope's tenants on this host (`None`: the scope has none).
+    pub tenants: Option<TenantsStatus>,
+}
+
+/// §19: a scope's tenants on this host, for status and metrics.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TenantsStatus {
+    /// `vtc` or `fifo`.
+    pub fairness: &'static str,
+    /// Tenants in this host's book now.
+    pub tracked: usize,
+    /// The scope's `max_tenants`.
+    pub max_tenants: u32,
+    /// Over every tenant: grants, refusals, tokens and n$ settled here ever; calls and
+    /// permits now.
+    pub totals: TenantStats,
+    /// The tenants with the most dollars settled here (then tokens), best first.
+    pub top: Vec<(String, TenantStats)>,
+}
+
+/// §19: one tenant in one scope, for `status --tenant`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TenantScopeStatus {
+    /// The scope.
+    pub scope: String,
+    /// The tenant's limits there.
+    pub params: crate::gate::tenant::TenantParams,
+    /// Its weight in the fair turns.
+    pub weight: f64,
+    /// Its shared ledger (`None`: unlimited, never charged yet, or unreadable).
+    pub ledger: Option<crate::gate::tenant::LedgerView>,
+    /// Why the ledger could not be read (the backend's message).
+    pub ledger_error: Option<String>,
+    /// This host's figures (`None`: not in the book).
+    pub host: Option<TenantStats>,
+    /// Its calls waiting on this host.
+    pub waiting: u32,
+    /// Its fair-turn counter on this host (tokens ÷ weight).
+    pub counter: f64,
+}
+
+/// §19: one tenant in the scopes that have tenants.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TenantStatus {
+    /// The tenant id (empty: the anonymous tenant).
+    pub tenant: String,
+    /// Its state in each scope.
+    pub scopes: Vec<TenantScopeStatus>,
 }
 
 /// Live state of one priority class of a scope on this host (§15), for status.
@@ -230,7 +282,7 @@ pub struct Engine<B: Backend> {
     shutdown: CancellationToken,
     /// §5 quota lines, one per scope (config order): who of a scope's quota
     /// waiters polls, so their cost is per scope and size, not per waiter.
-    quota_lines: Vec<queue::QuotaLine>,
+    quota_lines: Vec<line::QuotaLine>,
     /// Admission passes run (§4), for tests and debugging: a waiter's cost is its
     /// passes, which the backend's counters do not see (the quota hint answers most).
     passes: std::sync::atomic::AtomicU64,
@@ -240,6 +292,9 @@ pub struct Engine<B: Backend> {
     /// §12 `sidecar.max_waiters`: past it a request that would wait is refused
     /// `Overloaded` (reloadable).
     max_waiters: std::sync::atomic::AtomicUsize,
+    /// §19 `sidecar.tenant_metrics_top`: per-tenant figures for this many tenants per
+    /// scope.
+    tenant_top: u32,
 }
 
 impl<B: Backend> Engine<B> {
@@ -251,7 +306,7 @@ impl<B: Backend> Engine<B> {
             sources,
             source_index,
         } = Topology::build(config);
-        let quota_lines = scopes.iter().map(|_| queue::QuotaLine::default()).collect();
+        let quota_lines = scopes.iter().map(|_| line::QuotaLine::default()).collect();
         Arc::new_cyclic(|me| Engine {
             me: me.clone(),
             backend,
@@ -267,6 +322,7 @@ impl<B: Backend> Engine<B> {
             passes: std::sync::atomic::AtomicU64::new(0),
             waiting: std::sync::atomic::AtomicUsize::new(0),
             max_waiters: std::sync::atomic::AtomicUsize::new(max_waiters(config)),
+            tenant_top: config.sidecar.tenant_metrics_top,
         })
     }
 

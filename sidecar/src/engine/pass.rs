@@ -21,17 +21,20 @@ use super::detach::Work;
 use super::report::{GiveBack, Settle};
 use super::runtime::bump;
 use super::runtime::Policy;
-use super::tables::Hold;
+use super::tables::{Hold, LedgerHold};
 use super::transitions::{Observation, Reason};
 use super::CallEst;
 use super::{Engine, SkipReason};
-use crate::backend::{AdmitRequest, BResult, Backend, BackendError};
+use crate::backend::{
+    AdmitRequest, BResult, Backend, BackendError, Charge, TenantAdmit, TenantKey, TenantParams,
+};
 use crate::config::Selector;
 use crate::gate::breaker::{BreakerParams, Peek, State};
 use crate::gate::classes::{ClassTag, Held};
 use crate::gate::health::rank;
 use crate::gate::quota::{QuotaParams, Tokens};
 use crate::gate::Admit;
+use std::sync::Arc;
 
 /// A shared backend's memo entry is re-checked at most this often per source (§10).
 pub const MEMO_RECHECK: Duration = Duration::from_secs(1);
@@ -41,6 +44,17 @@ pub const MEMO_RECHECK: Duration = Duration::from_secs(1);
 pub(crate) struct Refused {
     /// Sources refused for circuit reasons (memo or breaker): §5 `gate_rejections`.
     pub gate_rejections: usize,
+    /// §19: sources the call's tenant had no room for, and the limit that refused the
+    /// last of them (a dollar budget wins over a bucket: nothing refills it).
+    pub tenant_rejections: usize,
+    /// §19: every tenant refusal was a dollar budget's.
+    pub tenant_budgets_only: bool,
+    /// §19: the limit named by the call-ending error.
+    pub tenant_limit: Option<crate::gate::tenant::TenantLimit>,
+    /// §19: min over the tenant-refused sources of the tenant's wait.
+    pub tenant_retry_after: Option<Duration>,
+    /// §19: the backend tracks too many tenants of the scope already.
+    pub tenants_full: bool,
     /// §6: min over the scope's sources of the time until the gate that refused each
     /// would certainly pass (`None` before any source was looked at).
     pub retry_after: Option<Duration>,
@@ -52,6 +66,26 @@ impl Refused {
     /// One more source refused, passing certainly after `d`.
     fn source(&mut self, d: Duration) {
         self.retry_after = Some(self.retry_after.map_or(d, |m| m.min(d)));
+    }
+
+    /// §19: one more source refused by the call's tenant's `limit`.
+    fn tenant(&mut self, limit: crate::gate::tenant::TenantLimit, d: Duration) {
+        self.source(d);
+        if self.tenant_rejections == 0 {
+            self.tenant_budgets_only = true;
+        }
+        self.tenant_rejections += 1;
+        self.tenant_budgets_only &= limit.is_budget();
+        if self.tenant_limit.is_none_or(|l| !l.is_budget()) {
+            self.tenant_limit = Some(limit);
+        }
+        self.tenant_retry_after = Some(self.tenant_retry_after.map_or(d, |m| m.min(d)));
+    }
+
+    /// §19: every source that reached the quota gate was refused by the call's tenant
+    /// (the others, if any, for circuit reasons): the tenant is what stops the call.
+    pub(crate) fn tenant_only(&self, sources: usize) -> bool {
+        self.tenant_rejections > 0 && self.gate_rejections + self.tenant_rejections == sources
     }
 
     /// The §6 retry-after of an error the call ends with now.
@@ -72,6 +106,7 @@ impl<B: Backend> Engine<B> {
     /// One pass (§4) under one policy snapshot. `reasons` is indexed by position in
     /// the scope and persists across the passes of one Acquire (`paced` never
     /// overwrites a recorded reason).
+    #[allow(clippy::too_many_arguments)] // one pass's inputs, each its own
     pub(super) async fn pass(
         &self,
         scope: usize,
@@ -79,8 +114,17 @@ impl<B: Backend> Engine<B> {
         failed: &[usize],
         est: CallEst,
         class: usize,
+        tenant: &Option<Arc<str>>,
         reasons: &mut [Option<SkipReason>],
     ) -> Result<Hold, Refused> {
+        // §19: the call's tenant's limits, read with the policy (a reload applies to
+        // calls already waiting); `None`: no ledger to charge (no tenants, or an
+        // unlimited tenant).
+        let tenant_limits = policy
+            .tenants
+            .as_ref()
+            .map(|t| (*t.of(tenant.as_deref()), t.max_tenants))
+            .filter(|(r, _)| !r.params.unlimited());
         self.passes
             .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let mut refused = Refused::default();
@@ -136,13 +180,27 @@ impl<B: Backend> Engine<B> {
                 qp: params.qp,
                 tokens,
                 class: tag,
+                tenant: tenant_limits.map(|(r, max)| TenantAsk {
+                    id: tenant.clone(),
+                    params: r.params,
+                    charge: Charge {
+                        tokens,
+                        cost: params.prices.estimate(tokens),
+                    },
+                    max_tenants: max,
+                }),
             };
+            let ask_cost = admission.tenant.as_ref().map(|t| t.charge.cost);
             let answer = self
                 .detached(admission)
                 .await
                 .unwrap_or_else(|| Err(BackendError::Unavailable("admission task failed".into())));
             match answer {
-                Ok(Admit::Admitted { epoch, is_probe }) => {
+                Ok(Admit::Admitted {
+                    epoch,
+                    is_probe,
+                    tenant_day,
+                }) => {
                     // From here the Acquire's Ticket owns the slot (no await between).
                     slot.keep();
                     let (state, reason) = match is_probe {
@@ -156,7 +214,24 @@ impl<B: Backend> Engine<B> {
                         is_probe,
                         tokens,
                         class,
+                        ledger: ask_cost.map(|cost| LedgerHold {
+                            day: tenant_day,
+                            cost,
+                        }),
+                        tenant: tenant.clone(),
                     });
+                }
+                // §19: the tenant has no room on this source (its price, or its
+                // estimate here, may differ on another). The source's own gates were
+                // not asked: its quota hint stays as it was.
+                Ok(Admit::TenantLimited { limit, retry_after }) => {
+                    reasons[pos] = Some(SkipReason::TenantLimited);
+                    refused.tenant(limit, retry_after);
+                }
+                Ok(Admit::TenantsFull) => {
+                    reasons[pos] = Some(SkipReason::TenantLimited);
+                    refused.source(Duration::ZERO);
+                    refused.tenants_full = true;
                 }
                 Ok(Admit::RateLimited { retry_after }) => {
                     reasons[pos] = Some(SkipReason::RateLimited);
@@ -302,6 +377,20 @@ struct Admission {
     tokens: Tokens,
     /// §15: the call's class (`None`: the scope has none).
     class: Option<ClassTag>,
+    /// §19: the call's tenant's ledger, charged in the same step (`None`: none).
+    tenant: Option<TenantAsk>,
+}
+
+/// §19: the tenant side of an [`Admission`] (what [`TenantAdmit`] borrows).
+struct TenantAsk {
+    /// The tenant (`None`: the anonymous tenant, with limits).
+    id: Option<Arc<str>>,
+    /// Its limits now.
+    params: TenantParams,
+    /// What the admission charges it.
+    charge: Charge,
+    /// The scope's `max_tenants`.
+    max_tenants: u32,
 }
 
 impl<B: Backend> Work<B> for Admission {
@@ -314,12 +403,28 @@ impl<B: Backend> Work<B> for Admission {
             if let Some(c) = &self.class {
                 r = r.class(c);
             }
+            if let Some(t) = &self.tenant {
+                r = r.tenant(TenantAdmit {
+                    key: TenantKey {
+                        scope: &engine.scopes[self.scope].name,
+                        tenant: t.id.as_deref().unwrap_or(""),
+                    },
+                    params: &t.params,
+                    charge: t.charge,
+                    max_tenants: t.max_tenants,
+                });
+            }
             engine.backend.admit(name, r).await
         }
     }
 
     fn unread(&self, out: Self::Output, engine: &Engine<B>) {
-        if let Ok(Admit::Admitted { epoch, is_probe }) = out {
+        if let Ok(Admit::Admitted {
+            epoch,
+            is_probe,
+            tenant_day,
+        }) = out
+        {
             // A task's answer is dropped inside the runtime; outside one (runtime
             // teardown) nothing could run the give-back anyway.
             if tokio::runtime::Handle::try_current().is_ok() {
@@ -329,6 +434,11 @@ impl<B: Backend> Work<B> for Admission {
                     is_probe,
                     tokens: self.tokens,
                     class: self.class.as_ref().map_or(0, |c| c.index),
+                    ledger: self.tenant.as_ref().map(|t| LedgerHold {
+                        day: tenant_day,
+                        cost: t.charge.cost,
+                    }),
+                    tenant: self.tenant.as_ref().and_then(|t| t.id.clone()),
                 };
                 engine.detach(GiveBack(Settle::of_hold(engine, self.scope, &g)));
             }

@@ -1,6 +1,6 @@
 //! Waiter order on one host: for a scope with priority classes, §15's weighted fair
 //! queueing across classes, FIFO within a class ([`WaitQueue`]); for a scope without,
-//! the §5 quota line ([`QuotaLine`]): FIFO per size of estimate, only the front of
+//! the §5 quota line (`super::line::QuotaLine`): FIFO per size of estimate, only the front of
 //! each size polls. Both keep waiting cheap with many waiters: one waiter per scope
 //! (per size line) naps `poll_interval`, the others sleep until handed a turn or to
 //! their stall edge (the rule is written in `acquire/wait.rs`'s header).
@@ -30,24 +30,31 @@
 //! was given a turn and leaves without a grant passes the turn on, so a cancelled
 //! waiter neither keeps its place nor swallows the wake-up meant for the next one.
 
-use std::collections::VecDeque;
-use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU8, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use tokio::sync::Notify;
+
+use super::lanes::{Counters, LaneId, Lanes};
 
 /// Waiting for a turn.
 const QUEUED: u8 = 0;
 /// Given a turn: running (or about to run) an admission pass.
 const WOKEN: u8 = 1;
 /// Left the queue (granted, refused, cancelled).
-const GONE: u8 = 2;
+pub(super) const GONE: u8 = 2;
 
 /// One waiter's entry, shared between its [`Place`] and the queue.
 #[derive(Debug)]
 pub(crate) struct Waiter {
     /// Index of the waiter's class in the scope's classes.
     class: usize,
+    /// §19: its tenant's lane within the class.
+    pub(crate) lane: LaneId,
+    /// §19: arrival number (ties among tenants' lanes go to the earliest front).
+    pub(crate) seq: u64,
+    /// §19: its tenant's weight (a grant charges the tenant tokens ÷ weight).
+    weight: f64,
     /// `QUEUED` / `WOKEN` / `GONE`; written only under the queue lock.
     state: AtomicU8,
     /// Woken when the waiter is given a turn by someone else (a stored permit if it
@@ -78,8 +85,9 @@ struct ClassQ {
     stride: f64,
     /// Virtual finish time of the class's last turn.
     pass: f64,
-    /// Entries in arrival order (some may be `WOKEN` or `GONE`).
-    entries: VecDeque<Arc<Waiter>>,
+    /// Entries: in arrival order, or (§19) in fair order among tenants (some may be
+    /// `WOKEN` or `GONE`).
+    entries: Lanes,
     /// Entries not `GONE`.
     live: u32,
     /// Entries `QUEUED`.
@@ -105,6 +113,15 @@ struct State {
     /// given a turn (or to its stall edge), so a saturated scope's waiting costs one
     /// nap per poll interval, not one per waiter. `None`: nobody has it yet.
     napper: Option<Arc<Waiter>>,
+    /// §19: the tenants' fair-turn counters (unused without fair lanes).
+    counters: Counters,
+    /// §19: arrivals so far (each waiter's `seq`).
+    arrivals: u64,
+}
+
+/// Whether a waiter left the queue (granted, refused, cancelled).
+fn gone(w: &Waiter) -> bool {
+    w.state() == GONE
 }
 
 /// A classed scope's waiters in fair order.
@@ -124,8 +141,9 @@ pub(crate) struct ClassQueueView {
 }
 
 impl WaitQueue {
-    /// An empty queue over classes of these weights (each > 0).
-    pub(crate) fn new(weights: &[f64]) -> Self {
+    /// An empty queue over classes of these weights (each > 0); `fair`: §19 lanes
+    /// per tenant within each class (else FIFO within a class).
+    pub(crate) fn new(weights: &[f64], fair: bool) -> Self {
         WaitQueue {
             state: Mutex::new(State {
                 classes: weights
@@ -133,7 +151,7 @@ impl WaitQueue {
                     .map(|&w| ClassQ {
                         stride: 1.0 / w.max(f64::MIN_POSITIVE),
                         pass: 0.0,
-                        entries: VecDeque::new(),
+                        entries: Lanes::new(fair),
                         live: 0,
                         queued: 0,
                         turns: 0,
@@ -143,6 +161,8 @@ impl WaitQueue {
                 pending: 0,
                 woken: 0,
                 napper: None,
+                counters: Counters::default(),
+                arrivals: 0,
             }),
         }
     }
@@ -159,21 +179,30 @@ impl WaitQueue {
         }
     }
 
-    /// Join `class` at the back. The returned place leaves the queue when dropped.
-    pub(crate) fn join(&self, class: usize) -> Place<'_> {
+    /// Join `class` at the back (§19: of `lane`, its tenant's, of weight `weight`).
+    /// The returned place leaves the queue when dropped.
+    pub(crate) fn join(&self, class: usize, lane: LaneId, weight: f64) -> Place<'_> {
+        let mut st = self.lock();
+        st.arrivals += 1;
         let w = Arc::new(Waiter {
             class,
+            lane,
+            seq: st.arrivals,
+            weight: weight.max(f64::MIN_POSITIVE),
             state: AtomicU8::new(QUEUED),
             notify: Notify::new(),
             chain: AtomicBool::new(false),
         });
-        let mut st = self.lock();
         let vtime = st.vtime;
-        let c = &mut st.classes[class];
+        let idle = !st.classes.iter().any(|c| c.entries.has(&w.lane));
+        let State {
+            classes, counters, ..
+        } = &mut *st;
+        let c = &mut classes[class];
         if c.live == 0 {
             c.pass = c.pass.max(vtime); // an idle class banks no credit
         }
-        c.entries.push_back(w.clone());
+        c.entries.push(w.clone(), counters, idle);
         c.live += 1;
         c.queued += 1;
         drop(st);
@@ -202,12 +231,39 @@ impl WaitQueue {
     pub(crate) fn wake_all(&self) {
         let st = self.lock();
         for c in &st.classes {
-            for w in &c.entries {
+            c.entries.for_each(|w| {
                 if w.state() == QUEUED {
                     w.notify.notify_one();
                 }
-            }
+            });
         }
+    }
+
+    /// §19: a permit of `lane`'s tenant settled `delta` tokens from its estimate
+    /// (usage − estimate; weight `weight`): its counter follows what it really used.
+    pub(crate) fn correct(&self, lane: &LaneId, delta: f64, weight: f64) {
+        let mut st = self.lock();
+        let State {
+            classes, counters, ..
+        } = &mut *st;
+        counters.correct(lane, delta / weight.max(f64::MIN_POSITIVE));
+        for c in classes.iter_mut() {
+            c.entries.rekey(lane, counters, gone);
+        }
+    }
+
+    /// §19: `lane`'s tenant here: its waiters (queued or mid-pass) and its counter.
+    pub(crate) fn tenant(&self, lane: &LaneId) -> (u32, f64) {
+        let st = self.lock();
+        let mut waiting = 0;
+        for c in &st.classes {
+            c.entries.for_each(|w| {
+                if w.lane == *lane && !gone(w) {
+                    waiting += 1;
+                }
+            });
+        }
+        (waiting, st.counters.of(lane))
     }
 
     /// Per-class figures, config order.
@@ -229,17 +285,19 @@ impl WaitQueue {
 /// concurrent pass by a lower class could take the freed unit first. Only a class's
 /// head ever gets a turn, so within a class the order is strictly FIFO.
 fn pick(st: &mut State) -> Option<Arc<Waiter>> {
-    for c in &mut st.classes {
-        while c.entries.front().is_some_and(|w| w.state() == GONE) {
-            c.entries.pop_front();
-        }
-    }
+    let State {
+        classes, counters, ..
+    } = &mut *st;
+    let heads: Vec<Option<Arc<Waiter>>> = classes
+        .iter_mut()
+        .map(|c| c.entries.front(counters, gone))
+        .collect();
     let (ci, queued) = st
         .classes
         .iter()
         .enumerate()
         .filter_map(|(i, c)| {
-            let head = c.entries.front()?;
+            let head = heads[i].as_ref()?;
             let queued = head.state() == QUEUED;
             let tag = if queued { c.pass } else { c.pass - c.stride };
             Some((i, tag, queued))
@@ -254,14 +312,21 @@ fn pick(st: &mut State) -> Option<Arc<Waiter>> {
 
 /// Give class `ci`'s head its turn.
 fn charge(st: &mut State, ci: usize) -> Option<Arc<Waiter>> {
-    let c = &mut st.classes[ci];
-    let w = c.entries.front()?.clone();
+    let State {
+        classes,
+        counters,
+        vtime,
+        woken,
+        ..
+    } = &mut *st;
+    let c = &mut classes[ci];
+    let w = c.entries.front(counters, gone)?;
     w.set(WOKEN);
     c.queued -= 1;
     c.turns += 1;
-    st.vtime = c.pass;
+    *vtime = c.pass;
     c.pass += c.stride;
-    st.woken += 1;
+    *woken += 1;
     Some(w)
 }
 
@@ -365,12 +430,14 @@ impl Place<'_> {
         self.waiter.notify.notified().await
     }
 
-    /// Leave with a grant: the turn stays charged to the class.
-    pub(crate) fn granted(self) {
-        self.leave(true);
+    /// Leave with a grant of `tokens`: the turn stays charged to the class, and
+    /// (§19) the grant to the waiter's tenant.
+    pub(crate) fn granted(self, tokens: u64) {
+        self.leave(Some(tokens));
     }
 
-    fn leave(&self, granted: bool) {
+    fn leave(&self, grant: Option<u64>) {
+        let granted = grant.is_some();
         let mut st = self.queue.lock();
         let was = self.waiter.state();
         if was == GONE {
@@ -395,7 +462,19 @@ impl Place<'_> {
             st.woken -= 1;
             st.pending = st.pending.min(st.woken);
         }
-        let c = &mut st.classes[self.waiter.class];
+        let State {
+            classes, counters, ..
+        } = &mut *st;
+        let lane = &self.waiter.lane;
+        if let Some(tokens) = grant {
+            // §19: the tenant is charged its grant (tokens ÷ weight); a settlement
+            // corrects it to the usage.
+            counters.grant(lane, tokens as f64 / self.waiter.weight);
+            for c in classes.iter_mut() {
+                c.entries.rekey(lane, counters, gone);
+            }
+        }
+        let c = &mut classes[self.waiter.class];
         c.live -= 1;
         if was == QUEUED {
             c.queued -= 1;
@@ -405,12 +484,12 @@ impl Place<'_> {
             c.turns -= 1;
             c.pass -= c.stride;
         }
-        while c.entries.front().is_some_and(|w| w.state() == GONE) {
-            c.entries.pop_front();
-        }
+        c.entries.rekey(lane, counters, gone);
         if c.entries.len() > 2 * c.live as usize + 16 {
-            c.entries.retain(|w| w.state() != GONE);
+            c.entries.compact(counters, gone);
         }
+        let live: usize = classes.iter().map(|c| c.live as usize).sum();
+        counters.prune(live, |id| classes.iter().any(|c| c.entries.has(id)));
         if pass_on {
             if let Some(w) = pick(&mut st) {
                 w.chain.store(chain || napper, Ordering::Relaxed);
@@ -418,8 +497,15 @@ impl Place<'_> {
             } else if napper {
                 // The head is mid-turn: make its turn a chain, so a grant on it hands
                 // on (a refusal claims the nap duty), and the queue keeps a looker.
-                for c in &st.classes {
-                    if let Some(h) = c.entries.front().filter(|h| h.state() == WOKEN) {
+                let State {
+                    classes, counters, ..
+                } = &mut *st;
+                for c in classes.iter_mut() {
+                    if let Some(h) = c
+                        .entries
+                        .front(counters, gone)
+                        .filter(|h| h.state() == WOKEN)
+                    {
                         h.chain.store(true, Ordering::Relaxed);
                     }
                 }
@@ -430,217 +516,24 @@ impl Place<'_> {
 
 impl Drop for Place<'_> {
     fn drop(&mut self) {
-        self.leave(false);
-    }
-}
-
-/// §5 quota line of a scope without classes: its Acquires that wait on quota (or on
-/// the pacer) queue here, FIFO per [`size_class`] of their estimate, and only the
-/// front of each size line — the **poller** — runs a pass every `poll_interval`.
-/// The others (followers) sleep with no timer but their stall deadline until the
-/// poller leaves (granted, ended, cancelled: it hands the poller turn on, and the
-/// next runs a pass at once), a freed unit wakes the pollers ([`QuotaLine::
-/// wake_pollers`]), or many may proceed ([`QuotaLine::wake_all`]: every member runs
-/// one pass, then followers go back to waiting in their place).
-///
-/// So the passes of a quota wait cost one per size line per poll interval, not one
-/// per waiter: 10,000 waiters of one size on an exhausted quota cost what one does.
-/// Size lines exist so a small call is never held back by one more than twice its
-/// size ahead of it (it could fit while that one does not); within a size line the
-/// order is strictly FIFO. The number of size lines is bounded by the bits of a
-/// token count (at most 65, in practice a handful).
-///
-/// Cancel-safety: a [`Spot`] leaves when dropped; a poller that leaves hands the
-/// turn on with a stored permit ([`Notify::notify_one`]), so the hand-off is never
-/// lost even if the next one is not sleeping yet.
-#[derive(Debug, Default)]
-pub(crate) struct QuotaLine {
-    /// The size lines in use (empty ones are dropped).
-    lines: Mutex<Vec<SizeLine>>,
-    /// Members over every size line, written under the lock and read without it:
-    /// a new Acquire's one look (§5 "no barging": it joins behind them).
-    members: AtomicU32,
-}
-
-/// A spot holds the poller turn.
-const POLLER: u8 = 1;
-/// A spot waits behind the poller.
-const FOLLOWER: u8 = 0;
-
-/// One size class's FIFO.
-#[derive(Debug)]
-struct SizeLine {
-    /// The [`size_class`] of its members.
-    size: u32,
-    /// Members in arrival order; the front is live and is the poller (`GONE`
-    /// entries behind it are dropped lazily).
-    entries: VecDeque<Arc<Liner>>,
-    /// Entries not `GONE`.
-    live: u32,
-}
-
-/// One member of a size line.
-#[derive(Debug)]
-struct Liner {
-    /// `FOLLOWER` / `POLLER` / `GONE`; written only under the line lock.
-    state: AtomicU8,
-    /// Woken when made poller or nudged (a stored permit if not sleeping yet).
-    notify: Notify,
-}
-
-/// The size class of an estimate of `tokens`: calls in one class differ by less
-/// than 2× (0 and 1 have classes of their own).
-pub(crate) fn size_class(tokens: u64) -> u32 {
-    u64::BITS - tokens.leading_zeros()
-}
-
-impl QuotaLine {
-    fn lock(&self) -> MutexGuard<'_, Vec<SizeLine>> {
-        self.lines.lock().unwrap_or_else(|e| e.into_inner())
-    }
-
-    /// Join the back of size line `size`; the first member of an empty line is its
-    /// poller at once. The spot leaves when dropped.
-    pub(crate) fn join(&self, size: u32) -> Spot<'_> {
-        let mut lines = self.lock();
-        let i = match lines.iter().position(|l| l.size == size) {
-            Some(i) => i,
-            None => {
-                lines.push(SizeLine {
-                    size,
-                    entries: VecDeque::new(),
-                    live: 0,
-                });
-                lines.len() - 1
-            }
-        };
-        let l = &mut lines[i];
-        let state = if l.entries.is_empty() {
-            POLLER
-        } else {
-            FOLLOWER
-        };
-        let me = Arc::new(Liner {
-            state: AtomicU8::new(state),
-            notify: Notify::new(),
-        });
-        l.entries.push_back(me.clone());
-        l.live += 1;
-        self.members.fetch_add(1, Ordering::Relaxed);
-        drop(lines);
-        Spot {
-            line: self,
-            size,
-            me,
-        }
-    }
-
-    /// A freed unit (pacer slot, reservation, probe lease): every size line's
-    /// poller runs a pass now (at most one per size line, so a handful).
-    pub(crate) fn wake_pollers(&self) {
-        for l in self.lock().iter() {
-            if let Some(f) = l.entries.front() {
-                f.notify.notify_one();
-            }
-        }
-    }
-
-    /// Many may proceed (breaker closed, reset, admin action, reload): every member
-    /// runs one pass.
-    pub(crate) fn wake_all(&self) {
-        for l in self.lock().iter() {
-            for m in &l.entries {
-                if m.state.load(Ordering::Relaxed) != GONE {
-                    m.notify.notify_one();
-                }
-            }
-        }
-    }
-
-    /// Members of the line (all size lines), for tests and status.
-    #[allow(dead_code)]
-    pub(crate) fn len(&self) -> usize {
-        self.lock().iter().map(|l| l.live as usize).sum()
-    }
-
-    /// Anyone waits in the line (one atomic load, no lock): a new Acquire then
-    /// joins behind them instead of running its first pass (§5 "no barging").
-    pub(crate) fn has_members(&self) -> bool {
-        self.members.load(Ordering::Relaxed) > 0
-    }
-}
-
-/// An Acquire's place in its scope's [`QuotaLine`]; leaves it when dropped.
-pub(crate) struct Spot<'a> {
-    /// The scope's line.
-    line: &'a QuotaLine,
-    /// Its size line.
-    size: u32,
-    /// Its entry.
-    me: Arc<Liner>,
-}
-
-impl Spot<'_> {
-    /// `true` while this spot holds its size line's poller turn (it polls every
-    /// `poll_interval`); `false`: it waits for [`Spot::woken`].
-    pub(crate) fn is_poller(&self) -> bool {
-        self.me.state.load(Ordering::Relaxed) == POLLER
-    }
-
-    /// Made poller, nudged, or a freed unit (as poller).
-    pub(crate) async fn woken(&self) {
-        self.me.notify.notified().await
-    }
-}
-
-impl Drop for Spot<'_> {
-    fn drop(&mut self) {
-        let mut lines = self.line.lock();
-        let Some(i) = lines.iter().position(|l| l.size == self.size) else {
-            return;
-        };
-        let l = &mut lines[i];
-        self.me.state.store(GONE, Ordering::Relaxed);
-        l.live -= 1;
-        self.line.members.fetch_sub(1, Ordering::Relaxed);
-        let was_front = l.entries.front().is_some_and(|f| Arc::ptr_eq(f, &self.me));
-        while l
-            .entries
-            .front()
-            .is_some_and(|f| f.state.load(Ordering::Relaxed) == GONE)
-        {
-            l.entries.pop_front();
-        }
-        if l.entries.len() > 2 * l.live as usize + 16 {
-            l.entries
-                .retain(|m| m.state.load(Ordering::Relaxed) != GONE);
-        }
-        if was_front {
-            // Hand the poller turn on: the next runs a pass at once.
-            if let Some(next) = l.entries.front() {
-                next.state.store(POLLER, Ordering::Relaxed);
-                next.notify.notify_one();
-            }
-        }
-        if l.entries.is_empty() {
-            lines.swap_remove(i);
-        }
+        self.leave(None);
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::collections::VecDeque;
 
     /// Who gets each of `n` turns when every class always has a waiter queued (a
     /// grant passes the turn on: the next is the one it woke).
     fn shares(weights: &[f64], n: usize) -> Vec<usize> {
-        let q = WaitQueue::new(weights);
+        let q = WaitQueue::new(weights, false);
         let mut places: Vec<VecDeque<Place<'_>>> =
             weights.iter().map(|_| VecDeque::new()).collect();
         for (c, p) in places.iter_mut().enumerate() {
             for _ in 0..3 {
-                p.push_back(q.join(c));
+                p.push_back(q.join(c, None, 1.0));
             }
         }
         let mut got = vec![0; weights.len()];
@@ -661,10 +554,59 @@ mod tests {
             let class = woken[0];
             got[class] += 1;
             let p = places[class].pop_front().unwrap();
-            p.granted();
-            places[class].push_back(q.join(class));
+            p.granted(1);
+            places[class].push_back(q.join(class, None, 1.0));
         }
         got
+    }
+
+    /// The order `WaitQueue` serves a backlog in: 10 waiters of tenant `noisy`,
+    /// then one of `quiet`; every grant takes 100 tokens and hands the turn on.
+    fn served(fair: bool) -> Vec<&'static str> {
+        let q = WaitQueue::new(&[1.0], fair);
+        let lane = |t: &str| -> LaneId { Some(Arc::from(t)) };
+        let mut places: Vec<(&'static str, Place<'_>)> = (0..10)
+            .map(|_| ("noisy", q.join(0, lane("noisy"), 1.0)))
+            .collect();
+        places.push(("quiet", q.join(0, lane("quiet"), 1.0)));
+        if fair {
+            assert_eq!(
+                q.lock().classes[0].entries.tenants(),
+                2,
+                "one lane per tenant"
+            );
+        }
+        places[0].1.turn();
+        let mut order = Vec::new();
+        while !places.is_empty() {
+            let i = places
+                .iter()
+                .position(|(_, p)| p.waiter.state() == WOKEN)
+                .expect("a turn was handed on");
+            let (who, p) = places.remove(i);
+            order.push(who);
+            p.granted(100);
+        }
+        if fair {
+            assert!(q.lock().counters.len() <= 2, "counters stay per tenant");
+        }
+        order
+    }
+
+    #[test]
+    fn vtc_serves_a_quiet_tenant_ahead_of_a_noisy_backlog_and_fifo_does_not() {
+        let fair = served(true);
+        let quiet = fair.iter().position(|t| *t == "quiet").unwrap();
+        assert!(
+            quiet <= 1,
+            "VTC: the quiet tenant's first call goes at once: {fair:?}"
+        );
+        let fifo = served(false);
+        assert_eq!(
+            fifo.iter().position(|t| *t == "quiet"),
+            Some(10),
+            "{fifo:?}"
+        );
     }
 
     #[test]
@@ -677,10 +619,10 @@ mod tests {
 
     #[test]
     fn a_turn_given_back_is_not_charged_and_a_cancelled_turn_passes_on() {
-        let q = WaitQueue::new(&[1.0, 1.0]);
-        let a = q.join(0);
-        let b = q.join(1);
-        let a2 = q.join(0);
+        let q = WaitQueue::new(&[1.0, 1.0], false);
+        let a = q.join(0, None, 1.0);
+        let b = q.join(1, None, 1.0);
+        let a2 = q.join(0, None, 1.0);
         assert!(a.turn(), "class 0 first on a tie");
         assert!(!a.retry_now());
         assert!(a.turn(), "given back: class 0 still has the smaller pass");
@@ -691,14 +633,14 @@ mod tests {
             "a2: class 0 was not charged for a"
         );
         assert_eq!(b.waiter.state(), QUEUED);
-        a2.granted();
+        a2.granted(1);
         assert!(b.turn(), "class 1 is behind now");
     }
 
     #[test]
     fn a_wake_during_a_pass_is_not_lost() {
-        let q = WaitQueue::new(&[1.0]);
-        let a = q.join(0);
+        let q = WaitQueue::new(&[1.0], false);
+        let a = q.join(0, None, 1.0);
         assert!(a.turn());
         q.wake_next(); // nobody queued, a is mid-pass
         assert!(a.retry_now(), "the freed unit came after a looked");
@@ -706,73 +648,14 @@ mod tests {
     }
 
     #[test]
-    fn size_classes_split_at_powers_of_two() {
-        assert_eq!(size_class(0), 0);
-        assert_eq!(size_class(1), 1);
-        assert_eq!((size_class(2), size_class(3)), (2, 2));
-        assert_eq!((size_class(1000), size_class(1023)), (10, 10));
-        assert_eq!(size_class(1024), 11);
-        assert_eq!(size_class(u64::MAX), 64);
-    }
-
-    #[test]
-    fn the_front_of_each_size_line_polls_and_hands_on_when_it_leaves() {
-        let q = QuotaLine::default();
-        let a = q.join(3);
-        let b = q.join(3);
-        let c = q.join(3);
-        let small = q.join(1);
-        assert!(a.is_poller() && !b.is_poller() && !c.is_poller());
-        assert!(small.is_poller(), "a size line of its own");
-        drop(b); // a follower leaves: nothing changes
-        assert!(a.is_poller() && !c.is_poller());
-        drop(a); // the poller leaves: the next live one polls, and is woken
-        assert!(c.is_poller());
-        let woke = futures_now(c.woken());
-        assert!(woke, "the hand-off left a permit");
-        assert_eq!(q.len(), 2);
-        drop(c);
-        drop(small);
-        assert_eq!(q.len(), 0);
-        assert!(q.lock().is_empty(), "empty size lines are dropped");
-        assert!(q.join(3).is_poller(), "a new line starts with its poller");
-    }
-
-    #[test]
-    fn wake_pollers_reaches_only_pollers_and_wake_all_everyone() {
-        let q = QuotaLine::default();
-        let a = q.join(2);
-        let b = q.join(2);
-        q.wake_pollers();
-        assert!(futures_now(a.woken()));
-        assert!(!futures_now(b.woken()), "a follower sleeps on");
-        q.wake_all();
-        assert!(futures_now(a.woken()) && futures_now(b.woken()));
-    }
-
-    #[test]
-    fn many_leaving_followers_are_compacted() {
-        let q = QuotaLine::default();
-        let head = q.join(5);
-        let rest: Vec<_> = (0..1000).map(|_| q.join(5)).collect();
-        drop(rest);
-        assert_eq!(q.len(), 1);
-        assert!(
-            q.lock()[0].entries.len() <= 2 + 16,
-            "gone entries are dropped"
-        );
-        assert!(head.is_poller());
-    }
-
-    #[test]
     fn a_grant_for_one_freed_unit_does_not_hand_on_but_a_chain_grant_does() {
-        let q = WaitQueue::new(&[1.0]);
-        let a = q.join(0);
-        let b = q.join(0);
-        let c = q.join(0);
+        let q = WaitQueue::new(&[1.0], false);
+        let a = q.join(0, None, 1.0);
+        let b = q.join(0, None, 1.0);
+        let c = q.join(0, None, 1.0);
         q.wake_next(); // one unit: a's turn, not a chain
         assert_eq!(a.waiter.state(), WOKEN);
-        a.granted();
+        a.granted(0);
         assert_eq!(
             b.waiter.state(),
             QUEUED,
@@ -781,27 +664,19 @@ mod tests {
         // b asks (as a napper does when its nap ends): a chain; its grant hands
         // the turn on to c.
         assert!(b.turn());
-        b.granted();
+        b.granted(0);
         assert_eq!(c.waiter.state(), WOKEN, "a chain grant hands the turn on");
     }
 
     #[test]
     fn a_leaving_napper_hands_a_turn_on() {
-        let q = WaitQueue::new(&[1.0]);
-        let a = q.join(0);
-        let b = q.join(0);
+        let q = WaitQueue::new(&[1.0], false);
+        let a = q.join(0, None, 1.0);
+        let b = q.join(0, None, 1.0);
         assert!(a.napping(), "the first to ask naps");
         assert!(!b.napping(), "one napper per queue");
         drop(a); // cancelled while napping (queued, no turn)
         assert_eq!(b.waiter.state(), WOKEN, "someone must look");
         assert!(b.napping(), "and the duty is free again");
-    }
-
-    /// Poll a future once: `true` if it was ready.
-    fn futures_now(f: impl std::future::Future<Output = ()>) -> bool {
-        let waker = std::task::Waker::noop();
-        let mut cx = std::task::Context::from_waker(waker);
-        let mut f = std::pin::pin!(f);
-        f.as_mut().poll(&mut cx).is_ready()
     }
 }

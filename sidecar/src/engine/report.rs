@@ -11,13 +11,17 @@ use futures_util::future::join_all;
 use super::detach::Work;
 use super::error::EngineError;
 use super::runtime::bump;
-use super::tables::{Hold, OwnerId, PermitRec};
+use super::tables::{Ended, Hold, OwnerId, PermitRec};
+use super::tenants::Event;
 use super::transitions::{Names, Observation as Transition, Reason};
 use super::Engine;
-use crate::backend::{BResult, Backend, BackendError, Observation, ReportRequest};
+use crate::backend::{
+    BResult, Backend, BackendError, Charge, Observation, ReportRequest, TenantKey, TenantParams,
+    TenantSettle,
+};
 use crate::gate::breaker::{Applied, BreakerParams, State};
 use crate::gate::pacer::Signal;
-use crate::gate::quota::{QuotaParams, Tokens};
+use crate::gate::quota::{QuotaParams, Settlement, Tokens};
 use crate::gate::{FailureKind, Outcome};
 use crate::logs::{self, Kind};
 
@@ -64,7 +68,21 @@ impl<B: Backend> Engine<B> {
         owner: OwnerId,
         permit: u64,
         outcome: Outcome,
+        observed: Option<Box<Observation>>,
+    ) -> Result<(u64, Result<Applied, EngineError>), EngineError> {
+        self.report_full(owner, permit, outcome, observed, 0).await
+    }
+
+    /// [`Engine::report_with`] for a success whose input included `cached` reads
+    /// from the provider's prompt cache (§19: a tenant's cost prices them at the
+    /// source's cached rate; quota buckets settle as without them).
+    pub async fn report_full(
+        &self,
+        owner: OwnerId,
+        permit: u64,
+        outcome: Outcome,
         mut observed: Option<Box<Observation>>,
+        cached: u64,
     ) -> Result<(u64, Result<Applied, EngineError>), EngineError> {
         if let Some(o) = observed.as_deref_mut() {
             for d in o.dims.iter_mut().flatten() {
@@ -117,8 +135,10 @@ impl<B: Backend> Engine<B> {
             Outcome::Failure { .. } => src.health.record(false, latency, now, half_life),
             _ => {}
         }
+        let settle = Settle::of_permit(self, &p, outcome, cached).observed(observed);
+        self.tenant_settled(&p, settle.tenant.as_ref());
         let r = self
-            .detached(Settle::of_permit(self, &p, outcome).observed(observed))
+            .detached(settle)
             .await
             .unwrap_or_else(|| Err(BackendError::Unavailable("report task failed".into())));
         let applied = match r {
@@ -181,7 +201,8 @@ impl<B: Backend> Engine<B> {
     /// Forget the call; an unreported permit is abandoned (settled as if the upstream
     /// used the estimate, probe lease released).
     pub async fn end_call(&self, owner: OwnerId, call: u64) -> Result<(), EngineError> {
-        let permit = self.lock().end_call(owner, call)?;
+        let (permit, ended) = self.lock().end_call(owner, call)?;
+        self.calls_ended(std::iter::once(ended));
         if let Some(p) = permit {
             self.abandon_all(vec![p]).await;
         }
@@ -192,8 +213,39 @@ impl<B: Backend> Engine<B> {
     /// upstream used the estimate, probe leases released, pacer slots freed, calls
     /// forgotten. Waits of the owner end when their futures are dropped.
     pub async fn release_owner(&self, owner: OwnerId) {
-        let permits = self.lock().release_owner(owner);
+        let (permits, ended) = self.lock().release_owner(owner);
+        self.calls_ended(ended);
         self.abandon_all(permits).await;
+    }
+
+    /// §19: calls that ended leave their tenants' books.
+    fn calls_ended(&self, ended: impl IntoIterator<Item = Ended>) {
+        for (scope, tenant) in ended {
+            if let (Some(book), Some(t)) = (&self.scopes[scope].book, tenant) {
+                book.leave(&t);
+            }
+        }
+    }
+
+    /// §19: a permit of a tenant settles on this host: its book counts the tokens and
+    /// dollars charged, and its fair-turn counter is corrected from the estimate it was
+    /// charged at grant to what was used.
+    fn tenant_settled(&self, p: &PermitRec, t: Option<&TenantPart>) {
+        let sc = &self.scopes[p.scope];
+        let Some(book) = &sc.book else { return };
+        let (tokens, cost) = match t {
+            Some(t) => (charged_tokens(t.how), t.cost),
+            None => {
+                // An unlimited tenant (no ledger): the same figures, from the outcome.
+                (p.tokens.total, 0)
+            }
+        };
+        if let Some(id) = &p.tenant {
+            book.note(id, Event::Settled { tokens, cost });
+        }
+        if let (Some(q), Some(t)) = (&sc.queue, t) {
+            q.correct(&p.tenant, tokens as f64 - p.tokens.total as f64, t.weight);
+        }
     }
 
     /// Reclaim permits whose lease (2 × source timeout) expired; returns how many.
@@ -228,6 +280,17 @@ impl<B: Backend> Engine<B> {
                 .pacer
                 .release_as(Signal::Hold, cls.as_deref());
             bump(&self.sources[p.source].counters.abandoned);
+            // §19: an abandoned permit keeps its estimate, for the tenant too.
+            if let (Some(book), Some(id)) = (&self.scopes[p.scope].book, &p.tenant) {
+                let cost = p.ledger.map_or(0, |l| l.cost);
+                book.note(
+                    id,
+                    Event::Settled {
+                        tokens: p.tokens.total,
+                        cost,
+                    },
+                );
+            }
         }
         join_all(permits.into_iter().map(|p| self.detached(Abandon(p)))).await;
     }
@@ -255,11 +318,91 @@ pub(super) struct Settle {
     class: Option<Arc<str>>,
     /// §18: the response's observed limits (boxed: most reports carry none).
     observed: Option<Box<Observation>>,
+    /// §19: the grant's tenant reservation, settled in the same step (`None`: no
+    /// ledger was charged).
+    tenant: Option<TenantPart>,
+}
+
+/// §19: the tenant side of a [`Settle`] (what [`TenantSettle`] borrows).
+pub(super) struct TenantPart {
+    /// The scope's name.
+    scope: Arc<str>,
+    /// The tenant (`None`: the anonymous tenant, with limits).
+    tenant: Option<Arc<str>>,
+    /// Its limits now.
+    params: TenantParams,
+    /// Its weight now (its fair-turn counter's correction).
+    weight: f64,
+    /// What the grant charged.
+    charge: Charge,
+    /// How its tokens settle.
+    how: Settlement,
+    /// What the settlement costs, n$.
+    cost: u64,
+    /// The day number the grant charged.
+    day: u32,
+}
+
+impl TenantPart {
+    /// Borrowed for a backend.
+    pub(super) fn settle(&self) -> TenantSettle<'_> {
+        TenantSettle {
+            key: TenantKey {
+                scope: &self.scope,
+                tenant: self.tenant.as_deref().unwrap_or(""),
+            },
+            params: &self.params,
+            charge: self.charge,
+            how: self.how,
+            cost: self.cost,
+            day: self.day,
+        }
+    }
+
+    /// The tenant part of settling `p` `how` at `cost` (`None`: no ledger charged).
+    pub(super) fn of<B: Backend>(
+        engine: &Engine<B>,
+        p: &PermitRec,
+        how: Settlement,
+        cost: u64,
+    ) -> Option<Self> {
+        let l = p.ledger?;
+        let sc = &engine.scopes[p.scope];
+        let r = sc.with_policy(|pol| pol.tenants.as_ref().map(|t| *t.of(p.tenant.as_deref())))?;
+        Some(TenantPart {
+            scope: sc.name.as_str().into(),
+            tenant: p.tenant.clone(),
+            params: r.params,
+            weight: r.weight,
+            charge: Charge {
+                tokens: p.tokens,
+                cost: l.cost,
+            },
+            how,
+            cost,
+            day: l.day,
+        })
+    }
+}
+
+/// The tokens a settlement charges (the refunds: none).
+fn charged_tokens(how: Settlement) -> u64 {
+    match how {
+        Settlement::Charge { tokens, .. } => tokens,
+        Settlement::RefundTokens | Settlement::RefundAll => 0,
+    }
 }
 
 impl Settle {
-    /// The report of `p`'s attempt.
-    fn of_permit<B: Backend>(engine: &Engine<B>, p: &PermitRec, outcome: Outcome) -> Self {
+    /// The report of `p`'s attempt (`cached`: the success's cached input reads).
+    fn of_permit<B: Backend>(
+        engine: &Engine<B>,
+        p: &PermitRec,
+        outcome: Outcome,
+        cached: u64,
+    ) -> Self {
+        let prices = engine.sources[p.source].params().prices;
+        let how = outcome.settlement(p.tokens);
         Settle {
             source: p.source,
             bp: engine.scopes[p.scope].with_policy(|pol| pol.bp),
@@ -270,6 +413,7 @@ impl Settle {
             outcome,
             class: engine.class_name(p.scope, p.class),
             observed: None,
+            tenant: TenantPart::of(engine, p, how, prices.settled(how, cached)),
         }
     }
 
@@ -280,7 +424,26 @@ impl Settle {
 
     /// Giving back `g`, a hold of a call in `scope` that never became a permit.
     pub(super) fn of_hold<B: Backend>(engine: &Engine<B>, scope: usize, g: &Hold) -> Self {
+        let tenant = g.ledger.and_then(|l| {
+            let sc = &engine.scopes[scope];
+            let r =
+                sc.with_policy(|pol| pol.tenants.as_ref().map(|t| *t.of(g.tenant.as_deref())))?;
+            Some(TenantPart {
+                scope: sc.name.as_str().into(),
+                tenant: g.tenant.clone(),
+                params: r.params,
+                weight: r.weight,
+                charge: Charge {
+                    tokens: g.tokens,
+                    cost: l.cost,
+                },
+                how: Settlement::RefundAll,
+                cost: 0,
+                day: l.day,
+            })
+        });
         Settle {
+            tenant,
             source: g.source,
             bp: engine.scopes[scope].with_policy(|pol| pol.bp),
             qp: engine.sources[g.source].params().qp,
@@ -313,6 +476,9 @@ impl<B: Backend> Work<B> for Settle {
             }
             if let Some(o) = &self.observed {
                 r = r.observed(o);
+            }
+            if let Some(t) = &self.tenant {
+                r = r.tenant(t.settle());
             }
             engine.backend.report(name, r).await
         }
@@ -365,6 +531,15 @@ impl<B: Backend> Work<B> for Abandon {
         if let Err(e) = engine.backend.neutral(&src.name, p.epoch, p.is_probe).await {
             if logs::allow(Kind::ReleaseFailed) {
                 tracing::warn!(source = %src.name, error = %e, "could not release an abandoned probe");
+            }
+        }
+        // §19: the tenant keeps the estimate too (its permit is no longer in flight).
+        let cost = p.ledger.map_or(0, |l| l.cost);
+        if let Some(t) = TenantPart::of(engine, p, how, cost) {
+            if let Err(e) = engine.backend.tenant_settle(t.settle()).await {
+                if logs::allow(Kind::ReleaseFailed) {
+                    tracing::warn!(source = %src.name, error = %e, "could not settle an abandoned permit's tenant");
+                }
             }
         }
         engine.wake_one(p.source);

@@ -15,6 +15,7 @@ use tokio::sync::Notify;
 
 use super::error::{EngineError, Exhaustion, ReloadError};
 use super::queue::WaitQueue;
+use super::tenants::{Book, TenantPolicy};
 use super::transitions::Transitions;
 use super::CallEst;
 use crate::config::{Config, ScopeConfig, SourceConfig};
@@ -25,6 +26,7 @@ use crate::gate::health::Health;
 use crate::gate::memo::{Memo, QuotaHint};
 use crate::gate::pacer::Pacer;
 use crate::gate::quota::{QuotaParams, Tokens};
+use crate::gate::tenant::Prices;
 use crate::histogram::{Histogram, WAIT_BUCKETS};
 
 /// A scope's policy: everything SIGHUP may change about it. Swapped whole, so one
@@ -36,10 +38,12 @@ pub(crate) struct Policy {
     pub(crate) bp: BreakerParams,
     /// §15: the classes' shares as the quota gate reads them (`None`: no classes).
     pub(crate) shares: Option<Arc<ClassShares>>,
+    /// §19: the scope's tenants' limits (`None`: the scope has no tenants).
+    pub(crate) tenants: Option<TenantPolicy>,
 }
 
 impl Policy {
-    fn new(sc: &ScopeConfig) -> Self {
+    fn new(sc: &ScopeConfig, max_debt: Duration) -> Self {
         let b = sc.breaker;
         Policy {
             bp: BreakerParams {
@@ -52,6 +56,7 @@ impl Policy {
                 probe_ttl: sc.probe_ttl(),
             },
             shares: shares(sc),
+            tenants: sc.tenants.as_ref().map(|t| TenantPolicy::new(t, max_debt)),
             cfg: sc.clone(),
         }
     }
@@ -94,6 +99,8 @@ pub(crate) struct SourceParams {
     pub(crate) est_output_tokens: u64,
     /// A permit never reported is reclaimed after this (2 × timeout).
     pub(crate) lease: Duration,
+    /// §19: what a tenant pays per token here.
+    pub(crate) prices: Prices,
 }
 
 impl SourceParams {
@@ -118,6 +125,11 @@ impl SourceParams {
             est_input_tokens: s.default_est_input_tokens(),
             est_output_tokens: s.default_est_output_tokens(),
             lease: s.permit_lease(),
+            prices: Prices::per_million(
+                s.usd_per_1m_input,
+                s.usd_per_1m_output,
+                s.usd_per_1m_cached_input,
+            ),
         }
     }
 }
@@ -189,6 +201,8 @@ pub struct ErrorCounts {
     pub retry_exhausted: AtomicU64,
     /// Acquires refused because the shared backend is unreachable (`fail_closed`).
     pub backend_unavailable: AtomicU64,
+    /// §19: Acquires that ended refused by the call's tenant's limits.
+    pub tenant_limited: AtomicU64,
 }
 
 impl ErrorCounts {
@@ -207,18 +221,20 @@ impl ErrorCounts {
                 ..
             } => &self.quota_exhausted,
             EngineError::Exhausted { .. } => &self.retry_exhausted,
+            EngineError::TenantLimited { .. } => &self.tenant_limited,
             _ => &self.backend_unavailable,
         }
     }
 
     /// Every counter with its kind label, in exposition order (`/metrics`, status).
-    pub fn by_kind(&self) -> [(&'static str, &AtomicU64); 5] {
+    pub fn by_kind(&self) -> [(&'static str, &AtomicU64); 6] {
         [
             ("circuit_open", &self.circuit_open),
             ("stalled", &self.stalled),
             ("quota_exhausted", &self.quota_exhausted),
             ("retry_exhausted", &self.retry_exhausted),
             ("backend_unavailable", &self.backend_unavailable),
+            ("tenant_limited", &self.tenant_limited),
         ]
     }
 }
@@ -279,9 +295,12 @@ pub(crate) struct ScopeRt {
     pub(crate) waiters: AtomicU32,
     /// Counters for `/metrics`.
     pub(crate) counters: ScopeCounters,
-    /// §15: the waiters in fair order across classes; `None` for a scope without
-    /// classes, whose waiters share `notify` (first come, first served).
+    /// §15: the waiters in fair order across classes — and §19, among tenants within
+    /// a class; `None` for a scope with neither classes nor tenants, whose waiters
+    /// share `notify` (first come, first served) and the §5 quota line.
     pub(crate) queue: Option<WaitQueue>,
+    /// §19: the tenants this host has seen (`None`: the scope has none).
+    pub(crate) book: Option<Book>,
     /// §15: class names, config order (fixed: changing them needs a restart).
     pub(crate) class_names: Vec<Arc<str>>,
     /// §15: counters per class, config order.
@@ -385,12 +404,17 @@ impl Topology {
             }
             scopes.push(ScopeRt {
                 name: sc.name.clone(),
-                policy: RwLock::new(Arc::new(Policy::new(sc))),
+                policy: RwLock::new(Arc::new(Policy::new(
+                    sc,
+                    config.sidecar.max_rate_limit_block,
+                ))),
                 sources: idxs,
                 notify: Notify::new(),
                 waiters: AtomicU32::new(0),
                 counters: ScopeCounters::default(),
-                queue: (!sc.priorities.is_empty()).then(|| WaitQueue::new(&weights(sc))),
+                queue: (!sc.priorities.is_empty() || sc.tenants.is_some())
+                    .then(|| WaitQueue::new(&weights(sc), sc.tenants.as_ref().is_some_and(fair))),
+                book: sc.tenants.as_ref().map(|_| Book::default()),
                 class_names: sc
                     .priorities
                     .iter()
@@ -413,9 +437,18 @@ impl Topology {
     }
 }
 
-/// The class weights of a scope, config order.
+/// The class weights of a scope, config order; one class of weight 1 for a scope
+/// with tenants and no classes (its queue orders tenants only).
 fn weights(sc: &ScopeConfig) -> Vec<f64> {
+    if sc.priorities.is_empty() {
+        return vec![1.0];
+    }
     sc.priorities.iter().map(|p| p.weight).collect()
+}
+
+/// §19: fair turns among a scope's tenants.
+fn fair(t: &crate::config::TenantsConfig) -> bool {
+    t.fairness == crate::config::Fairness::Vtc
 }
 
 /// Apply a new configuration to running scopes and sources (SIGHUP); see
@@ -460,6 +493,14 @@ pub(crate) fn reload(
                 scope: sc.name.clone(),
             });
         }
+        // §19: limits, budgets and weights reload; whether the scope has tenants, and
+        // how its queue orders them, is its waiters' structure.
+        let was = sc.with_policy(|p| p.tenants.as_ref().map(|t| t.fair));
+        if was != new.tenants.as_ref().map(fair) {
+            return Err(ReloadError::TenantsChanged {
+                scope: sc.name.clone(),
+            });
+        }
     }
     let mut changes = Vec::new();
     // Per-source settings follow the first scope naming the source, as at start-up
@@ -469,7 +510,8 @@ pub(crate) fn reload(
         if sc.policy().cfg != *new {
             changes.push(format!("scope {}: policy updated", sc.name));
         }
-        *sc.policy.write().unwrap_or_else(|e| e.into_inner()) = Arc::new(Policy::new(new));
+        *sc.policy.write().unwrap_or_else(|e| e.into_inner()) =
+            Arc::new(Policy::new(new, config.sidecar.max_rate_limit_block));
         for (&idx, s) in sc.sources.iter().zip(&new.sources) {
             if std::mem::replace(&mut seen[idx], true) {
                 continue;
@@ -505,6 +547,7 @@ mod tests {
             est_input_tokens: 800,
             est_output_tokens: 200,
             lease: Duration::from_secs(1),
+            prices: Prices::default(),
         }
     }
 

@@ -4,9 +4,12 @@
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
+use super::error::EngineError;
 use super::tables::{LiveCounts, OwnerId};
-use super::{ClassStatus, Engine, ScopeStatus, SourceStatus};
-use crate::backend::{Backend, SourceSnapshot};
+use super::{
+    ClassStatus, Engine, ScopeStatus, SourceStatus, TenantScopeStatus, TenantStatus, TenantsStatus,
+};
+use crate::backend::{Backend, SourceSnapshot, TenantKey};
 use crate::gate::quota::QuotaView;
 
 impl<B: Backend> Engine<B> {
@@ -71,9 +74,97 @@ impl<B: Backend> Engine<B> {
                 calls: calls_per_scope[si],
                 sources,
                 classes: self.class_status(si),
+                tenants: self.tenants_status(si, &policy),
             });
         }
         out
+    }
+
+    /// §19: the scope's tenants on this host: how many the book tracks, the totals, the
+    /// top by dollars settled here (`sidecar.tenant_metrics_top` of them, at least 10
+    /// for status).
+    fn tenants_status(&self, si: usize, policy: &super::runtime::Policy) -> Option<TenantsStatus> {
+        let sc = &self.scopes[si];
+        let (book, t) = (sc.book.as_ref()?, policy.tenants.as_ref()?);
+        let (tracked, totals) = book.totals();
+        Some(TenantsStatus {
+            fairness: if t.fair { "vtc" } else { "fifo" },
+            tracked,
+            max_tenants: t.max_tenants,
+            totals,
+            top: book
+                .top(self.tenant_top.max(10) as usize)
+                .into_iter()
+                .map(|(id, s)| (id.to_string(), s))
+                .collect(),
+        })
+    }
+
+    /// §19: one tenant (`""`: the anonymous one) in `scope`, or in every scope with
+    /// tenants: its limits, its shared ledger (buckets, spend in its budgets' windows,
+    /// in flight, read from the backend), and this host's figures (calls, permits,
+    /// waiters, fair-turn counter, tokens and dollars settled here).
+    pub async fn tenant_status(
+        &self,
+        tenant: &str,
+        scope: Option<&str>,
+    ) -> Result<TenantStatus, EngineError> {
+        let scopes: Vec<usize> = match scope {
+            Some(name) => {
+                let si = *self
+                    .scope_index
+                    .get(name)
+                    .ok_or_else(|| EngineError::UnknownScope {
+                        scope: crate::limits::echo(name).into_owned(),
+                        known: self.scopes.iter().map(|s| s.name.clone()).collect(),
+                    })?;
+                if self.scopes[si].book.is_none() {
+                    return Err(EngineError::InvalidArgument(format!(
+                        "scope {name:?} has no tenants (no [scopes.{name}.tenants] table)"
+                    )));
+                }
+                vec![si]
+            }
+            None => (0..self.scopes.len())
+                .filter(|&i| self.scopes[i].book.is_some())
+                .collect(),
+        };
+        let id = (!tenant.is_empty()).then_some(tenant);
+        let mut out = Vec::with_capacity(scopes.len());
+        for si in scopes {
+            let sc = &self.scopes[si];
+            let Some(r) = sc.with_policy(|p| p.tenants.as_ref().map(|t| *t.of(id))) else {
+                continue;
+            };
+            let (ledger, ledger_error) = if r.params.unlimited() {
+                (None, None)
+            } else {
+                let key = TenantKey {
+                    scope: &sc.name,
+                    tenant,
+                };
+                match self.backend.tenant_snapshot(key, &r.params).await {
+                    Ok(l) => (l, None),
+                    Err(e) => (None, Some(e.to_string())),
+                }
+            };
+            let lane: super::lanes::LaneId = id.map(std::sync::Arc::from);
+            let (waiting, counter) = sc.queue.as_ref().map_or((0, 0.0), |q| q.tenant(&lane));
+            out.push(TenantScopeStatus {
+                scope: sc.name.clone(),
+                params: r.params,
+                weight: r.weight,
+                ledger,
+                ledger_error,
+                host: sc.book.as_ref().and_then(|b| b.get(tenant)),
+                waiting,
+                counter,
+            });
+        }
+        Ok(TenantStatus {
+            tenant: tenant.to_string(),
+            scopes: out,
+        })
     }
 
     /// `true` when `owner` holds no unreported permit (a draining connection may

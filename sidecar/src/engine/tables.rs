@@ -49,6 +49,9 @@ pub(crate) struct CallRec {
     /// §12: set while an Acquire of the call sleeps (never on the no-wait path):
     /// `EndCall` wakes it so the wait ends at once with an error.
     ended: Option<Arc<Notify>>,
+    /// §19: the call's tenant (interned by the scope's book); `None`: anonymous, or
+    /// a scope without tenants.
+    pub(crate) tenant: Option<Arc<str>>,
 }
 
 impl CallRec {
@@ -61,8 +64,18 @@ impl CallRec {
     }
 }
 
+/// §19: what a grant charged its tenant's ledger (`None` in [`Hold::ledger`]: no
+/// ledger was charged: an unlimited tenant, or none).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct LedgerHold {
+    /// The day number the backend charged the cost to.
+    pub(crate) day: u32,
+    /// The estimated cost charged, n$.
+    pub(crate) cost: u64,
+}
+
 /// A live permit.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 pub(crate) struct PermitRec {
     /// Who may report it.
     pub(crate) owner: OwnerId,
@@ -84,12 +97,17 @@ pub(crate) struct PermitRec {
     pub(crate) granted_at: Duration,
     /// When it is reclaimed if never reported.
     pub(crate) expires: Duration,
+    /// §19: its call's tenant (the report settles its book and fair-turn counter,
+    /// also after the call ended).
+    pub(crate) tenant: Option<Arc<str>>,
+    /// §19: what its grant charged the tenant's ledger.
+    pub(crate) ledger: Option<LedgerHold>,
 }
 
 /// What a pass admitted and the Acquire has not yet recorded as a permit: a source
 /// whose pacer slot, quota reservation and (for a probe) breaker lease are held for
 /// the call. Recorded by [`Tables::grant`], or given back.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 pub(crate) struct Hold {
     /// Source index (engine-wide).
     pub(crate) source: usize,
@@ -101,6 +119,10 @@ pub(crate) struct Hold {
     pub(crate) tokens: Tokens,
     /// §15: the call's priority class in its scope (0 without classes).
     pub(crate) class: usize,
+    /// §19: what the grant charged the call's tenant's ledger.
+    pub(crate) ledger: Option<LedgerHold>,
+    /// §19: the call's tenant (a give-back settles its ledger).
+    pub(crate) tenant: Option<Arc<str>>,
 }
 
 /// What an Acquire needs to know about its call before a pass.
@@ -113,6 +135,9 @@ pub(crate) struct Budget {
     /// The call's own estimates.
     pub(crate) est: CallEst,
 }
+
+/// §19: a call that ended: its scope and tenant (the book counts its calls).
+pub(crate) type Ended = (usize, Option<Arc<str>>);
 
 /// Calls and permits, under one short-held lock.
 #[derive(Debug, Default)]
@@ -161,6 +186,7 @@ impl Tables {
         scope: usize,
         est: CallEst,
         class: usize,
+        tenant: Option<Arc<str>>,
         now: Duration,
     ) -> Result<u64, EngineError> {
         let n = self.owner_calls.entry(owner).or_insert(0);
@@ -186,18 +212,20 @@ impl Tables {
                 permit: None,
                 class,
                 ended: None,
+                tenant,
             },
         );
         Ok(id)
     }
 
-    /// Mark an Acquire of `owner`'s `call` as running; returns the call's scope. One
-    /// Acquire at a time, and none while the call holds an unreported permit.
+    /// Mark an Acquire of `owner`'s `call` as running; returns the call's scope, class
+    /// and tenant. One Acquire at a time, and none while the call holds an unreported
+    /// permit.
     pub(crate) fn start_acquire(
         &mut self,
         owner: OwnerId,
         call: u64,
-    ) -> Result<(usize, usize), EngineError> {
+    ) -> Result<(usize, usize, Option<Arc<str>>), EngineError> {
         let c = self
             .calls
             .get_mut(&call)
@@ -207,7 +235,7 @@ impl Tables {
             return Err(EngineError::Busy(call));
         }
         c.acquiring = true;
-        Ok((c.scope, c.class))
+        Ok((c.scope, c.class, c.tenant.clone()))
     }
 
     /// §15: the call's class, if the call still exists.
@@ -281,6 +309,7 @@ impl Tables {
         c.stalled_since = None;
         let attempt = c.attempts;
         let scope = c.scope;
+        let tenant = c.tenant.clone();
         self.permits.insert(
             permit,
             PermitRec {
@@ -294,6 +323,8 @@ impl Tables {
                 class: g.class,
                 granted_at: now,
                 expires: now + lease,
+                tenant,
+                ledger: g.ledger,
             },
         );
         Some((permit, attempt))
@@ -318,12 +349,10 @@ impl Tables {
         outcome: &Outcome,
         now: Duration,
     ) -> Result<PermitRec, EngineError> {
-        let p = *self
-            .permits
-            .get(&permit)
-            .filter(|p| p.owner == owner)
-            .ok_or(EngineError::UnknownPermit(permit))?;
-        self.permits.remove(&permit);
+        if self.permits.get(&permit).is_none_or(|p| p.owner != owner) {
+            return Err(EngineError::UnknownPermit(permit));
+        }
+        let p = self.permits.remove(&permit).expect("checked");
         if let Some(c) = self.calls.get_mut(&p.call) {
             c.permit = None;
             c.stalled_since = Some(now);
@@ -349,12 +378,13 @@ impl Tables {
         Ok(p)
     }
 
-    /// Forget `owner`'s `call`; returns its unreported permit, if any.
+    /// Forget `owner`'s `call`; returns its unreported permit, if any, and (§19) its
+    /// scope and tenant.
     pub(crate) fn end_call(
         &mut self,
         owner: OwnerId,
         call: u64,
-    ) -> Result<Option<PermitRec>, EngineError> {
+    ) -> Result<(Option<PermitRec>, Ended), EngineError> {
         if self.calls.get(&call).is_none_or(|c| c.owner != owner) {
             return Err(EngineError::UnknownCall(call));
         }
@@ -367,7 +397,8 @@ impl Tables {
         if let Some(ended) = &c.ended {
             ended.notify_one();
         }
-        Ok(c.permit.and_then(|id| self.permits.remove(&id)))
+        let permit = c.permit.and_then(|id| self.permits.remove(&id));
+        Ok((permit, (c.scope, c.tenant)))
     }
 
     /// `owner` holds an unreported permit.
@@ -380,9 +411,17 @@ impl Tables {
         self.owner_calls.get(&owner).is_some_and(|&n| n > 0)
     }
 
-    /// Forget every call of `owner`; returns its permits.
-    pub(crate) fn release_owner(&mut self, owner: OwnerId) -> Vec<PermitRec> {
-        self.calls.retain(|_, c| c.owner != owner);
+    /// Forget every call of `owner`; returns its permits and (§19) the scope and
+    /// tenant of every call forgotten.
+    pub(crate) fn release_owner(&mut self, owner: OwnerId) -> (Vec<PermitRec>, Vec<Ended>) {
+        let mut ended = Vec::new();
+        self.calls.retain(|_, c| {
+            let keep = c.owner != owner;
+            if !keep && c.tenant.is_some() {
+                ended.push((c.scope, c.tenant.take()));
+            }
+            keep
+        });
         self.owner_calls.remove(&owner);
         let ids: Vec<u64> = self
             .permits
@@ -390,9 +429,11 @@ impl Tables {
             .filter(|(_, p)| p.owner == owner)
             .map(|(&id, _)| id)
             .collect();
-        ids.iter()
+        let permits = ids
+            .iter()
             .filter_map(|id| self.permits.remove(id))
-            .collect()
+            .collect();
+        (permits, ended)
     }
 
     /// Take permits out as reclaimed: their calls go on (the attempt counted, stall

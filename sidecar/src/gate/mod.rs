@@ -8,6 +8,9 @@
 //!   operations [`Gates::admit`] (reserve, then enter; a breaker refusal gives the
 //!   reservation back) and [`Gates::report`] (settle, then the verdict). The memory
 //!   backend runs them under one lock; the Redis script implements the same rules.
+//! - [`tenant`] (§19) is gate 3's second ledger, a tenant's: a backend keeps one per
+//!   scope and tenant and takes it in the same atomic step as the source's gates
+//!   ([`AdmitRequest::tenant`], [`ReportRequest::tenant`]).
 //!
 //! Nothing here imports a backend or the engine: they import the gates.
 
@@ -18,6 +21,7 @@ pub mod memo;
 pub mod observed;
 pub mod pacer;
 pub mod quota;
+pub mod tenant;
 
 use std::time::Duration;
 
@@ -25,6 +29,7 @@ use breaker::{Applied, Breaker, BreakerParams, State};
 use classes::{ClassTag, ClassUsage, Held};
 use observed::Observation;
 use quota::{Quota, QuotaParams, Reserve, Settlement, Split, Tokens};
+use tenant::{Charge, TenantLimit, TenantParams};
 
 /// Answer of the combined admission step (gates 3 + 4, [`Gates::admit`]).
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -35,7 +40,21 @@ pub enum Admit {
         epoch: u64,
         /// The permit is the half-open probe.
         is_probe: bool,
+        /// §19: the UTC day number the tenant's reservation was charged to (its
+        /// settlement goes to that day's and month's budgets); 0 without a tenant.
+        tenant_day: u32,
     },
+    /// §19: the call's tenant has no room for it (its bucket, or its dollar budget at
+    /// this source's prices); nothing was taken, the source's gates not consulted.
+    TenantLimited {
+        /// The limit that refused.
+        limit: TenantLimit,
+        /// §6: until the tenant's ledger certainly admits this reservation.
+        retry_after: Duration,
+    },
+    /// §19: the backend tracks `max_tenants` tenants of the scope already and this is
+    /// a new one (memory backend); nothing was taken.
+    TenantsFull,
     /// Quota refused (gate 3); the breaker was not consulted.
     RateLimited {
         /// Estimated time until quota frees.
@@ -184,6 +203,60 @@ pub struct AdmitRequest<'a> {
     pub tokens: Tokens,
     /// §15: the call's priority class (`None`: the scope has none).
     pub class: Option<&'a ClassTag>,
+    /// §19: the call's tenant, charged in the same step (`None`: anonymous, or a
+    /// scope without tenants).
+    pub tenant: Option<TenantAdmit<'a>>,
+}
+
+/// Who a tenant is, for a backend: its ledger is keyed by the scope and the id.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TenantKey<'a> {
+    /// The scope's name.
+    pub scope: &'a str,
+    /// The tenant id (empty: the anonymous tenant, when it has limits).
+    pub tenant: &'a str,
+}
+
+/// §19: the tenant's side of one admission.
+#[derive(Debug, Clone, Copy)]
+pub struct TenantAdmit<'a> {
+    /// Whose ledger.
+    pub key: TenantKey<'a>,
+    /// Its limits now.
+    pub params: &'a TenantParams,
+    /// What this admission charges it: the source's reservation and its estimated
+    /// cost at the source's prices.
+    pub charge: Charge,
+    /// Most ledgers a backend holding them in memory keeps for the scope (past it a
+    /// new tenant is [`Admit::TenantsFull`]).
+    pub max_tenants: u32,
+}
+
+/// §19: settling a tenant's reservation.
+#[derive(Debug, Clone, Copy)]
+pub struct TenantSettle<'a> {
+    /// Whose ledger.
+    pub key: TenantKey<'a>,
+    /// Its limits now.
+    pub params: &'a TenantParams,
+    /// What the admission charged.
+    pub charge: Charge,
+    /// How its tokens settle (§7's table; a tenant is charged what was used).
+    pub how: Settlement,
+    /// What the settlement costs, n$ (the estimate again for an abandoned permit).
+    pub cost: u64,
+    /// The day number the admission charged (`Admit::Admitted::tenant_day`).
+    pub day: u32,
+}
+
+impl TenantSettle<'_> {
+    /// The credits the tenant's ledger gets: tokens and requests by `how` (never the
+    /// source's `tokens_charged = "estimate"`: the tenant pays what it used), and the
+    /// estimate's difference from the cost (negative: charged more).
+    pub fn credits(&self) -> (quota::Credits, i128) {
+        let c = self.params.q.credits(self.charge.tokens, self.how);
+        (c, self.charge.cost as i128 - self.cost as i128)
+    }
 }
 
 impl<'a> AdmitRequest<'a> {
@@ -194,6 +267,15 @@ impl<'a> AdmitRequest<'a> {
             q,
             tokens: tokens.into(),
             class: None,
+            tenant: None,
+        }
+    }
+
+    /// The same on behalf of a tenant.
+    pub fn tenant(self, t: TenantAdmit<'a>) -> Self {
+        AdmitRequest {
+            tenant: Some(t),
+            ..self
         }
     }
 
@@ -225,6 +307,8 @@ pub struct ReportRequest<'a> {
     pub class: Option<&'a str>,
     /// §18: the provider's rate-limit headers of the attempt's response.
     pub observed: Option<&'a Observation>,
+    /// §19: the permit's tenant reservation, settled in the same step.
+    pub tenant: Option<TenantSettle<'a>>,
 }
 
 impl<'a> ReportRequest<'a> {
@@ -246,6 +330,15 @@ impl<'a> ReportRequest<'a> {
             outcome,
             class: None,
             observed: None,
+            tenant: None,
+        }
+    }
+
+    /// The same settling the permit's tenant reservation too.
+    pub fn tenant(self, t: TenantSettle<'a>) -> Self {
+        ReportRequest {
+            tenant: Some(t),
+            ..self
         }
     }
 
@@ -297,6 +390,7 @@ impl Gates {
             q,
             tokens,
             class,
+            tenant: _, // the backend keeps tenants' ledgers beside the sources' gates
         } = r;
         if let Some(class) = class {
             let deficits = self.quota.deficits(q, now);
@@ -326,6 +420,7 @@ impl Gates {
         Admit::Admitted {
             epoch: e.epoch,
             is_probe: e.is_probe,
+            tenant_day: 0,
         }
     }
 
@@ -343,6 +438,7 @@ impl Gates {
             outcome,
             class,
             observed,
+            tenant: _,
         } = r;
         let how = outcome.settlement(reserved);
         if let Some(class) = class {

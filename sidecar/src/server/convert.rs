@@ -7,6 +7,7 @@ use ipc_protocol as wire;
 use crate::backend::{self, Applied, State};
 use crate::engine::{self, EngineError, Exhaustion, Grant};
 
+pub use super::tenant_wire::{downgrade_tenant, engine_reply, split_tenant, tenant_id};
 pub use crate::limits::MAX_TOKENS;
 
 /// A wire argument the engine cannot take.
@@ -52,6 +53,12 @@ pub enum ArgumentError {
     /// A split token count whose sum does not fit.
     #[error("est_input_tokens + est_output_tokens must be at most {max}", max = MAX_TOKENS)]
     SplitSum,
+    /// §19: a tenant id longer than [`crate::config::MAX_TENANT_ID`] bytes.
+    #[error("tenant must be at most {max} bytes of UTF-8, got {len} bytes", max = crate::config::MAX_TENANT_ID)]
+    TenantTooLong {
+        /// Its length in bytes.
+        len: usize,
+    },
 }
 
 /// What a version-2 `CallSpec` asks the engine for.
@@ -190,6 +197,33 @@ pub fn seconds(name: &'static str, value: f64, positive: bool) -> Result<Duratio
 /// `retry_after_s` of any size is accepted (the engine cuts it to
 /// `max_rate_limit_block`, §7); NaN, infinite or negative ones are refused.
 pub fn outcome(o: wire::Outcome) -> Result<backend::Outcome, ArgumentError> {
+    outcome_cached(o).map(|(o, _)| o)
+}
+
+/// [`outcome`], and the cached input reads a v3 `SuccessCached` counts (§19; 0 for
+/// every other outcome).
+pub fn outcome_cached(o: wire::Outcome) -> Result<(backend::Outcome, u64), ArgumentError> {
+    if let wire::Outcome::SuccessCached {
+        usage,
+        cached_input_tokens,
+        count_attempt,
+    } = o
+    {
+        let cached = tokens("cached_input_tokens", cached_input_tokens)?;
+        let (tokens, split) = usage_tokens(usage)?;
+        return Ok((
+            backend::Outcome::Success {
+                tokens,
+                split,
+                count_attempt,
+            },
+            cached,
+        ));
+    }
+    Ok((plain_outcome(o)?, 0))
+}
+
+fn plain_outcome(o: wire::Outcome) -> Result<backend::Outcome, ArgumentError> {
     Ok(match o {
         wire::Outcome::Success {
             tokens: t,
@@ -227,6 +261,7 @@ pub fn outcome(o: wire::Outcome) -> Result<backend::Outcome, ArgumentError> {
                 split,
             }
         }
+        wire::Outcome::SuccessCached { .. } => unreachable!("outcome_cached takes it"),
     })
 }
 
@@ -318,6 +353,7 @@ fn skip_reason(r: engine::SkipReason) -> wire::SkipReason {
         engine::SkipReason::Paced => wire::SkipReason::Paced,
         engine::SkipReason::RateLimited => wire::SkipReason::RateLimited,
         engine::SkipReason::BackendUnavailable => wire::SkipReason::BackendUnavailable,
+        engine::SkipReason::TenantLimited => wire::SkipReason::TenantLimited,
     }
 }
 
@@ -398,7 +434,20 @@ pub fn engine_error(e: &EngineError) -> wire::ErrorReply {
         EngineError::Busy(_) => error(K::Busy, ""),
         EngineError::ShuttingDown => error(K::ShuttingDown, ""),
         EngineError::CallEnded(_) => error(K::Cancelled, ""),
-        EngineError::TooManyWaiters(_) => error(K::Overloaded, ""),
+        EngineError::TooManyWaiters(_) | EngineError::TooManyTenants { .. } => {
+            error(K::Overloaded, "")
+        }
+        EngineError::TenantLimited {
+            scope,
+            retry_after,
+            reasons: r,
+            ..
+        } => wire::ErrorReply {
+            retry_after_s: retry_after.as_secs_f64(),
+            per_source_reasons: reasons(r),
+            scope: Some(scope.clone()),
+            ..error(K::TenantLimited, "")
+        },
     };
     reply.message = message;
     reply
@@ -507,6 +556,10 @@ pub fn status_json(
             // §15: only a scope that declares classes shows them.
             if !sc.classes.is_empty() {
                 doc["classes"] = sc.classes.iter().map(class_json).collect();
+            }
+            // §19: and only a scope with tenants, its tenants.
+            if let Some(t) = &sc.tenants {
+                doc["tenants"] = super::tenant_doc::tenants_json(t);
             }
             doc
         })

@@ -139,7 +139,7 @@ impl<B: Backend> Drop for CallGuard<B> {
 }
 
 fn fail(e: &EngineError) -> Reply {
-    Reply::Error(convert::engine_error(e))
+    convert::engine_reply(e)
 }
 
 fn invalid(e: convert::ArgumentError) -> Reply {
@@ -192,6 +192,11 @@ pub(super) fn dispatch<B: Backend>(cx: &Ctx<B>, request: Request) -> Step {
         Ok(x) => x,
         Err(e) => return Step::Now(invalid(e)),
     };
+    // §19: a call on behalf of a tenant is the same call, naming it.
+    let (request, tenant) = match convert::split_tenant(request) {
+        Ok(x) => x,
+        Err(e) => return Step::Now(invalid(e)),
+    };
     match request {
         Request::Ping => Step::Now(Reply::Pong),
         Request::BeginCall { scope, est_tokens } => {
@@ -205,7 +210,13 @@ pub(super) fn dispatch<B: Backend>(cx: &Ctx<B>, request: Request) -> Step {
         }
         Request::Begin(spec) => Step::Now(match convert::call_spec(spec) {
             Err(e) => invalid(e),
-            Ok(a) => match engine.begin_call_as(owner, &a.scope, a.est, a.priority.as_deref()) {
+            Ok(a) => match engine.begin_call_for(
+                owner,
+                &a.scope,
+                a.est,
+                a.priority.as_deref(),
+                tenant.as_deref(),
+            ) {
                 Ok(call) => Reply::CallBegun { call },
                 Err(e) => fail(&e),
             },
@@ -221,11 +232,12 @@ pub(super) fn dispatch<B: Backend>(cx: &Ctx<B>, request: Request) -> Step {
                 Ok(a) => a,
                 Err(e) => return Step::Now(invalid(e)),
             };
-            let call = match engine.begin_call_as(
+            let call = match engine.begin_call_for(
                 owner,
                 &args.scope,
                 args.est,
                 args.priority.as_deref(),
+                tenant.as_deref(),
             ) {
                 Ok(call) => call,
                 Err(e) => return Step::Now(fail(&e)),
@@ -248,17 +260,17 @@ pub(super) fn dispatch<B: Backend>(cx: &Ctx<B>, request: Request) -> Step {
             })
         }
         Request::Report { permit, outcome } => {
-            let outcome = match convert::outcome(outcome) {
+            let (outcome, cached) = match convert::outcome_cached(outcome) {
                 Ok(o) => o,
                 Err(e) => return Step::Now(invalid(e)),
             };
             job!(&cx.budget, CancelBy::Never, false, |slot| {
                 match engine
-                    .report_observed(owner, permit, outcome, observed)
+                    .report_full(owner, permit, outcome, observed, cached)
                     .await
                 {
-                    Ok(a) => convert::reported(&a),
-                    Err(e) => fail(&e),
+                    Ok((_, Ok(a))) => convert::reported(&a),
+                    Ok((_, Err(e))) | Err(e) => fail(&e),
                 }
             })
         }
@@ -269,12 +281,15 @@ pub(super) fn dispatch<B: Backend>(cx: &Ctx<B>, request: Request) -> Step {
             }
         }),
         Request::Finish { permit, outcome } => {
-            let outcome = match convert::outcome(outcome) {
+            let (outcome, cached) = match convert::outcome_cached(outcome) {
                 Ok(o) => o,
                 Err(e) => return Step::Now(invalid(e)),
             };
             job!(&cx.budget, CancelBy::Never, false, |slot| {
-                match engine.report_with(owner, permit, outcome, observed).await {
+                match engine
+                    .report_full(owner, permit, outcome, observed, cached)
+                    .await
+                {
                     // Refused: nothing changed, the permit is still the client's.
                     Err(e) => fail(&e),
                     Ok((call, r)) => {
@@ -288,14 +303,17 @@ pub(super) fn dispatch<B: Backend>(cx: &Ctx<B>, request: Request) -> Step {
             })
         }
         Request::Retry { permit, outcome } => {
-            let outcome = match convert::outcome(outcome) {
+            let (outcome, cached) = match convert::outcome_cached(outcome) {
                 Ok(o) => o,
                 Err(e) => return Step::Now(invalid(e)),
             };
             let token = CancellationToken::new();
             let stop = token.clone();
             job!(&cx.budget, CancelBy::Token(token), true, |slot| {
-                let call = match engine.report_with(owner, permit, outcome, observed).await {
+                let call = match engine
+                    .report_full(owner, permit, outcome, observed, cached)
+                    .await
+                {
                     Err(e) => return fail(&e),
                     // Applied (or lost to a backend failure): the attempt is over.
                     Ok((call, _)) => call,
@@ -313,6 +331,17 @@ pub(super) fn dispatch<B: Backend>(cx: &Ctx<B>, request: Request) -> Step {
                 };
                 let _ = engine.end_call(owner, call).await;
                 reply
+            })
+        }
+        Request::TenantStatus { scope, tenant } => {
+            if let Err(e) = convert::tenant_id(&tenant) {
+                return Step::Now(invalid(e));
+            }
+            job!(&cx.budget, CancelBy::Abort, false, |slot| {
+                match engine.tenant_status(&tenant, scope.as_deref()).await {
+                    Ok(t) => Reply::StatusJson(super::tenant_doc::tenant_json(&t)),
+                    Err(e) => fail(&e),
+                }
             })
         }
         Request::Status | Request::StatusJson => {
@@ -361,12 +390,14 @@ pub(super) fn dispatch<B: Backend>(cx: &Ctx<B>, request: Request) -> Step {
             })
         }
         // Both are the connection's own and never reach here; the observed reports
-        // became plain ones above.
+        // became plain ones above, and so did the tenants' starts.
         Request::Hello { .. }
         | Request::Cancel { .. }
         | Request::ReportObserved { .. }
         | Request::RetryObserved { .. }
-        | Request::FinishObserved { .. } => Step::Now(Reply::Error(convert::error(
+        | Request::FinishObserved { .. }
+        | Request::StartTenant { .. }
+        | Request::BeginTenant { .. } => Step::Now(Reply::Error(convert::error(
             ErrorKind::Internal,
             "request routed to the wrong handler",
         ))),
@@ -452,6 +483,9 @@ pub(super) fn request_name(r: &Request) -> &'static str {
         Request::ReportObserved { .. } => "ReportObserved",
         Request::RetryObserved { .. } => "RetryObserved",
         Request::FinishObserved { .. } => "FinishObserved",
+        Request::StartTenant { .. } => "StartTenant",
+        Request::BeginTenant { .. } => "BeginTenant",
+        Request::TenantStatus { .. } => "TenantStatus",
     }
 }
 

@@ -32,6 +32,8 @@ pub mod convert;
 mod dispatch;
 mod guard;
 mod snapshot;
+pub mod tenant_doc;
+mod tenant_wire;
 mod transport;
 
 use std::future::Future;

@@ -14,8 +14,10 @@
 
 mod observed;
 mod provider;
+mod tenants;
 pub use observed::*;
 pub use provider::*;
+pub use tenants::*;
 
 use std::future::Future;
 use std::time::Duration;
@@ -814,8 +816,9 @@ pub async fn admit_quota_refusal_does_not_touch_breaker<H: Harness>(h: &H) {
 pub async fn admit_grants_probe_and_report_settles<H: Harness>(h: &H) {
     let b = h.fresh().await;
     let q = qp_tokens_only();
-    let Admit::Admitted { epoch, is_probe } =
-        b.admit(S1, AdmitRequest::new(&bp(), &q, 20)).await.unwrap()
+    let Admit::Admitted {
+        epoch, is_probe, ..
+    } = b.admit(S1, AdmitRequest::new(&bp(), &q, 20)).await.unwrap()
     else {
         panic!("fresh source must admit")
     };
@@ -1352,6 +1355,12 @@ macro_rules! contract_tests {
             an_observation_older_than_one_applied_is_ignored,
             auto_admits_one_at_a_time_then_learns_and_follows_the_limit,
             auto_input_and_output_buckets_charge_their_share,
+            tenant_limit_refuses_before_the_source_and_takes_nothing,
+            source_refusal_gives_the_tenant_everything_back,
+            settlements_give_back_tokens_and_dollars,
+            a_dollar_budget_refuses_until_its_window_ends,
+            concurrent_admissions_never_exceed_the_tenant,
+            a_refilled_ledger_reads_as_fresh,
         );
     };
     (@cases $harness:expr; $($case:ident),* $(,)?) => {

@@ -34,6 +34,9 @@ pub fn source(name: &str) -> SourceConfig {
         est_output_tokens: None,
         observe_limits: polygate::config::DEFAULT_OBSERVE_LIMITS,
         auto: 0,
+        usd_per_1m_input: None,
+        usd_per_1m_output: None,
+        usd_per_1m_cached_input: None,
     }
 }
 
@@ -56,6 +59,7 @@ pub fn scope(name: &str, sources: Vec<SourceConfig>) -> ScopeConfig {
         priorities: Vec::new(),
         default_priority: 0,
         saturation: polygate::config::DEFAULT_SATURATION,
+        tenants: None,
     }
 }
 

@@ -174,4 +174,20 @@ impl Backend for TestBackend {
     async fn neutral(&self, s: &str, e: u64, probe: bool) -> BResult<Applied> {
         self.inner.neutral(s, e, probe).await
     }
+    async fn tenant_reserve(&self, t: TenantAdmit<'_>) -> BResult<Admit> {
+        self.trip().await;
+        self.inner.tenant_reserve(t).await
+    }
+    async fn tenant_settle(&self, t: TenantSettle<'_>) -> BResult<()> {
+        self.trip().await;
+        self.check()?;
+        self.inner.tenant_settle(t).await
+    }
+    async fn tenant_snapshot(
+        &self,
+        key: TenantKey<'_>,
+        p: &polygate::gate::tenant::TenantParams,
+    ) -> BResult<Option<polygate::gate::tenant::LedgerView>> {
+        self.inner.tenant_snapshot(key, p).await
+    }
 }

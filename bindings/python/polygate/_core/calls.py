@@ -6,6 +6,8 @@ Protocol version 2 (PROTOCOL.md §14), in the fewest frames:
 
 * the first ``acquire()`` sends ``Start`` (BeginCall + Acquire); ``begin()``, if
   called first, sends ``Begin`` and the first ``acquire()`` a plain ``Acquire``;
+  a call for a tenant sends ``StartTenant`` / ``BeginTenant`` instead (version 3,
+  §15), and is refused here, before anything is sent, on an older connection;
 * a ``failure`` / ``rate_limited`` / ``cancel`` / uncounted ``success`` report is
   *held* and travels with the next ``acquire()`` as ``Retry`` — or with the end of
   the call as ``Finish``;
@@ -15,8 +17,9 @@ Protocol version 2 (PROTOCOL.md §14), in the fewest frames:
   estimate stays charged, PROTOCOL.md §8).
 
 An error answering ``Start`` or ``Retry`` (other than the validation errors
-``UnknownPermit`` / ``InvalidArgument``) means the sidecar has no call any more:
-the call is over here too, and nothing is sent at its end.
+``UnknownPermit`` / ``InvalidArgument``), or a tenant's refusal
+(``TenantLimited``), means the sidecar has no call any more: the call is over
+here too, and nothing is sent at its end.
 """
 
 from __future__ import annotations
@@ -132,9 +135,11 @@ class CallBase(Generic[P]):
 
     def __init__(self, client: Any, scope: str, est_tokens: Optional[int] = None,
                  priority: Optional[str] = None, est_input_tokens: Optional[int] = None,
-                 est_output_tokens: Optional[int] = None) -> None:
+                 est_output_tokens: Optional[int] = None, tenant: Optional[str] = None) -> None:
         # validated and encoded once, before anything is sent
         self._spec = p.call_spec(scope, est_tokens, priority, est_input_tokens, est_output_tokens)
+        # None: the anonymous tenant (plain Start / Begin)
+        self._tenant = None if tenant is None else p.tenant_id(tenant)
         self._client = client
         # The connection this call's frames go to: bound by its first frame (Start
         # or Begin), so a call made before a lost connection was replaced uses the
@@ -146,6 +151,8 @@ class CallBase(Generic[P]):
         """The per-attempt estimate given (None: the sidecar's)."""
         self.priority = priority or None
         """The priority class asked for (None: the scope's default)."""
+        self.tenant = tenant or None
+        """The tenant the call is made for (None: the scope's anonymous tenant)."""
         self.id: Optional[int] = None
         """The sidecar's call id, once the call began there."""
         self._permit: Optional[P] = None
@@ -172,6 +179,23 @@ class CallBase(Generic[P]):
         if self._ended is not None:
             raise RuntimeError("call in scope %r has ended: %s" % (self.scope, self._ended))
 
+    def _bind(self, conn: Any) -> Any:
+        """Bind the call to ``conn`` for its first frame. A call for a tenant needs a
+        version-3 connection: on an older one it is refused here, before anything
+        is sent — never sent without its tenant. (A connection found lost is
+        checked once it is replaced, see the clients' ``_resend``.)"""
+        if self._tenant is not None and not conn.closed:
+            p.require_tenants(conn.welcome, "call in scope %r for tenant %r" % (self.scope, self.tenant))
+        self._conn = conn
+        return conn
+
+    @property
+    def _protocol_version(self) -> int:
+        """The version of the connection the call is bound to (a permit's report
+        picks its outcome by it: ``SuccessCached`` needs 3)."""
+        v: int = self._conn.welcome["protocol_version"]
+        return v
+
     # ------------------------------------------------------------ begin
 
     def _begin_request(self) -> Optional[bytes]:
@@ -179,7 +203,9 @@ class CallBase(Generic[P]):
         self._check_open()
         if self._live:
             return None
-        self._conn = self._client._conn  # the first frame binds the call to the client's connection
+        self._bind(self._client._conn)  # the first frame binds the call to the client's connection
+        if self._tenant is not None:
+            return p.begin_tenant(self._spec, self._tenant)
         return p.begin(self._spec)
 
     def _began(self, reply: p.Reply) -> None:
@@ -197,8 +223,9 @@ class CallBase(Generic[P]):
             held = self._held[0]
             return Acquisition(p.retry(held.id, self._held[1], held._wire_limits), "retry", self._late_retry, False)
         if not self._live:
-            self._conn = self._client._conn  # the first frame binds the call to the client's connection
-            return Acquisition(p.start(self._spec), "start", self._late_grant_ends_call, True)
+            self._bind(self._client._conn)  # the first frame binds the call to the client's connection
+            request = p.start(self._spec) if self._tenant is None else p.start_tenant(self._spec, self._tenant)
+            return Acquisition(request, "start", self._late_grant_ends_call, True)
         assert self.id is not None
         return Acquisition(p.acquire(self.id), "acquire", p.late_cleanup, False)
 
@@ -217,7 +244,9 @@ class CallBase(Generic[P]):
             raise error_from_reply(body)  # the call is still open (the held report is dropped)
         if acq.kind != "acquire":  # any other answer to Start / Retry: the sidecar has no call
             self._live = False
-            self._close("%s (the sidecar ended the call)" % (body["message"] if name == "Error" else name))
+            said = body["message"] if name == "Error" else body["error"]["message"] if name == "TenantLimited" \
+                else name
+            self._close("%s (the sidecar ended the call)" % said)
         p.expect(reply, "Started" if acq.kind == "start" else "Granted")
         raise AssertionError("unreachable")  # pragma: no cover
 

@@ -6,7 +6,14 @@ from __future__ import annotations
 import re
 from typing import Any, Dict, Optional
 
-from ..errors import AllSourcesExhausted, CircuitOpenError, GatewayUnavailableError, PolyGateError, SidecarError
+from ..errors import (
+    AllSourcesExhausted,
+    CircuitOpenError,
+    GatewayUnavailableError,
+    PolyGateError,
+    SidecarError,
+    TenantLimitExceeded,
+)
 
 SOCKET_ENV = "POLYGATE_SOCKET"
 
@@ -35,6 +42,18 @@ def error_from_reply(err: Dict[str, Any]) -> PolyGateError:
         return GatewayUnavailableError(message, kind="backend_unavailable", retry_after_s=retry_after_s,
                                        per_source_reasons=reasons, scope=scope)
     return SidecarError(message, kind=snake(kind), scope=scope, retry_after_s=retry_after_s)
+
+
+def error_from_tenant_refusal(refusal: Dict[str, Any]) -> TenantLimitExceeded:
+    """Map a wire ``TenantRefusal`` (the body of ``Reply::TenantLimited``, v3) to
+    :class:`TenantLimitExceeded`."""
+    err: Dict[str, Any] = refusal["error"]
+    return TenantLimitExceeded(
+        err.get("message") or "tenant %r is over its %s limit" % (refusal["tenant"], refusal["limit"]),
+        tenant=refusal["tenant"], limit=refusal["limit"],
+        retry_after_s=float(err.get("retry_after_s") or 0.0),
+        per_source_reasons={src: snake(r) for src, r in err.get("per_source_reasons") or []},
+        scope=err.get("scope"))
 
 
 def protocol_error(message: str) -> SidecarError:

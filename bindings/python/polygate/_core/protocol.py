@@ -15,7 +15,7 @@ from typing import Any, Dict, Generic, Optional, Protocol, Tuple, TypeVar
 from .. import _frames, _wire
 from .._version import __version__
 from ..errors import SidecarError
-from .errmap import SOCKET_ENV, error_from_reply, protocol_error
+from .errmap import SOCKET_ENV, error_from_reply, error_from_tenant_refusal, protocol_error
 
 DEFAULT_SOCKET = "/run/polygate/sidecar.sock"
 """Root's default socket; :func:`default_socket` gives any user's."""
@@ -113,10 +113,64 @@ def _check_bool(name: str, value: Any) -> bool:
 # the cold ones are values for the generic codec. frame_request takes either.
 
 
-def hello(client_name: Optional[str]) -> Request:
+def tenant_id(tenant: Optional[str]) -> Optional[bytes]:
+    """The encoded tenant id of a call (validated: at most 128 bytes of UTF-8), or
+    None for ``None`` / ``""``, the scope's anonymous tenant (a plain ``Start``)."""
+    if tenant is None:
+        return None
+    if not isinstance(tenant, str):
+        raise ValueError("tenant must be a string (a tenant id) or None, got %r" % (tenant,))
+    return _tenant_wire(tenant) if tenant else None
+
+
+@functools.lru_cache(maxsize=256)  # a worker repeats a few tenants: validate, encode once
+def _tenant_wire(tenant: str) -> bytes:
+    _check_tenant(tenant)
+    return _frames.tenant(tenant)
+
+
+def _check_tenant(tenant: Any) -> None:
+    if not isinstance(tenant, str):
+        raise ValueError("tenant must be a string (a tenant id), got %r" % (tenant,))
+    try:
+        size = len(tenant.encode("utf-8"))
+    except UnicodeEncodeError:
+        raise ValueError("tenant must be encodable as UTF-8, got %r" % (tenant,)) from None
+    if size > _wire.MAX_TENANT_BYTES:
+        raise ValueError("tenant id %r... is %d bytes of UTF-8; the limit is %d bytes"
+                         % (tenant[:32], size, _wire.MAX_TENANT_BYTES))
+
+
+def tenants_unsupported(version: int, what: str) -> SidecarError:
+    """A tenant call (or tenant status) on a connection older than version 3: it is
+    refused here, never sent without its tenant (PROTOCOL.md §15)."""
+    return SidecarError(
+        "%s: the sidecar speaks protocol %d; tenants need %d: upgrade polygate-sidecar"
+        % (what, version, _wire.TENANT_VERSION),
+        kind="protocol_violation",
+    )
+
+
+def require_tenants(welcome: Dict[str, Any], what: str) -> None:
+    """Raise :func:`tenants_unsupported` unless the connection of ``welcome`` speaks 3."""
+    version: int = welcome["protocol_version"]
+    if version < _wire.TENANT_VERSION:
+        raise tenants_unsupported(version, what)
+
+
+def tenant_status(tenant: str, scope: Optional[str] = None) -> Request:
+    """``TenantStatus{scope, tenant}`` (v3): ``""`` is the anonymous tenant."""
+    _check_tenant(tenant)
+    if scope is not None:
+        _check_name("scope", scope)
+    return {"TenantStatus": {"scope": scope, "tenant": tenant}}
+
+
+def hello(client_name: Optional[str], version: int = _wire.PROTOCOL_VERSION) -> Request:
+    """``Hello`` saying ``version`` (3; :data:`_wire.FALLBACK_VERSION` to an older sidecar)."""
     return {
         "Hello": {
-            "protocol_version": _wire.PROTOCOL_VERSION,
+            "protocol_version": version,
             "client_name": client_name or DEFAULT_CLIENT_NAME,
             "pid": os.getpid() & 0xFFFFFFFF,
         }
@@ -138,6 +192,8 @@ def call_spec(scope: str, est_tokens: Optional[int] = None, priority: Optional[s
 
 start = _frames.start
 begin = _frames.begin
+start_tenant = _frames.start_tenant
+begin_tenant = _frames.begin_tenant
 acquire = _frames.acquire
 end_call = _frames.end_call
 cancel = _frames.cancel
@@ -183,12 +239,21 @@ def frame_request(rid: int, request: Request, max_frame: int) -> bytes:
 
 
 def outcome_success(tokens: Optional[int] = None, count_attempt: bool = True,
-                    input_tokens: Optional[int] = None, output_tokens: Optional[int] = None) -> bytes:
-    """``Success``, or ``SuccessUsage`` when the input/output split is given."""
+                    input_tokens: Optional[int] = None, output_tokens: Optional[int] = None,
+                    cached_input_tokens: Optional[int] = None, version: int = _wire.PROTOCOL_VERSION) -> bytes:
+    """``Success``, or ``SuccessUsage`` when the input/output split is given, or
+    ``SuccessCached`` (v3) when ``cached_input_tokens`` > 0 on a ``version`` 3
+    connection (an older one gets ``SuccessUsage`` without the cached count)."""
     tokens = _check_count("tokens", tokens)
     input_tokens = _check_count("input_tokens", input_tokens)
     output_tokens = _check_count("output_tokens", output_tokens)
+    cached = _check_count("cached_input_tokens", cached_input_tokens)
     _check_bool("count_attempt", count_attempt)
+    if cached and version >= _wire.TENANT_VERSION:
+        if (input_tokens or 0) + (output_tokens or 0) > MAX_COUNT:
+            raise ValueError("input_tokens + output_tokens must be at most %d, got %r + %r"
+                             % (MAX_COUNT, input_tokens, output_tokens))
+        return _frames.success_cached(tokens, input_tokens, output_tokens, cached, count_attempt)
     if input_tokens is None and output_tokens is None:
         return _frames.success(tokens, count_attempt)
     if (input_tokens or 0) + (output_tokens or 0) > MAX_COUNT:
@@ -239,6 +304,8 @@ def expect(reply: Reply, *names: str) -> Any:
         return body
     if name == "Error":
         raise error_from_reply(body)
+    if name == "TenantLimited":
+        raise error_from_tenant_refusal(body)
     raise protocol_error("unexpected reply %s from the sidecar (expected %s)" % (name, " or ".join(names)))
 
 
@@ -277,24 +344,38 @@ class WelcomeInfo(Generic[C]):
         return self._conn.max_frame
 
 
-def check_welcome(reply: Reply) -> Dict[str, Any]:
-    """The ``Welcome`` body, or a clear error when the sidecar speaks another
-    version (a version-1 sidecar refuses our Hello with ``ProtocolViolation``)."""
+class VersionFallback(Exception):
+    """Internal to the clients: the sidecar refused ``Hello`` 3 naming the versions
+    it speaks, and 2 is one of them (an older sidecar, PROTOCOL.md §15). It has
+    closed the connection: open a new one saying ``version``. Never reaches the user."""
+
+    def __init__(self, version: int, said: str) -> None:
+        super().__init__(said)
+        self.version = version
+
+
+def check_welcome(reply: Reply, version: int = _wire.PROTOCOL_VERSION) -> Dict[str, Any]:
+    """The ``Welcome`` body of a ``Hello`` that said ``version``; raises
+    :class:`VersionFallback` when an older sidecar refused 3 but speaks 2, and a
+    clear error when it speaks no version this client does (a version-1 sidecar)."""
     name, body = variant(reply)
     theirs: Optional[int] = None
     if name == "Welcome":
-        if body["protocol_version"] == _wire.PROTOCOL_VERSION:
+        if _wire.FALLBACK_VERSION <= body["protocol_version"] <= version:
             welcome: Dict[str, Any] = body
             return welcome
         theirs = body["protocol_version"]
     elif name == "Error" and body["kind"] == "ProtocolViolation" and "version" in body["message"]:
-        m = re.search(r"sidecar speaks versions? (\d+)", body["message"])
-        theirs = int(m.group(1)) if m else None
+        # "... this sidecar speaks versions 1 to 2" (or "speaks version 1", "speaks 1")
+        m = re.search(r"sidecar speaks (?:versions? )?(\d+)(?: to (\d+))?", body["message"])
+        theirs = int(m.group(2) or m.group(1)) if m else None
+        if version > _wire.FALLBACK_VERSION and (theirs is None or theirs >= _wire.FALLBACK_VERSION):
+            raise VersionFallback(_wire.FALLBACK_VERSION, body["message"])
     else:
         expect(reply, "Welcome")  # raises the mapped error / a protocol error
     raise SidecarError(
         "the sidecar speaks protocol %s, this client needs %d: upgrade polygate-sidecar%s"
-        % (theirs if theirs is not None else "an older version", _wire.PROTOCOL_VERSION,
+        % (theirs if theirs is not None else "an older version", _wire.FALLBACK_VERSION,
            " (it said: %s)" % body["message"] if name == "Error" else ""),
         kind="protocol_violation",
     )

@@ -58,7 +58,7 @@ from typing import Any, Callable, Optional, Tuple
 
 from . import protocol as p
 
-__all__ = ["Outcome", "classify_exception", "outcome_report", "usage_of", "Classifier"]
+__all__ = ["Outcome", "classify_exception", "outcome_report", "usage_of", "Usage", "Classifier"]
 
 _FAILURES = ("timeout", "server_error", "connection", "bad_result", "error")
 
@@ -261,36 +261,48 @@ def _count(v: Any) -> Optional[int]:
     return v
 
 
-def usage_of(result: Any, permit_tokens: Optional[int] = None) -> Tuple[Optional[int], Optional[int], Optional[int]]:
-    """``(tokens, input_tokens, output_tokens)`` to report for a successful
-    ``result``: ``permit.tokens`` if the function set it, else the result's
-    ``usage`` (attribute or ``"usage"`` key) read as
+Usage = Tuple[Optional[int], Optional[int], Optional[int], Optional[int]]
+"""``(tokens, input_tokens, output_tokens, cached_input_tokens)``."""
+
+
+def usage_of(result: Any, permit_tokens: Optional[int] = None) -> Usage:
+    """``(tokens, input_tokens, output_tokens, cached_input_tokens)`` to report
+    for a successful ``result``: ``permit.tokens`` if the function set it, else
+    the result's ``usage`` (attribute or ``"usage"`` key) read as
 
     * OpenAI chat: ``total_tokens``; input = ``prompt_tokens`` minus
-      ``prompt_tokens_details.cached_tokens``; output = ``completion_tokens``;
+      ``prompt_tokens_details.cached_tokens``, which are the cached input;
+      output = ``completion_tokens``;
     * OpenAI responses: ``total_tokens``; input = ``input_tokens`` minus
-      ``input_tokens_details.cached_tokens``; output = ``output_tokens``;
+      ``input_tokens_details.cached_tokens`` (the cached input); output =
+      ``output_tokens``;
     * Anthropic: input = ``input_tokens`` (which already excludes cache reads),
-      output = ``output_tokens`` (no total: the sidecar sums the split).
+      cached input = ``cache_read_input_tokens``, output = ``output_tokens``
+      (no total: the sidecar sums the split).
 
-    Values that are not plausible counts are ignored (the estimate is kept)."""
+    Values that are not plausible counts are ignored (the estimate is kept; a
+    cached count that is not one is None)."""
     if permit_tokens is not None:  # set by the caller's function: a bad value is a bug, say so
-        return p._check_count("permit.tokens", permit_tokens), None, None
+        return p._check_count("permit.tokens", permit_tokens), None, None, None
     usage = _attr(result, "usage") if result is not None else None
     if usage is None:
-        return None, None, None
+        return None, None, None, None
     total = _count(_attr(usage, "total_tokens"))
     prompt = _count(_attr(usage, "prompt_tokens"))
+    cached: Optional[int]
     if prompt is not None:
-        cached = _count(_attr(_attr(usage, "prompt_tokens_details") or {}, "cached_tokens")) or 0
-        inp: Optional[int] = max(0, prompt - cached)
+        cached = _count(_attr(_attr(usage, "prompt_tokens_details") or {}, "cached_tokens"))
+        inp: Optional[int] = max(0, prompt - (cached or 0))
         out = _count(_attr(usage, "completion_tokens"))
     else:
         inp = _count(_attr(usage, "input_tokens"))
+        cached = None
         if inp is not None:
-            cached = _count(_attr(_attr(usage, "input_tokens_details") or {}, "cached_tokens")) or 0
-            inp = max(0, inp - cached)
+            cached = _count(_attr(_attr(usage, "input_tokens_details") or {}, "cached_tokens"))
+            inp = max(0, inp - (cached or 0))
+        if cached is None:  # Anthropic: input_tokens already excludes the cache reads
+            cached = _count(_attr(usage, "cache_read_input_tokens"))
         out = _count(_attr(usage, "output_tokens"))
     if inp is not None and out is not None and inp + out > p.MAX_COUNT:
         inp = out = None
-    return total, inp, out
+    return total, inp, out, cached

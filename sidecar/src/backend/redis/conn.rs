@@ -116,6 +116,11 @@ impl Connection {
         &self.describe
     }
 
+    /// A Redis Cluster (a call's keys must share one slot).
+    pub(super) fn is_cluster(&self) -> bool {
+        matches!(self.target, Target::Cluster(_))
+    }
+
     /// The bound of one call.
     pub(super) fn timeout(&self) -> Duration {
         self.timeout

@@ -1,6 +1,10 @@
--- PolyGate breaker (§6) + quota (§7, §7a) for one source, atomically, in one script call.
+-- PolyGate breaker (§6) + quota (§7, §7a) for one source, and the ledger of the call's
+-- tenant (§19), atomically, in one script call.
 --
 -- KEYS[1] = {prefix:source}:b  breaker hash     KEYS[2] = {prefix:source}:q  quota hash
+-- KEYS[3] = {prefix:t:scope:tenant}  the tenant's ledger (admit, report with slot 52 = 1;
+--           one server: a Redis Cluster routes a call by one slot, so there the engine
+--           calls the tenant ops treserve / tsettle on this key alone, KEYS[1])
 --
 -- ARGV: one meaning per slot whatever the op (script.rs `Argv` and `SLOTS` build it
 -- under the same names); a slot the op does not use holds the neutral value shown, and
@@ -66,6 +70,23 @@
 -- ARGV[49] ot_limit : output tokens (-1)
 -- ARGV[50] ot_remaining : (-1)
 -- ARGV[51] ot_reset_us : (-1)
+-- ARGV[52] tenant : §19 admit, report: 0|1, the call's tenant ledger is the last key (0)
+-- ARGV[53] t_tpm : the tenant's token bucket limit per minute (-1 = none). Slots 53..58
+--              are its limits, sent with every tenant op
+-- ARGV[54] t_rpm : requests per minute (-1)
+-- ARGV[55] t_tpd : tokens per day (-1)
+-- ARGV[56] t_rpd : requests per day (-1)
+-- ARGV[57] t_usd_day : dollars per UTC day, n$ (-1 = none)
+-- ARGV[58] t_usd_month : dollars per UTC month, n$ (-1 = none)
+-- ARGV[59] t_cost : admit, treserve: the reservation's estimated cost, n$ (0); its tokens
+--              are slot 13 and one request
+-- ARGV[60] t_token_credit : report, tsettle: tokens given back to the tenant's token
+--              buckets; negative = extra debit (0)
+-- ARGV[61] t_request_credit : report, tsettle: requests given back, 0 or 1 (0)
+-- ARGV[62] t_cost_credit : report, tsettle: n$ given back to the budget windows the
+--              reservation was charged to; negative = charged more (0)
+-- ARGV[63] t_day : report, tsettle: the day number (UTC days since 1970) the reservation
+--              was charged to (-1); tcal: the day to convert
 --
 -- Cost (§10, §16): one TIME per call; every stored number is an integer (µs or a
 -- count) written with '%d' (never '%.17g' float text, never strtod of one); each hash
@@ -760,6 +781,180 @@ local function csettle(q, name)
   end
 end
 
+-- ------------------------------------------------------------------ tenants (§19)
+-- A tenant's ledger in a scope (gate/tenant.rs holds the same rules): up to four
+-- buckets stored like a source's (full_at µs in fields tt, rt, td, rd; QB's indices 1,
+-- 2, 5, 6 so the quota functions above serve them), and up to two dollar budgets that
+-- never refill: spent in the current UTC day (di: day number, ds: n$) and month (mi:
+-- months since 1970-01, ms), each kept only while that budget is set. 'f' counts the
+-- reservations not yet settled (calls in flight): never read for admission, so a lost
+-- report costs nothing but the count. The hash expires once every bucket is full and
+-- its budget windows are over (field x, as qsave's). TK is the ledger's key.
+
+local TK
+local TQB = { 1, 2, 5, 6 } -- the tenant's buckets, as QB indices
+local TLIM = { [1] = 53, [2] = 54, [5] = 55, [6] = 56 } -- their limit slots
+local TCODE = { [1] = 1, [2] = 2, [5] = 3, [6] = 4 } -- refusal codes: tpm rpm tpd rpd
+local TW, TCAPS, TLIMS, TON, TAMT = {}, {}, {}, {}, {}
+
+-- Months since 1970-01 of day number d (Hinnant's civil_from_days).
+local function month_of(d)
+  local z = d + 719468
+  local era = floor(z / 146097)
+  local doe = z - era * 146097
+  local yoe = floor((doe - floor(doe / 1460) + floor(doe / 36524) - floor(doe / 146096)) / 365)
+  local doy = doe - (365 * yoe + floor(yoe / 4) - floor(yoe / 100))
+  local mp = floor((5 * doy + 2) / 153)
+  local m = mp < 10 and mp + 3 or mp - 9
+  local y = yoe + era * 400
+  if m <= 2 then y = y + 1 end
+  return (y - 1970) * 12 + m - 1
+end
+
+-- µs at which month `mo` (months since 1970-01) ends (days_from_civil of the next).
+local function month_end(mo)
+  local n = mo + 1
+  local y, m = 1970 + floor(n / 12), n % 12 + 1
+  if m <= 2 then y = y - 1 end
+  local era = floor(y / 400)
+  local yoe = y - era * 400
+  local mp = m > 2 and m - 3 or m + 9
+  local doe = yoe * 365 + floor(yoe / 4) - floor(yoe / 100) + floor((153 * mp + 2) / 5)
+  return (era * 146097 + doe - 719468) * DAY
+end
+
+local function tload()
+  local v = redis.call('HMGET', TK, 'tt', 'rt', 'td', 'rd', 'di', 'ds', 'mi', 'ms', 'f', 'x')
+  local t = { bu = 0, w = clear(TW), caps = TCAPS, lim = TLIMS, on = clear(TON), amt = TAMT,
+    x = tonumber(v[10]), f = tonumber(v[9]) or 0,
+    di = tonumber(v[5]) or -1, ds = tonumber(v[6]) or 0,
+    mi = tonumber(v[7]) or -1, ms = tonumber(v[8]) or 0 }
+  local tok = arg(13, 0)
+  for k = 1, 4 do
+    local i = TQB[k]
+    local l = arg(TLIM[i], -1)
+    t.lim[i], t.caps[i] = l, l
+    if l > 0 then
+      t[QB[i].f] = max(tonumber(v[k]) or now, now)
+      t.on[#t.on + 1] = i
+      if QB[i].n == 't' then t.amt[i] = tok else t.amt[i] = 1 end
+    end
+  end
+  return t
+end
+
+-- Refusal of the reservation (slot 13 tokens, one request, slot 59 n$): its code (1..4
+-- a bucket, 5 usd_per_day, 6 usd_per_month; 0 = it fits) and µs until it certainly fits
+-- (a budget: the end of its window; a bucket: its refill, as qwait). A budget refuses
+-- when spent + cost passes it.
+local function tcheck(t)
+  local cost = arg(59, 0)
+  if cost > 0 then
+    local day = floor(now / DAY)
+    local bm = arg(58, -1)
+    if bm >= 0 then
+      local mo = month_of(day)
+      local spent = 0
+      if t.mi == mo then spent = t.ms end
+      if spent + cost > bm then return 6, max(month_end(mo) - now, 1) end
+    end
+    local bd = arg(57, -1)
+    if bd >= 0 then
+      local spent = 0
+      if t.di == day then spent = t.ds end
+      if spent + cost > bd then return 5, max((day + 1) * DAY - now, 1) end
+    end
+  end
+  local w, code = 0, 0
+  local on = t.on
+  for k = 1, #on do
+    local i = on[k]
+    local cap = t.caps[i]
+    local need = min(t.amt[i], cap)
+    local x = t[QB[i].f] - now - refill(t, i, cap - need)
+    if x > w then w, code = x, TCODE[i] end
+  end
+  return code, w
+end
+
+-- Queue field `f` = `x` for tsave.
+local function tput(t, f, x)
+  t[f] = x
+  t.w[#t.w + 1] = f
+end
+
+-- Take the reservation (after tcheck said 0): the buckets, the cost in every budget's
+-- window (started afresh when a newer one), one more in flight. Returns the day number.
+local function ttake(t)
+  qdebit(t)
+  local day = floor(now / DAY)
+  local cost = arg(59, 0)
+  if cost > 0 and arg(57, -1) >= 0 then
+    if t.di ~= day then tput(t, 'di', day); t.ds = 0 end
+    tput(t, 'ds', t.ds + cost)
+  end
+  if cost > 0 and arg(58, -1) >= 0 then
+    local mo = month_of(day)
+    if t.mi ~= mo then tput(t, 'mi', mo); t.ms = 0 end
+    tput(t, 'ms', t.ms + cost)
+  end
+  tput(t, 'f', t.f + 1)
+  return day
+end
+
+-- Settle a reservation charged to day slot 63: the token credits (slots 60, 61; an
+-- extra debit at most slot 36's refill time), the cost credit (slot 62) on each window
+-- only while it is the one the reservation was charged to, one less in flight.
+local function tsettle(t)
+  local most = arg(36, 600000000)
+  local on = t.on
+  for k = 1, #on do
+    local i = on[k]
+    local n
+    if QB[i].n == 't' then n = arg(60, 0) else n = arg(61, 0) end
+    qadd(t, i, n, most)
+  end
+  local c, day = arg(62, 0), arg(63, -1)
+  if c ~= 0 and day >= 0 then
+    if t.di == day then tput(t, 'ds', max(0, t.ds - c)) end
+    if t.mi >= 0 and t.mi == month_of(day) then tput(t, 'ms', max(0, t.ms - c)) end
+  end
+  if t.f > 0 then tput(t, 'f', t.f - 1) end
+end
+
+-- Write the changed fields; move the expiry past the moment the ledger reads as fresh
+-- (every bucket full, every budget window with spend over), when it must move.
+local function tsave(t)
+  local n = #t.w
+  if n == 0 then return end
+  local need = now
+  local on = t.on
+  for k = 1, #on do need = max(need, t[QB[on[k]].f]) end
+  if t.ds > 0 and t.di >= 0 then need = max(need, (t.di + 1) * DAY) end
+  if t.ms > 0 and t.mi >= 0 then need = max(need, month_end(t.mi)) end
+  local expire = false
+  if t.x == nil or t.x < need then
+    t.x = need + QSLACK
+    t.w[n + 1] = 'x'
+    n = n + 1
+    expire = true
+  end
+  local args = HARGS
+  for i = 1, n do
+    local f = t.w[i]
+    args[2 * i - 1] = f
+    args[2 * i] = fmt(t[f])
+  end
+  redis.call('HSET', TK, unpack(args, 1, 2 * n))
+  if expire then redis.call('PEXPIREAT', TK, fmt(ceil(t.x / 1000))) end
+end
+
+-- A bucket's level at now as text ('' when the tenant has no such limit).
+local function tlevel(t, i)
+  if t.caps[i] <= 0 then return '' end
+  return format('%.17g', t.caps[i] - (t[QB[i].f] - now) * t.lim[i] / QB[i].per)
+end
+
 -- ------------------------------------------------------------------ dispatch
 
 local function gate(keys, args)
@@ -768,12 +963,20 @@ local function gate(keys, args)
     tonumber, format, unpack = _G.tonumber, string.format, _G.unpack
   end
   K, A, P = keys, args, setmetatable({}, PMETA)
+  TK = K[#K]
   local t = redis.call('TIME')
   now = tonumber(t[1]) * 1000000 + tonumber(t[2])
   local op = A[1]
 
   if op == 'admit' then
-    -- Gate 3 then gate 4; a breaker refusal takes nothing.
+    -- The tenant's ledger (§19), then gate 3, then gate 4; any refusal takes nothing
+    -- (both ledgers, or neither).
+    local t
+    if arg(52, 0) == 1 then
+      t = tload()
+      local code, tw = tcheck(t)
+      if code > 0 then return { 4, code, 0, 0, tw } end
+    end
     local q = qload()
     local wait = qwait(q)
     -- §15: a class held back by its limit or others' reserves takes nothing either.
@@ -794,8 +997,13 @@ local function gate(keys, args)
     qtrack(q, 1)
     if cl then ctake(q, cl[mi]) end
     qsave(q)
-    if p then return { 0, b.e, 1, b.st, 0 } end
-    return { 0, b.e, 0, b.st, 0 }
+    local day = -1
+    if t then
+      day = ttake(t)
+      tsave(t)
+    end
+    if p then return { 0, b.e, 1, b.st, 0, day } end
+    return { 0, b.e, 0, b.st, 0, day }
 
   elseif op == 'report' then
     -- Settle (the caller computed the credits), then the verdict.
@@ -810,6 +1018,11 @@ local function gate(keys, args)
       if block >= 0 then qblock(q, block) end
       qobserve(q)
       qsave(q)
+    end
+    if arg(52, 0) == 1 then
+      local t = tload()
+      tsettle(t)
+      tsave(t)
     end
     local verdict = A[17]
     local b = bload(verdict ~= 'N')
@@ -904,6 +1117,38 @@ local function gate(keys, args)
     qblock(q, arg(20, 0))
     qsave(q)
     return { 1 }
+
+  elseif op == 'treserve' then
+    -- §19 on a Redis Cluster: the tenant's ledger alone (KEYS[1]); the source's admit
+    -- follows, and a refusal there gives this back (tsettle with every credit).
+    local t = tload()
+    local code, tw = tcheck(t)
+    if code > 0 then return { 0, code, tw } end
+    local day = ttake(t)
+    tsave(t)
+    return { 1, day, 0 }
+
+  elseif op == 'tsettle' then
+    local t = tload()
+    tsettle(t)
+    tsave(t)
+    return { 1 }
+
+  elseif op == 'tsnapshot' then
+    -- Status: levels of tpm, rpm, tpd, rpd ('' = no such limit), spent today and this
+    -- month (n$, 0 outside their windows), in flight.
+    local t = tload()
+    local day = floor(now / DAY)
+    local ds, ms = 0, 0
+    if t.di == day then ds = t.ds end
+    if t.mi == month_of(day) then ms = t.ms end
+    return { tlevel(t, 1), tlevel(t, 2), tlevel(t, 5), tlevel(t, 6), ds, ms, t.f }
+
+  elseif op == 'tcal' then
+    -- The calendar of slot 63's day, for the tests that hold it to gate/tenant.rs.
+    local d = arg(63, 0)
+    local mo = month_of(d)
+    return { mo, month_end(mo) }
 
   elseif op == 'snapshot' then
     -- Status reads persist nothing (decay and roll are recomputed on the next write).

@@ -12,7 +12,9 @@
 //!   Redis itself ([`BackendError::Protocol`], reachability untouched);
 //! - `pubsub`: the admin broadcast every host listens to (§9);
 //! - `hosts`: this host's heartbeat and the live host count, which sets the share of
-//!   every shared quota the local fallback uses while degraded (§10).
+//!   every shared quota the local fallback uses while degraded (§10);
+//! - `tenant`: the tenant ledgers' ops (§19), in the source's call on one server, in
+//!   calls of their own on a Redis Cluster.
 //!
 //! Admin operations (`force_open`, `force_close`, `reset`) never fall back: a change
 //! to local state would be invisible to every other host while this one reported
@@ -27,6 +29,7 @@ mod ops;
 mod pubsub;
 mod reach;
 mod script;
+mod tenant;
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -42,6 +45,8 @@ use super::{
 };
 use crate::clock::Clock;
 use crate::config::{BackendKind, DegradedShare, OnBackendError};
+use crate::gate::tenant::{LedgerView, TenantParams};
+use crate::gate::{TenantAdmit, TenantKey, TenantSettle};
 use conn::Connection;
 use fault::Fault;
 use hosts::Heartbeat;
@@ -55,6 +60,7 @@ use pubsub::AdminFeed;
 pub use reach::RETRY_INTERVAL;
 use reach::{Reach, Route};
 use script::{Announce, Op};
+use tenant::TSettleArgs;
 
 /// How to reach Redis and what to do when it cannot be reached.
 #[derive(Debug, Clone, PartialEq)]
@@ -195,6 +201,24 @@ impl RedisBackend {
         self.admin.channel()
     }
 
+    /// §19 (tests): `gate.lua`'s calendar for day number `day` (UTC days since
+    /// 1970-01-01): its month (months since 1970-01) and the µs at which the month
+    /// ends, so a test can hold the script's calendar to `gate::tenant`'s.
+    #[doc(hidden)]
+    pub async fn tenant_calendar(&self, day: u32) -> BResult<(u32, u64)> {
+        let p = TenantParams::default();
+        let op = tenant::TCalArgs { params: &p, day };
+        self.exec_tenant(
+            &self.tenant_key(TenantKey {
+                scope: "",
+                tenant: "",
+            }),
+            op,
+        )
+        .await?
+        .ok_or_else(|| BackendError::Unavailable("redis unreachable".into()))
+    }
+
     /// Stop this host's heartbeat (it no longer counts once its TTL passes). For
     /// tests that count every command Redis runs; nothing in the daemon calls it.
     #[doc(hidden)]
@@ -222,6 +246,18 @@ impl RedisBackend {
     /// take the degraded shortcut: they always ask Redis, and fail with
     /// [`BackendError::Unavailable`] when it cannot be reached.
     async fn exec_as<O: Op>(&self, source: &str, op: O, admin: bool) -> BResult<Option<O::Reply>> {
+        self.exec_on(source, None, op, admin).await
+    }
+
+    /// [`exec_as`](Self::exec_as) with the call's tenant ledger `tenant` as the
+    /// script's third key (§19, one server).
+    async fn exec_on<O: Op>(
+        &self,
+        source: &str,
+        tenant: Option<&str>,
+        op: O,
+        admin: bool,
+    ) -> BResult<Option<O::Reply>> {
         if let Route::Local = self.reach.route(source, admin)? {
             return Ok(None);
         }
@@ -233,7 +269,10 @@ impl RedisBackend {
                 &built
             }
         };
-        let inv = script::invocation(keys, &op);
+        let inv = match tenant {
+            Some(t) => script::invocation_with(keys, t, &op),
+            None => script::invocation(keys, &op),
+        };
         match self.conn.run(&inv).await {
             Ok(v) => {
                 let reply = O::read(&v)?;
@@ -456,24 +495,26 @@ impl Backend for RedisBackend {
     }
 
     async fn admit(&self, source: &str, r: AdmitRequest<'_>) -> BResult<Admit> {
+        if let Some(t) = r.tenant.filter(|_| self.conn.is_cluster()) {
+            return self.admit_two_step(source, t, r).await;
+        }
+        let key = r.tenant.map(|t| self.tenant_key(t.key));
         let op = AdmitArgs {
             p: r.p,
             q: r.q,
             tokens: r.tokens,
             class: r.class,
+            tenant: r.tenant,
         };
-        match self.exec(source, op).await? {
+        match self.exec_on(source, key.as_deref(), op, false).await? {
             Some(a) => Ok(a),
-            None => {
-                let q = self.local_q(r.q);
-                self.local
-                    .admit_no_probe(source, AdmitRequest { q: &q, ..r })
-                    .await
-            }
+            None => self.admit_locally(source, r).await,
         }
     }
 
     async fn report(&self, source: &str, r: ReportRequest<'_>) -> BResult<Applied> {
+        let cluster = self.conn.is_cluster();
+        let key = r.tenant.map(|t| self.tenant_key(t.key));
         let op = ReportArgs {
             p: r.p,
             q: r.q,
@@ -483,13 +524,37 @@ impl Backend for RedisBackend {
             outcome: r.outcome,
             class: r.class,
             observed: r.observed,
+            tenant: r.tenant.filter(|_| !cluster),
         };
-        match self.exec(source, op).await? {
-            Some(a) => Ok(a),
+        // A Redis Cluster settles the tenant beside the source, both sent at once.
+        let (answer, tenant) = match (cluster, r.tenant, key.as_deref()) {
+            (true, Some(t), Some(k)) => {
+                let (a, s) = tokio::join!(
+                    self.exec(source, op),
+                    self.exec_tenant(k, TSettleArgs { t })
+                );
+                (a, Some(s))
+            }
+            _ => (self.exec_on(source, key.as_deref(), op, false).await, None),
+        };
+        let local_tenant = r.tenant.map(|t| self.local_tenant(t.params));
+        match answer? {
+            Some(a) => {
+                if let (Some(Ok(None)), Some(t), Some(p)) = (tenant, r.tenant, &local_tenant) {
+                    self.local
+                        .tenant_settle(TenantSettle { params: p, ..t })
+                        .await?;
+                }
+                Ok(a)
+            }
             None => {
                 let q = self.local_q(r.q);
+                let tenant = r
+                    .tenant
+                    .zip(local_tenant.as_ref())
+                    .map(|(t, params)| TenantSettle { params, ..t });
                 self.local
-                    .report(source, ReportRequest { q: &q, ..r })
+                    .report(source, ReportRequest { q: &q, tenant, ..r })
                     .await
             }
         }
@@ -500,5 +565,21 @@ impl Backend for RedisBackend {
             Some(a) => Ok(a),
             None => self.local.neutral(source, epoch, is_probe).await,
         }
+    }
+
+    async fn tenant_reserve(&self, t: TenantAdmit<'_>) -> BResult<Admit> {
+        self.reserve_tenant(t).await
+    }
+
+    async fn tenant_settle(&self, t: TenantSettle<'_>) -> BResult<()> {
+        self.settle_tenant(t).await
+    }
+
+    async fn tenant_snapshot(
+        &self,
+        key: TenantKey<'_>,
+        p: &TenantParams,
+    ) -> BResult<Option<LedgerView>> {
+        self.snapshot_tenant(key, p).await
     }
 }

@@ -9,14 +9,15 @@ use ::redis::Value;
 use super::reach::Seen;
 use super::script::{
     applied, bool_at, dur_at, int_at, level_at, level_or_none, proto, seen_applied, state_at,
-    u64_at, Announce, Argv, Op,
+    u64_at, Announce, Argv, Op, TenantSlots,
 };
 use crate::backend::event::AdminOp;
 use crate::backend::{
     Admit, Applied, BResult, BreakerParams, ClassTag, Entry, Held, LastSeen, Observation, Outcome,
     Peek, QuotaParams, Reserve, Settlement, SourceSnapshot, State, Tokens,
 };
-use crate::gate::quota::MAX_QUOTA_BLOCK;
+use crate::gate::quota::{Credits, MAX_QUOTA_BLOCK};
+use crate::gate::{TenantAdmit, TenantSettle};
 
 /// Gate 4 alone: may a caller enter?
 pub(super) struct TryEnterArgs<'a> {
@@ -364,6 +365,8 @@ pub(super) struct AdmitArgs<'a> {
     pub tokens: Tokens,
     /// §15: the call's priority class (`None`: the scope has none).
     pub class: Option<&'a ClassTag>,
+    /// §19: the call's tenant, its ledger the call's third key (one server only).
+    pub tenant: Option<TenantAdmit<'a>>,
 }
 
 impl Op for AdmitArgs<'_> {
@@ -376,6 +379,14 @@ impl Op for AdmitArgs<'_> {
             tokens: self.tokens,
             class: self.class.map(|c| &*c.share().name),
             shares: self.class.map(|c| &*c.shares),
+            tenant: self.tenant.map(|t| TenantSlots {
+                with_source: true,
+                params: t.params,
+                cost: t.charge.cost,
+                credit: Credits::default(),
+                cost_credit: 0,
+                day: None,
+            }),
             ..Argv::default()
         }
     }
@@ -384,6 +395,12 @@ impl Op for AdmitArgs<'_> {
             0 => Ok(Admit::Admitted {
                 epoch: u64_at(v, 1)?,
                 is_probe: bool_at(v, 2)?,
+                // -1 (no tenant) or a day number.
+                tenant_day: if v.len() > 5 {
+                    u32::try_from(int_at(v, 5)?).unwrap_or(0)
+                } else {
+                    0
+                },
             }),
             1 => Ok(Admit::RateLimited {
                 retry_after: dur_at(v, 4)?,
@@ -399,6 +416,10 @@ impl Op for AdmitArgs<'_> {
                     2 => Held::Reserve,
                     _ => return Err(proto("admit", v)),
                 },
+                retry_after: dur_at(v, 4)?,
+            }),
+            4 => Ok(Admit::TenantLimited {
+                limit: super::tenant::limit_of(v, 1)?,
                 retry_after: dur_at(v, 4)?,
             }),
             _ => Err(proto("admit", v)),
@@ -425,7 +446,9 @@ impl Op for AdmitArgs<'_> {
                 breaker: Some((state, retry_after)),
                 quota: None,
             },
-            Admit::ClassHeld { .. } => Seen::default(),
+            Admit::ClassHeld { .. } | Admit::TenantLimited { .. } | Admit::TenantsFull => {
+                Seen::default()
+            }
         }
     }
 }
@@ -449,6 +472,9 @@ pub(super) struct ReportArgs<'a> {
     pub class: Option<&'a str>,
     /// §18: the response's observed limits.
     pub observed: Option<&'a Observation>,
+    /// §19: the permit's tenant reservation, its ledger the call's third key (one
+    /// server only).
+    pub tenant: Option<TenantSettle<'a>>,
 }
 
 impl Op for ReportArgs<'_> {
@@ -481,6 +507,7 @@ impl Op for ReportArgs<'_> {
                 Tokens::default()
             },
             observed: self.observed.filter(|_| self.q.tracks()),
+            tenant: self.tenant.map(|t| super::tenant::settle_slots(&t, true)),
             ..Argv::default()
         }
     }
@@ -631,6 +658,7 @@ mod tests {
             },
             class: None,
             observed: None,
+            tenant: None,
         };
         let announce = Announce {
             channel: "chan",
@@ -704,6 +732,7 @@ mod tests {
             },
             class: None,
             observed: None,
+            tenant: None,
         };
         assert_eq!(slot(&report, "is_probe"), "1");
         assert_eq!(slot(&report, "count_attempt"), "0");
@@ -744,6 +773,7 @@ mod tests {
             q: &q,
             tokens: 12.into(),
             class: None,
+            tenant: None,
         };
         assert_eq!(slot(&admit, "tokens"), "12");
         assert_eq!(
@@ -770,6 +800,7 @@ mod tests {
             },
             class: None,
             observed: None,
+            tenant: None,
         };
         let credit = |r: &ReportArgs| slot(r, "token_credit");
         assert_eq!(credit(&report(FailureKind::Timeout, Some(40))), "100");

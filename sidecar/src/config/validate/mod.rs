@@ -5,14 +5,16 @@
 //!
 //! One submodule per table of the §12a shape: [`sidecar`] (`[sidecar]`), [`scope`]
 //! (`[scopes.NAME]` with its breaker and pacer), [`priorities`] (§15's
-//! `[[scopes.NAME.priorities]]`) and [`source`] (`[[scopes.NAME.sources]]`, §7a's quota
-//! keys, and §2's rule that a shared source is configured alike). This module holds the
+//! `[[scopes.NAME.priorities]]`), [`tenants`] (§19's `[scopes.NAME.tenants]`) and
+//! [`source`] (`[[scopes.NAME.sources]]`, §7a's quota keys, §19's prices, and §2's
+//! rule that a shared source is configured alike). This module holds the
 //! entry point and the shared checks that name the bad key.
 
 mod priorities;
 mod scope;
 mod sidecar;
 mod source;
+mod tenants;
 
 use std::time::Duration;
 

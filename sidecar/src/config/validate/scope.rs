@@ -3,6 +3,7 @@
 
 use super::priorities::validate_priorities;
 use super::source::validate_source;
+use super::tenants::validate_tenants;
 use super::{choice, count, duration, finite};
 use crate::config::env::Origins;
 use crate::config::raw::{RawBreaker, RawPacer, RawScope};
@@ -88,7 +89,13 @@ pub(super) fn validate_scope(
         ctx,
     )?;
 
+    let tenants = raw
+        .tenants
+        .map(|t| validate_tenants(&name, t, ctx))
+        .transpose()?;
+
     Ok(ScopeConfig {
+        tenants,
         priorities: classes.priorities,
         default_priority: classes.default,
         saturation: classes.saturation,

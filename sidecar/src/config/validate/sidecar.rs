@@ -14,6 +14,10 @@ const MAX_MAX_FRAME: u64 = 16 * 1024 * 1024;
 /// Largest accepted `sidecar.max_connections` (fds are the real bound, checked at
 /// start-up against `RLIMIT_NOFILE`).
 const MAX_MAX_CONNECTIONS: i64 = 1_000_000;
+/// Largest accepted `sidecar.tenant_metrics_top`: a scrape's per-tenant series stay
+/// a few thousand at most.
+const MAX_TENANT_METRICS_TOP: i64 = 1000;
+
 /// Largest accepted `sidecar.worker_threads`.
 const MAX_WORKER_THREADS: i64 = 1024;
 /// Accepted `sidecar.max_buffered`: 1 MiB ..= 64 GiB.
@@ -239,8 +243,24 @@ pub(super) fn validate_sidecar(
         },
     };
 
+    let tenant_metrics_top = match raw.tenant_metrics_top {
+        None => d.tenant_metrics_top,
+        Some(v) if (0..=MAX_TENANT_METRICS_TOP).contains(&v) => v as u32,
+        Some(v) => {
+            return Err(ctx.err(
+                "sidecar.tenant_metrics_top",
+                v,
+                format!(
+                    "must be between 0 and {MAX_TENANT_METRICS_TOP} (per-tenant metric \
+                     families per scope; 0 = totals only)"
+                ),
+            ))
+        }
+    };
+
     Ok(SidecarConfig {
         idle_exit,
+        tenant_metrics_top,
         worker_threads,
         max_connections,
         idle_timeout,

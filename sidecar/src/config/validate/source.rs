@@ -95,13 +95,39 @@ pub(super) fn validate_source(
             DEFAULT_OBSERVE_LIMITS,
         )?,
         auto,
+        usd_per_1m_input: price(ctx, &k("usd_per_1m_input"), raw.usd_per_1m_input)?,
+        usd_per_1m_output: price(ctx, &k("usd_per_1m_output"), raw.usd_per_1m_output)?,
+        usd_per_1m_cached_input: price(
+            ctx,
+            &k("usd_per_1m_cached_input"),
+            raw.usd_per_1m_cached_input,
+        )?,
         name,
     })
 }
 
+/// §19: a price in dollars per million tokens: finite, at least 0, at most
+/// [`MAX_PRICE`].
+fn price(ctx: &Origins, key: &str, v: Option<f64>) -> Result<Option<f64>, ConfigError> {
+    match v {
+        None => Ok(None),
+        Some(p) if p.is_finite() && (0.0..=MAX_PRICE).contains(&p) => Ok(Some(p)),
+        Some(p) => Err(ctx.err(
+            key,
+            p,
+            format!("must be a price in dollars per million tokens, from 0 to {MAX_PRICE}"),
+        )),
+    }
+}
+
+/// The highest price per million tokens accepted (a typo guard: the dearest models
+/// cost a few hundred dollars per million tokens).
+const MAX_PRICE: f64 = 100_000.0;
+
 /// §2: a source is one breaker and one quota by its name, so every scope naming it
 /// must configure the same quota keys (`tpm`, `rpm` and §7a's `burst`,
-/// `tokens_charged`, `itpm`, `otpm`, `rpd`, `tpd`).
+/// `tokens_charged`, `itpm`, `otpm`, `rpd`, `tpd`) and the same prices (§19: one
+/// deployment has one price).
 pub(super) fn check_shared_sources(scopes: &[ScopeConfig]) -> Result<(), ConfigError> {
     let mut seen: HashMap<&str, (&str, &SourceConfig)> = HashMap::new();
     for scope in scopes {
@@ -132,8 +158,10 @@ pub(super) fn check_shared_sources(scopes: &[ScopeConfig]) -> Result<(), ConfigE
 }
 
 /// The keys of a source that make up its one global quota, each as its value shows.
-pub(super) fn quota_keys(s: &SourceConfig) -> [(&'static str, Box<str>); 9] {
+pub(super) fn quota_keys(s: &SourceConfig) -> [(&'static str, Box<str>); 12] {
     let n = |v: Option<u64>| v.map_or_else(|| "unset".into(), |v| v.to_string().into());
+    let usd =
+        |v: Option<f64>| -> Box<str> { v.map_or_else(|| "unset".into(), |v| v.to_string().into()) };
     let r = |bit: u8, v: Option<u64>| -> Box<str> {
         if s.auto & (1 << bit) != 0 {
             "\"auto\"".into()
@@ -160,5 +188,8 @@ pub(super) fn quota_keys(s: &SourceConfig) -> [(&'static str, Box<str>); 9] {
             "observe_limits",
             format!("{:?}", s.observe_limits.as_str()).into(),
         ),
+        ("usd_per_1m_input", usd(s.usd_per_1m_input)),
+        ("usd_per_1m_output", usd(s.usd_per_1m_output)),
+        ("usd_per_1m_cached_input", usd(s.usd_per_1m_cached_input)),
     ]
 }

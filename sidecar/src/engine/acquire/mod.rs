@@ -14,7 +14,7 @@ use std::pin::pin;
 use std::time::Duration;
 
 use super::error::{EngineError, Exhaustion, SkipReason};
-use super::queue::{size_class, Spot};
+use super::line::{size_class, Spot};
 use super::report::{Abandon, GiveBack, Settle};
 use super::runtime::bump;
 use super::tables::{Hold, OwnerId, PermitRec};
@@ -47,6 +47,21 @@ impl<B: Backend> Engine<B> {
         est: impl Into<CallEst>,
         priority: Option<&str>,
     ) -> Result<u64, EngineError> {
+        self.begin_call_for(owner, scope, est, priority, None)
+    }
+
+    /// [`Engine::begin_call_as`] on behalf of `tenant` (§19; `None` or `""`: the
+    /// anonymous tenant). A scope without tenants ignores it. A tenant id over
+    /// [`crate::config::MAX_TENANT_ID`] bytes is [`EngineError::InvalidArgument`]; a
+    /// new tenant of a scope whose book is full, [`EngineError::TooManyTenants`].
+    pub fn begin_call_for(
+        &self,
+        owner: OwnerId,
+        scope: &str,
+        est: impl Into<CallEst>,
+        priority: Option<&str>,
+        tenant: Option<&str>,
+    ) -> Result<u64, EngineError> {
         let est = est.into();
         let si = *self
             .scope_index
@@ -69,7 +84,34 @@ impl<B: Backend> Engine<B> {
                 })?,
         };
         let now = self.clock.now();
-        self.lock().begin(owner, si, est, class, now)
+        let tenant = match (&sc.book, tenant.filter(|t| !t.is_empty())) {
+            (Some(book), Some(t)) => {
+                if t.len() > crate::config::MAX_TENANT_ID {
+                    return Err(EngineError::InvalidArgument(format!(
+                        "tenant must be at most {} bytes, got {}",
+                        crate::config::MAX_TENANT_ID,
+                        t.len()
+                    )));
+                }
+                let max =
+                    sc.with_policy(|p| p.tenants.as_ref().map_or(u32::MAX, |t| t.max_tenants));
+                Some(
+                    book.enter(t, max, now)
+                        .ok_or_else(|| EngineError::TooManyTenants {
+                            scope: sc.name.clone(),
+                            max,
+                        })?,
+                )
+            }
+            _ => None,
+        };
+        let r = self
+            .lock()
+            .begin(owner, si, est, class, tenant.clone(), now);
+        if let (Err(_), Some(book), Some(t)) = (&r, &sc.book, &tenant) {
+            book.leave(t);
+        }
+        r
     }
 
     /// Run admission for the call (§4–§5); may wait. Cancel-safe: dropping the future
@@ -104,7 +146,7 @@ impl<B: Backend> Engine<B> {
         if self.shutdown.is_cancelled() {
             return Err(EngineError::ShuttingDown);
         }
-        let (si, class) = self.lock().start_acquire(owner, call)?;
+        let (si, class, tenant) = self.lock().start_acquire(owner, call)?;
         let _acquiring = AcquireGuard { engine: self, call };
         let sc = &self.scopes[si];
         let _timer = WaitTimer {
@@ -120,7 +162,15 @@ impl<B: Backend> Engine<B> {
         // §15: a classed scope's waiters take turns in fair order; this Acquire's
         // place (it leaves, passing any turn on, however the Acquire ends). Without
         // classes every Acquire passes whenever it wakes, as it always did.
-        let place = sc.queue.as_ref().map(|q| q.join(class));
+        // §19: in a scope with tenants, within the class, in its tenant's lane.
+        let place = sc.queue.as_ref().map(|q| {
+            let weight = sc.with_policy(|p| {
+                p.tenants
+                    .as_ref()
+                    .map_or(1.0, |t| t.of(tenant.as_deref()).weight)
+            });
+            q.join(class, tenant.clone(), weight)
+        });
         let mut my_turn = place.as_ref().is_none_or(|p| p.arrive());
         // §6 retry-after of the last pass, for a stall found between passes.
         let mut last_retry_after: Option<Duration> = None;
@@ -220,7 +270,15 @@ impl<B: Backend> Engine<B> {
                 continue;
             }
             let refused = match self
-                .pass(si, &policy, &failed, budget.est, class, &mut reasons)
+                .pass(
+                    si,
+                    &policy,
+                    &failed,
+                    budget.est,
+                    class,
+                    &tenant,
+                    &mut reasons,
+                )
                 .await
             {
                 Ok(hold) => {
@@ -231,8 +289,13 @@ impl<B: Backend> Engine<B> {
                     };
                     let (grant, stale) = self.record_grant(owner, call, ticket)?;
                     if let Some(p) = place {
-                        p.granted();
-                        bump(&sc.class_counters[class].grants);
+                        p.granted(grant.est_tokens);
+                        if let Some(c) = sc.class_counters.get(class) {
+                            bump(&c.grants);
+                        }
+                    }
+                    if let (Some(book), Some(t)) = (&sc.book, &tenant) {
+                        book.note(t, super::tenants::Event::Granted);
                     }
                     // No await before returning: a Cancel now cannot strand the grant.
                     for p in stale {
@@ -253,6 +316,30 @@ impl<B: Backend> Engine<B> {
                     message,
                     reasons: self.reasons_of(si, &reasons),
                 });
+            }
+            if refused.tenants_full {
+                let max = policy.tenants.as_ref().map_or(0, |t| t.max_tenants);
+                return Err(EngineError::TooManyTenants {
+                    scope: scope_name(),
+                    max,
+                });
+            }
+            // §19: the call's tenant is what stops it (every source that reached the
+            // quota gate refused for its limits): a spent dollar budget never refills
+            // before its window ends, so the call ends now, as under `fail_fast`; a
+            // bucket of the tenant is waited on like any quota.
+            let tenant_only = refused.tenant_only(sc.sources.len());
+            let tenant_error = |reasons: &[Option<SkipReason>]| EngineError::TenantLimited {
+                scope: scope_name(),
+                tenant: tenant.as_deref().unwrap_or("").to_string(),
+                limit: refused
+                    .tenant_limit
+                    .unwrap_or(crate::gate::tenant::TenantLimit::Tpm),
+                retry_after: refused.tenant_retry_after.unwrap_or_default(),
+                reasons: self.reasons_of(si, reasons),
+            };
+            if tenant_only && (refused.tenant_budgets_only || cfg.quota_full == Mode::FailFast) {
+                return Err(tenant_error(&reasons));
             }
             // §5 dispatch. `retry_after` is §6's for whichever error ends the call
             // here: the min over the sources of when each would certainly pass.
@@ -287,6 +374,9 @@ impl<B: Backend> Engine<B> {
             };
             let stall = self.lock().stall(call, self.clock.now())?;
             if stall > cfg.stall_window {
+                if tenant_only {
+                    return Err(tenant_error(&reasons));
+                }
                 return Err(EngineError::Exhausted {
                     scope: scope_name(),
                     reason: Exhaustion::Stalled,
@@ -421,6 +511,7 @@ impl<B: Backend> Engine<B> {
         let scope = match e {
             EngineError::CircuitOpen { scope, .. }
             | EngineError::Exhausted { scope, .. }
+            | EngineError::TenantLimited { scope, .. }
             | EngineError::BackendUnavailable {
                 scope: Some(scope), ..
             } => scope,
@@ -429,6 +520,10 @@ impl<B: Backend> Engine<B> {
         let Some(&si) = self.scope_index.get(scope) else {
             return;
         };
+        if let (EngineError::TenantLimited { tenant, .. }, Some(book)) = (e, &self.scopes[si].book)
+        {
+            book.note(tenant, super::tenants::Event::Refused);
+        }
         let c = &self.scopes[si].counters;
         bump(c.errors.of(e));
         // §15: the same by class (a lookup only on this error path).
@@ -453,7 +548,7 @@ impl<B: Backend> Engine<B> {
         call: u64,
         mut ticket: Ticket<'_, B>,
     ) -> Result<(Grant, Vec<PermitRec>), EngineError> {
-        let g = ticket.hold.expect("ticket armed");
+        let g = ticket.hold.clone().expect("ticket armed");
         let src = &self.sources[g.source];
         let now = self.clock.now();
         let mut t = self.lock();

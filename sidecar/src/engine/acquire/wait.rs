@@ -15,7 +15,7 @@
 //! passes per second each, ~1.4 cores on an idle host. Now, in a scope without
 //! priority classes:
 //! - An Acquire whose pass is refused on the quota branch joins the scope's **quota
-//!   line** ([`crate::engine::queue::QuotaLine`]), FIFO within the size class of its
+//!   line** ([`crate::engine::line::QuotaLine`]), FIFO within the size class of its
 //!   estimate (estimates within 2× of each other share a class; the estimate is the
 //!   largest over the scope's sources). A new Acquire always checks its budgets
 //!   first. **No barging** (§5, issue 21): while the scope's line has members, a new

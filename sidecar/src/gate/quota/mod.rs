@@ -182,6 +182,37 @@ impl Quota {
     }
 }
 
+// §19: what a tenant's ledger reads of its buckets (gate/tenant.rs).
+impl Quota {
+    /// The bucket with the longest wait for reservation `t` and that wait, `None`
+    /// when `t` fits now (a tenant's buckets have no 429 block).
+    pub fn refusing(
+        &self,
+        q: &QuotaParams,
+        t: impl Into<Tokens>,
+        now: Duration,
+    ) -> Option<(Bucket, Duration)> {
+        let t = t.into();
+        let mut worst: Option<(Bucket, Duration)> = None;
+        for (i, (b, counts, _)) in BUCKETS.into_iter().enumerate() {
+            if let (Some(s), Some(l)) = (q.shape(b), &self.buckets[i]) {
+                let w = l.wait_for(&s, counts.amount(t), now);
+                if !w.is_zero() && worst.is_none_or(|(_, m)| w > m) {
+                    worst = Some((b, w));
+                }
+            }
+        }
+        worst
+    }
+
+    /// Every configured bucket full at `now` (nothing to remember).
+    pub fn full(&self, q: &QuotaParams, now: Duration) -> bool {
+        BUCKETS.into_iter().enumerate().all(|(i, (b, _, _))| {
+            q.shape(b).is_none() || self.buckets[i].is_none_or(|l| l.deficit(now) == 0)
+        })
+    }
+}
+
 // §15: what the priority classes' reserves and limits read of the buckets
 // (gate/classes.rs keeps the per-class side).
 impl Quota {

@@ -17,6 +17,10 @@ use crate::server::guard::Unsent;
 impl<B: Backend> Conn<B> {
     /// Buffer a reply (its slot is already counted by the caller's rules).
     pub(super) fn reply(&mut self, id: u64, mut reply: Reply) {
+        if self.version.is_some_and(|v| v < 3) {
+            // §19: a tenant refusal (the anonymous tenant's limits) is protocol 3's.
+            crate::server::convert::downgrade_tenant(&mut reply);
+        }
         if self.version.is_some_and(|v| v < 2) {
             // §11b: `Overloaded` (an engine refusal: `max_waiters`) is protocol 2's;
             // a version-1 client gets `Busy`.

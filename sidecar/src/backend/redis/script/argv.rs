@@ -24,6 +24,7 @@ use ::redis::{RedisWrite, ToRedisArgs};
 
 use crate::backend::{BreakerParams, ClassShares, Observation, QuotaParams, Tokens};
 use crate::gate::quota::{Credits, DEFAULT_MAX_DEBT, MINUTE};
+use crate::gate::tenant::TenantParams;
 
 /// One ARGV slot's value as it goes on the wire. Numbers are written as decimal text
 /// straight into the command buffer (no `String` per slot).
@@ -86,7 +87,7 @@ impl Slot<'_> {
 
 /// The names of `gate.lua`'s ARGV slots, `ARGV[1]` first; its header documents each
 /// under the same name.
-pub(in crate::backend::redis) const SLOTS: [&str; 51] = [
+pub(in crate::backend::redis) const SLOTS: [&str; 63] = [
     "op",
     "failure_threshold",
     "failure_rate",
@@ -138,6 +139,18 @@ pub(in crate::backend::redis) const SLOTS: [&str; 51] = [
     "ot_limit",
     "ot_remaining",
     "ot_reset_us",
+    "tenant",
+    "t_tpm",
+    "t_rpm",
+    "t_tpd",
+    "t_rpd",
+    "t_usd_day",
+    "t_usd_month",
+    "t_cost",
+    "t_token_credit",
+    "t_request_credit",
+    "t_cost_credit",
+    "t_day",
 ];
 
 /// The value each slot holds when an operation does not use it, in [`SLOTS`] order
@@ -194,6 +207,18 @@ const NEUTRAL: [&str; SLOTS.len()] = [
     "-1",
     "-1",
     "-1",
+    "-1",
+    "0",
+    "-1",
+    "-1",
+    "-1",
+    "-1",
+    "-1",
+    "-1",
+    "0",
+    "0",
+    "0",
+    "0",
     "-1",
 ];
 
@@ -267,6 +292,29 @@ pub(in crate::backend::redis) struct Argv<'a> {
     pub shares: Option<&'a ClassShares>,
     /// Slots 39–51 (§18, report): the response's observed limits.
     pub observed: Option<&'a Observation>,
+    /// Slots 52–63 (§19): the call's tenant ledger.
+    pub tenant: Option<TenantSlots<'a>>,
+}
+
+/// Slots 52–63 (§19): a tenant's limits and what an op takes from or gives back to
+/// its ledger.
+#[derive(Clone, Copy)]
+pub(in crate::backend::redis) struct TenantSlots<'a> {
+    /// Slot 52: the ledger is the call's last key (admit, report on one server); the
+    /// tenant ops, which have it as their only key, leave it 0.
+    pub with_source: bool,
+    /// Slots 53–58: its limits.
+    pub params: &'a TenantParams,
+    /// Slot 59: the reservation's estimated cost, n$ (admit, treserve).
+    pub cost: u64,
+    /// Slots 60–61: tokens and requests given back (report, tsettle); tokens may be
+    /// negative (an extra debit).
+    pub credit: Credits,
+    /// Slot 62: n$ given back to the windows charged (negative: charged more).
+    pub cost_credit: i128,
+    /// Slot 63: the day number the reservation was charged to (report, tsettle,
+    /// tcal).
+    pub day: Option<u32>,
 }
 
 /// Slot 26: every class as `name reserve_ppm limit_ppm`, space-separated.
@@ -344,7 +392,7 @@ impl<'a> Argv<'a> {
         // A NaN or infinite rate would not parse as a Lua number; configs never hold one.
         let frate = if frate.is_finite() { frate } else { 1.0 };
         let (channel, source) = self.announce.map_or(("", ""), |a| (a.channel, a.source));
-        let mut v = Vec::with_capacity(SLOTS.len());
+        let mut v: Vec<Slot<'a>> = Vec::with_capacity(SLOTS.len());
         let int = |n: u64| Slot::Int(n as i64);
         v.extend([
             Slot::Text(op),
@@ -407,6 +455,26 @@ impl<'a> Argv<'a> {
                 }
             }
             None => v.extend((0..13).map(|_| Slot::Int(-1))),
+        }
+        match self.tenant {
+            Some(t) => {
+                let p = t.params;
+                v.extend([
+                    Slot::Int(i64::from(t.with_source)),
+                    Slot::Int(bucket(p.q.tpm)),
+                    Slot::Int(bucket(p.q.rpm)),
+                    Slot::Int(bucket(p.q.tpd)),
+                    Slot::Int(bucket(p.q.rpd)),
+                    Slot::Int(bucket(p.usd_per_day)),
+                    Slot::Int(bucket(p.usd_per_month)),
+                    int(count(t.cost)),
+                    Slot::Int(credit(t.credit.total)),
+                    Slot::Int(i64::from(t.credit.requests)),
+                    Slot::Int(credit(t.cost_credit)),
+                    Slot::Int(t.day.map_or(-1, i64::from)),
+                ]);
+            }
+            None => v.extend((52..=63).map(|i| Slot::Text(NEUTRAL[i - 1]))),
         }
         while v.len() > 1 && v.last().is_some_and(|s| s.is_neutral(v.len() - 1)) {
             v.pop();

@@ -23,7 +23,10 @@
 //!
 //! A source has two keys, both passed as keys and hash-tagged into one slot so Redis
 //! Cluster routes the call by its first key: `{<prefix>:<source>}:b` (breaker hash)
-//! and `{<prefix>:<source>}:q` (quota hash).
+//! and `{<prefix>:<source>}:q` (quota hash). §19: a tenant's ledger is
+//! `{<prefix>:t:<scope>:<tenant>}`, in a slot of its own: on one server it is the
+//! third key of the source's admit and report; on a Redis Cluster the tenant ops run
+//! on it alone ([`tenant_invocation`]).
 //!
 //! # Expiry and the epoch
 //!
@@ -52,7 +55,7 @@ use ::redis::{Cmd, Script, Value};
 
 #[cfg(test)]
 pub(super) use argv::SLOTS;
-pub(super) use argv::{Announce, Argv, Slot};
+pub(super) use argv::{Announce, Argv, Slot, TenantSlots};
 pub(super) use reply::{
     applied, bool_at, dur_at, int_at, level_at, level_or_none, proto, state_at, u64_at,
 };
@@ -109,24 +112,38 @@ pub(super) fn keys(prefix: &str, source: &str) -> [String; 2] {
     [breaker_key(prefix, source), quota_key(prefix, source)]
 }
 
-/// One call of `gate.lua`: its two keys and its arguments.
+/// The tenant ledger's key of `tenant` in `scope` (§19): its own hash tag, so on a
+/// Redis Cluster it lives in its own slot (the tenant ops run on it alone there).
+pub(super) fn tenant_key(prefix: &str, scope: &str, tenant: &str) -> String {
+    format!("{{{prefix}:t:{scope}:{tenant}}}")
+}
+
+/// One call of `gate.lua`: its keys (a source's two, plus its call's tenant ledger on
+/// one server; or a tenant ledger alone) and its arguments.
 pub(super) struct Call<'a> {
-    /// Breaker key, then quota key (one slot).
-    pub keys: &'a [String; 2],
+    /// The keys, the first `n` of these: breaker key, then quota key (one slot), then
+    /// the tenant's; or the tenant's alone.
+    keys: [&'a str; 3],
+    /// How many of `keys` the call passes.
+    n: usize,
     /// ARGV, `op` first, written into the command as they are (integers as decimal
     /// text, with no string of their own).
     pub args: Vec<Slot<'a>>,
 }
 
 impl Call<'_> {
-    /// `FCALL polygate_<hash> 2 <keys> <args>`, in one buffer sized up front.
+    /// The keys the call passes.
+    fn keys(&self) -> &[&str] {
+        &self.keys[..self.n]
+    }
+
+    /// `FCALL polygate_<hash> <n> <keys> <args>`, in one buffer sized up front.
     pub(super) fn fcall(&self) -> Cmd {
-        let mut c = Cmd::with_capacity(5 + self.args.len(), 128 + 12 * self.args.len());
-        c.arg("FCALL")
-            .arg(GATE.function.as_str())
-            .arg(2)
-            .arg(self.keys[0].as_str())
-            .arg(self.keys[1].as_str());
+        let mut c = Cmd::with_capacity(6 + self.args.len(), 160 + 12 * self.args.len());
+        c.arg("FCALL").arg(GATE.function.as_str()).arg(self.n);
+        for k in self.keys() {
+            c.arg(*k);
+        }
         for a in &self.args {
             c.arg(a);
         }
@@ -136,7 +153,9 @@ impl Call<'_> {
     /// The same as an `EVALSHA` invocation.
     pub(super) fn script(&self) -> ::redis::ScriptInvocation<'static> {
         let mut inv = GATE.script.prepare_invoke();
-        inv.key(self.keys[0].as_str()).key(self.keys[1].as_str());
+        for k in self.keys() {
+            inv.key(*k);
+        }
         for a in &self.args {
             inv.arg(a);
         }
@@ -147,7 +166,30 @@ impl Call<'_> {
 /// One call of `op` on a source whose keys are `keys`, ready to send.
 pub(super) fn invocation<'a, O: Op>(keys: &'a [String; 2], op: &'a O) -> Call<'a> {
     Call {
-        keys,
+        keys: [keys[0].as_str(), keys[1].as_str(), ""],
+        n: 2,
+        args: op.argv().slots(O::NAME),
+    }
+}
+
+/// The same with the call's tenant ledger as a third key (§19, one server).
+pub(super) fn invocation_with<'a, O: Op>(
+    keys: &'a [String; 2],
+    tenant: &'a str,
+    op: &'a O,
+) -> Call<'a> {
+    Call {
+        keys: [keys[0].as_str(), keys[1].as_str(), tenant],
+        n: 3,
+        args: op.argv().slots(O::NAME),
+    }
+}
+
+/// One call of a tenant op on the ledger `tenant` alone (§19, a Redis Cluster).
+pub(super) fn tenant_invocation<'a, O: Op>(tenant: &'a str, op: &'a O) -> Call<'a> {
+    Call {
+        keys: [tenant, "", ""],
+        n: 1,
         args: op.argv().slots(O::NAME),
     }
 }
