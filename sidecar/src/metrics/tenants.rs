@@ -23,8 +23,12 @@ enum Count {
     Usd(f64),
 }
 
-/// The counters every tenant and every scope's totals have: name, help, value.
-const COUNTERS: [(&str, &str, fn(&TenantStats) -> Count); 4] = [
+/// A family of [`COUNTERS`] or [`GAUGES`]: its name's tail, the start of its help,
+/// and how a tenant's figures give its value.
+type Spec<V> = (&'static str, &'static str, fn(&TenantStats) -> V);
+
+/// The counters every tenant and every scope's totals have.
+const COUNTERS: [Spec<Count>; 4] = [
     ("grants", "Permits granted to calls of", |s| {
         Count::Int(s.grants)
     }),
@@ -39,8 +43,8 @@ const COUNTERS: [(&str, &str, fn(&TenantStats) -> Count); 4] = [
     }),
 ];
 
-/// The gauges: name, help, value.
-const GAUGES: [(&str, &str, fn(&TenantStats) -> u32); 2] = [
+/// The gauges.
+const GAUGES: [Spec<u32>; 2] = [
     ("calls", "Live calls on this host of", |s| s.calls),
     ("in_flight", "Permits in flight on this host of", |s| {
         s.in_flight
