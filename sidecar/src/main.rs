@@ -59,6 +59,14 @@ enum Command {
         /// of tables, for scripts and dashboards.
         #[arg(long)]
         json: bool,
+        /// Print one tenant instead (DESIGN §19): its limits, bucket levels, spend
+        /// today and this month (UTC), calls in flight and waiting, per scope with
+        /// tenants. `--tenant ""` is the anonymous tenant (calls that name none).
+        #[arg(long, value_name = "NAME")]
+        tenant: Option<String>,
+        /// With --tenant: only this scope.
+        #[arg(long, value_name = "SCOPE", requires = "tenant")]
+        scope: Option<String>,
     },
     /// Probe the admin listener: GET /ready, exit 0 on 200 and 1 otherwise (a
     /// container HEALTHCHECK without curl).
@@ -75,12 +83,18 @@ enum Command {
 fn main() -> ExitCode {
     let cli = Cli::parse();
     match cli.command {
-        Some(Command::Status { socket, json }) => {
-            match cli::status::socket_path(socket, cli.config.as_deref()) {
-                Ok(socket) => cli::status::run(&socket, json),
-                Err(code) => code,
-            }
-        }
+        Some(Command::Status {
+            socket,
+            json,
+            tenant,
+            scope,
+        }) => match cli::status::socket_path(socket, cli.config.as_deref()) {
+            Ok(socket) => match tenant {
+                Some(t) => cli::tenant::run(&socket, &t, scope.as_deref(), json),
+                None => cli::status::run(&socket, json),
+            },
+            Err(code) => code,
+        },
         Some(Command::Health { admin, path }) => {
             match cli::health::admin_addr(admin, cli.config.as_deref()) {
                 Ok(addr) => cli::health::run(addr, &path),

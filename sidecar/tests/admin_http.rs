@@ -901,3 +901,157 @@ polygate_class_refusals_total{scope="bg",class="low",reason="held_reserve"} 0
     .await
     .unwrap();
 }
+
+/// §19: with `tenant_metrics_top = N` and N + 5 tenants served, exactly N tenants get
+/// per-tenant series (the top by dollars settled here, a hostile id escaped), every
+/// scope with tenants gets totals that are the sum over all N + 5 (the refusal of a
+/// tenant's own limit counted), and a scope without tenants gets none; with N = 0,
+/// totals only.
+#[tokio::test(start_paused = true)]
+async fn tenant_families_cover_the_top_n_and_totals_sum_every_tenant() {
+    const HOSTILE: &str = "evil\"\\\n\u{1F600}";
+    timeout(LIMIT, async {
+        let priced = polygate::config::SourceConfig {
+            usd_per_1m_input: Some(1.0),
+            ..source("a")
+        };
+        let mut chat = scope("chat", vec![priced]);
+        chat.quota_full = polygate::config::Mode::FailFast;
+        chat.tenants = Some(polygate::config::TenantsConfig {
+            fairness: polygate::config::Fairness::Vtc,
+            default: Default::default(),
+            anonymous: Default::default(),
+            overrides: vec![polygate::config::TenantOverride {
+                name: "t0".into(),
+                limits: polygate::config::TenantLimits {
+                    rpm: Some(1),
+                    ..Default::default()
+                },
+            }],
+            max_tenants: 1000,
+        });
+        let mut cfg = config(vec![chat, scope("emb", vec![source("b")])]);
+        let n = 3;
+        cfg.sidecar.tenant_metrics_top = n as u32;
+        let e = engine(&cfg);
+        // t0..t6 and the hostile id: 8 = N + 5 tenants, tenant k settles 100 (k + 1)
+        // tokens at $1 per million; the hostile one the most.
+        let mut tenants: Vec<String> = (0..7).map(|k| format!("t{k}")).collect();
+        tenants.push(HOSTILE.into());
+        for (k, t) in tenants.iter().enumerate() {
+            let call = e.begin_call_for(1, "chat", None, None, Some(t)).unwrap();
+            let g = e.acquire(1, call).await.unwrap();
+            let used = Outcome::Success {
+                tokens: Some(100 * (k as u64 + 1)),
+                split: None,
+                count_attempt: true,
+            };
+            e.report(1, g.permit, used).await.unwrap();
+            e.end_call(1, call).await.unwrap();
+        }
+        // t0's rpm of 1 refuses its second call.
+        let call = e.begin_call_for(1, "chat", None, None, Some("t0")).unwrap();
+        let refused = e.acquire(1, call).await;
+        assert!(
+            matches!(
+                refused,
+                Err(polygate::engine::EngineError::TenantLimited { .. })
+            ),
+            "{refused:?}"
+        );
+        let _ = e.end_call(1, call).await;
+
+        let m = metrics::render(&exposition(&e)).await;
+        let f = parse_openmetrics(&m).unwrap_or_else(|e| panic!("{e}\n{m}"));
+        let per_tenant = [
+            "polygate_tenant_calls",
+            "polygate_tenant_in_flight",
+            "polygate_tenant_grants",
+            "polygate_tenant_refusals",
+            "polygate_tenant_tokens",
+            "polygate_tenant_usd_spent",
+        ];
+        for fam in per_tenant {
+            let got: Vec<&str> = f[fam]
+                .samples
+                .iter()
+                .map(|s| {
+                    assert_eq!(s.labels["scope"], "chat", "{fam}");
+                    s.labels["tenant"].as_str()
+                })
+                .collect();
+            assert_eq!(got, [HOSTILE, "t6", "t5"], "{fam}: the top {n} by spend");
+        }
+        // The hostile id, escaped as OpenMetrics says, and read back whole above.
+        let line =
+            "polygate_tenant_tokens_total{scope=\"chat\",tenant=\"evil\\\"\\\\\\n\u{1F600}\"} 800";
+        assert!(m.lines().any(|l| l == line), "missing {line:?} in:\n{m}");
+        let tokens: u64 = (1..=8).map(|k| 100 * k).sum();
+        let total = |name: &str| value(&f, name, &[("scope", "chat")]);
+        assert_eq!(total("polygate_tenants_tracked"), Some(8.0));
+        assert_eq!(total("polygate_tenants_grants_total"), Some(8.0));
+        assert_eq!(total("polygate_tenants_refusals_total"), Some(1.0));
+        assert_eq!(total("polygate_tenants_tokens_total"), Some(tokens as f64));
+        assert_eq!(total("polygate_tenants_calls"), Some(0.0));
+        assert_eq!(total("polygate_tenants_in_flight"), Some(0.0));
+        let usd = total("polygate_tenants_usd_spent_total").unwrap();
+        assert!((usd - tokens as f64 * 1e-6).abs() < 1e-12, "{usd}");
+        let top_usd = value(&f, "polygate_tenant_usd_spent_total", &[("tenant", "t6")]).unwrap();
+        assert!((top_usd - 700e-6).abs() < 1e-12, "{top_usd}");
+        assert_eq!(
+            value(&f, "polygate_tenant_refusals_total", &[("tenant", "t0")]),
+            None,
+            "t0 spent least: not in the top"
+        );
+        // `emb` has no tenants: no series of either kind.
+        assert!(
+            !f.values()
+                .flat_map(|f| &f.samples)
+                .any(|s| s.name.starts_with("polygate_tenant") && s.labels["scope"] == "emb"),
+            "{m}"
+        );
+
+        // N = 0: the totals, no per-tenant family.
+        let mut none = cfg.clone();
+        none.sidecar.tenant_metrics_top = 0;
+        let e0 = engine(&none);
+        let call = e0
+            .begin_call_for(1, "chat", None, None, Some("t1"))
+            .unwrap();
+        let g = e0.acquire(1, call).await.unwrap();
+        e0.report(
+            1,
+            g.permit,
+            Outcome::Success {
+                tokens: Some(5),
+                split: None,
+                count_attempt: true,
+            },
+        )
+        .await
+        .unwrap();
+        e0.end_call(1, call).await.unwrap();
+        // An abandoned permit (never reported) keeps its estimate, dollars included.
+        let call = e0
+            .begin_call_for(1, "chat", Some(1000), None, Some("t2"))
+            .unwrap();
+        e0.acquire(1, call).await.unwrap();
+        e0.end_call(1, call).await.unwrap();
+        let m0 = metrics::render(&exposition(&e0)).await;
+        let f0 = parse_openmetrics(&m0).unwrap_or_else(|e| panic!("{e}\n{m0}"));
+        assert!(!m0.contains("polygate_tenant_"), "{m0}");
+        assert_eq!(
+            value(&f0, "polygate_tenants_tokens_total", &[("scope", "chat")]),
+            Some(1005.0)
+        );
+        let usd = value(
+            &f0,
+            "polygate_tenants_usd_spent_total",
+            &[("scope", "chat")],
+        )
+        .unwrap();
+        assert!((usd - 1005e-6).abs() < 1e-12, "{usd}");
+    })
+    .await
+    .unwrap();
+}

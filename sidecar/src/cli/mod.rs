@@ -1,9 +1,11 @@
 //! The command-line side of `polygate-sidecar` that is not the daemon (§12): loading
 //! the configuration for the command line, `--check-config`'s summary, the
-//! [`status`] client and the [`health`] probe.
+//! [`status`] client (with [`tenant`]: `status --tenant`, §19) and the [`health`]
+//! probe.
 
 pub mod health;
 pub mod status;
+pub mod tenant;
 
 use std::io::Write as _;
 use std::path::Path;

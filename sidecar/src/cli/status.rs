@@ -39,6 +39,34 @@ pub fn socket_path(socket: Option<PathBuf>, config: Option<&Path>) -> Result<Pat
 /// Fetch the report from `socket` and print it (tables, or with `json` the JSON
 /// document); failures go to stderr and exit 1.
 pub fn run(socket: &Path, json: bool) -> ExitCode {
+    let request = if json {
+        Request::StatusJson
+    } else {
+        Request::Status
+    };
+    ask_and_print(socket, request, |answer| match answer {
+        Printable::Report(report, doc) => {
+            let classes = doc.as_deref().map(classes_of).unwrap_or_default();
+            let mut text = render_with_classes(&report, &classes);
+            if let Some(doc) = doc {
+                text.push_str(&render_share(&doc));
+                text.push_str(&render_buckets(&doc));
+                text.push_str(&super::tenant::render_top(&doc));
+            }
+            Ok(text)
+        }
+        Printable::Json(doc) => Ok(format!("{doc}\n")),
+    })
+}
+
+/// Send `request` to `socket` (after Hello) and print what `print` makes of the
+/// answer; a failure (no runtime, no answer within [`STATUS_TIMEOUT`], an error
+/// reply, an answer `print` refuses) goes to stderr and exits 1.
+pub(super) fn ask_and_print(
+    socket: &Path,
+    request: Request,
+    print: impl FnOnce(Printable) -> Result<String, String>,
+) -> ExitCode {
     let rt = match tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
@@ -49,23 +77,9 @@ pub fn run(socket: &Path, json: bool) -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    let request = if json {
-        Request::StatusJson
-    } else {
-        Request::Status
-    };
     let fetch = async { tokio::time::timeout(STATUS_TIMEOUT, fetch(socket, request)).await };
-    match rt.block_on(fetch) {
-        Ok(Ok(Printable::Report(report, doc))) => {
-            let classes = doc.as_deref().map(classes_of).unwrap_or_default();
-            let mut text = render_with_classes(&report, &classes);
-            if let Some(doc) = doc {
-                text.push_str(&render_share(&doc));
-                text.push_str(&render_buckets(&doc));
-            }
-            super::print_out(&text)
-        }
-        Ok(Ok(Printable::Json(doc))) => super::print_out(&format!("{doc}\n")),
+    match rt.block_on(fetch).map(|r| r.and_then(print)) {
+        Ok(Ok(text)) => super::print_out(&text),
         Ok(Err(e)) => {
             eprintln!("polygate-sidecar status: {}: {e}", socket.display());
             ExitCode::FAILURE
@@ -81,12 +95,13 @@ pub fn run(socket: &Path, json: bool) -> ExitCode {
 }
 
 /// What a status request brought back.
-enum Printable {
+pub(super) enum Printable {
     /// The answer to `Status`, and the JSON document when the sidecar speaks it: it
     /// carries what the fixed-layout version-1 report cannot (each scope's §15
     /// classes, each bucket's §7a detail).
     Report(StatusReport, Option<String>),
-    /// The answer to `StatusJson`: the document as the sidecar wrote it.
+    /// The answer to `StatusJson` or `TenantStatus`: the document as the sidecar
+    /// wrote it.
     Json(String),
 }
 
@@ -108,7 +123,8 @@ fn refusal(reply: &Reply) -> String {
     }
 }
 
-/// Hello, then `request` (`Status` or `StatusJson`), on one connection.
+/// Hello, then `request` (`Status`, `StatusJson` or `TenantStatus`), on one
+/// connection.
 async fn fetch(socket: &Path, request: Request) -> Result<Printable, String> {
     let stream = UnixStream::connect(socket).await.map_err(|e| {
         let hint = match e.kind() {
@@ -165,16 +181,17 @@ async fn fetch(socket: &Path, request: Request) -> Result<Printable, String> {
         Reply::Error(e) => return Err(format!("{:?}: {}", e.kind, e.message)),
         other => return Err(format!("unexpected answer to Hello: {other:?}")),
     };
-    let name = match request {
-        Request::StatusJson if agreed < request.min_version() => {
-            return Err(format!(
-                "this sidecar speaks protocol version {agreed}; status --json needs version {}",
-                request.min_version()
-            ))
-        }
-        Request::StatusJson => "StatusJson",
-        _ => "Status",
+    let (name, command) = match request {
+        Request::StatusJson => ("StatusJson", "status --json"),
+        Request::TenantStatus { .. } => ("TenantStatus", "status --tenant"),
+        _ => ("Status", "status"),
     };
+    if agreed < request.min_version() {
+        return Err(format!(
+            "this sidecar speaks protocol version {agreed}; {command} needs version {}",
+            request.min_version()
+        ));
+    }
     let wants_doc =
         matches!(request, Request::Status) && agreed >= Request::StatusJson.min_version();
     match ask(2, request.clone()).await? {

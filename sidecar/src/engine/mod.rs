@@ -209,7 +209,7 @@ pub struct TenantScopeStatus {
     pub params: crate::gate::tenant::TenantParams,
     /// Its weight in the fair turns.
     pub weight: f64,
-    /// Its shared ledger (`None`: unlimited, never charged yet, or unreadable).
+    /// Its shared ledger (`None`: unlimited, or unreadable; never charged: fresh).
     pub ledger: Option<crate::gate::tenant::LedgerView>,
     /// Why the ledger could not be read (the backend's message).
     pub ledger_error: Option<String>,

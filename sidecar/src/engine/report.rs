@@ -135,8 +135,14 @@ impl<B: Backend> Engine<B> {
             Outcome::Failure { .. } => src.health.record(false, latency, now, half_life),
             _ => {}
         }
+        // §19: what an unlimited tenant (no ledger to settle) is charged all the same.
+        let how = outcome.settlement(p.tokens);
+        let spent = (
+            charged_tokens(how),
+            src.params().prices.settled(how, cached),
+        );
         let settle = Settle::of_permit(self, &p, outcome, cached).observed(observed);
-        self.tenant_settled(&p, settle.tenant.as_ref());
+        self.tenant_settled(&p, settle.tenant.as_ref(), spent);
         let r = self
             .detached(settle)
             .await
@@ -229,17 +235,12 @@ impl<B: Backend> Engine<B> {
 
     /// §19: a permit of a tenant settles on this host: its book counts the tokens and
     /// dollars charged, and its fair-turn counter is corrected from the estimate it was
-    /// charged at grant to what was used.
-    fn tenant_settled(&self, p: &PermitRec, t: Option<&TenantPart>) {
+    /// charged at grant to what was used. `spent`: the tokens and n$ of the outcome,
+    /// for a tenant without a ledger (unlimited).
+    fn tenant_settled(&self, p: &PermitRec, t: Option<&TenantPart>, spent: (u64, u64)) {
         let sc = &self.scopes[p.scope];
         let Some(book) = &sc.book else { return };
-        let (tokens, cost) = match t {
-            Some(t) => (charged_tokens(t.how), t.cost),
-            None => {
-                // An unlimited tenant (no ledger): the same figures, from the outcome.
-                (p.tokens.total, 0)
-            }
-        };
+        let (tokens, cost) = t.map_or(spent, |t| (charged_tokens(t.how), t.cost));
         if let Some(id) = &p.tenant {
             book.note(id, Event::Settled { tokens, cost });
         }
@@ -282,7 +283,10 @@ impl<B: Backend> Engine<B> {
             bump(&self.sources[p.source].counters.abandoned);
             // §19: an abandoned permit keeps its estimate, for the tenant too.
             if let (Some(book), Some(id)) = (&self.scopes[p.scope].book, &p.tenant) {
-                let cost = p.ledger.map_or(0, |l| l.cost);
+                let prices = self.sources[p.source].params().prices;
+                let cost = p
+                    .ledger
+                    .map_or_else(|| prices.estimate(p.tokens), |l| l.cost);
                 book.note(
                     id,
                     Event::Settled {

@@ -11,6 +11,7 @@ use super::{
 };
 use crate::backend::{Backend, SourceSnapshot, TenantKey};
 use crate::gate::quota::QuotaView;
+use crate::gate::tenant::Ledger;
 
 impl<B: Backend> Engine<B> {
     /// Live state of every scope and source: [`Engine::status_local`] plus the
@@ -144,7 +145,12 @@ impl<B: Backend> Engine<B> {
                     tenant,
                 };
                 match self.backend.tenant_snapshot(key, &r.params).await {
-                    Ok(l) => (l, None),
+                    Ok(Some(l)) => (Some(l), None),
+                    // Never charged (or expired idle): a fresh ledger, every bucket full.
+                    Ok(None) => (
+                        Some(Ledger::default().view(&r.params, Duration::ZERO, 0)),
+                        None,
+                    ),
                     Err(e) => (None, Some(e.to_string())),
                 }
             };
@@ -165,6 +171,12 @@ impl<B: Backend> Engine<B> {
             tenant: tenant.to_string(),
             scopes: out,
         })
+    }
+
+    /// §19: `sidecar.tenant_metrics_top`: how many tenants per scope `/metrics`
+    /// shows (the scope's `tenants.top` holds at least that many).
+    pub fn tenant_metrics_top(&self) -> usize {
+        self.tenant_top as usize
     }
 
     /// `true` when `owner` holds no unreported permit (a draining connection may

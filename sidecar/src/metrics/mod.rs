@@ -13,11 +13,12 @@
 //!
 //! This module holds the exposition, the scope and server families and the shared
 //! encoding helpers; the per-source families live in `sources`, §15's per-class
-//! families in `classes`.
+//! families in `classes`, §19's per-tenant families and totals in `tenants`.
 
 mod classes;
 mod shared;
 mod sources;
+mod tenants;
 
 use std::fmt;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -344,6 +345,7 @@ impl<B: Backend> prometheus_client::collector::Collector for Scrape<B> {
         )?
         .encode_info(&info)?;
         self.encode_scopes(&mut enc)?;
+        self.encode_tenants(&mut enc)?;
         self.encode_sources(&mut enc)?;
         self.encode_source_counters(&mut enc)?;
         self.encode_server(&mut enc)
