@@ -326,8 +326,8 @@ impl Scenario {
                 "leaked_holds",
                 "cost_ratio_memory",
                 "cost_ratio_redis",
-                "redis_cmds_per_call",
-                "redis_cmds_per_call_tenant",
+                "redis_round_trips_per_call",
+                "redis_round_trips_per_call_tenant",
             ],
             Scenario::Engine => &[
                 "calls_per_s_1_task",

@@ -172,8 +172,9 @@ async fn main() {
         .expect("connect for INFO");
     // Warm up: loads the script, creates the keys.
     for s in &sources {
-        if let Ok(Admit::Admitted { epoch, is_probe, .. }) =
-            backend.admit(s, AdmitRequest::new(&bp(), &qp(), 10)).await
+        if let Ok(Admit::Admitted {
+            epoch, is_probe, ..
+        }) = backend.admit(s, AdmitRequest::new(&bp(), &qp(), 10)).await
         {
             let ok = Outcome::Success {
                 tokens: Some(10),
@@ -207,8 +208,9 @@ async fn main() {
             while !stop.load(Ordering::Relaxed) {
                 let s = &sources[i % sources.len()];
                 i += 1;
-                let Ok(Admit::Admitted { epoch, is_probe, .. }) =
-                    b.admit(s, AdmitRequest::new(&bp(), &qp(), 10)).await
+                let Ok(Admit::Admitted {
+                    epoch, is_probe, ..
+                }) = b.admit(s, AdmitRequest::new(&bp(), &qp(), 10)).await
                 else {
                     continue;
                 };

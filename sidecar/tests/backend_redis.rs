@@ -82,7 +82,9 @@ async fn backend(
 }
 
 async fn admit_report<B: Backend>(b: &B, source: &str) {
-    let Admit::Admitted { epoch, is_probe, .. } = b
+    let Admit::Admitted {
+        epoch, is_probe, ..
+    } = b
         .admit(source, AdmitRequest::new(&bp(), &qp(), 10))
         .await
         .unwrap()

@@ -218,7 +218,9 @@ impl Load {
                         let s = &sources[i % sources.len()];
                         i += 1;
                         match b.admit(s, AdmitRequest::new(&p, &q, 1)).await {
-                            Ok(Admit::Admitted { epoch, is_probe, .. }) => {
+                            Ok(Admit::Admitted {
+                                epoch, is_probe, ..
+                            }) => {
                                 *granted.lock().unwrap().entry(s.clone()).or_default() += 1;
                                 let ok = Outcome::success(Some(1));
                                 let r = ReportRequest::new(&p, &q, epoch, is_probe, 1, ok);

@@ -34,7 +34,11 @@ fn bp() -> BreakerParams {
 }
 
 async fn backend(srv: &RedisServer) -> (RedisBackend, String) {
-    let prefix = format!("tt{}-{}", std::process::id(), NEXT.fetch_add(1, Ordering::SeqCst));
+    let prefix = format!(
+        "tt{}-{}",
+        std::process::id(),
+        NEXT.fetch_add(1, Ordering::SeqCst)
+    );
     let opts = RedisOptions {
         url: srv.url(),
         cluster_nodes: vec![],
@@ -131,13 +135,20 @@ async fn a_tenant_adds_no_round_trip_and_its_ledger_expires() {
     for _ in 0..10 {
         admit_report(&b, &t).await;
     }
-    assert_eq!(srv.command_calls("fcall"), 20, "one FCALL per admit and report");
+    assert_eq!(
+        srv.command_calls("fcall"),
+        20,
+        "one FCALL per admit and report"
+    );
     let key = format!("{{{prefix}:t:chat:acme}}");
     let ttl: i64 = srv.cli(&["PTTL", &key]).trim().parse().expect("PTTL");
     assert!(ttl > 0, "the ledger {key} must expire (PTTL {ttl})");
     // Expiry no sooner than the end of the day the spend is in.
     let to_midnight_ms = (86_400 - (unix_now() % 86_400)) * 1000;
-    assert!(ttl as u64 + 2000 >= to_midnight_ms, "{ttl} ms < {to_midnight_ms} ms");
+    assert!(
+        ttl as u64 + 2000 >= to_midnight_ms,
+        "{ttl} ms < {to_midnight_ms} ms"
+    );
     let v = b.tenant_snapshot(KEY, &t).await.unwrap().expect("a ledger");
     assert_eq!(v.in_flight, 0);
     assert_eq!(v.spent_day, 11 * 700, "each call settled to its cost");
@@ -159,7 +170,15 @@ async fn the_scripts_calendar_is_gate_tenants() {
     };
     let (b, _) = backend(&srv).await;
     let mut days: Vec<u32> = (0..800).map(|i| i * 173).collect(); // to ~2349
-    for (y, m) in [(2000, 2), (2000, 3), (2024, 2), (2024, 3), (2100, 2), (2100, 3), (2026, 12)] {
+    for (y, m) in [
+        (2000, 2),
+        (2000, 3),
+        (2024, 2),
+        (2024, 3),
+        (2100, 2),
+        (2100, 3),
+        (2026, 12),
+    ] {
         let first = calendar::first_day(y, m);
         days.extend([first.saturating_sub(1), first, first + 27, first + 28]);
     }

@@ -334,9 +334,7 @@ fn mutate(r: &Request, rng: &mut StdRng, c: &Corpus, learned: &[u64]) -> Request
             tenant: pick_string(rng, &c.names),
         },
         Request::TenantStatus { .. } => Request::TenantStatus {
-            scope: rng
-                .random_bool(0.5)
-                .then(|| pick_string(rng, &c.names)),
+            scope: rng.random_bool(0.5).then(|| pick_string(rng, &c.names)),
             tenant: pick_string(rng, &c.names),
         },
         other @ (Request::Status | Request::Ping | Request::StatusJson) => other,

@@ -8,7 +8,8 @@
 //! never a refusal). One connection (protocol 3) makes full calls back to back:
 //! `Start` on `bench` (no tenants: today's call) against `StartTenant` on `tc`,
 //! alternated [`ROUNDS`] times; the figures are the medians of the rounds' p50
-//! call latencies. On Redis, `INFO commandstats` says what each call cost the server.
+//! call latencies. On Redis, MONITOR says how many commands the sidecar sent per call
+//! (its round trips) and how many its scripts ran; `INFO commandstats` the totals.
 
 use std::sync::Arc;
 
@@ -70,6 +71,8 @@ struct Side {
     /// Redis commands and script calls per call, summed over the rounds.
     cmds: u64,
     scripts: u64,
+    /// µs Redis spent in the scripts, summed over the rounds.
+    script_us: u64,
     calls: u64,
 }
 
@@ -104,6 +107,7 @@ async fn sides(opts: &Opts, sc: &Sidecar, redis: Option<&Redis>) -> Result<(Side
                 let r1 = command_totals(redis)?;
                 side.cmds += r1.0 - r0.0;
                 side.scripts += r1.1 - r0.1;
+                side.script_us += r1.2 - r0.2;
             }
             side.calls += r.total_calls;
             side.p50.push(r.quantile_us(0.5));
@@ -111,6 +115,64 @@ async fn sides(opts: &Opts, sc: &Sidecar, redis: Option<&Redis>) -> Result<(Side
     }
     let [a, b] = out;
     Ok((a, b))
+}
+
+/// Calls of each kind [`round_trips`] watches.
+const WATCHED: u64 = 200;
+
+/// Redis commands per call of `shape` on `sc`, as MONITOR shows them between two
+/// markers around [`WATCHED`] calls: (sent by the sidecar — its round trips, a
+/// pipeline counted per command —, run by its scripts). `INFO commandstats` cannot
+/// tell the two apart: it counts a script's `redis.call`s too.
+async fn round_trips(redis: &Redis, sc: &Sidecar, shape: &Shape) -> Result<(f64, f64), String> {
+    let q = crate::frames::Requests::new();
+    let mut c = load::Conn::connect_version(&sc.socket, Some(3))
+        .await
+        .map_err(|e| e.to_string())?;
+    // Warm up: scripts loaded, the tenant's ledger made.
+    c.call(shape, &q).await.map_err(|e| e.to_string())?;
+    let mut mon = redis.connect()?;
+    mon.cmd(&["MONITOR"])?;
+    let marker = |m: &str| redis.cmd(&["ECHO", m]).map(|_| ());
+    marker("polygate-bench-begin")?;
+    for _ in 0..WATCHED {
+        c.call(shape, &q).await.map_err(|e| e.to_string())?;
+    }
+    marker("polygate-bench-end")?;
+    let (mut sent, mut scripted, mut phase) = (0u64, 0u64, 0);
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while phase < 2 {
+        if std::time::Instant::now() > deadline {
+            return Err("MONITOR never showed the bench's markers".into());
+        }
+        let line = mon.reply()?;
+        let Some((client, args)) = crate::drivers::parse_monitor(&line) else {
+            continue;
+        };
+        let name = args
+            .first()
+            .map(|a| a.to_ascii_uppercase())
+            .unwrap_or_default();
+        if name == "ECHO"
+            && args
+                .get(1)
+                .is_some_and(|a| a.starts_with("polygate-bench-"))
+        {
+            phase += 1;
+            continue;
+        }
+        if phase == 1 {
+            if client.ends_with(" lua") {
+                scripted += 1;
+            } else {
+                sent += 1;
+            }
+        }
+    }
+    Ok((
+        sent as f64 / WATCHED as f64,
+        scripted as f64 / WATCHED as f64,
+    ))
 }
 
 /// Fills the cost keys of `l`.
@@ -131,6 +193,12 @@ pub async fn measure(l: &mut Line, opts: &Opts) -> Result<(), String> {
     )?;
     let (plain, tenant) = sides(opts, &mem, None).await?;
     let (rplain, rtenant) = sides(opts, &on_redis, Some(&redis)).await?;
+    let plain_rt = round_trips(&redis, &on_redis, &Shape::V3(start(SCOPE, None))).await?;
+    let tenant_rt = round_trips(&redis, &on_redis, &Shape::V3(start("tc", Some("acme")))).await?;
+    l.num("redis_round_trips_per_call", plain_rt.0)
+        .num("redis_round_trips_per_call_tenant", tenant_rt.0)
+        .num("redis_script_cmds_per_call", plain_rt.1)
+        .num("redis_script_cmds_per_call_tenant", tenant_rt.1);
     let per = |n: u64, s: &Side| n as f64 / s.calls.max(1) as f64;
     l.num("cost_us_memory", plain.median())
         .num("cost_us_memory_tenant", tenant.median())
@@ -144,6 +212,11 @@ pub async fn measure(l: &mut Line, opts: &Opts) -> Result<(), String> {
         .num(
             "script_calls_per_call_tenant",
             per(rtenant.scripts, &rtenant),
+        )
+        .num("redis_script_us_per_call", per(rplain.script_us, &rplain))
+        .num(
+            "redis_script_us_per_call_tenant",
+            per(rtenant.script_us, &rtenant),
         );
     Ok(())
 }

@@ -21,7 +21,9 @@ use crate::clock::Clock;
 use crate::gate::breaker::{Applied, BreakerParams, Entry, Peek, State};
 use crate::gate::quota::{QuotaParams, Reserve, Settlement, Tokens};
 use crate::gate::tenant::{LedgerView, TenantParams};
-use crate::gate::{Admit, AdmitRequest, Gates, ReportRequest, TenantAdmit, TenantKey, TenantSettle};
+use crate::gate::{
+    Admit, AdmitRequest, Gates, ReportRequest, TenantAdmit, TenantKey, TenantSettle,
+};
 
 /// The memory backend.
 pub struct MemoryBackend {

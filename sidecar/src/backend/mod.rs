@@ -112,8 +112,7 @@ pub use crate::gate::observed::{Dim, LastSeen, Observation};
 pub use crate::gate::quota::{QuotaParams, Reserve, Settlement, Split, Tokens};
 pub use crate::gate::tenant::{Charge, LedgerView, TenantLimit, TenantParams};
 pub use crate::gate::{
-    Admit, AdmitRequest, FailureKind, Outcome, ReportRequest, TenantAdmit, TenantKey,
-    TenantSettle,
+    Admit, AdmitRequest, FailureKind, Outcome, ReportRequest, TenantAdmit, TenantKey, TenantSettle,
 };
 
 use std::future::Future;

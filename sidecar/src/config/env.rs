@@ -166,7 +166,10 @@ const SOURCE_KEYS: &[(&str, Slot<RawSource>)] = &[
     ("EST_OUTPUT_TOKENS", Slot::Int(|s| &mut s.est_output_tokens)),
     ("OBSERVE_LIMITS", Slot::Text(|s| &mut s.observe_limits)),
     ("USD_PER_1M_INPUT", Slot::Float(|s| &mut s.usd_per_1m_input)),
-    ("USD_PER_1M_OUTPUT", Slot::Float(|s| &mut s.usd_per_1m_output)),
+    (
+        "USD_PER_1M_OUTPUT",
+        Slot::Float(|s| &mut s.usd_per_1m_output),
+    ),
     (
         "USD_PER_1M_CACHED_INPUT",
         Slot::Float(|s| &mut s.usd_per_1m_cached_input),

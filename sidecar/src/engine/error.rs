@@ -155,11 +155,7 @@ fn tenant_limited(
     } else {
         format!("tenant {tenant:?}")
     };
-    let what = if limit.is_budget() {
-        "budget"
-    } else {
-        "limit"
-    };
+    let what = if limit.is_budget() { "budget" } else { "limit" };
     format!(
         "scope {scope:?}: {who} is over its {} {what} (retry after {:.3}s)",
         limit.as_str(),

@@ -175,7 +175,11 @@ impl Lanes {
 
     /// The class's head: the front of the lane first in counter order, entries that
     /// left dropped on the way.
-    pub(crate) fn front(&mut self, c: &Counters, gone: impl Fn(&Waiter) -> bool) -> Option<Arc<Waiter>> {
+    pub(crate) fn front(
+        &mut self,
+        c: &Counters,
+        gone: impl Fn(&Waiter) -> bool,
+    ) -> Option<Arc<Waiter>> {
         match self {
             Lanes::Fifo(q) => {
                 while q.front().is_some_and(|w| gone(w)) {
@@ -213,7 +217,11 @@ impl Lanes {
     pub(crate) fn for_each(&self, mut f: impl FnMut(&Arc<Waiter>)) {
         match self {
             Lanes::Fifo(q) => q.iter().for_each(f),
-            Lanes::Fair(fair) => fair.lanes.values().flat_map(|l| l.q.iter()).for_each(&mut f),
+            Lanes::Fair(fair) => fair
+                .lanes
+                .values()
+                .flat_map(|l| l.q.iter())
+                .for_each(&mut f),
         }
     }
 

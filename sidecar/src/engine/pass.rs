@@ -28,13 +28,13 @@ use super::{Engine, SkipReason};
 use crate::backend::{
     AdmitRequest, BResult, Backend, BackendError, Charge, TenantAdmit, TenantKey, TenantParams,
 };
-use std::sync::Arc;
 use crate::config::Selector;
 use crate::gate::breaker::{BreakerParams, Peek, State};
 use crate::gate::classes::{ClassTag, Held};
 use crate::gate::health::rank;
 use crate::gate::quota::{QuotaParams, Tokens};
 use crate::gate::Admit;
+use std::sync::Arc;
 
 /// A shared backend's memo entry is re-checked at most this often per source (§10).
 pub const MEMO_RECHECK: Duration = Duration::from_secs(1);

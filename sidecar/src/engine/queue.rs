@@ -502,7 +502,11 @@ impl Place<'_> {
                     classes, counters, ..
                 } = &mut *st;
                 for c in classes.iter_mut() {
-                    if let Some(h) = c.entries.front(counters, gone).filter(|h| h.state() == WOKEN) {
+                    if let Some(h) = c
+                        .entries
+                        .front(counters, gone)
+                        .filter(|h| h.state() == WOKEN)
+                    {
                         h.chain.store(true, Ordering::Relaxed);
                     }
                 }

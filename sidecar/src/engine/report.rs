@@ -426,7 +426,8 @@ impl Settle {
     pub(super) fn of_hold<B: Backend>(engine: &Engine<B>, scope: usize, g: &Hold) -> Self {
         let tenant = g.ledger.and_then(|l| {
             let sc = &engine.scopes[scope];
-            let r = sc.with_policy(|pol| pol.tenants.as_ref().map(|t| *t.of(g.tenant.as_deref())))?;
+            let r =
+                sc.with_policy(|pol| pol.tenants.as_ref().map(|t| *t.of(g.tenant.as_deref())))?;
             Some(TenantPart {
                 scope: sc.name.as_str().into(),
                 tenant: g.tenant.clone(),

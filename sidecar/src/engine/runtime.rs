@@ -412,9 +412,8 @@ impl Topology {
                 notify: Notify::new(),
                 waiters: AtomicU32::new(0),
                 counters: ScopeCounters::default(),
-                queue: (!sc.priorities.is_empty() || sc.tenants.is_some()).then(|| {
-                    WaitQueue::new(&weights(sc), sc.tenants.as_ref().is_some_and(fair))
-                }),
+                queue: (!sc.priorities.is_empty() || sc.tenants.is_some())
+                    .then(|| WaitQueue::new(&weights(sc), sc.tenants.as_ref().is_some_and(fair))),
                 book: sc.tenants.as_ref().map(|_| Book::default()),
                 class_names: sc
                     .priorities
@@ -511,10 +510,8 @@ pub(crate) fn reload(
         if sc.policy().cfg != *new {
             changes.push(format!("scope {}: policy updated", sc.name));
         }
-        *sc.policy.write().unwrap_or_else(|e| e.into_inner()) = Arc::new(Policy::new(
-            new,
-            config.sidecar.max_rate_limit_block,
-        ));
+        *sc.policy.write().unwrap_or_else(|e| e.into_inner()) =
+            Arc::new(Policy::new(new, config.sidecar.max_rate_limit_block));
         for (&idx, s) in sc.sources.iter().zip(&new.sources) {
             if std::mem::replace(&mut seen[idx], true) {
                 continue;

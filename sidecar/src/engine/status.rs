@@ -7,8 +7,7 @@ use std::time::Duration;
 use super::error::EngineError;
 use super::tables::{LiveCounts, OwnerId};
 use super::{
-    ClassStatus, Engine, ScopeStatus, SourceStatus, TenantScopeStatus, TenantStatus,
-    TenantsStatus,
+    ClassStatus, Engine, ScopeStatus, SourceStatus, TenantScopeStatus, TenantStatus, TenantsStatus,
 };
 use crate::backend::{Backend, SourceSnapshot, TenantKey};
 use crate::gate::quota::QuotaView;

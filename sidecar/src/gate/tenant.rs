@@ -166,7 +166,8 @@ impl Prices {
     /// The cost, n$ rounded up, of `input` input tokens, `cached` cached reads and
     /// `output` output tokens.
     pub fn cost(&self, input: u64, cached: u64, output: u64) -> u64 {
-        let c = input as f64 * self.input + cached as f64 * self.cached + output as f64 * self.output;
+        let c =
+            input as f64 * self.input + cached as f64 * self.cached + output as f64 * self.output;
         if c.is_finite() {
             c.max(0.0).ceil().min(u64::MAX as f64) as u64
         } else {
@@ -192,7 +193,10 @@ impl Prices {
                 split: Some(Split { input, output }),
                 ..
             } => self.cost(input, cached, output),
-            Settlement::Charge { tokens, split: None } => self.cost(tokens, cached, 0),
+            Settlement::Charge {
+                tokens,
+                split: None,
+            } => self.cost(tokens, cached, 0),
             Settlement::RefundTokens | Settlement::RefundAll => 0,
         }
     }
@@ -447,8 +451,14 @@ mod tests {
         let d = calendar::day_of(1_796_601_600);
         assert_eq!(calendar::civil(d), (2026, 12));
         assert_eq!(calendar::month_end_s(d), 1_798_761_600);
-        assert_eq!(calendar::first_day(2024, 2) + 29, calendar::first_day(2024, 3));
-        assert_eq!(calendar::first_day(2025, 2) + 28, calendar::first_day(2025, 3));
+        assert_eq!(
+            calendar::first_day(2024, 2) + 29,
+            calendar::first_day(2024, 3)
+        );
+        assert_eq!(
+            calendar::first_day(2025, 2) + 28,
+            calendar::first_day(2025, 3)
+        );
         assert_eq!(calendar::first_day(1970, 1), 0);
         for d in (0..60_000u32).step_by(13) {
             let (y, m) = calendar::civil(d);
@@ -507,7 +517,11 @@ mod tests {
         let next = wall + DAY_S;
         let c2 = l.take(&p, c, Duration::ZERO, next);
         l.settle(&p, c, Settlement::RefundAll, 0, day, Duration::ZERO);
-        assert_eq!(l.view(&p, Duration::ZERO, next).spent_day, 400, "the new day keeps its own");
+        assert_eq!(
+            l.view(&p, Duration::ZERO, next).spent_day,
+            400,
+            "the new day keeps its own"
+        );
         l.settle(&p, c, Settlement::RefundAll, 0, c2, Duration::ZERO);
         assert_eq!(l.view(&p, Duration::ZERO, next).spent_day, 0);
         assert_eq!(l.in_flight(), 0);

@@ -267,9 +267,7 @@ fn plain_outcome(o: wire::Outcome) -> Result<backend::Outcome, ArgumentError> {
 /// §19: a v3 `StartTenant` / `BeginTenant` → the v2 request it extends, and the
 /// tenant it names (`None`: every other request, and an empty tenant id, which is the
 /// anonymous tenant). An id over [`crate::config::MAX_TENANT_ID`] bytes is refused.
-pub fn split_tenant(
-    r: wire::Request,
-) -> Result<(wire::Request, Option<String>), ArgumentError> {
+pub fn split_tenant(r: wire::Request) -> Result<(wire::Request, Option<String>), ArgumentError> {
     let (r, tenant) = match r {
         wire::Request::StartTenant { spec, tenant } => (wire::Request::Start(spec), tenant),
         wire::Request::BeginTenant { spec, tenant } => (wire::Request::Begin(spec), tenant),

@@ -816,8 +816,9 @@ pub async fn admit_quota_refusal_does_not_touch_breaker<H: Harness>(h: &H) {
 pub async fn admit_grants_probe_and_report_settles<H: Harness>(h: &H) {
     let b = h.fresh().await;
     let q = qp_tokens_only();
-    let Admit::Admitted { epoch, is_probe, .. } =
-        b.admit(S1, AdmitRequest::new(&bp(), &q, 20)).await.unwrap()
+    let Admit::Admitted {
+        epoch, is_probe, ..
+    } = b.admit(S1, AdmitRequest::new(&bp(), &q, 20)).await.unwrap()
     else {
         panic!("fresh source must admit")
     };

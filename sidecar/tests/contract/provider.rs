@@ -313,8 +313,9 @@ pub async fn one_report_s_debt_is_bounded_by_max_rate_limit_block<H: Harness>(h:
     };
     let block = Duration::from_secs(600);
     assert_eq!(q.max_debt, block, "the default is max_rate_limit_block's");
-    let Admit::Admitted { epoch, is_probe, .. } =
-        b.admit(S1, AdmitRequest::new(&bp(), &q, 0)).await.unwrap()
+    let Admit::Admitted {
+        epoch, is_probe, ..
+    } = b.admit(S1, AdmitRequest::new(&bp(), &q, 0)).await.unwrap()
     else {
         panic!("a fresh source admits")
     };

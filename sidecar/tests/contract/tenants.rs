@@ -51,9 +51,12 @@ fn open() -> QuotaParams {
 }
 
 async fn admit<B: Backend>(b: &B, source: &str, q: &QuotaParams, t: TenantAdmit<'_>) -> Admit {
-    b.admit(source, AdmitRequest::new(&bp(), q, t.charge.tokens).tenant(t))
-        .await
-        .expect("admit")
+    b.admit(
+        source,
+        AdmitRequest::new(&bp(), q, t.charge.tokens).tenant(t),
+    )
+    .await
+    .expect("admit")
 }
 
 async fn view<B: Backend>(b: &B, tenant: &str, p: &TenantParams) -> LedgerView {

@@ -208,9 +208,15 @@ impl RedisBackend {
     pub async fn tenant_calendar(&self, day: u32) -> BResult<(u32, u64)> {
         let p = TenantParams::default();
         let op = tenant::TCalArgs { params: &p, day };
-        self.exec_tenant(&self.tenant_key(TenantKey { scope: "", tenant: "" }), op)
-            .await?
-            .ok_or_else(|| BackendError::Unavailable("redis unreachable".into()))
+        self.exec_tenant(
+            &self.tenant_key(TenantKey {
+                scope: "",
+                tenant: "",
+            }),
+            op,
+        )
+        .await?
+        .ok_or_else(|| BackendError::Unavailable("redis unreachable".into()))
     }
 
     /// Stop this host's heartbeat (it no longer counts once its TTL passes). For
@@ -377,7 +383,14 @@ impl RedisBackend {
             tenant: None,
         };
         let answer = self.exec(source, op).await;
-        let give_back = || self.exec_tenant(&key, TSettleArgs { t: tenant::refund(&t, day) });
+        let give_back = || {
+            self.exec_tenant(
+                &key,
+                TSettleArgs {
+                    t: tenant::refund(&t, day),
+                },
+            )
+        };
         match answer {
             Ok(Some(Admit::Admitted {
                 epoch, is_probe, ..
@@ -638,7 +651,9 @@ impl Backend for RedisBackend {
         match answer? {
             Some(a) => {
                 if let (Some(Ok(None)), Some(t), Some(p)) = (tenant, r.tenant, &local_tenant) {
-                    self.local.tenant_settle(TenantSettle { params: p, ..t }).await?;
+                    self.local
+                        .tenant_settle(TenantSettle { params: p, ..t })
+                        .await?;
                 }
                 Ok(a)
             }
@@ -679,7 +694,10 @@ impl Backend for RedisBackend {
     }
 
     async fn tenant_settle(&self, t: TenantSettle<'_>) -> BResult<()> {
-        match self.exec_tenant(&self.tenant_key(t.key), TSettleArgs { t }).await? {
+        match self
+            .exec_tenant(&self.tenant_key(t.key), TSettleArgs { t })
+            .await?
+        {
             Some(()) => Ok(()),
             None => {
                 let p = self.local_tenant(t.params);

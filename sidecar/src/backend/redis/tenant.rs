@@ -150,7 +150,12 @@ impl Op for TSnapshotArgs<'_> {
             return Err(proto("tsnapshot", v));
         }
         Ok(LedgerView {
-            levels: [level_at(v, 0)?, level_at(v, 1)?, level_at(v, 2)?, level_at(v, 3)?],
+            levels: [
+                level_at(v, 0)?,
+                level_at(v, 1)?,
+                level_at(v, 2)?,
+                level_at(v, 3)?,
+            ],
             spent_day: u64_at(v, 4)?,
             spent_month: u64_at(v, 5)?,
             in_flight: u64_at(v, 6)?.min(u32::MAX as u64) as u32,

@@ -160,7 +160,8 @@ pub(super) fn check_shared_sources(scopes: &[ScopeConfig]) -> Result<(), ConfigE
 /// The keys of a source that make up its one global quota, each as its value shows.
 pub(super) fn quota_keys(s: &SourceConfig) -> [(&'static str, Box<str>); 12] {
     let n = |v: Option<u64>| v.map_or_else(|| "unset".into(), |v| v.to_string().into());
-    let usd = |v: Option<f64>| -> Box<str> { v.map_or_else(|| "unset".into(), |v| v.to_string().into()) };
+    let usd =
+        |v: Option<f64>| -> Box<str> { v.map_or_else(|| "unset".into(), |v| v.to_string().into()) };
     let r = |bit: u8, v: Option<u64>| -> Box<str> {
         if s.auto & (1 << bit) != 0 {
             "\"auto\"".into()

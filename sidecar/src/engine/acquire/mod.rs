@@ -93,15 +93,21 @@ impl<B: Backend> Engine<B> {
                         t.len()
                     )));
                 }
-                let max = sc.with_policy(|p| p.tenants.as_ref().map_or(u32::MAX, |t| t.max_tenants));
-                Some(book.enter(t, max, now).ok_or_else(|| EngineError::TooManyTenants {
-                    scope: sc.name.clone(),
-                    max,
-                })?)
+                let max =
+                    sc.with_policy(|p| p.tenants.as_ref().map_or(u32::MAX, |t| t.max_tenants));
+                Some(
+                    book.enter(t, max, now)
+                        .ok_or_else(|| EngineError::TooManyTenants {
+                            scope: sc.name.clone(),
+                            max,
+                        })?,
+                )
             }
             _ => None,
         };
-        let r = self.lock().begin(owner, si, est, class, tenant.clone(), now);
+        let r = self
+            .lock()
+            .begin(owner, si, est, class, tenant.clone(), now);
         if let (Err(_), Some(book), Some(t)) = (&r, &sc.book, &tenant) {
             book.leave(t);
         }
@@ -264,7 +270,15 @@ impl<B: Backend> Engine<B> {
                 continue;
             }
             let refused = match self
-                .pass(si, &policy, &failed, budget.est, class, &tenant, &mut reasons)
+                .pass(
+                    si,
+                    &policy,
+                    &failed,
+                    budget.est,
+                    class,
+                    &tenant,
+                    &mut reasons,
+                )
                 .await
             {
                 Ok(hold) => {
@@ -506,8 +520,7 @@ impl<B: Backend> Engine<B> {
         let Some(&si) = self.scope_index.get(scope) else {
             return;
         };
-        if let (EngineError::TenantLimited { tenant, .. }, Some(book)) =
-            (e, &self.scopes[si].book)
+        if let (EngineError::TenantLimited { tenant, .. }, Some(book)) = (e, &self.scopes[si].book)
         {
             book.note(tenant, super::tenants::Event::Refused);
         }

@@ -23,8 +23,8 @@ use std::time::Duration;
 use ::redis::{RedisWrite, ToRedisArgs};
 
 use crate::backend::{BreakerParams, ClassShares, Observation, QuotaParams, Tokens};
-use crate::gate::tenant::TenantParams;
 use crate::gate::quota::{Credits, DEFAULT_MAX_DEBT, MINUTE};
+use crate::gate::tenant::TenantParams;
 
 /// One ARGV slot's value as it goes on the wire. Numbers are written as decimal text
 /// straight into the command buffer (no `String` per slot).
