@@ -278,17 +278,20 @@ async fn ledger(c: &mut Client, tenant: &str) -> Result<Option<(f64, u64, u64)>,
     Ok(Some((level, (usd * 1e9).round() as u64, in_flight)))
 }
 
-/// Every tenant's ledger: (tokens charged, n$ charged, in flight) each; `elapsed`
-/// since the first charge (the `tpd` bucket refills a day's worth per day).
+/// Every tenant's ledger: (tokens charged, n$ charged, in flight) each. The `tpd`
+/// bucket refills a day's worth per day: the tokens charged are the limit plus its
+/// refill since `t0` (before any charge), as of the moment each ledger is read, less
+/// its level.
 async fn ledgers(
     c: &mut Client,
     tenants: u64,
-    elapsed: Duration,
+    t0: Instant,
 ) -> Result<Vec<(f64, u64, u64)>, String> {
-    let refill = TPD as f64 * elapsed.as_secs_f64() / 86_400.0;
     let mut out = Vec::with_capacity(tenants as usize);
     for i in 0..tenants {
-        out.push(match ledger(c, &tenant_id(i)).await? {
+        let read = ledger(c, &tenant_id(i)).await?;
+        let refill = TPD as f64 * t0.elapsed().as_secs_f64() / 86_400.0;
+        out.push(match read {
             None => (0.0, 0, 0),
             Some((level, usd, fl)) => ((TPD as f64 + refill - level).max(0.0), usd, fl),
         });
@@ -335,10 +338,10 @@ pub async fn measure(
     // flight (or 5 s have passed).
     let mut c = Client::connect(&hosts[0].socket).await?;
     let settle0 = Instant::now();
-    let mut read = ledgers(&mut c, tenants, t0.elapsed()).await?;
+    let mut read = ledgers(&mut c, tenants, t0).await?;
     while read.iter().map(|r| r.2).sum::<u64>() > 0 && settle0.elapsed() < Duration::from_secs(5) {
         tokio::time::sleep(Duration::from_millis(200)).await;
-        read = ledgers(&mut c, tenants, t0.elapsed()).await?;
+        read = ledgers(&mut c, tenants, t0).await?;
     }
     let settle = settle0.elapsed();
     let refill = TPD as f64 * t0.elapsed().as_secs_f64() / 86_400.0;
