@@ -284,7 +284,7 @@ fn other(ctx: &mut Ctx, env: &Env, s: Scenario) -> Result<Vec<Line>, String> {
 }
 
 /// One MONITOR line: `<time> [<db> <client>] "CMD" "arg" …` → (client, args).
-fn parse_monitor(line: &str) -> Option<(String, Vec<String>)> {
+pub(crate) fn parse_monitor(line: &str) -> Option<(String, Vec<String>)> {
     let open = line.find('[')?;
     let close = open + line[open..].find(']')?;
     let client = line[open + 1..close].to_string();

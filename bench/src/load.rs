@@ -22,13 +22,16 @@ pub enum Shape {
     V1,
     /// The echo floor: one round trip per `(request, reply)` payload size pair.
     Echo(Vec<(usize, usize)>),
+    /// Version 3 (DESIGN §19): this `Start` or `StartTenant` frame + `Finish`, on a
+    /// connection that said protocol 3 (the `tenants` scenario's cost part).
+    V3(Arc<Template>),
 }
 
 impl Shape {
     /// Round trips (= request frames) per call.
     pub fn frames(&self) -> usize {
         match self {
-            Shape::V2 => 2,
+            Shape::V2 | Shape::V3(_) => 2,
             Shape::V1 => 4,
             Shape::Echo(rts) => rts.len(),
         }
@@ -43,6 +46,10 @@ impl Shape {
                 (q.start.payload_len(), r.started),
                 (q.finish.payload_len(), r.reported),
             ],
+            Shape::V3(t) => vec![
+                (t.payload_len(), r.started),
+                (q.finish.payload_len(), r.reported),
+            ],
             Shape::V1 => vec![
                 (q.begin.payload_len(), r.begun),
                 (q.acquire.payload_len(), r.granted),
@@ -53,9 +60,14 @@ impl Shape {
         })
     }
 
-    /// An echo server needs no `Hello`.
-    fn hello(&self) -> bool {
-        !matches!(self, Shape::Echo(_))
+    /// The protocol version the connection's `Hello` says (`None`: an echo server
+    /// needs no `Hello`).
+    fn hello(&self) -> Option<u32> {
+        match self {
+            Shape::Echo(_) => None,
+            Shape::V3(_) => Some(3),
+            Shape::V2 | Shape::V1 => Some(2),
+        }
     }
 }
 
@@ -69,15 +81,20 @@ pub struct Conn {
 
 impl Conn {
     pub async fn connect(path: &Path, hello: bool) -> io::Result<Conn> {
+        Conn::connect_version(path, hello.then_some(2)).await
+    }
+
+    /// Connect; `hello`: the protocol version to say (`None`: no handshake).
+    pub async fn connect_version(path: &Path, hello: Option<u32>) -> io::Result<Conn> {
         let mut c = Conn {
             stream: UnixStream::connect(path).await?,
             reader: Reader::default(),
             out: Vec::with_capacity(256),
             next_id: 1,
         };
-        if hello {
+        if let Some(protocol_version) = hello {
             let t = Template::new(ipc_protocol::Request::Hello {
-                protocol_version: 2,
+                protocol_version,
                 client_name: "polygate-bench".into(),
                 pid: std::process::id(),
             });
@@ -141,6 +158,14 @@ impl Conn {
             Shape::V2 => {
                 let id = self.id();
                 q.start.put(&mut self.out, id, None);
+                let permit = self.rt(|f| f.started_permit()).await?;
+                let id = self.id();
+                q.finish.put(&mut self.out, id, Some(permit));
+                self.rt(|f| f.check()).await
+            }
+            Shape::V3(start) => {
+                let id = self.id();
+                start.put(&mut self.out, id, None);
                 let permit = self.rt(|f| f.started_permit()).await?;
                 let id = self.id();
                 q.finish.put(&mut self.out, id, Some(permit));
@@ -240,7 +265,7 @@ pub async fn run(
     let stop = Arc::new(AtomicBool::new(false));
     let mut conns = Vec::with_capacity(clients);
     for _ in 0..clients {
-        let c = Conn::connect(path, shape.hello())
+        let c = Conn::connect_version(path, shape.hello())
             .await
             .map_err(|e| format!("connect {}: {e}", path.display()))?;
         conns.push(c);

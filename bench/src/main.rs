@@ -16,6 +16,7 @@ mod priorities;
 mod procs;
 mod scenarios;
 mod target;
+mod tenants;
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -128,6 +129,18 @@ struct Cli {
     /// `fleet` (DESIGN §18): configure the limits as `"auto"` (learned).
     #[arg(long)]
     auto: bool,
+    /// `tenants` (DESIGN §19): the parts to run (`fairness`, `fleet`, `cost`).
+    #[arg(long, value_delimiter = ',', default_value = "fairness,fleet,cost")]
+    tenant_parts: Vec<String>,
+    /// `tenants`, part `fairness`: seconds each of its two runs (VTC, FIFO) measures.
+    #[arg(long, default_value_t = 60.0)]
+    fair_seconds: f64,
+    /// `tenants`, part `fleet`: seconds the workers call.
+    #[arg(long, default_value_t = 20.0)]
+    exact_seconds: f64,
+    /// `tenants`, part `fleet`: how many tenants the workers call for.
+    #[arg(long, default_value_t = 1000)]
+    tenant_count: u64,
     /// Tiny durations and counts: checks that every scenario runs and prints its keys.
     #[arg(long)]
     smoke: bool,
@@ -194,6 +207,9 @@ pub enum Scenario {
     /// DESIGN §12: a healthy client's call latency with and without two clients
     /// flooding `StatusJson` on a config of `--sources` sources.
     StatusFlood,
+    /// DESIGN §19: fair turns among tenants, tenants' budgets exact across a fleet on
+    /// Redis, and what a tenant costs a call (not in --all: minutes, like `fleet`).
+    Tenants,
 }
 
 impl Scenario {
@@ -225,6 +241,7 @@ impl Scenario {
             Scenario::Priorities => "priorities",
             Scenario::Fleet => "fleet",
             Scenario::StatusFlood => "status_flood",
+            Scenario::Tenants => "tenants",
         }
     }
 
@@ -300,6 +317,18 @@ impl Scenario {
                 "p50_ratio",
                 "status_replies_per_s",
             ],
+            Scenario::Tenants => &[
+                "quiet_p99_ms",
+                "quiet_p99_ms_fifo",
+                "quiet_p99_ratio",
+                "jain_index",
+                "max_tenant_overrun_ratio",
+                "leaked_holds",
+                "cost_ratio_memory",
+                "cost_ratio_redis",
+                "redis_round_trips_per_call",
+                "redis_round_trips_per_call_tenant",
+            ],
             Scenario::Engine => &[
                 "calls_per_s_1_task",
                 "calls_per_s_64_tasks",
@@ -331,6 +360,30 @@ pub struct Opts {
     pub transport_driver: PathBuf,
     /// The fleet scenario's settings.
     pub fleet: Fleet,
+    /// The tenants scenario's settings.
+    pub tenants: Tenants,
+}
+
+/// What `--scenario tenants` runs.
+pub struct Tenants {
+    /// The parts to run.
+    pub parts: Vec<String>,
+    /// `fairness`: seconds of each of its two runs.
+    pub fair_seconds: f64,
+    /// `fleet`: seconds the workers call.
+    pub exact_seconds: f64,
+    /// `fleet`: tenants called for.
+    pub count: u64,
+}
+
+impl Tenants {
+    pub fn fair_window(&self) -> std::time::Duration {
+        std::time::Duration::from_secs_f64(self.fair_seconds)
+    }
+
+    pub fn exact_window(&self) -> std::time::Duration {
+        std::time::Duration::from_secs_f64(self.exact_seconds)
+    }
 }
 
 /// What `--scenario fleet` runs.
@@ -501,6 +554,12 @@ fn main() -> ExitCode {
             observe: cli.observe.clone(),
             auto: cli.auto,
         },
+        tenants: Tenants {
+            parts: cli.tenant_parts.clone(),
+            fair_seconds: cli.fair_seconds,
+            exact_seconds: cli.exact_seconds,
+            count: cli.tenant_count.max(1),
+        },
     };
     if cli.smoke {
         opts.seconds = opts.seconds.min(0.2);
@@ -509,6 +568,9 @@ fn main() -> ExitCode {
         opts.sources = opts.sources.min(300);
         opts.concurrency = opts.concurrency.min(4);
         opts.repeat = 1;
+        opts.tenants.fair_seconds = opts.tenants.fair_seconds.min(2.0);
+        opts.tenants.exact_seconds = opts.tenants.exact_seconds.min(1.5);
+        opts.tenants.count = opts.tenants.count.min(100);
     }
     let rt = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()

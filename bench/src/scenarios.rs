@@ -25,6 +25,7 @@ pub fn run(ctx: &mut Ctx, s: Scenario) -> Vec<Line> {
         Scenario::Priorities => crate::priorities::run(&ctx.rt, ctx.opts),
         Scenario::Fleet => Ok(vec![fleet(ctx.opts)]),
         Scenario::StatusFlood => crate::flood::run(ctx.opts),
+        Scenario::Tenants => crate::tenants::run(ctx),
         Scenario::Python | Scenario::Node | Scenario::Go => crate::drivers::run(ctx, s),
         Scenario::Transport => crate::drivers::transport(ctx),
     };
@@ -196,7 +197,7 @@ fn throughput(ctx: &mut Ctx) -> Result<Vec<Line>, String> {
 }
 
 /// Totals of `INFO commandstats`: (all commands but INFO, script commands, script µs).
-fn command_totals(r: &Redis) -> Result<(u64, u64, u64), String> {
+pub(crate) fn command_totals(r: &Redis) -> Result<(u64, u64, u64), String> {
     let mut all = 0;
     let (mut scripts, mut usec) = (0, 0);
     for (k, v) in r.info("commandstats")? {

@@ -1,0 +1,222 @@
+//! `--scenario tenants`, part `cost` (issue 30: "added latency of a tenant-carrying
+//! call vs one without <= 10 % on memory and on Redis (same run), and no extra Redis
+//! round trip per call"). One sidecar on memory and one on a throwaway redis-server,
+//! both with the bench scopes plus `tc`: the bench scope's source, priced, with
+//! tenants whose default limits are a token bucket and a dollar budget far above
+//! what the run spends (so every call takes the whole tenant path: the ledger's
+//! check, its reservation in the same step as the source's, its settlement, and
+//! never a refusal). One connection (protocol 3) makes full calls back to back:
+//! `Start` on `bench` (no tenants: today's call) against `StartTenant` on `tc`,
+//! alternated [`ROUNDS`] times; the figures are the medians of the rounds' p50
+//! call latencies. On Redis, MONITOR says how many commands the sidecar sent per call
+//! (its round trips) and how many its scripts ran; `INFO commandstats` the totals.
+
+use std::sync::Arc;
+
+use ipc_protocol::{CallSpec, Request};
+
+use crate::context::tempdir;
+use crate::frames::{Template, SCOPE};
+use crate::load::{self, Shape};
+use crate::scenarios::command_totals;
+use crate::target::{Backend, Redis, Sidecar};
+use crate::{Line, Opts};
+
+/// Alternations of the two calls.
+const ROUNDS: usize = 3;
+
+/// The scope `tc`.
+const SCOPE_TC: &str = r#"
+[scopes.tc]
+circuit_open = "fail_fast"
+quota_full = "fail_fast"
+[scopes.tc.pacer]
+initial = 100000
+min = 1
+max = 100000
+[scopes.tc.tenants]
+default = { tpm = 1000000000000, usd_per_day = 1000000.0 }
+[[scopes.tc.sources]]
+name = "tca"
+tpm = 1000000000000
+rpm = 1000000000000
+est_tokens = 10
+timeout = "60s"
+usd_per_1m_input = 3.0
+usd_per_1m_output = 15.0
+"#;
+
+fn start(scope: &str, tenant: Option<&str>) -> Arc<Template> {
+    let spec = CallSpec {
+        scope: scope.into(),
+        est_tokens: Some(10),
+        priority: None,
+        est_input_tokens: None,
+        est_output_tokens: None,
+    };
+    Arc::new(Template::new(match tenant {
+        None => Request::Start(spec),
+        Some(t) => Request::StartTenant {
+            spec,
+            tenant: t.into(),
+        },
+    }))
+}
+
+/// What one of the two calls measured over the rounds.
+#[derive(Default)]
+struct Side {
+    /// p50 call latency of each round, µs.
+    p50: Vec<f64>,
+    /// Redis commands and script calls per call, summed over the rounds.
+    cmds: u64,
+    scripts: u64,
+    /// µs Redis spent in the scripts, summed over the rounds.
+    script_us: u64,
+    calls: u64,
+}
+
+impl Side {
+    fn median(&self) -> f64 {
+        let mut v = self.p50.clone();
+        v.sort_by(f64::total_cmp);
+        v.get(v.len() / 2).copied().unwrap_or(f64::NAN)
+    }
+}
+
+/// Both calls on `sc`, alternated; `redis`: count its commands.
+async fn sides(opts: &Opts, sc: &Sidecar, redis: Option<&Redis>) -> Result<(Side, Side), String> {
+    let shapes = [
+        Shape::V3(start(SCOPE, None)),
+        Shape::V3(start("tc", Some("acme"))),
+    ];
+    let mut out = [Side::default(), Side::default()];
+    for _ in 0..ROUNDS {
+        for (shape, side) in shapes.iter().zip(out.iter_mut()) {
+            let before = redis.map(command_totals).transpose()?;
+            let r = load::run(
+                &sc.socket,
+                shape,
+                1,
+                opts.warmup(),
+                opts.window(),
+                Some(sc.pid),
+            )
+            .await?;
+            if let (Some(r0), Some(redis)) = (before, redis) {
+                let r1 = command_totals(redis)?;
+                side.cmds += r1.0 - r0.0;
+                side.scripts += r1.1 - r0.1;
+                side.script_us += r1.2 - r0.2;
+            }
+            side.calls += r.total_calls;
+            side.p50.push(r.quantile_us(0.5));
+        }
+    }
+    let [a, b] = out;
+    Ok((a, b))
+}
+
+/// Calls of each kind [`round_trips`] watches.
+const WATCHED: u64 = 200;
+
+/// Redis commands per call of `shape` on `sc`, as MONITOR shows them between two
+/// markers around [`WATCHED`] calls: (sent by the sidecar — its round trips, a
+/// pipeline counted per command —, run by its scripts). `INFO commandstats` cannot
+/// tell the two apart: it counts a script's `redis.call`s too.
+async fn round_trips(redis: &Redis, sc: &Sidecar, shape: &Shape) -> Result<(f64, f64), String> {
+    let q = crate::frames::Requests::new();
+    let mut c = load::Conn::connect_version(&sc.socket, Some(3))
+        .await
+        .map_err(|e| e.to_string())?;
+    // Warm up: scripts loaded, the tenant's ledger made.
+    c.call(shape, &q).await.map_err(|e| e.to_string())?;
+    let mut mon = redis.connect()?;
+    mon.cmd(&["MONITOR"])?;
+    let marker = |m: &str| redis.cmd(&["ECHO", m]).map(|_| ());
+    marker("polygate-bench-begin")?;
+    for _ in 0..WATCHED {
+        c.call(shape, &q).await.map_err(|e| e.to_string())?;
+    }
+    marker("polygate-bench-end")?;
+    let (mut sent, mut scripted, mut phase) = (0u64, 0u64, 0);
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while phase < 2 {
+        if std::time::Instant::now() > deadline {
+            return Err("MONITOR never showed the bench's markers".into());
+        }
+        let line = mon.reply()?;
+        let Some((client, args)) = crate::drivers::parse_monitor(&line) else {
+            continue;
+        };
+        let name = args
+            .first()
+            .map(|a| a.to_ascii_uppercase())
+            .unwrap_or_default();
+        if name == "ECHO"
+            && args
+                .get(1)
+                .is_some_and(|a| a.starts_with("polygate-bench-"))
+        {
+            phase += 1;
+            continue;
+        }
+        if phase == 1 {
+            if client.ends_with(" lua") {
+                scripted += 1;
+            } else {
+                sent += 1;
+            }
+        }
+    }
+    Ok((
+        sent as f64 / WATCHED as f64,
+        scripted as f64 / WATCHED as f64,
+    ))
+}
+
+/// Fills the cost keys of `l`.
+pub async fn measure(l: &mut Line, opts: &Opts) -> Result<(), String> {
+    let dir = tempdir()?;
+    let mem_dir = dir.path().join("memory");
+    let redis_dir = dir.path().join("redis");
+    for d in [&mem_dir, &redis_dir] {
+        std::fs::create_dir_all(d).map_err(|e| e.to_string())?;
+    }
+    let mem = Sidecar::start_with(&opts.sidecar_bin, &mem_dir, &Backend::Memory, SCOPE_TC)?;
+    let redis = Redis::start(&redis_dir)?;
+    let on_redis = Sidecar::start_with(
+        &opts.sidecar_bin,
+        &redis_dir,
+        &Backend::Redis(redis.url.clone()),
+        SCOPE_TC,
+    )?;
+    let (plain, tenant) = sides(opts, &mem, None).await?;
+    let (rplain, rtenant) = sides(opts, &on_redis, Some(&redis)).await?;
+    let plain_rt = round_trips(&redis, &on_redis, &Shape::V3(start(SCOPE, None))).await?;
+    let tenant_rt = round_trips(&redis, &on_redis, &Shape::V3(start("tc", Some("acme")))).await?;
+    l.num("redis_round_trips_per_call", plain_rt.0)
+        .num("redis_round_trips_per_call_tenant", tenant_rt.0)
+        .num("redis_script_cmds_per_call", plain_rt.1)
+        .num("redis_script_cmds_per_call_tenant", tenant_rt.1);
+    let per = |n: u64, s: &Side| n as f64 / s.calls.max(1) as f64;
+    l.num("cost_us_memory", plain.median())
+        .num("cost_us_memory_tenant", tenant.median())
+        .num("cost_ratio_memory", tenant.median() / plain.median())
+        .num("cost_us_redis", rplain.median())
+        .num("cost_us_redis_tenant", rtenant.median())
+        .num("cost_ratio_redis", rtenant.median() / rplain.median())
+        .num("redis_cmds_per_call", per(rplain.cmds, &rplain))
+        .num("redis_cmds_per_call_tenant", per(rtenant.cmds, &rtenant))
+        .num("script_calls_per_call", per(rplain.scripts, &rplain))
+        .num(
+            "script_calls_per_call_tenant",
+            per(rtenant.scripts, &rtenant),
+        )
+        .num("redis_script_us_per_call", per(rplain.script_us, &rplain))
+        .num(
+            "redis_script_us_per_call_tenant",
+            per(rtenant.script_us, &rtenant),
+        );
+    Ok(())
+}
