@@ -252,6 +252,47 @@ describe("transport through openai-node", () => {
     });
   });
 
+  test("routes: the longest matching base URL is replaced, at a segment boundary; a Request's body gets the route's model", T, async (t) => {
+    await withDaemon(config(["a"]), "memory", t.skip.bind(t), async (client) => {
+      const up = await FakeUpstream.start();
+      try {
+        up.respond({ json: CHAT_OK }, 3);
+        const f = gatedFetch({
+          scope: "chat", client, routes: {
+            a: { baseURL: `${up.url}/v1/`, headers: { "x-key": "A" }, query: { "api-version": "2024-10-21", k: "a b!" }, model: "served-name" },
+            deep: { baseURL: `${up.url}/v1/deployments/x` },
+          },
+        });
+        const body = ' { "tools": [{"model": "x"}], "model" : "gpt-4o", "seed": 12345678901234567890123, "max_tokens": 5 }';
+        const r = await f(new Request(`${up.url}/v1/deployments/x/chat/completions?api-version=old&q=1`, {
+          method: "POST", headers: { "content-type": "application/json", "content-length": String(body.length) }, body,
+        }));
+        assert.equal(r.status, 200);
+        await r.arrayBuffer();
+        assert.equal(up.hits[0]!.url, "/v1/chat/completions?q=1&api-version=2024-10-21&k=a%20b%21");
+        assert.equal(up.hits[0]!.body, body.replace('"gpt-4o"', '"served-name"'));
+        assert.equal(Number(up.hits[0]!.headers["content-length"]), Buffer.byteLength(up.hits[0]!.body));
+        // /v10 is not under /v1: the whole path, the route's path in front; a non-JSON body is sent as it is
+        await (await f(`${up.url}/v10/x`, { method: "POST", body: "plain" })).arrayBuffer();
+        assert.equal(up.hits[1]!.url, "/v1/v10/x?api-version=2024-10-21&k=a%20b%21");
+        assert.equal(up.hits[1]!.body, "plain");
+        // a JSON object without a model gets one, first
+        await (await f(`${up.url}/v1/embeddings`, { method: "POST", body: '{"input":"hi"}' })).arrayBuffer();
+        assert.equal(up.hits[2]!.body, '{"model":"served-name","input":"hi"}');
+        assert.equal((await client.status()).scopes.chat!.calls, 0);
+      } finally {
+        await up.close();
+      }
+    });
+  });
+
+  test("routes: a bad query, model or base URL is a TypeError at construction", () => {
+    assert.throws(() => gatedFetch({ scope: "chat", routes: { a: { baseURL: "http://h/v1", query: { v: 1 as unknown as string } } } }), /routes\["a"\]\.query\["v"\] must be a string/);
+    assert.throws(() => gatedFetch({ scope: "chat", routes: { a: { baseURL: "http://h/v1", model: "" } } }), /routes\["a"\]\.model/);
+    assert.throws(() => gatedFetch({ scope: "chat", routes: { a: { baseURL: "http://h/v1?api-version=1" } } }), /query or fragment/);
+    assert.throws(() => gatedFetch({ scope: "chat", routes: { a: { baseURL: "ftp://h/v1" } } }), /http\(s\)/);
+  });
+
   test("the SDK's own retries are admitted one by one", T, async (t) => {
     await withEnv(config(["a"], "").replace("failure_threshold = 1", "failure_threshold = 5"), async ({ up, sdk, source, client }) => {
       up.respond({ status: 503, headers: { "retry-after-ms": "10" }, json: { error: { message: "busy" } } }, 2);
