@@ -24,7 +24,7 @@ import type { FailureKind } from "./classify.js";
 import "./codec.js"; // registers the generic decoder of the cold replies
 import { GatewayUnavailableError, PolyGateError, SidecarError, errorFromReply } from "./errors.js";
 import { parseJson } from "./json.js";
-import { Limits, limitsOf, toWireLimits } from "./ratelimit.js";
+import { Limits, checkLimits, limitsOf, toWireLimits } from "./ratelimit.js";
 import {
   DEFAULT_MAX_FRAME, MAX_INCOMING_FRAME, PROTOCOL_VERSION, REQUEST_TAGS, U64, WireCallSpec, WireFailureKind,
   WireGranted, WireLimits, WireOutcome, WireReply, WireUsage, WireWelcome, decodeReply, encodeAcquire, encodeCallSpec,
@@ -585,10 +585,19 @@ export class Permit {
   outputTokens?: number;
   /**
    * The provider's rate-limit headers of this attempt's response (DESIGN §18),
-   * sent with its report: set by hand (`permit.limits = parseRateLimitHeaders(res.headers).limits`)
-   * or by `run` from an SDK error's or a raw response's headers.
+   * sent with its report: set by hand (`permit.limits = parseRateLimitHeaders(res.headers).limits`,
+   * or an object of the {@link Limits} keys) or by `run` from an SDK error's or a raw
+   * response's headers. Another shape throws a TypeError at the assignment.
    */
-  limits: Limits | null = null;
+  get limits(): Limits | null {
+    return this._limits;
+  }
+
+  set limits(v: Limits | null) {
+    this._limits = checkLimits(v);
+  }
+
+  private _limits: Limits | null = null;
   /** The sidecar's answer once a `success()` was reported. */
   result: ReportResult | undefined;
   /** @internal */
