@@ -9,8 +9,10 @@
 //! code); [`server`] (wire types ↔ engine), [`admin_http`] and [`metrics`] (the
 //! operator's listener), [`peer`] (who may connect); and the process around it:
 //! [`daemon`] (sockets, signals, systemd) and [`cli`] (`--check-config`, the `status`
-//! client). [`limits`] holds the bounds every outside input is held to, [`logs`]
-//! summarises the log lines a client can trigger (§12).
+//! client). [`limits`] holds the bounds every outside input is held to (the
+//! connection cap's numbers too, shared by `daemon` and `server`), [`logs`]
+//! summarises the log lines a client can trigger (§12), [`histogram`] is the
+//! lock-free histogram the engine and the metrics both record into.
 
 pub mod admin_http;
 pub mod backend;
@@ -20,6 +22,7 @@ pub mod config;
 pub mod daemon;
 pub mod engine;
 pub mod gate;
+pub mod histogram;
 pub mod limits;
 pub mod logs;
 pub mod metrics;

@@ -2,6 +2,10 @@
 //! "Bounded under abuse"): one place for the numeric caps (admin durations, config
 //! durations, counts) and for how much of a client's string a reply or a log line may
 //! repeat. README "Operating it" lists these with what a client sees at each.
+//!
+//! The connection cap's numbers live here too ([`RESERVED_CONNECTIONS`],
+//! [`DEFAULT_MAX_CONNECTIONS`]): the daemon sizes the cap against the fd limit
+//! (`daemon/fdlimit.rs`) and the server enforces it, so they sit below both.
 
 use std::borrow::Cow;
 use std::time::Duration;
@@ -36,6 +40,13 @@ pub const MAX_NAME: usize = 200;
 /// or a log line repeats; the rest is replaced by `…`. Keeps every reply to a request
 /// of any size small, and one bad request from being kilobytes of log.
 pub const MAX_ECHO: usize = 128;
+
+/// Connections accepted beyond `max_connections`, for peers in `admin_uids` only
+/// (bindings/PROTOCOL.md §1, "Connection limit").
+pub const RESERVED_CONNECTIONS: u32 = 8;
+
+/// The cap when `max_connections` is unset and the fd limit allows more.
+pub const DEFAULT_MAX_CONNECTIONS: u32 = 10_000;
 
 /// Memory one waiting request may be assumed to hold (its future, its place in a
 /// line, its connection's share): measured ~2.5 KiB per waiting `Start` (issue 21),

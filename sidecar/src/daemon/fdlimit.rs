@@ -10,16 +10,11 @@
 
 use tracing::info;
 
+pub use crate::limits::{DEFAULT_MAX_CONNECTIONS, RESERVED_CONNECTIONS};
+
 /// Descriptors kept for everything but worker connections: the listeners, Redis
 /// connections, the admin HTTP listener's connections (at most 64), stdio, epoll.
 pub const FD_HEADROOM: u64 = 160;
-
-/// Connections accepted beyond `max_connections`, for peers in `admin_uids` only
-/// (bindings/PROTOCOL.md §1, "Connection limit").
-pub const RESERVED_CONNECTIONS: u32 = 8;
-
-/// The cap when `max_connections` is unset and the fd limit allows more.
-pub const DEFAULT_MAX_CONNECTIONS: u32 = 10_000;
 
 /// The soft limit is raised no higher than this (a huge hard limit is no reason to
 /// size anything by it).

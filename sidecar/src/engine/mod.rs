@@ -6,8 +6,8 @@
 //! per connection). Ids are only valid for their owner, and
 //! [`Engine::release_owner`] releases everything an owner still holds (§12).
 //!
-//! One Acquire reads top-down through the files: `acquire.rs` (budgets, the §5
-//! dispatch, the wait) → `pass.rs` (one §4 pass: memo, pacer, then quota + breaker in
+//! One Acquire reads top-down through the files: `acquire/` (budgets, the §5
+//! dispatch; `acquire/wait.rs` the wait) → `pass.rs` (one §4 pass: memo, pacer, then quota + breaker in
 //! one backend operation) → [`crate::gate`] / [`crate::backend`]. A Report goes
 //! through `report.rs` (tables, pacer, health, then the backend's settle + verdict).
 //! `detach.rs` runs every backend operation inline on a local backend and in its own

@@ -3,7 +3,7 @@
 //! the §5 quota line ([`QuotaLine`]): FIFO per size of estimate, only the front of
 //! each size polls. Both keep waiting cheap with many waiters: one waiter per scope
 //! (per size line) naps `poll_interval`, the others sleep until handed a turn or to
-//! their stall edge (the rule is written in `acquire.rs`'s header).
+//! their stall edge (the rule is written in `acquire/wait.rs`'s header).
 //!
 //! Every Acquire of a classed scope joins its class's queue and then asks for a
 //! **turn** before each admission pass. A turn goes to the next waiter in fair order

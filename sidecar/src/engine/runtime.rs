@@ -25,7 +25,7 @@ use crate::gate::health::Health;
 use crate::gate::memo::{Memo, QuotaHint};
 use crate::gate::pacer::Pacer;
 use crate::gate::quota::{QuotaParams, Tokens};
-use crate::metrics::histogram::{Histogram, WAIT_BUCKETS};
+use crate::histogram::{Histogram, WAIT_BUCKETS};
 
 /// A scope's policy: everything SIGHUP may change about it. Swapped whole, so one
 /// admission pass always sees one consistent policy.

@@ -16,7 +16,6 @@
 //! families in `classes`.
 
 mod classes;
-pub mod histogram;
 mod shared;
 mod sources;
 
@@ -32,7 +31,7 @@ use prometheus_client::registry::{Registry, Unit};
 
 use crate::backend::Backend;
 use crate::engine::{Engine, ScopeStatus};
-pub use histogram::Histogram;
+pub use crate::histogram::Histogram;
 pub use shared::{spawn_refresh, SharedView};
 
 /// The `Content-Type` of the exposition.
@@ -102,7 +101,7 @@ impl Default for ServerMetrics {
         ServerMetrics {
             requests: REQUEST_TYPES
                 .iter()
-                .map(|_| Histogram::new(histogram::REQUEST_BUCKETS))
+                .map(|_| Histogram::new(crate::histogram::REQUEST_BUCKETS))
                 .collect(),
         }
     }

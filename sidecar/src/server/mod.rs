@@ -122,7 +122,7 @@ impl ServerOptions {
             handshake_timeout: Duration::from_secs(10),
             reclaim_interval: Duration::from_secs(1),
             max_in_flight: MAX_IN_FLIGHT,
-            max_connections: crate::daemon::fdlimit::DEFAULT_MAX_CONNECTIONS as usize,
+            max_connections: crate::limits::DEFAULT_MAX_CONNECTIONS as usize,
             idle_timeout: crate::config::DEFAULT_IDLE_TIMEOUT,
             max_buffered: crate::config::DEFAULT_MAX_BUFFERED,
             status_refresh: Duration::from_secs(5),
@@ -137,7 +137,7 @@ impl ServerOptions {
             shutdown_grace: c.shutdown_grace,
             max_connections: c
                 .max_connections
-                .map_or(crate::daemon::fdlimit::DEFAULT_MAX_CONNECTIONS, |n| n)
+                .map_or(crate::limits::DEFAULT_MAX_CONNECTIONS, |n| n)
                 as usize,
             idle_timeout: c.idle_timeout,
             max_buffered: c.max_buffered,
@@ -177,7 +177,7 @@ impl Drop for ConnSlot {
 }
 
 /// Connections accepted beyond `max_connections` for `admin_uids` peers only.
-pub use crate::daemon::fdlimit::RESERVED_CONNECTIONS;
+pub use crate::limits::RESERVED_CONNECTIONS;
 
 impl Shared {
     pub fn new(opts: ServerOptions) -> Shared {

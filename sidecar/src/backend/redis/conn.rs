@@ -176,7 +176,7 @@ impl Connection {
     }
 
     /// `FCALL`, loading the library once if the server lacks it; `EVALSHA` on a
-    /// server without functions (see `script.rs`, "How it runs").
+    /// server without functions (see `script/mod.rs`, "How it runs").
     async fn invoke_on<C: ConnectionLike>(
         &self,
         con: &mut C,

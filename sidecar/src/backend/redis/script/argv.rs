@@ -1,44 +1,15 @@
-//! The one Lua script (`gate.lua`) and its operations, each with named arguments
-//! (§6, §7, §10).
+//! The argument layout of `gate.lua`: its named ARGV slots ([`SLOTS`], each slot's
+//! neutral value), one slot's wire form ([`Slot`]) and the struct an operation fills
+//! by name ([`Argv`]), written out in slot order with the numeric limits the script
+//! needs.
 //!
-//! # How it runs
-//!
-//! Every operation is one call of `gate.lua` (dispatching on its op name). The same
-//! text serves two ways ([`Gate`]):
-//! - as a **Redis Function** (Redis ≥ 7): the library `polygate_<hash>` registering
-//!   the function of the same name, called with `FCALL`. The hash is the script's
-//!   SHA-1 prefix, so two sidecar versions sharing a Redis (a rolling upgrade) each
-//!   call their own code. On `Function not found` (a restart without persistence, a
-//!   `FUNCTION FLUSH`, a new cluster node) the library is loaded (`FUNCTION LOAD
-//!   REPLACE`, to every primary of a cluster) and the call retried once. Functions
-//!   were measured cheaper than `EVALSHA` of the same text on Redis 7.0 (a script
-//!   chunk rebuilds its closures on every call; a library builds them once).
-//! - as a **script** (`EVALSHA`, with `SCRIPT LOAD` + retry on `NOSCRIPT`), when the
-//!   server does not know `FCALL` (Redis < 7): the connection then stays on scripts.
-//!
-//! The combined hot-path operations are one call each: `AdmitArgs` = reserve +
-//! try_enter (a breaker refusal takes nothing), `ReportArgs` = settle + verdict (+ the
-//! 429 block). Every clock reading inside is one `redis.call('TIME')` per call (never
-//! a host clock; Redis ≥ 5 replicates effects, so TIME followed by writes is fine).
-//!
-//! A source has two keys, both passed as keys and hash-tagged into one slot so Redis
-//! Cluster routes the call by its first key: `{<prefix>:<source>}:b` (breaker hash)
-//! and `{<prefix>:<source>}:q` (quota hash).
-//!
-//! # Expiry and the epoch
-//!
-//! `gate.lua`'s header ("Expiry") is the rule: the breaker hash keeps no TTL while it
-//! holds state the memory backend would still remember (OPEN, HALF_OPEN, a streak),
-//! and once it reads as fresh it expires no sooner than [`ttl_basis`] after its level
-//! has decayed and after its last grant — so it comes back as the memory backend's
-//! would (k = 0), with epoch 0, which no live permit carries. The quota hash expires
-//! once it reads as full and unblocked. Neither expiry is refreshed per call: the
-//! script keeps the deadline it set in the hash and moves it only when it must.
-//! `reset` bumps the epoch in place (it never deletes the breaker hash).
+//! Its own module because the layout is a contract with `gate.lua`'s header, checked
+//! by the tests below; how the script runs is `script/mod.rs`, how its replies are
+//! read `script/reply.rs`.
 //!
 //! # Arguments
 //!
-//! Each operation is a struct ([`super::ops`]: `TryEnterArgs`, `AdmitArgs`,
+//! Each operation is a struct ([`crate::backend::redis::ops`]: `TryEnterArgs`, `AdmitArgs`,
 //! `ReportArgs`, …) that fills the named slots of one [`Argv`] and reads its own reply
 //! ([`Op`]). Every ARGV slot has one meaning whatever the operation ([`SLOTS`], the
 //! header of `gate.lua`); a slot an operation does not use holds a neutral value, and
@@ -47,114 +18,17 @@
 //! except `failure_rate`, the one fraction; the script writes every number it stores
 //! as an integer itself (never Lua's `1e+15`-style conversion, never float text).
 
-use std::sync::LazyLock;
 use std::time::Duration;
 
-use ::redis::{Cmd, RedisWrite, Script, ToRedisArgs, Value};
+use ::redis::{RedisWrite, ToRedisArgs};
 
-use super::reach::Seen;
-use crate::backend::{
-    Applied, BResult, BackendError, BreakerParams, ClassShares, Observation, QuotaParams, State,
-    Tokens, Trip,
-};
+use crate::backend::{BreakerParams, ClassShares, Observation, QuotaParams, Tokens};
 use crate::gate::quota::{Credits, DEFAULT_MAX_DEBT, MINUTE};
-
-/// `gate.lua`, ready to run either way.
-pub(super) struct Gate {
-    /// The script form (EVALSHA, with NOSCRIPT reload), for Redis < 7.
-    pub script: Script,
-    /// The function's (and its library's) name: `polygate_<SHA-1 prefix>`.
-    pub function: String,
-    /// `FUNCTION LOAD REPLACE` text of the library registering [`Gate::function`].
-    pub library: String,
-}
-
-/// The last line of `gate.lua`: the script form's entry point.
-const SCRIPT_ENTRY: &str = "return gate(KEYS, ARGV)\n";
-
-impl Gate {
-    fn new(text: &str) -> Gate {
-        let script = Script::new(text);
-        let function = format!("polygate_{}", &script.get_hash()[..16]);
-        let body = text
-            .strip_suffix(SCRIPT_ENTRY)
-            .expect("gate.lua ends with its script entry point");
-        let library =
-            format!("#!lua name={function}\n{body}redis.register_function('{function}', gate)\n");
-        Gate {
-            script,
-            function,
-            library,
-        }
-    }
-}
-
-/// The one script; every operation dispatches on its op name (`ARGV[1]`).
-pub(super) static GATE: LazyLock<Gate> = LazyLock::new(|| Gate::new(include_str!("gate.lua")));
-
-/// The breaker key of `source`.
-pub(super) fn breaker_key(prefix: &str, source: &str) -> String {
-    format!("{{{prefix}:{source}}}:b")
-}
-
-/// The quota key of `source`.
-pub(super) fn quota_key(prefix: &str, source: &str) -> String {
-    format!("{{{prefix}:{source}}}:q")
-}
-
-/// A source's two keys (breaker, quota), built once per configured source: a call
-/// borrows them instead of formatting them again.
-pub(super) fn keys(prefix: &str, source: &str) -> [String; 2] {
-    [breaker_key(prefix, source), quota_key(prefix, source)]
-}
-
-/// One call of `gate.lua`: its two keys and its arguments.
-pub(super) struct Call<'a> {
-    /// Breaker key, then quota key (one slot).
-    pub keys: &'a [String; 2],
-    /// ARGV, `op` first, written into the command as they are (integers as decimal
-    /// text, with no string of their own).
-    pub args: Vec<Slot<'a>>,
-}
-
-impl Call<'_> {
-    /// `FCALL polygate_<hash> 2 <keys> <args>`, in one buffer sized up front.
-    pub(super) fn fcall(&self) -> Cmd {
-        let mut c = Cmd::with_capacity(5 + self.args.len(), 128 + 12 * self.args.len());
-        c.arg("FCALL")
-            .arg(GATE.function.as_str())
-            .arg(2)
-            .arg(self.keys[0].as_str())
-            .arg(self.keys[1].as_str());
-        for a in &self.args {
-            c.arg(a);
-        }
-        c
-    }
-
-    /// The same as an `EVALSHA` invocation.
-    pub(super) fn script(&self) -> ::redis::ScriptInvocation<'static> {
-        let mut inv = GATE.script.prepare_invoke();
-        inv.key(self.keys[0].as_str()).key(self.keys[1].as_str());
-        for a in &self.args {
-            inv.arg(a);
-        }
-        inv
-    }
-}
-
-/// One call of `op` on a source whose keys are `keys`, ready to send.
-pub(super) fn invocation<'a, O: Op>(keys: &'a [String; 2], op: &'a O) -> Call<'a> {
-    Call {
-        keys,
-        args: op.argv().slots(O::NAME),
-    }
-}
 
 /// One ARGV slot's value as it goes on the wire. Numbers are written as decimal text
 /// straight into the command buffer (no `String` per slot).
 #[derive(Debug, Clone, PartialEq)]
-pub(super) enum Slot<'a> {
+pub(in crate::backend::redis) enum Slot<'a> {
     /// A signed integer (µs, counts, credits, `-1` = none).
     Int(i64),
     /// An epoch (compared, never computed with: the whole `u64` range).
@@ -212,7 +86,7 @@ impl Slot<'_> {
 
 /// The names of `gate.lua`'s ARGV slots, `ARGV[1]` first; its header documents each
 /// under the same name.
-pub(super) const SLOTS: [&str; 51] = [
+pub(in crate::backend::redis) const SLOTS: [&str; 51] = [
     "op",
     "failure_threshold",
     "failure_rate",
@@ -356,7 +230,7 @@ pub(super) fn ttl_basis(p: &BreakerParams) -> Duration {
 
 /// Every ARGV slot but `op`, by name. The default is the neutral value of each.
 #[derive(Default)]
-pub(super) struct Argv<'a> {
+pub(in crate::backend::redis) struct Argv<'a> {
     /// Slots 2–10: the scope's breaker parameters (all 0 when absent).
     pub breaker: Option<&'a BreakerParams>,
     /// Slots 11–12 and 27–31: the source's buckets (`-1` = bucket disabled, also
@@ -424,13 +298,13 @@ fn burst_us(q: &QuotaParams) -> u64 {
 impl<'a> Argv<'a> {
     /// The slots as text (what [`Argv::slots`] writes), for tests and messages.
     #[cfg(test)]
-    pub(super) fn strings(&self, op: &'static str) -> Vec<String> {
+    pub(in crate::backend::redis) fn strings(&self, op: &'static str) -> Vec<String> {
         self.slots(op).iter().map(ToString::to_string).collect()
     }
 
     /// The slots as `gate.lua` reads them, `op` first, in [`SLOTS`] order, without
     /// the trailing ones that hold their neutral value.
-    pub(super) fn slots(&self, op: &'static str) -> Vec<Slot<'a>> {
+    pub(in crate::backend::redis) fn slots(&self, op: &'static str) -> Vec<Slot<'a>> {
         let (fth, frate, minc, win, cd, mcd, pttl, kmax, basis) = match self.breaker {
             Some(p) => (
                 p.failure_threshold,
@@ -543,114 +417,11 @@ impl<'a> Argv<'a> {
 
 /// Where an admin script publishes `"<op> <source>"` (§9).
 #[derive(Clone, Copy)]
-pub(super) struct Announce<'a> {
+pub(in crate::backend::redis) struct Announce<'a> {
     /// The admin channel (`<prefix>:admin`).
     pub channel: &'a str,
     /// The source acted on, as every host names it.
     pub source: &'a str,
-}
-
-/// One operation of `gate.lua`: its name, its arguments, and what its reply means.
-pub(super) trait Op {
-    /// The op name the script dispatches on (`ARGV[1]`).
-    const NAME: &'static str;
-    /// The reply, read.
-    type Reply;
-    /// The slots this operation fills.
-    fn argv(&self) -> Argv<'_>;
-    /// Read the script's reply.
-    fn read(v: &[Value]) -> BResult<Self::Reply>;
-    /// What the reply says of the source's shared state (§10: remembered for the
-    /// local fallback). Nothing by default.
-    fn seen(&self, _reply: &Self::Reply) -> Seen {
-        Seen::default()
-    }
-}
-
-/// What an [`Applied`] says of the breaker.
-pub(super) fn seen_applied(a: &Applied) -> Seen {
-    Seen {
-        breaker: Some((a.state, a.retry_after)),
-        quota: None,
-    }
-}
-
-// ------------------------------------------------------------------ reply values
-
-pub(super) fn proto(what: &str, v: &[Value]) -> BackendError {
-    BackendError::Protocol(format!("unexpected script reply ({what}): {v:?}"))
-}
-
-pub(super) fn int_at(v: &[Value], i: usize) -> BResult<i64> {
-    match v.get(i) {
-        Some(Value::Int(n)) => Ok(*n),
-        Some(Value::BulkString(b)) => std::str::from_utf8(b)
-            .ok()
-            .and_then(|s| s.parse::<f64>().ok())
-            .map(|f| f as i64)
-            .ok_or_else(|| proto("integer", v)),
-        _ => Err(proto("integer", v)),
-    }
-}
-
-pub(super) fn u64_at(v: &[Value], i: usize) -> BResult<u64> {
-    Ok(int_at(v, i)?.max(0) as u64)
-}
-
-pub(super) fn dur_at(v: &[Value], i: usize) -> BResult<Duration> {
-    Ok(Duration::from_micros(u64_at(v, i)?))
-}
-
-pub(super) fn bool_at(v: &[Value], i: usize) -> BResult<bool> {
-    Ok(int_at(v, i)? != 0)
-}
-
-pub(super) fn state_at(v: &[Value], i: usize) -> BResult<State> {
-    match int_at(v, i)? {
-        0 => Ok(State::Closed),
-        1 => Ok(State::Open),
-        2 => Ok(State::HalfOpen),
-        _ => Err(proto("state", v)),
-    }
-}
-
-/// A level the script may not send (an older reply shape has fewer): `None`.
-pub(super) fn level_or_none(v: &[Value], i: usize) -> BResult<Option<f64>> {
-    if v.len() <= i {
-        return Ok(None);
-    }
-    level_at(v, i)
-}
-
-pub(super) fn level_at(v: &[Value], i: usize) -> BResult<Option<f64>> {
-    match v.get(i) {
-        Some(Value::BulkString(b)) if b.is_empty() => Ok(None),
-        Some(Value::BulkString(b)) => std::str::from_utf8(b)
-            .ok()
-            .and_then(|s| s.parse::<f64>().ok())
-            .map(Some)
-            .ok_or_else(|| proto("level", v)),
-        Some(Value::Int(n)) => Ok(Some(*n as f64)),
-        _ => Err(proto("level", v)),
-    }
-}
-
-/// The reply of every outcome and admin operation: `{applied, state, epoch,
-/// retry_after_us, level, trip}` (trip: 0 none, 1 streak, 2 failure rate).
-pub(super) fn applied(v: &[Value]) -> BResult<Applied> {
-    Ok(Applied {
-        applied: bool_at(v, 0)?,
-        state: state_at(v, 1)?,
-        epoch: u64_at(v, 2)?,
-        retry_after: dur_at(v, 3)?,
-        level: u64_at(v, 4)?.min(u32::MAX as u64) as u32,
-        trip: match int_at(v, 5)? {
-            0 => None,
-            1 => Some(Trip::Streak),
-            2 => Some(Trip::FailureRate),
-            _ => return Err(proto("trip", v)),
-        },
-    })
 }
 
 #[cfg(test)]
@@ -663,40 +434,19 @@ mod tests {
             NEUTRAL[SLOTS.iter().position(|s| *s == "max_debt_us").unwrap()],
             DEFAULT_MAX_DEBT.as_micros().to_string()
         );
-        assert!(include_str!("gate.lua").contains("arg(36, 600000000)"));
-    }
-
-    #[test]
-    fn gate_lua_caps_a_block_like_the_memory_backend() {
-        let us = crate::gate::quota::MAX_QUOTA_BLOCK.as_micros();
-        assert_eq!(us, 7 * 24 * 3600 * 1_000_000);
-        assert!(include_str!("gate.lua").contains("local QMAX_BLOCK = 7 * 24 * 3600 * 1000000"));
-    }
-
-    #[test]
-    fn the_function_library_is_the_script_registered_under_a_versioned_name() {
-        let g = &*GATE;
-        assert!(g.function.starts_with("polygate_") && g.function.len() == 25);
-        assert!(g
-            .library
-            .starts_with(&format!("#!lua name={}\n", g.function)));
-        assert!(g.library.ends_with(&format!(
-            "redis.register_function('{}', gate)\n",
-            g.function
-        )));
-        assert!(!g.library.contains(SCRIPT_ENTRY));
+        assert!(include_str!("../gate.lua").contains("arg(36, 600000000)"));
     }
 
     #[test]
     fn gate_lua_documents_every_slot_under_its_name() {
-        let lua = include_str!("gate.lua");
+        let lua = include_str!("../gate.lua");
         for (i, name) in SLOTS.iter().enumerate() {
             let line = format!("-- ARGV[{}] {name} ", i + 1);
             assert!(lua.contains(&line), "gate.lua header lacks {line:?}");
         }
         assert!(
             !lua.contains(&format!("ARGV[{}]", SLOTS.len() + 1)),
-            "gate.lua reads a slot script.rs does not send"
+            "gate.lua reads a slot script/argv.rs does not send"
         );
     }
 }

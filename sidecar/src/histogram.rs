@@ -4,6 +4,11 @@
 //! prometheus-client 0.26's own `Histogram` keeps its buckets behind a mutex; every
 //! request of every connection records one observation, so the recording side is
 //! kept here and only the encoding is the crate's ([`MetricEncoder::encode_histogram`]).
+//!
+//! A top-level module, below both `engine` (the scopes' wait histograms, observed
+//! as an Acquire ends) and `metrics` (the request histograms, and the encoding of
+//! every histogram in `/metrics`), so the engine never imports the metrics layer
+//! above it.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;

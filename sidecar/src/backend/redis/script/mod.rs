@@ -1,0 +1,204 @@
+//! The one Lua script (`gate.lua`) and its operations, each with named arguments
+//! (§6, §7, §10).
+//!
+//! # How it runs
+//!
+//! Every operation is one call of `gate.lua` (dispatching on its op name). The same
+//! text serves two ways ([`Gate`]):
+//! - as a **Redis Function** (Redis ≥ 7): the library `polygate_<hash>` registering
+//!   the function of the same name, called with `FCALL`. The hash is the script's
+//!   SHA-1 prefix, so two sidecar versions sharing a Redis (a rolling upgrade) each
+//!   call their own code. On `Function not found` (a restart without persistence, a
+//!   `FUNCTION FLUSH`, a new cluster node) the library is loaded (`FUNCTION LOAD
+//!   REPLACE`, to every primary of a cluster) and the call retried once. Functions
+//!   were measured cheaper than `EVALSHA` of the same text on Redis 7.0 (a script
+//!   chunk rebuilds its closures on every call; a library builds them once).
+//! - as a **script** (`EVALSHA`, with `SCRIPT LOAD` + retry on `NOSCRIPT`), when the
+//!   server does not know `FCALL` (Redis < 7): the connection then stays on scripts.
+//!
+//! The combined hot-path operations are one call each: `AdmitArgs` = reserve +
+//! try_enter (a breaker refusal takes nothing), `ReportArgs` = settle + verdict (+ the
+//! 429 block). Every clock reading inside is one `redis.call('TIME')` per call (never
+//! a host clock; Redis ≥ 5 replicates effects, so TIME followed by writes is fine).
+//!
+//! A source has two keys, both passed as keys and hash-tagged into one slot so Redis
+//! Cluster routes the call by its first key: `{<prefix>:<source>}:b` (breaker hash)
+//! and `{<prefix>:<source>}:q` (quota hash).
+//!
+//! # Expiry and the epoch
+//!
+//! `gate.lua`'s header ("Expiry") is the rule: the breaker hash keeps no TTL while it
+//! holds state the memory backend would still remember (OPEN, HALF_OPEN, a streak),
+//! and once it reads as fresh it expires no sooner than `ttl_basis` (in `argv`)
+//! after its level has decayed and after its last grant — so it comes back as the
+//! memory backend's would (k = 0), with epoch 0, which no live permit carries. The
+//! quota hash expires once it reads as full and unblocked. Neither expiry is
+//! refreshed per call: the script keeps the deadline it set in the hash and moves
+//! it only when it must.
+//! `reset` bumps the epoch in place (it never deletes the breaker hash).
+//!
+//! # The module
+//!
+//! This module holds the script and how one call of it is built and run ([`Gate`],
+//! [`Call`], [`Op`]); the argument layout is `argv` (its header: "Arguments"), the
+//! reading of replies `reply`; both are re-exported here.
+
+mod argv;
+mod reply;
+
+use std::sync::LazyLock;
+
+use ::redis::{Cmd, Script, Value};
+
+#[cfg(test)]
+pub(super) use argv::SLOTS;
+pub(super) use argv::{Announce, Argv, Slot};
+pub(super) use reply::{
+    applied, bool_at, dur_at, int_at, level_at, level_or_none, proto, state_at, u64_at,
+};
+
+use super::reach::Seen;
+use crate::backend::{Applied, BResult};
+
+/// `gate.lua`, ready to run either way.
+pub(super) struct Gate {
+    /// The script form (EVALSHA, with NOSCRIPT reload), for Redis < 7.
+    pub script: Script,
+    /// The function's (and its library's) name: `polygate_<SHA-1 prefix>`.
+    pub function: String,
+    /// `FUNCTION LOAD REPLACE` text of the library registering [`Gate::function`].
+    pub library: String,
+}
+
+/// The last line of `gate.lua`: the script form's entry point.
+const SCRIPT_ENTRY: &str = "return gate(KEYS, ARGV)\n";
+
+impl Gate {
+    fn new(text: &str) -> Gate {
+        let script = Script::new(text);
+        let function = format!("polygate_{}", &script.get_hash()[..16]);
+        let body = text
+            .strip_suffix(SCRIPT_ENTRY)
+            .expect("gate.lua ends with its script entry point");
+        let library =
+            format!("#!lua name={function}\n{body}redis.register_function('{function}', gate)\n");
+        Gate {
+            script,
+            function,
+            library,
+        }
+    }
+}
+
+/// The one script; every operation dispatches on its op name (`ARGV[1]`).
+pub(super) static GATE: LazyLock<Gate> = LazyLock::new(|| Gate::new(include_str!("../gate.lua")));
+
+/// The breaker key of `source`.
+pub(super) fn breaker_key(prefix: &str, source: &str) -> String {
+    format!("{{{prefix}:{source}}}:b")
+}
+
+/// The quota key of `source`.
+pub(super) fn quota_key(prefix: &str, source: &str) -> String {
+    format!("{{{prefix}:{source}}}:q")
+}
+
+/// A source's two keys (breaker, quota), built once per configured source: a call
+/// borrows them instead of formatting them again.
+pub(super) fn keys(prefix: &str, source: &str) -> [String; 2] {
+    [breaker_key(prefix, source), quota_key(prefix, source)]
+}
+
+/// One call of `gate.lua`: its two keys and its arguments.
+pub(super) struct Call<'a> {
+    /// Breaker key, then quota key (one slot).
+    pub keys: &'a [String; 2],
+    /// ARGV, `op` first, written into the command as they are (integers as decimal
+    /// text, with no string of their own).
+    pub args: Vec<Slot<'a>>,
+}
+
+impl Call<'_> {
+    /// `FCALL polygate_<hash> 2 <keys> <args>`, in one buffer sized up front.
+    pub(super) fn fcall(&self) -> Cmd {
+        let mut c = Cmd::with_capacity(5 + self.args.len(), 128 + 12 * self.args.len());
+        c.arg("FCALL")
+            .arg(GATE.function.as_str())
+            .arg(2)
+            .arg(self.keys[0].as_str())
+            .arg(self.keys[1].as_str());
+        for a in &self.args {
+            c.arg(a);
+        }
+        c
+    }
+
+    /// The same as an `EVALSHA` invocation.
+    pub(super) fn script(&self) -> ::redis::ScriptInvocation<'static> {
+        let mut inv = GATE.script.prepare_invoke();
+        inv.key(self.keys[0].as_str()).key(self.keys[1].as_str());
+        for a in &self.args {
+            inv.arg(a);
+        }
+        inv
+    }
+}
+
+/// One call of `op` on a source whose keys are `keys`, ready to send.
+pub(super) fn invocation<'a, O: Op>(keys: &'a [String; 2], op: &'a O) -> Call<'a> {
+    Call {
+        keys,
+        args: op.argv().slots(O::NAME),
+    }
+}
+
+/// One operation of `gate.lua`: its name, its arguments, and what its reply means.
+pub(super) trait Op {
+    /// The op name the script dispatches on (`ARGV[1]`).
+    const NAME: &'static str;
+    /// The reply, read.
+    type Reply;
+    /// The slots this operation fills.
+    fn argv(&self) -> Argv<'_>;
+    /// Read the script's reply.
+    fn read(v: &[Value]) -> BResult<Self::Reply>;
+    /// What the reply says of the source's shared state (§10: remembered for the
+    /// local fallback). Nothing by default.
+    fn seen(&self, _reply: &Self::Reply) -> Seen {
+        Seen::default()
+    }
+}
+
+/// What an [`Applied`] says of the breaker.
+pub(super) fn seen_applied(a: &Applied) -> Seen {
+    Seen {
+        breaker: Some((a.state, a.retry_after)),
+        quota: None,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn gate_lua_caps_a_block_like_the_memory_backend() {
+        let us = crate::gate::quota::MAX_QUOTA_BLOCK.as_micros();
+        assert_eq!(us, 7 * 24 * 3600 * 1_000_000);
+        assert!(include_str!("../gate.lua").contains("local QMAX_BLOCK = 7 * 24 * 3600 * 1000000"));
+    }
+
+    #[test]
+    fn the_function_library_is_the_script_registered_under_a_versioned_name() {
+        let g = &*GATE;
+        assert!(g.function.starts_with("polygate_") && g.function.len() == 25);
+        assert!(g
+            .library
+            .starts_with(&format!("#!lua name={}\n", g.function)));
+        assert!(g.library.ends_with(&format!(
+            "redis.register_function('{}', gate)\n",
+            g.function
+        )));
+        assert!(!g.library.contains(SCRIPT_ENTRY));
+    }
+}
