@@ -455,6 +455,34 @@ def test_anthropic_stream_settles_message_start_and_delta_usage(sidecar, upstrea
     assert calls(pg) == 0
 
 
+def test_anthropic_routes_replace_the_sdks_base_url_on_failover(sidecar):
+    """Issue 29.1 under the anthropic SDK: its base URL (``http://h/a``, a gateway
+    path; the SDK adds ``/v1/messages``) is route ``a``'s; the retry granted ``b``
+    goes to ``/b/v1/messages`` on b's host with b's key (not ``/b/a/v1/messages``),
+    the stream settled on ``b``."""
+    with FakeUpstream("h") as h, FakeUpstream("hb") as hb:
+        sidecar.write_config({"chat": scope("a", "b", breaker={"failure_threshold": 1})})
+        sidecar.start()
+        pg = sidecar.client()
+        h.queue(Reply.json({"type": "error", "error": {"type": "overloaded_error", "message": "busy"}}, 529,
+                           {"retry-after-ms": "10"}))
+        hb.queue(Reply.sse(anthropic_stream()))
+        routes = {"a": {"base_url": h.url + "/a", "headers": {"x-api-key": "key-a"}},
+                  "b": {"base_url": hb.url + "/b/", "headers": {"x-api-key": "key-b"}}}
+        client = anthropic.Anthropic(api_key="unused", base_url=h.url + "/a", max_retries=1,
+                                     http_client=polygate.httpx2.client("chat", socket=sidecar.socket, routes=routes))
+        with client.messages.stream(model="claude-test", max_tokens=3000, messages=MESSAGES) as stream:
+            assert "".join(stream.text_stream) == "Hello"
+        assert [x.path for x in h.received] == ["/a/v1/messages"]
+        assert [x.path for x in hb.received] == ["/b/v1/messages"]
+        assert h.received[0].headers["x-api-key"] == "key-a" and hb.received[0].headers["x-api-key"] == "key-b"
+        assert hb.received[0].headers["host"] == hb.url.split("//", 1)[1]
+        wait_until(lambda: calls(pg) == 0, 5, what="the stream settled")
+        assert src(pg, "a")["state"] == "open"
+        s = src(pg, "b")
+        assert s["window_successes"] == 1 and s["in_flight"] == 0, s
+
+
 # ------------------------------------------------------------------ §18: the provider's headers
 
 
