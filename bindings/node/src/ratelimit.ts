@@ -217,8 +217,9 @@ function checkLimit(what: string, v: unknown): void {
 /**
  * What `permit.limits = v` accepts (checked at the assignment, also from JavaScript): a
  * {@link Limits} — an object of its keys, each dimension a {@link Limit} — or null.
- * Anything else (a `Headers`, snake_case keys, a number for a dimension) throws a
- * TypeError naming `Limits`, rather than being dropped or failing inside the report.
+ * Anything else (a `Headers`, snake_case keys, a number for a dimension, a count that
+ * is not an integer >= 0, seconds that are not finite and >= 0) throws a TypeError
+ * naming `Limits` or the bad key, rather than being dropped or failing inside the report.
  */
 export function checkLimits(v: unknown): Limits | null {
   if (v === null || v === undefined) return null;
@@ -230,6 +231,13 @@ export function checkLimits(v: unknown): Limits | null {
     if (!LIMITS_KEYS.includes(k)) throw new TypeError(`permit.limits: unknown key ${k}; a Limits has ${LIMITS_KEYS.join(", ")}`);
     if (k === "ageS") checkNumber("permit.limits.ageS", x);
     else checkLimit(`permit.limits.${k}`, x);
+  }
+  // the values too (an integer count >= 0, finite seconds >= 0): a NaN or a -1 is
+  // refused here, not when the report is sent
+  try {
+    toWireLimits(v as Limits);
+  } catch (e) {
+    throw new TypeError(`permit.limits.${(e as Error).message}`);
   }
   return v as Limits;
 }

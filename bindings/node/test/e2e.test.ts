@@ -111,6 +111,10 @@ observe_limits = "on"
           [{ input_tokens: { remaining: 5 } }, /unknown key input_tokens; a Limits has/],
           [{ tokens: { remaining: 5, reset_s: 20 } }, /permit\.limits\.tokens: unknown key reset_s/],
           [{ tokens: { remaining: "5" } }, /permit\.limits\.tokens\.remaining must be a number/],
+          [{ tokens: { remaining: -1 } }, /permit\.limits\.tokens\.remaining must be an integer >= 0, got -1/],
+          [{ requests: { limit: 1.5 } }, /permit\.limits\.requests\.limit must be an integer >= 0/],
+          [{ tokens: { resetS: NaN } }, /permit\.limits\.tokens\.resetS must be a finite number/],
+          [{ tokens: { remaining: 5 }, ageS: -2 }, /permit\.limits\.ageS must be a finite number >= 0/],
           ["tokens=5", /must be a Limits/],
           [[{ remaining: 5 }], /must be a Limits/],
         ];
