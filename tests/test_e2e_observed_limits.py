@@ -153,6 +153,50 @@ def test_permit_limits_set_by_hand_and_ignored_without_observe(sidecars, upstrea
         assert _near(level, expect, t0, 100), (observe, level)
 
 
+def test_permit_limits_take_a_mapping_of_the_limits_shape(sidecar):
+    """Issue 29.2: ``permit.limits = {...}`` (the keys of polygate.Limits) reaches the
+    sidecar like a Limits (it raised AttributeError inside the report before)."""
+    sidecar.write_config({"chat": scope(SOURCE)})
+    sidecar.start()
+    c = sidecar.client()
+    t0 = time.monotonic()
+    with c.call("chat") as call:
+        p = call.acquire()
+        p.limits = {"tokens": {"limit": 6000, "remaining": 200, "reset_s": 20}, "requests": {"remaining": 5},
+                    "age_s": 0}
+        p.success(10)
+        assert p.limits == polygate.Limits(requests=polygate.Limit(None, 5, None),
+                                           tokens=polygate.Limit(6000, 200, 20.0))
+    st = sidecar.source_status(c, "llm")
+    tpm, rpm = _bucket(st, "tpm"), _bucket(st, "rpm")
+    assert _near(tpm["level"], 200, t0, 100) and tpm["observed"]["remaining"] == 200, tpm
+    assert _near(rpm["level"], 5, t0, 1) and rpm["observed"]["remaining"] == 5, rpm
+
+
+@pytest.mark.parametrize("bad,error,needle", [
+    (5, TypeError, "must be a polygate.Limits"),
+    ([("tokens", {"remaining": 1})], TypeError, "must be a polygate.Limits"),
+    ({"token": {"remaining": 1}}, TypeError, "unknown key.*'token'.*polygate.Limits has"),
+    ({"tokens": 200}, TypeError, r"permit.limits\['tokens'\] must be a polygate.Limit"),
+    ({"tokens": {"left": 1}}, TypeError, "unknown key.*'left'"),
+    ({"tokens": {"remaining": -1}}, ValueError, "remaining"),
+    ({"tokens": {"remaining": "5"}}, ValueError, "remaining"),
+    ({"tokens": {"reset_s": "20s"}}, TypeError, "reset_s"),
+    ({"age_s": "0.5"}, TypeError, "age_s"),
+])
+def test_permit_limits_of_a_wrong_type_fail_at_the_assignment(sidecar, bad, error, needle):
+    sidecar.write_config({"chat": scope(SOURCE)})
+    sidecar.start()
+    c = sidecar.client()
+    with c.call("chat") as call:
+        p = call.acquire()
+        with pytest.raises(error, match=needle):
+            p.limits = bad
+        assert p.limits is None  # nothing half-set: the report goes without limits
+        p.success(10)
+    assert sidecar.source_status(c, "llm")["in_flight"] == 0
+
+
 def test_auto_capacity_is_learned_from_the_first_response(sidecar, upstream):
     src = {"name": "llm", "timeout": "5s", "tpm": "auto", "est_tokens": 10}
     sidecar.write_config({"chat": scope(src, quota_full="fail_fast")})

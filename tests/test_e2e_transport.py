@@ -228,6 +228,59 @@ def test_routes_fail_over_from_a_to_b_with_bs_headers(sidecar):
         assert st["calls"] == 0
 
 
+def test_routes_with_the_sdks_own_base_url_fail_over_to_another_base_path(sidecar):
+    """Issue 29: the SDK points at ``http://h/a/v1`` and ``routes`` names the same base
+    URL for ``a`` and ``http://h/b/v1`` for ``b``; the retry granted ``b`` goes to
+    ``/b/v1/chat/completions`` (not ``/b/v1/a/v1/chat/completions``)."""
+    with FakeUpstream("h") as h:
+        sidecar.write_config({"chat": scope("a", "b", breaker={"failure_threshold": 1})})
+        sidecar.start()
+        pg = sidecar.client()
+        h.queue(Reply.json({"error": {"message": "down"}}, 503, {"retry-after-ms": "10"}))
+        h.queue(Reply.json(chat_body()))
+        routes = {"a": {"base_url": h.url + "/a/v1", "headers": {"authorization": "Bearer key-a"}},
+                  "b": {"base_url": h.url + "/b/v1", "headers": {"authorization": "Bearer key-b"}}}
+        client = openai.OpenAI(api_key="unused", base_url=h.url + "/a/v1", max_retries=1,
+                               http_client=polygate.httpx.client("chat", socket=sidecar.socket, routes=routes))
+        r = client.chat.completions.create(model="gpt-test", messages=MESSAGES)
+        assert r.choices[0].message.content == "Hello!"
+        assert [x.path for x in h.received] == ["/a/v1/chat/completions", "/b/v1/chat/completions"]
+        assert [x.headers["authorization"] for x in h.received] == ["Bearer key-a", "Bearer key-b"]
+        assert src(pg, "b")["window_successes"] == 1 and calls(pg) == 0
+
+
+def test_an_azure_route_sets_query_and_model_under_the_openai_sdk_streaming(sidecar):
+    """An Azure OpenAI deployment as the granted route: the deployment path, the
+    route's ``api-version`` and ``model`` (the body otherwise as the SDK wrote it,
+    Content-Length following it); the stream is settled with its usage."""
+    with FakeUpstream("openai") as o, FakeUpstream("azure") as az:
+        sidecar.write_config({"chat": scope("openai", {"name": "azure", "timeout": "5s", "tpm": 6000},
+                                            breaker={"failure_threshold": 1})})
+        sidecar.start()
+        pg = sidecar.client()
+        o.queue(Reply.json({"error": {"message": "down"}}, 503, {"retry-after-ms": "10"}))
+        az.queue(Reply.sse(OPENAI_STREAM))
+        routes = {"openai": {"base_url": o.url + "/v1"},
+                  "azure": {"base_url": az.url + "/openai/deployments/gpt4o-eu", "headers": {"api-key": "AZ"},
+                            "query": {"api-version": "2024-10-21"}, "model": "gpt-4o-eu-prod"}}
+        client = openai.OpenAI(api_key="unused", base_url=o.url + "/v1", max_retries=1,
+                               http_client=polygate.httpx.client("chat", socket=sidecar.socket, routes=routes))
+        stream = client.chat.completions.create(model="gpt-4o", messages=MESSAGES, max_tokens=1500, stream=True,
+                                                stream_options={"include_usage": True})
+        text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+        assert text == "Hello!"
+        (got,) = az.received
+        assert got.path == "/openai/deployments/gpt4o-eu/chat/completions?api-version=2024-10-21"
+        assert got.headers["api-key"] == "AZ" and int(got.headers["content-length"]) == len(got.body)
+        sent = json.loads(o.received[0].body)
+        assert sent["model"] == "gpt-4o"
+        assert json.loads(got.body) == dict(sent, model="gpt-4o-eu-prod")  # only the model changed
+        wait_until(lambda: calls(pg) == 0, 5, what="the stream settled")
+        s = src(pg, "azure")
+        assert s["window_successes"] == 1 and s["in_flight"] == 0
+        assert s["tokens_available"] >= 5900  # the usage (23), not the estimate (1,500+)
+
+
 def test_a_route_missing_for_the_granted_source_fails_before_sending(sidecar, upstream):
     pg = start(sidecar)
     client = oai(upstream, sidecar.socket, max_retries=0,
@@ -400,6 +453,34 @@ def test_anthropic_stream_settles_message_start_and_delta_usage(sidecar, upstrea
     s = src(pg)
     assert s["in_flight"] == 0 and s["tokens_available"] >= 5950 and s["window_successes"] == 1, s
     assert calls(pg) == 0
+
+
+def test_anthropic_routes_replace_the_sdks_base_url_on_failover(sidecar):
+    """Issue 29.1 under the anthropic SDK: its base URL (``http://h/a``, a gateway
+    path; the SDK adds ``/v1/messages``) is route ``a``'s; the retry granted ``b``
+    goes to ``/b/v1/messages`` on b's host with b's key (not ``/b/a/v1/messages``),
+    the stream settled on ``b``."""
+    with FakeUpstream("h") as h, FakeUpstream("hb") as hb:
+        sidecar.write_config({"chat": scope("a", "b", breaker={"failure_threshold": 1})})
+        sidecar.start()
+        pg = sidecar.client()
+        h.queue(Reply.json({"type": "error", "error": {"type": "overloaded_error", "message": "busy"}}, 529,
+                           {"retry-after-ms": "10"}))
+        hb.queue(Reply.sse(anthropic_stream()))
+        routes = {"a": {"base_url": h.url + "/a", "headers": {"x-api-key": "key-a"}},
+                  "b": {"base_url": hb.url + "/b/", "headers": {"x-api-key": "key-b"}}}
+        client = anthropic.Anthropic(api_key="unused", base_url=h.url + "/a", max_retries=1,
+                                     http_client=polygate.httpx2.client("chat", socket=sidecar.socket, routes=routes))
+        with client.messages.stream(model="claude-test", max_tokens=3000, messages=MESSAGES) as stream:
+            assert "".join(stream.text_stream) == "Hello"
+        assert [x.path for x in h.received] == ["/a/v1/messages"]
+        assert [x.path for x in hb.received] == ["/b/v1/messages"]
+        assert h.received[0].headers["x-api-key"] == "key-a" and hb.received[0].headers["x-api-key"] == "key-b"
+        assert hb.received[0].headers["host"] == hb.url.split("//", 1)[1]
+        wait_until(lambda: calls(pg) == 0, 5, what="the stream settled")
+        assert src(pg, "a")["state"] == "open"
+        s = src(pg, "b")
+        assert s["window_successes"] == 1 and s["in_flight"] == 0, s
 
 
 # ------------------------------------------------------------------ §18: the provider's headers

@@ -31,11 +31,12 @@ from .test_conformance import Mismatch, check_keys, match_value, sidecar_config 
 SCENARIOS = REPO / "bindings" / "conformance" / "transport"
 
 TOP_KEYS = {"name", "description", "backends", "timeout_s", "config", "upstreams", "transport", "steps"}
-TRANSPORT_KEYS = {"scope", "upstream", "routes", "on_refusal"}
+TRANSPORT_KEYS = {"scope", "upstream", "base_path", "routes", "on_refusal"}
+ROUTE_KEYS = {"upstream", "path", "headers", "query", "model"}
 OPS: Dict[str, Tuple[set, set]] = {
     "respond": ({"upstream", "status"}, {"headers", "json", "sse", "body", "delay_s", "times"}),
     "request": ({"method", "path"}, {"json", "stream", "read_events", "expect"}),
-    "upstream_hits": ({"upstream", "expect"}, {"header"}),
+    "upstream_hits": ({"upstream", "expect"}, {"header", "path", "json_subset"}),
     "status": ({"expect"}, set()),
     "sleep": ({"seconds"}, set()),
 }
@@ -236,7 +237,7 @@ def check_scenario(sc: Dict[str, Any]) -> None:
     if sc["transport"]["upstream"] not in ups:
         raise Mismatch("%s: transport.upstream %r is not in upstreams" % (where, sc["transport"]["upstream"]))
     for src, r in (sc["transport"].get("routes") or {}).items():
-        check_keys(r, {"upstream", "headers"}, "%s.routes.%s" % (where, src))
+        check_keys(r, ROUTE_KEYS, "%s.routes.%s" % (where, src))
         if r["upstream"] not in ups:
             raise Mismatch("%s: route %r names an unknown upstream" % (where, src))
     for i, step in enumerate(sc["steps"]):
@@ -267,10 +268,12 @@ def play(sc: Dict[str, Any], label: str, socket_path: str, flavour: str) -> None
         spec = sc["transport"]
         routes = None
         if spec.get("routes"):
-            routes = {src: {"base_url": ups[r["upstream"]].url, "headers": r.get("headers", {})}
-                      for src, r in spec["routes"].items()}
+            routes = {}
+            for src, r in spec["routes"].items():
+                routes[src] = {"base_url": ups[r["upstream"]].url + r.get("path", ""), "headers": r.get("headers", {})}
+                routes[src].update({k: r[k] for k in ("query", "model") if k in r})
         kw = dict(routes=routes, on_refusal=spec.get("on_refusal", "response"), socket=socket_path)
-        base_url = ups[spec["upstream"]].url
+        base_url = ups[spec["upstream"]].url + spec.get("base_path", "")
         if loop is None:
             req = SyncRequester(base_url, polygate.httpx.Transport(spec["scope"], **kw))
         else:
@@ -301,6 +304,20 @@ def play(sc: Dict[str, Any], label: str, socket_path: str, flavour: str) -> None
                         if got.get(k.lower()) != v:
                             raise Mismatch("%s: last request's header %r is %r, expected %r"
                                            % (where, k, got.get(k.lower()), v))
+                if "path" in step and up.received[-1].path != step["path"]:
+                    raise Mismatch("%s: last request's path is %r, expected %r"
+                                   % (where, up.received[-1].path, step["path"]))
+                if "json_subset" in step:
+                    last = up.received[-1]
+                    clen = last.headers.get("content-length")
+                    if clen is not None and int(clen) != len(last.body):
+                        raise Mismatch("%s: last request's Content-Length %s, its body %d bytes"
+                                       % (where, clen, len(last.body)))
+                    try:
+                        doc = json.loads(last.body)
+                    except ValueError:
+                        raise Mismatch("%s: last request's body is not JSON: %r" % (where, last.body[:300])) from None
+                    json_subset(step["json_subset"], doc, where + ".json")
             elif op == "status":
                 match_value(step["expect"], status_client.status(), where + " status")
             elif op == "sleep":

@@ -38,15 +38,27 @@ const (
 	RefuseWithError
 )
 
-// Route is where a granted source's requests go.
+// Route is where a granted source's requests go. A request URL under one of the
+// routes' base URLs (same scheme, host and port, and a path prefix ending at a
+// segment boundary; the longest wins) has that prefix replaced by the granted
+// route's BaseURL: give Routes the base URLs you give the SDK. A request URL under
+// none keeps its path, with BaseURL's path put in front.
 type Route struct {
-	// BaseURL is the source's deployment: its scheme, host and port replace the
-	// request's, and its path (trailing "/" trimmed) is put in front of the
-	// request's path (see Transport.SDKBaseURL).
+	// BaseURL is the source's deployment as the SDK would be given it
+	// ("https://api.openai.com/v1", "http://gpu-1:8000/v1",
+	// "https://res.openai.azure.com/openai/deployments/gpt-4o"): no query.
 	BaseURL string
 	// Headers are set on the request (API key, "api-key", ...), replacing the
 	// request's headers of the same name.
 	Headers map[string]string
+	// Query parameters are set on the request's query (Azure OpenAI's
+	// {"api-version": "2024-10-21"}), replacing same-named ones and keeping the
+	// others; they are added in name order.
+	Query map[string]string
+	// Model, when set, is the "model" a JSON-object request body gets on this
+	// route (a deployment serving the model under another name); the body's other
+	// bytes are kept and its length follows.
+	Model string
 }
 
 // Transport is an http.RoundTripper that gates every request through PolyGate
@@ -85,9 +97,9 @@ type Transport struct {
 	// SDK sent it. A granted source missing from Routes is a *RouteMissingError
 	// before anything is sent.
 	Routes map[string]Route
-	// SDKBaseURL (optional) is the SDK's base URL ("https://api.openai.com/v1"):
-	// with Routes, the part of the request URL after it is appended to the
-	// route's BaseURL instead of the whole path.
+	// SDKBaseURL (optional) is the SDK's base URL ("https://api.openai.com/v1")
+	// when it is none of the Routes' base URLs: matched like theirs, so the part
+	// of the request URL after it is appended to the route's BaseURL.
 	SDKBaseURL string
 	// Estimate (optional) returns the request's input and output token
 	// estimates; a side <= 0 falls back to the built-in rule. The request's
@@ -98,6 +110,12 @@ type Transport struct {
 
 	mu     sync.Mutex
 	dialed *Client
+
+	// routesOnce parses Routes (and SDKBaseURL) at the first request into
+	// table, or routesErr.
+	routesOnce sync.Once
+	table      *routeTable
+	routesErr  error
 }
 
 // RouteMissingError: PolyGate granted a source that Transport.Routes does not
@@ -250,6 +268,11 @@ func (t *Transport) RoundTrip(req *http.Request) (*http.Response, error) {
 		}
 	}
 
+	if t.Routes != nil {
+		if _, err := t.routeTable(); err != nil {
+			return nil, err
+		}
+	}
 	c, err := t.client(ctx)
 	if err != nil {
 		return nil, err
@@ -269,7 +292,7 @@ func (t *Transport) RoundTrip(req *http.Request) (*http.Response, error) {
 	}
 	att.call, att.permit = call, p
 	if t.Routes != nil {
-		route, ok := t.Routes[p.Source]
+		route, ok := t.table.routes[p.Source]
 		if !ok {
 			att.settle(func(p *Permit) error { return p.Cancel(att.ctx) })
 			names := make([]string, 0, len(t.Routes))
@@ -279,7 +302,7 @@ func (t *Transport) RoundTrip(req *http.Request) (*http.Response, error) {
 			sort.Strings(names)
 			return nil, &RouteMissingError{Scope: t.Scope, Source: p.Source, Routes: names}
 		}
-		if out, err = t.routed(out, route, body); err != nil {
+		if out, err = t.table.routed(out, route, body); err != nil {
 			att.settle(func(p *Permit) error { return p.Cancel(att.ctx) })
 			return nil, err
 		}
@@ -333,39 +356,286 @@ func closeBody(req *http.Request) {
 	}
 }
 
-// routed is req sent to route: its URL re-rooted under route.BaseURL, its headers set.
-func (t *Transport) routed(req *http.Request, route Route, body []byte) (*http.Request, error) {
-	base, err := url.Parse(route.BaseURL)
-	if err != nil || base.Scheme == "" || base.Host == "" {
-		return nil, invalidArgument("Transport.Routes: BaseURL %q is not an absolute URL", route.BaseURL)
+// routeTable is Routes parsed: each source's route and the base URLs a request
+// URL is matched against.
+type routeTable struct {
+	// routes maps a source to its parsed route.
+	routes map[string]*parsedRoute
+	// bases are the routes' base URLs (and SDKBaseURL), the longest prefix first.
+	bases []routeBase
+}
+
+// parsedRoute is a Route checked and taken apart.
+type parsedRoute struct {
+	// scheme and host (with its port, if any) the request goes to.
+	scheme, host string
+	// prefix is BaseURL's escaped path without its trailing "/".
+	prefix string
+	// headers are Route.Headers.
+	headers map[string]string
+	// query is Route.Query, sorted by name.
+	query [][2]string
+	// model is Route.Model.
+	model string
+}
+
+// routeBase is a base URL a request URL is matched against.
+type routeBase struct {
+	// origin is "scheme://host:port", the port always given.
+	origin string
+	// prefix is the base URL's escaped path without its trailing "/".
+	prefix string
+}
+
+func (t *Transport) routeTable() (*routeTable, error) {
+	t.routesOnce.Do(func() { t.table, t.routesErr = parseRoutes(t.Routes, t.SDKBaseURL) })
+	return t.table, t.routesErr
+}
+
+func parseBase(what, raw string) (*url.URL, error) {
+	u, err := url.Parse(raw)
+	if err != nil || (u.Scheme != "http" && u.Scheme != "https") || u.Host == "" {
+		return nil, invalidArgument("%s: %q is not an absolute http(s) URL", what, raw)
 	}
-	rest := req.URL.EscapedPath()
-	query := req.URL.RawQuery
-	if t.SDKBaseURL != "" {
-		full := req.URL.String()
-		if sdk := strings.TrimRight(t.SDKBaseURL, "/"); strings.HasPrefix(full, sdk) {
-			tail := full[len(sdk):]
-			rest, query, _ = strings.Cut(tail, "?")
+	if u.RawQuery != "" || u.ForceQuery || u.Fragment != "" {
+		return nil, invalidArgument("%s: %q must not have a query or fragment (give query parameters as the route's Query)", what, raw)
+	}
+	return u, nil
+}
+
+func originKey(u *url.URL) string {
+	port := u.Port()
+	if port == "" {
+		port = "80"
+		if strings.EqualFold(u.Scheme, "https") {
+			port = "443"
 		}
 	}
-	if rest != "" && !strings.HasPrefix(rest, "/") {
-		rest = "/" + rest
+	return strings.ToLower(u.Scheme) + "://" + strings.ToLower(u.Hostname()) + ":" + port
+}
+
+func parseRoutes(routes map[string]Route, sdkBase string) (*routeTable, error) {
+	tb := &routeTable{routes: make(map[string]*parsedRoute, len(routes))}
+	for src, r := range routes {
+		u, err := parseBase(fmt.Sprintf("Transport.Routes[%q].BaseURL", src), r.BaseURL)
+		if err != nil {
+			return nil, err
+		}
+		pr := &parsedRoute{scheme: u.Scheme, host: u.Host, prefix: strings.TrimRight(u.EscapedPath(), "/"),
+			headers: r.Headers, model: r.Model}
+		for k, v := range r.Query {
+			if k == "" {
+				return nil, invalidArgument("Transport.Routes[%q].Query has an empty parameter name", src)
+			}
+			pr.query = append(pr.query, [2]string{k, v})
+		}
+		sort.Slice(pr.query, func(i, j int) bool { return pr.query[i][0] < pr.query[j][0] })
+		tb.routes[src] = pr
+		tb.bases = append(tb.bases, routeBase{originKey(u), pr.prefix})
 	}
-	to, err := url.Parse(strings.TrimRight(base.String(), "/") + rest)
+	if sdkBase != "" {
+		u, err := parseBase("Transport.SDKBaseURL", sdkBase)
+		if err != nil {
+			return nil, err
+		}
+		tb.bases = append(tb.bases, routeBase{originKey(u), strings.TrimRight(u.EscapedPath(), "/")})
+	}
+	sort.SliceStable(tb.bases, func(i, j int) bool { return len(tb.bases[i].prefix) > len(tb.bases[j].prefix) })
+	return tb, nil
+}
+
+// under reports whether path is prefix or below it, at a segment boundary.
+func under(path, prefix string) bool {
+	return prefix == "" || path == prefix || (strings.HasPrefix(path, prefix) && path[len(prefix)] == '/')
+}
+
+// rebase is the escaped path and raw query of u sent to route: under one of the
+// bases (the SDK's base URL is one of the routes') that prefix is replaced by the
+// route's, else the route's prefix is put in front of the whole path; the route's
+// query replaces same-named parameters.
+func (tb *routeTable) rebase(u *url.URL, route *parsedRoute) (path, query string) {
+	key := originKey(u)
+	path = u.EscapedPath()
+	matched := false
+	for _, b := range tb.bases {
+		if b.origin == key && under(path, b.prefix) {
+			path = route.prefix + path[len(b.prefix):]
+			matched = true
+			break
+		}
+	}
+	if !matched {
+		path = route.prefix + path
+	}
+	if !strings.HasPrefix(path, "/") {
+		path = "/" + path
+	}
+	query = u.RawQuery
+	if len(route.query) > 0 {
+		query = withQuery(query, route.query)
+	}
+	return path, query
+}
+
+// withQuery is query (raw) without the parameters params names, then params
+// percent-encoded (everything but A-Za-z0-9-._~, as the Python and Node bindings).
+func withQuery(query string, params [][2]string) string {
+	var kept []string
+	for _, kv := range strings.Split(query, "&") {
+		if kv == "" {
+			continue
+		}
+		name, _, _ := strings.Cut(kv, "=")
+		if n, err := url.QueryUnescape(name); err == nil {
+			name = n
+		}
+		drop := false
+		for _, p := range params {
+			drop = drop || p[0] == name
+		}
+		if !drop {
+			kept = append(kept, kv)
+		}
+	}
+	for _, p := range params {
+		kept = append(kept, escapeAll(p[0])+"="+escapeAll(p[1]))
+	}
+	return strings.Join(kept, "&")
+}
+
+func escapeAll(s string) string {
+	const hex = "0123456789ABCDEF"
+	var b strings.Builder
+	for i := 0; i < len(s); i++ {
+		c := s[i]
+		if 'A' <= c && c <= 'Z' || 'a' <= c && c <= 'z' || '0' <= c && c <= '9' || c == '-' || c == '.' || c == '_' || c == '~' {
+			b.WriteByte(c)
+		} else {
+			b.WriteByte('%')
+			b.WriteByte(hex[c>>4])
+			b.WriteByte(hex[c&15])
+		}
+	}
+	return b.String()
+}
+
+// routed is req sent to route: its URL re-rooted under the route's base URL, its
+// query and headers set, and its JSON body's model set (the length following).
+func (tb *routeTable) routed(req *http.Request, route *parsedRoute, body []byte) (*http.Request, error) {
+	path, query := tb.rebase(req.URL, route)
+	to, err := url.Parse(route.scheme + "://" + route.host + path)
 	if err != nil {
-		return nil, invalidArgument("Transport.Routes: cannot join %q and %q: %v", route.BaseURL, rest, err)
+		return nil, invalidArgument("Transport.Routes: cannot join %s://%s and %q: %v", route.scheme, route.host, path, err)
 	}
 	to.RawQuery = query
 	r2 := req.Clone(req.Context())
 	r2.URL = to
 	r2.Host = ""
-	for k, v := range route.Headers {
+	for k, v := range route.headers {
 		r2.Header.Set(k, v)
+	}
+	if route.model != "" && body != nil {
+		if nb := setModel(body, route.model); nb != nil {
+			body = nb
+			r2.ContentLength = int64(len(nb))
+			r2.Header.Del("Content-Length")
+			r2.GetBody = func() (io.ReadCloser, error) { return newByteBody(nb), nil }
+		}
 	}
 	if body != nil {
 		r2.Body = newByteBody(body)
 	}
 	return r2, nil
+}
+
+// setModel is body with its top-level "model" set to model (added first when it
+// has none), every other byte kept; nil when body is not a JSON object (then it
+// is sent as it is). Transport applies it for a Route with a Model.
+func setModel(body []byte, model string) []byte {
+	i := skipSpace(body, 0)
+	if i >= len(body) || body[i] != '{' || !json.Valid(body) {
+		return nil
+	}
+	lit, _ := json.Marshal(model)
+	var spans [][2]int
+	i = skipSpace(body, i+1)
+	for i < len(body) && body[i] == '"' {
+		ke := jsonValueEnd(body, i)
+		key := body[i:ke]
+		i = skipSpace(body, skipSpace(body, ke)+1) // past the ':'
+		end := jsonValueEnd(body, i)
+		if string(key) == `"model"` || (bytes.IndexByte(key, '\\') >= 0 && jsonString(key) == "model") {
+			spans = append(spans, [2]int{i, end})
+		}
+		i = skipSpace(body, end)
+		if i >= len(body) || body[i] != ',' {
+			break
+		}
+		i = skipSpace(body, i+1)
+	}
+	if len(spans) == 0 {
+		at := bytes.IndexByte(body, '{') + 1
+		out := make([]byte, 0, len(body)+len(lit)+10)
+		out = append(out, body[:at]...)
+		out = append(out, `"model":`...)
+		out = append(out, lit...)
+		if rest := skipSpace(body, at); rest < len(body) && body[rest] != '}' {
+			out = append(out, ',')
+		}
+		return append(out, body[at:]...)
+	}
+	if last := spans[len(spans)-1]; jsonString(body[last[0]:last[1]]) == model && len(spans) == 1 {
+		return body
+	}
+	out := make([]byte, 0, len(body)+len(lit))
+	prev := 0
+	for _, sp := range spans {
+		out = append(out, body[prev:sp[0]]...)
+		out = append(out, lit...)
+		prev = sp[1]
+	}
+	return append(out, body[prev:]...)
+}
+
+func skipSpace(b []byte, i int) int {
+	for i < len(b) && isSpace(b[i]) {
+		i++
+	}
+	return i
+}
+
+// jsonString is the JSON string literal b decoded ("" when b is not one).
+func jsonString(b []byte) string {
+	var s string
+	if json.Unmarshal(b, &s) != nil {
+		return ""
+	}
+	return s
+}
+
+// jsonValueEnd is the index after the JSON value at b[i] (b is valid JSON).
+func jsonValueEnd(b []byte, i int) int {
+	switch b[i] {
+	case '"':
+		for j := i + 1; j < len(b); j++ {
+			if b[j] == '\\' {
+				j++
+			} else if b[j] == '"' {
+				return j + 1
+			}
+		}
+		return len(b)
+	case '{', '[':
+		if e := objectEnd(b, i); e >= 0 {
+			return e
+		}
+		return len(b)
+	}
+	j := i
+	for j < len(b) && b[j] != ',' && b[j] != '}' && b[j] != ']' && !isSpace(b[j]) {
+		j++
+	}
+	return j
 }
 
 // ------------------------------------------------------------------ refusal

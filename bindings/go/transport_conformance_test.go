@@ -32,9 +32,13 @@ type transportScenario struct {
 	Transport   struct {
 		Scope    string `json:"scope"`
 		Upstream string `json:"upstream"`
+		BasePath string `json:"base_path"`
 		Routes   map[string]struct {
 			Upstream string            `json:"upstream"`
+			Path     string            `json:"path"`
 			Headers  map[string]string `json:"headers"`
+			Query    map[string]string `json:"query"`
+			Model    string            `json:"model"`
 		} `json:"routes"`
 		OnRefusal string `json:"on_refusal"`
 	} `json:"transport"`
@@ -46,7 +50,7 @@ var transportScenarioDir = filepath.Join("..", "conformance", "transport")
 var transportStepFields = map[string][2][]string{
 	"respond":       {{"upstream", "status"}, {"headers", "json", "sse", "body", "delay_s", "times"}},
 	"request":       {{"method", "path"}, {"json", "stream", "read_events", "expect"}},
-	"upstream_hits": {{"upstream", "expect"}, {"header"}},
+	"upstream_hits": {{"upstream", "expect"}, {"header", "path", "json_subset"}},
 	"status":        {{"expect"}, nil},
 	"sleep":         {{"seconds"}, nil},
 }
@@ -232,7 +236,7 @@ func playTransport(ctx context.Context, sc *transportScenario, c *Client, ups ma
 			if err != nil {
 				return err
 			}
-			tr.Routes[src] = Route{BaseURL: u.URL(), Headers: r.Headers}
+			tr.Routes[src] = Route{BaseURL: u.URL() + r.Path, Headers: r.Headers, Query: r.Query, Model: r.Model}
 		}
 	}
 	base, err := up(sc.Transport.Upstream, label+" transport")
@@ -309,7 +313,7 @@ func playTransport(ctx context.Context, sc *transportScenario, c *Client, ups ma
 				b, _ := json.Marshal(j)
 				body = bytes.NewReader(b)
 			}
-			req, err := http.NewRequestWithContext(ctx, str(st["method"]), base.URL()+str(st["path"]), body)
+			req, err := http.NewRequestWithContext(ctx, str(st["method"]), base.URL()+sc.Transport.BasePath+str(st["path"]), body)
 			if err != nil {
 				return err
 			}
@@ -394,6 +398,29 @@ func playTransport(ctx context.Context, sc *transportScenario, c *Client, ups ma
 					return fmt.Errorf("%s: no request to check headers of", where)
 				}
 				if err := headerSubset(h, last.header, where); err != nil {
+					return err
+				}
+			}
+			if p, ok := st["path"]; ok {
+				if last, _ := u.lastHit(); last.path != str(p) {
+					return fmt.Errorf("%s: last request's path is %q, expected %v", where, last.path, p)
+				}
+			}
+			if js, ok := st["json_subset"]; ok {
+				last, ok := u.lastHit()
+				if !ok {
+					return fmt.Errorf("%s: no request to check the body of", where)
+				}
+				if cl := last.header.Get("Content-Length"); cl != "" && cl != strconv.Itoa(len(last.body)) {
+					return fmt.Errorf("%s: last request's Content-Length %s, its body %d bytes", where, cl, len(last.body))
+				}
+				d := json.NewDecoder(bytes.NewReader(last.body))
+				d.UseNumber()
+				var doc any
+				if err := d.Decode(&doc); err != nil {
+					return fmt.Errorf("%s: last request's body is not JSON: %.300s", where, last.body)
+				}
+				if err := jsonSubset(js, doc, where+".json"); err != nil {
 					return err
 				}
 			}

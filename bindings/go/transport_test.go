@@ -13,6 +13,7 @@ import (
 	"fmt"
 	"io"
 	"net/http"
+	"net/url"
 	"strings"
 	"testing"
 	"time"
@@ -569,4 +570,75 @@ func TestTransportReportsRateLimitHeadersAgedByTheStream(t *testing.T) {
 		return
 	}
 	t.Fatal("no tpm bucket in the status")
+}
+
+func TestTransportRoutesRebase(t *testing.T) {
+	tb, err := parseRoutes(map[string]Route{
+		"a":    {BaseURL: "http://h/a/v1"},
+		"b":    {BaseURL: "http://h/b/v1/"},
+		"vllm": {BaseURL: "http://gpu-1:8000/v1"},
+		"deep": {BaseURL: "http://h/a/v1/deployments/x"},
+		"bare": {BaseURL: "http://other:9000"},
+		"az":   {BaseURL: "https://r/openai/deployments/d", Query: map[string]string{"k": "a b&c/é", "api-version": "2024-10-21"}},
+	}, "")
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, c := range []struct{ source, in, want string }{
+		{"b", "http://h/a/v1/chat/completions", "/b/v1/chat/completions"},
+		{"vllm", "http://h:80/a/v1/chat/completions?x=1", "/v1/chat/completions?x=1"},
+		{"b", "http://h/a/v1", "/b/v1"},
+		{"bare", "http://h/a/v1/embeddings", "/embeddings"},
+		{"b", "http://h/a/v1/deployments/x/chat", "/b/v1/chat"}, // the longest wins
+		{"b", "http://h/a/v10/chat", "/b/v1/a/v10/chat"},        // a segment boundary
+		{"b", "http://h:8080/a/v1/chat", "/b/v1/a/v1/chat"},     // another port
+		{"b", "https://h/a/v1/chat", "/b/v1/a/v1/chat"},         // another scheme
+		{"bare", "http://sdk/v1/chat", "/v1/chat"},              // matching none: put in front
+		{"az", "http://h/a/v1/chat/completions?api-version=old&trace=1&api%2Dversion=x",
+			"/openai/deployments/d/chat/completions?trace=1&api-version=2024-10-21&k=a%20b%26c%2F%C3%A9"},
+	} {
+		u, _ := url.Parse(c.in)
+		p, q := tb.rebase(u, tb.routes[c.source])
+		if q != "" {
+			p += "?" + q
+		}
+		if p != c.want {
+			t.Errorf("%s via %s: got %q, want %q", c.in, c.source, p, c.want)
+		}
+	}
+	// SDKBaseURL is one more base URL matched like the routes'.
+	tb, _ = parseRoutes(map[string]Route{"az": {BaseURL: "https://r/openai/deployments/d"}}, "https://api.openai.com/v1/")
+	u, _ := url.Parse("https://api.openai.com/v1/chat/completions")
+	if p, _ := tb.rebase(u, tb.routes["az"]); p != "/openai/deployments/d/chat/completions" {
+		t.Errorf("SDKBaseURL: got %q", p)
+	}
+	for _, bad := range []map[string]Route{
+		{"a": {BaseURL: "ftp://h/v1"}}, {"a": {BaseURL: "/v1"}},
+		{"a": {BaseURL: "http://h/v1?api-version=1"}}, {"a": {BaseURL: "http://h", Query: map[string]string{"": "x"}}},
+	} {
+		if _, err := parseRoutes(bad, ""); err == nil {
+			t.Errorf("%v: no error", bad)
+		}
+	}
+}
+
+func TestTransportSetModel(t *testing.T) {
+	for _, c := range []struct{ in, want string }{
+		{`{"model":"gpt-4o","stream":true,"seed":12345678901234567890123}`, `{"model":"m2","stream":true,"seed":12345678901234567890123}`},
+		{` { "tools" : [{"model":"x"}], "model" : "gpt" , "s":"}\"model\":" } `, ` { "tools" : [{"model":"x"}], "model" : "m2" , "s":"}\"model\":" } `},
+		{`{"input":"hi"}`, `{"model":"m2","input":"hi"}`},
+		{`{ }`, `{"model":"m2" }`},
+		{`{"mod\u0065l":"a","n":1.5e3,"model":null}`, `{"mod\u0065l":"m2","n":1.5e3,"model":"m2"}`},
+		{`{"model":"m2","x":1}`, `{"model":"m2","x":1}`},
+	} {
+		got := setModel([]byte(c.in), "m2")
+		if string(got) != c.want {
+			t.Errorf("setModel(%s) = %s, want %s", c.in, got, c.want)
+		}
+	}
+	for _, in := range []string{`[{"model":"x"}]`, `"model"`, `{"model":`, ``, "\xff{}"} {
+		if got := setModel([]byte(in), "m2"); got != nil {
+			t.Errorf("setModel(%q) = %q, want nil", in, got)
+		}
+	}
 }

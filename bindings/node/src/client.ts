@@ -31,7 +31,7 @@ import {
   GatewayUnavailableError, PolyGateError, SidecarError, errorFromReply, errorFromTenantRefusal,
 } from "./errors.js";
 import { parseJson } from "./json.js";
-import { Limits, limitsOf, toWireLimits } from "./ratelimit.js";
+import { Limits, checkLimits, limitsOf, toWireLimits } from "./ratelimit.js";
 import {
   DEFAULT_MAX_FRAME, FALLBACK_VERSION, MAX_INCOMING_FRAME, MAX_TENANT_BYTES, PROTOCOL_VERSION, REQUEST_TAGS,
   TENANT_VERSION, U64, WireCallSpec, WireFailureKind, WireGranted, WireLimits, WireOutcome, WireReply, WireUsage,
@@ -666,10 +666,19 @@ export class Permit {
   cachedInputTokens?: number;
   /**
    * The provider's rate-limit headers of this attempt's response (DESIGN §18),
-   * sent with its report: set by hand (`permit.limits = parseRateLimitHeaders(res.headers).limits`)
-   * or by `run` from an SDK error's or a raw response's headers.
+   * sent with its report: set by hand (`permit.limits = parseRateLimitHeaders(res.headers).limits`,
+   * or an object of the {@link Limits} keys) or by `run` from an SDK error's or a raw
+   * response's headers. Another shape throws a TypeError at the assignment.
    */
-  limits: Limits | null = null;
+  get limits(): Limits | null {
+    return this._limits;
+  }
+
+  set limits(v: Limits | null) {
+    this._limits = checkLimits(v);
+  }
+
+  private _limits: Limits | null = null;
   /** The sidecar's answer once a `success()` was reported. */
   result: ReportResult | undefined;
   /** @internal */

@@ -177,6 +177,7 @@ export function parseRateLimitHeaders(headers: HeaderSource, now?: number): { li
 
 function wireLimit(l: Limit | null | undefined, what: string): WireLimit | null {
   if (l === null || l === undefined) return null;
+  checkLimit(what, l);
   const n = (v: number | null, k: string): number | null => {
     if (v === null || v === undefined) return null;
     if (!Number.isSafeInteger(v) || v < 0) throw new TypeError(`${what}.${k} must be an integer >= 0, got ${String(v)}`);
@@ -186,6 +187,59 @@ function wireLimit(l: Limit | null | undefined, what: string): WireLimit | null 
     throw new TypeError(`${what}.resetS must be a finite number of seconds >= 0, got ${String(l.resetS)}`);
   }
   return { limit: n(l.limit, "limit"), remaining: n(l.remaining, "remaining"), reset_s: l.resetS ?? null };
+}
+
+const LIMITS_KEYS = ["requests", "tokens", "inputTokens", "outputTokens", "ageS"];
+const LIMIT_KEYS = ["limit", "remaining", "resetS"];
+
+function kindOf(v: unknown): string {
+  if (v === null) return "null";
+  if (Array.isArray(v)) return "an array";
+  if (typeof v === "object") return `a ${(v as object).constructor?.name ?? "object"}`;
+  return `a ${typeof v}`;
+}
+
+function checkNumber(what: string, v: unknown): void {
+  if (v !== null && v !== undefined && typeof v !== "number") throw new TypeError(`${what} must be a number or null, got ${kindOf(v)}`);
+}
+
+function checkLimit(what: string, v: unknown): void {
+  if (v === null || v === undefined) return;
+  if (typeof v !== "object" || Array.isArray(v) || typeof (v as { get?: unknown }).get === "function") {
+    throw new TypeError(`${what} must be a Limit ({ ${LIMIT_KEYS.join(", ")} }) or null, got ${kindOf(v)}`);
+  }
+  for (const [k, x] of Object.entries(v as Record<string, unknown>)) {
+    if (!LIMIT_KEYS.includes(k)) throw new TypeError(`${what}: unknown key ${k}; a Limit has ${LIMIT_KEYS.join(", ")}`);
+    checkNumber(`${what}.${k}`, x);
+  }
+}
+
+/**
+ * What `permit.limits = v` accepts (checked at the assignment, also from JavaScript): a
+ * {@link Limits} — an object of its keys, each dimension a {@link Limit} — or null.
+ * Anything else (a `Headers`, snake_case keys, a number for a dimension, a count that
+ * is not an integer >= 0, seconds that are not finite and >= 0) throws a TypeError
+ * naming `Limits` or the bad key, rather than being dropped or failing inside the report.
+ */
+export function checkLimits(v: unknown): Limits | null {
+  if (v === null || v === undefined) return null;
+  if (typeof v !== "object" || Array.isArray(v) || v instanceof Map || typeof (v as { get?: unknown }).get === "function") {
+    const hint = typeof (v as { get?: unknown } | null)?.get === "function" ? " (parseRateLimitHeaders(headers).limits makes one from headers)" : "";
+    throw new TypeError(`permit.limits must be a Limits ({ ${LIMITS_KEYS.join(", ")} }) or null, got ${kindOf(v)}${hint}`);
+  }
+  for (const [k, x] of Object.entries(v as Record<string, unknown>)) {
+    if (!LIMITS_KEYS.includes(k)) throw new TypeError(`permit.limits: unknown key ${k}; a Limits has ${LIMITS_KEYS.join(", ")}`);
+    if (k === "ageS") checkNumber("permit.limits.ageS", x);
+    else checkLimit(`permit.limits.${k}`, x);
+  }
+  // the values too (an integer count >= 0, finite seconds >= 0): a NaN or a -1 is
+  // refused here, not when the report is sent
+  try {
+    toWireLimits(v as Limits);
+  } catch (e) {
+    throw new TypeError(`permit.limits.${(e as Error).message}`);
+  }
+  return v as Limits;
 }
 
 /** `limits` as the wire's `ObservedLimits` (null when it says nothing); a bad value throws TypeError. */

@@ -10,9 +10,10 @@
  *
  * - One HTTP request = one call: `Start` before it is sent, `Finish` after the response
  *   body (or stream) ends. An SDK's own retries are separate calls, each admitted.
- * - `routes` (source → `{baseURL, headers}`) sends the request to the granted source's
- *   deployment with that source's extra headers; a granted source missing from
- *   `routes` is a {@link RouteMissingError} before anything is sent.
+ * - `routes` (source → `{baseURL, headers, query, model}`) sends the request to the
+ *   granted source's deployment with that source's extra headers, query parameters and
+ *   model name (see {@link Route}); a granted source missing from `routes` is a
+ *   {@link RouteMissingError} before anything is sent.
  * - The estimate: input = UTF-8 bytes of the body / 4, output = the body's
  *   `max_tokens` / `max_completion_tokens` / `max_output_tokens` (else the source's
  *   `est_output_tokens`), or the user's `estimate` hook.
@@ -40,12 +41,24 @@ import { parseRateLimitHeaders } from "./ratelimit.js";
 /** What `fetch` looks like to an SDK (`new OpenAI({fetch})`, `new Anthropic({fetch})`, `createOpenAI({fetch})`). */
 export type FetchLike = (input: string | URL | Request, init?: RequestInit) => Promise<Response>;
 
-/** Where a granted source's requests go (DESIGN §17 item 2). */
+/**
+ * Where a granted source's requests go (DESIGN §17 item 2). A request URL under one of
+ * the routes' base URLs (same scheme, host and port, path prefix at a segment boundary;
+ * the longest wins) has that prefix replaced by the granted route's `baseURL`; a
+ * request under none keeps its path, with `baseURL`'s path put in front.
+ */
 export interface Route {
-  /** Base URL of the source's deployment; replaces the SDK's base URL (see {@link FetchOptions.sdkBaseURL}). */
+  /** Base URL of the source's deployment, as you would give it to the SDK (`https://api.openai.com/v1`). */
   baseURL: string;
   /** Extra headers set on the request (API key, `api-key`, …), replacing the SDK's of the same name. */
   headers?: Record<string, string>;
+  /**
+   * Query parameters set on the request (Azure OpenAI's `{"api-version": "2024-10-21"}`),
+   * replacing same-named ones; the request's others are kept.
+   */
+  query?: Record<string, string>;
+  /** The `"model"` a JSON-object request body gets on this route (a deployment serving it under another name). */
+  model?: string;
 }
 
 /** The request as the `estimate` hook sees it. */
@@ -76,9 +89,9 @@ export interface FetchOptions {
   /** Source → deployment; without it the request goes where the SDK sent it. */
   routes?: Record<string, Route>;
   /**
-   * The SDK's base URL (e.g. `https://api.openai.com/v1`): with `routes`, the request
-   * URL's part after it is appended to the route's `baseURL`. Default: the request's
-   * origin, so the whole path is appended.
+   * The SDK's base URL (e.g. `https://api.openai.com/v1`) when it is none of the routes'
+   * base URLs: matched like theirs, so the request URL's part after it is appended to
+   * the route's `baseURL`.
    */
   sdkBaseURL?: string;
   /** Your own estimate; return `undefined` (or leave a side out) for the built-in rule. */
@@ -513,43 +526,179 @@ async function settleResponse(att: Attempt, up: Response, signal: AbortSignal | 
 // ------------------------------------------------------------------ the fetch
 
 interface RouteIn {
-  base: string;
+  /** `scheme://host[:port]` the request goes to. */
+  root: string;
+  /** `baseURL`'s path without its trailing `/` (`""` for none). */
+  prefix: string;
+  /** Extra headers. */
   headers: [string, string][];
+  /** Query parameters set on the request, sorted by name. */
+  query: [string, string][];
+  /** The model name a JSON-object body gets, if any. */
+  model: string | undefined;
 }
 
-function prepareRoutes(routes: Record<string, Route> | undefined): Map<string, RouteIn> | null {
+/** A base URL a request URL is matched against: its origin (the port always given) and path prefix. */
+type Base = [origin: string, prefix: string];
+
+function originKey(u: URL): string {
+  return `${u.protocol}//${u.hostname}:${u.port || (u.protocol === "https:" ? "443" : "80")}`;
+}
+
+function parseBase(what: string, raw: unknown): URL {
+  let u: URL;
+  try {
+    u = new URL(String(raw));
+  } catch {
+    throw new TypeError(`${what} is not an absolute URL: ${JSON.stringify(raw)}`);
+  }
+  if (u.protocol !== "http:" && u.protocol !== "https:") throw new TypeError(`${what} must be an http(s) URL, got ${JSON.stringify(raw)}`);
+  if (u.search !== "" || u.hash !== "") {
+    throw new TypeError(`${what} must not have a query or fragment (give query parameters as its route's query), got ${JSON.stringify(raw)}`);
+  }
+  return u;
+}
+
+function stringMap(what: string, v: unknown): [string, string][] {
+  if (v === undefined) return [];
+  if (typeof v !== "object" || v === null || Array.isArray(v)) throw new TypeError(`${what} must be an object of strings`);
+  return Object.entries(v as Record<string, unknown>).map(([k, x]): [string, string] => {
+    if (typeof x !== "string") throw new TypeError(`${what}["${k}"] must be a string, got ${typeof x}`);
+    return [k, x];
+  });
+}
+
+function prepareRoutes(routes: Record<string, Route> | undefined, sdkBaseURL: string | undefined): [Map<string, RouteIn>, Base[]] | null {
   if (routes === undefined) return null;
   if (typeof routes !== "object" || routes === null) throw new TypeError("routes must be an object: source → {baseURL, headers}");
   const m = new Map<string, RouteIn>();
+  const bases: Base[] = [];
   for (const [src, r] of Object.entries(routes)) {
     if (typeof r !== "object" || r === null || typeof r.baseURL !== "string") {
       throw new TypeError(`routes["${src}"] needs a baseURL string`);
     }
-    let u: URL;
-    try {
-      u = new URL(r.baseURL);
-    } catch {
-      throw new TypeError(`routes["${src}"].baseURL is not an absolute URL: ${JSON.stringify(r.baseURL)}`);
+    const u = parseBase(`routes["${src}"].baseURL`, r.baseURL);
+    const query = stringMap(`routes["${src}"].query`, r.query).sort(([a], [b]) => (a < b ? -1 : a > b ? 1 : 0));
+    if (query.some(([k]) => k === "")) throw new TypeError(`routes["${src}"].query has an empty parameter name`);
+    if (r.model !== undefined && (typeof r.model !== "string" || r.model === "")) {
+      throw new TypeError(`routes["${src}"].model must be a non-empty string, got ${JSON.stringify(r.model)}`);
     }
-    const headers = Object.entries(r.headers ?? {}).map(([k, v]): [string, string] => {
-      if (typeof v !== "string") throw new TypeError(`routes["${src}"].headers["${k}"] must be a string`);
-      return [k, v];
-    });
-    m.set(src, { base: u.href.replace(/\/+$/, ""), headers });
+    const prefix = u.pathname.replace(/\/+$/, "");
+    m.set(src, { root: u.origin, prefix, headers: stringMap(`routes["${src}"].headers`, r.headers), query, model: r.model });
+    bases.push([originKey(u), prefix]);
   }
-  return m;
+  if (sdkBaseURL !== undefined) {
+    const u = parseBase("sdkBaseURL", sdkBaseURL);
+    bases.push([originKey(u), u.pathname.replace(/\/+$/, "")]);
+  }
+  bases.sort((a, b) => b[1].length - a[1].length);
+  return [m, bases];
 }
 
-/** `url` re-rooted under `route.base`: the part after `sdkBase` (else after the origin) is appended. */
-function rebase(url: string, route: RouteIn, sdkBase: string | null): string {
-  let rest: string;
-  if (sdkBase !== null && url.startsWith(sdkBase)) {
-    rest = url.slice(sdkBase.length);
-  } else {
-    const u = new URL(url);
-    rest = u.pathname + u.search;
+/** Whether `path` is `prefix` or below it, at a segment boundary. */
+function under(path: string, prefix: string): boolean {
+  return prefix === "" || path === prefix || (path.startsWith(prefix) && path[prefix.length] === "/");
+}
+
+/** Percent-encoding of everything but `A-Za-z0-9-._~` (as the Python and Go bindings do). */
+function enc(s: string): string {
+  return encodeURIComponent(s).replace(/[!'()*]/g, (c) => `%${c.charCodeAt(0).toString(16).toUpperCase()}`);
+}
+
+function decodeName(s: string): string {
+  try {
+    return decodeURIComponent(s.replace(/\+/g, " "));
+  } catch {
+    return s;
   }
-  return route.base + (rest.startsWith("/") || rest.startsWith("?") || rest === "" ? rest : `/${rest}`);
+}
+
+/** `query` (raw, no `?`) without the parameters `params` names, then `params`. */
+function withQuery(query: string, params: [string, string][]): string {
+  const names = new Set(params.map(([k]) => k));
+  const kept = query.split("&").filter((kv) => kv !== "" && !names.has(decodeName(kv.split("=", 1)[0]!)));
+  for (const [k, v] of params) kept.push(`${enc(k)}=${enc(v)}`);
+  return kept.join("&");
+}
+
+/**
+ * `url` for `route`: under one of `bases` (the longest first; the SDK's base URL is one
+ * of the routes') that prefix is replaced by the route's base URL, else the route's path
+ * is put in front of the whole path. The route's query replaces same-named parameters.
+ */
+function rebase(url: string, route: RouteIn, bases: Base[]): string {
+  const u = new URL(url);
+  const key = originKey(u);
+  let path = u.pathname;
+  const hit = bases.find(([o, p]) => o === key && under(path, p));
+  path = route.prefix + (hit === undefined ? path : path.slice(hit[1].length));
+  if (!path.startsWith("/")) path = `/${path}`;
+  let query = u.search.slice(1);
+  if (route.query.length > 0) query = withQuery(query, route.query);
+  return route.root + path + (query === "" ? "" : `?${query}`);
+}
+
+const J_STRING = /"(?:[^"\\]|\\.)*"/sy;
+const J_SCALAR = /[^,}\]\s]*/y;
+const J_NESTED = /"(?:[^"\\]|\\.)*"|[[\]{}]/gs;
+const J_WS = /[ \t\r\n]*/y;
+
+function sticky(re: RegExp, s: string, i: number): number {
+  re.lastIndex = i;
+  return re.exec(s) === null ? i : re.lastIndex;
+}
+
+/** The index after the JSON value at `s[i]` (`s` is valid JSON). */
+function valueEnd(s: string, i: number): number {
+  const c = s[i];
+  if (c === '"') return sticky(J_STRING, s, i);
+  if (c !== "{" && c !== "[") return sticky(J_SCALAR, s, i);
+  let depth = 0;
+  J_NESTED.lastIndex = i;
+  for (let m = J_NESTED.exec(s); m !== null; m = J_NESTED.exec(s)) {
+    const t = m[0];
+    if (t === "{" || t === "[") depth++;
+    else if (t === "}" || t === "]") {
+      depth--;
+      if (depth === 0) return J_NESTED.lastIndex;
+    }
+  }
+  return s.length;
+}
+
+/**
+ * `text` with its top-level `"model"` set to `model` (added first when it has none),
+ * every other character kept; `null` when the body is not a JSON object (sent as it is).
+ */
+export function setModel(text: string, model: string): string | null {
+  let doc: unknown;
+  try {
+    doc = JSON.parse(text);
+  } catch {
+    return null;
+  }
+  if (typeof doc !== "object" || doc === null || Array.isArray(doc)) return null;
+  if ((doc as Record<string, unknown>).model === model) return text;
+  const lit = JSON.stringify(model);
+  const spans: [number, number][] = [];
+  let i = sticky(J_WS, text, sticky(J_WS, text, 0) + 1);
+  while (text[i] === '"') {
+    const keyEnd = sticky(J_STRING, text, i);
+    const key = text.slice(i, keyEnd);
+    i = sticky(J_WS, text, sticky(J_WS, text, keyEnd) + 1); // past the ':'
+    const end = valueEnd(text, i);
+    if (key === '"model"' || (key.includes("\\") && JSON.parse(key) === "model")) spans.push([i, end]);
+    i = sticky(J_WS, text, end);
+    if (text[i] !== ",") break;
+    i = sticky(J_WS, text, i + 1);
+  }
+  if (spans.length === 0) {
+    const at = text.indexOf("{") + 1;
+    return `${text.slice(0, at)}"model":${lit}${Object.keys(doc).length > 0 ? "," : ""}${text.slice(at)}`;
+  }
+  let out = text;
+  for (const [a, b] of spans.reverse()) out = out.slice(0, a) + lit + out.slice(b);
+  return out;
 }
 
 /**
@@ -564,8 +713,9 @@ export function fetch(opts: FetchOptions): FetchLike {
   if (onRefusal !== "response" && onRefusal !== "raise") {
     throw new TypeError(`onRefusal must be "response" or "raise", got ${JSON.stringify(onRefusal)}`);
   }
-  const routes = prepareRoutes(opts.routes);
-  const sdkBase = opts.sdkBaseURL === undefined ? null : opts.sdkBaseURL.replace(/\/+$/, "");
+  const prepared = prepareRoutes(opts.routes, opts.sdkBaseURL);
+  const routes = prepared === null ? null : prepared[0];
+  const bases = prepared === null ? [] : prepared[1];
   const base: FetchLike = opts.fetch ?? ((input, init) => globalThis.fetch(input, init));
   const hook = opts.estimate;
   const priority = opts.priority;
@@ -624,10 +774,15 @@ export function fetch(opts: FetchOptions): FetchLike {
           + `(routes name: ${[...routes.keys()].join(", ") || "nothing"}); add it to routes, or remove it from the scope`,
           scope, permit.source);
       }
-      const to = rebase(url, route, sdkBase);
+      const to = rebase(url, route, bases);
+      // The route's model, set in a JSON-object body (its length follows: no stale Content-Length).
+      const model = route.model === undefined || text === null ? null : setModel(text, route.model);
+      const body = model !== null && model !== text ? model : null;
       if (isReq) {
-        const r = new Request(to, new Request(input as Request, init));
+        let r = new Request(to, new Request(input as Request, init));
+        if (body !== null) r = new Request(r, { body });
         for (const [k, v] of route.headers) r.headers.set(k, v);
+        if (body !== null) r.headers.delete("content-length");
         target = r;
         sendInit = undefined;
       } else {
@@ -635,6 +790,10 @@ export function fetch(opts: FetchOptions): FetchLike {
         for (const [k, v] of route.headers) headers.set(k, v);
         target = to;
         sendInit = { ...init, headers };
+        if (body !== null) {
+          headers.delete("content-length");
+          sendInit.body = body;
+        }
       }
     }
 

@@ -85,6 +85,60 @@ for (const backend of ["memory", "redis"]) {
   });
 }
 
+describe("real daemon: permit.limits set by hand (DESIGN §18)", () => {
+  const OBSERVE = `
+[scopes.chat]
+circuit_open = "fail_fast"
+quota_full = "wait"
+
+[[scopes.chat.sources]]
+name = "llm"
+timeout = "5s"
+tpm = 6000
+rpm = 60
+observe_limits = "on"
+`;
+
+  test("a plain object of the Limits keys reaches the sidecar; another shape throws at the assignment", { timeout: 30_000 }, async (t) => {
+    await withDaemon(OBSERVE, "memory", (why) => t.skip(why), async (client) => {
+      const call = await client.call("chat", { estTokens: 10 });
+      try {
+        const p = await call.acquire();
+        // What JavaScript without TypeScript may assign: each is refused where it is assigned.
+        const bad: [unknown, RegExp][] = [
+          [new Headers({ "x-ratelimit-remaining-tokens": "5" }), /must be a Limits.*parseRateLimitHeaders/],
+          [{ tokens: 200 }, /permit\.limits\.tokens must be a Limit/],
+          [{ input_tokens: { remaining: 5 } }, /unknown key input_tokens; a Limits has/],
+          [{ tokens: { remaining: 5, reset_s: 20 } }, /permit\.limits\.tokens: unknown key reset_s/],
+          [{ tokens: { remaining: "5" } }, /permit\.limits\.tokens\.remaining must be a number/],
+          [{ tokens: { remaining: -1 } }, /permit\.limits\.tokens\.remaining must be an integer >= 0, got -1/],
+          [{ requests: { limit: 1.5 } }, /permit\.limits\.requests\.limit must be an integer >= 0/],
+          [{ tokens: { resetS: NaN } }, /permit\.limits\.tokens\.resetS must be a finite number/],
+          [{ tokens: { remaining: 5 }, ageS: -2 }, /permit\.limits\.ageS must be a finite number >= 0/],
+          ["tokens=5", /must be a Limits/],
+          [[{ remaining: 5 }], /must be a Limits/],
+        ];
+        for (const [v, re] of bad) {
+          assert.throws(() => { (p as { limits: unknown }).limits = v; }, (e: unknown) => e instanceof TypeError && re.test(e.message), String(v));
+          assert.equal(p.limits, null);
+        }
+        (p as { limits: unknown }).limits = { tokens: { limit: 6000, remaining: 200, resetS: 20 }, requests: { remaining: 5 } };
+        await p.success({ tokens: 10 });
+      } finally {
+        await call.end();
+      }
+      const src = (await client.status()).scopes.chat!.sources.llm!;
+      const buckets = src.buckets as { bucket: string; level: number; observed: { remaining: number } | null }[];
+      const tpm = buckets.find((b) => b.bucket === "tpm")!;
+      const rpm = buckets.find((b) => b.bucket === "rpm")!;
+      assert.equal(tpm.observed?.remaining, 200, JSON.stringify(tpm));
+      assert.ok(tpm.level <= 400, JSON.stringify(tpm)); // 200, plus at most two seconds' refill
+      assert.equal(rpm.observed?.remaining, 5, JSON.stringify(rpm));
+      assert.equal(src.in_flight, 0);
+    });
+  });
+});
+
 describe("real daemon: connection life", () => {
   test("a restarted sidecar: pending calls fail with SidecarError, the next run reconnects", { timeout: 60_000 }, async () => {
     const sidecar = new Sidecar();

@@ -26,16 +26,20 @@ interface Scenario {
   timeout_s?: number;
   config: string;
   upstreams: string[];
-  transport: { scope: string; upstream: string; routes?: Record<string, { upstream: string; headers?: Record<string, string> }>; on_refusal?: "response" | "raise" };
+  transport: {
+    scope: string; upstream: string; base_path?: string; on_refusal?: "response" | "raise";
+    routes?: Record<string, { upstream: string; path?: string; headers?: Record<string, string>; query?: Record<string, string>; model?: string }>;
+  };
   steps: Obj[];
 }
 
 const TOP_KEYS = ["name", "description", "backends", "timeout_s", "config", "upstreams", "transport", "steps"];
-const TRANSPORT_KEYS = ["scope", "upstream", "routes", "on_refusal"];
+const TRANSPORT_KEYS = ["scope", "upstream", "base_path", "routes", "on_refusal"];
+const ROUTE_KEYS = ["upstream", "path", "headers", "query", "model"];
 const OPS: Record<string, [string[], string[]]> = {
   respond: [["upstream", "status"], ["headers", "json", "sse", "body", "delay_s", "times"]],
   request: [["method", "path"], ["json", "stream", "read_events", "expect"]],
-  upstream_hits: [["upstream", "expect"], ["header"]],
+  upstream_hits: [["upstream", "expect"], ["header", "path", "json_subset"]],
   status: [["expect"], []],
   sleep: [["seconds"], []],
 };
@@ -49,6 +53,9 @@ function loadScenarios(): Scenario[] {
     const sc = JSON.parse(fs.readFileSync(path.join(DIR, f), "utf8")) as Scenario;
     for (const k of Object.keys(sc)) if (!TOP_KEYS.includes(k)) throw new Error(`${f}: unknown top-level key ${k}`);
     for (const k of Object.keys(sc.transport)) if (!TRANSPORT_KEYS.includes(k)) throw new Error(`${f}: unknown transport key ${k}`);
+    for (const [src, r] of Object.entries(sc.transport.routes ?? {})) {
+      for (const k of Object.keys(r)) if (!ROUTE_KEYS.includes(k)) throw new Error(`${f}: unknown key ${k} in route ${src}`);
+    }
     if (`${sc.name}.json` !== f) throw new Error(`${f}: name must match the file name`);
     return sc;
   });
@@ -117,9 +124,14 @@ async function play(sc: Scenario, client: Client, ups: Map<string, FakeUpstream>
   };
   const tr = sc.transport;
   const routes: Record<string, Route> | undefined = tr.routes === undefined ? undefined
-    : Object.fromEntries(Object.entries(tr.routes).map(([src, r]) => [src, { baseURL: upstream(r.upstream, `${label} routes`).url, headers: r.headers ?? {} }]));
+    : Object.fromEntries(Object.entries(tr.routes).map(([src, r]) => {
+      const route: Route = { baseURL: upstream(r.upstream, `${label} routes`).url + (r.path ?? ""), headers: r.headers ?? {} };
+      if (r.query !== undefined) route.query = r.query;
+      if (r.model !== undefined) route.model = r.model;
+      return [src, route];
+    }));
   const f: FetchLike = gatedFetch({ scope: tr.scope, client, routes, onRefusal: tr.on_refusal ?? "response" });
-  const baseURL = upstream(tr.upstream, `${label} transport`).url;
+  const baseURL = upstream(tr.upstream, `${label} transport`).url + (tr.base_path ?? "");
 
   for (const [i, step] of sc.steps.entries()) {
     const op = String(step.op);
@@ -197,6 +209,25 @@ async function play(sc: Scenario, client: Client, ups: Map<string, FakeUpstream>
             const v = last.headers[n];
             return Array.isArray(v) ? v.join(", ") : v;
           }, where);
+        }
+        if (step.path !== undefined) {
+          const last = u.hits.at(-1);
+          if (last?.url !== step.path) throw new Mismatch(`${where}: last request's path is ${show(last?.url)}, expected ${show(step.path)}`);
+        }
+        if (step.json_subset !== undefined) {
+          const last = u.hits.at(-1);
+          if (last === undefined) throw new Mismatch(`${where}: no request to check the body of`);
+          const clen = last.headers["content-length"];
+          if (clen !== undefined && Number(clen) !== Buffer.byteLength(last.body, "utf8")) {
+            throw new Mismatch(`${where}: last request's Content-Length ${clen}, its body ${Buffer.byteLength(last.body, "utf8")} bytes`);
+          }
+          let doc: unknown;
+          try {
+            doc = JSON.parse(last.body);
+          } catch {
+            throw new Mismatch(`${where}: last request's body is not JSON: ${last.body.slice(0, 300)}`);
+          }
+          jsonSubset(step.json_subset, doc, `${where}.json`);
         }
         break;
       }

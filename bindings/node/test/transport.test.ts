@@ -212,6 +212,59 @@ describe("transport through openai-node", () => {
     }, t);
   });
 
+  test("routes name the SDK's own base URL: the failover replaces it (b's path, not b's + a's); an Azure deployment gets its query and model", T, async (t) => {
+    await withEnv(config(["a", "b", "az"]), async ({ client, up }) => {
+      const az = await FakeUpstream.start();
+      try {
+        up.respond({ status: 503, headers: { "retry-after-ms": "10" }, json: { error: { message: "down" } } }, 2);
+        up.respond({ json: CHAT_OK });
+        az.respond({ sse: [chunk("hi"), chunk(null, { prompt_tokens: 20, completion_tokens: 5, total_tokens: 25 }), "data: [DONE]"] });
+        // no sdkBaseURL: the SDK's base URL is route a's, as a user writes both
+        const openai = new OpenAI({
+          apiKey: "sk-caller", baseURL: `${up.url}/a/v1`, maxRetries: 2,
+          fetch: gatedFetch({
+            scope: "chat", client, routes: {
+              a: { baseURL: `${up.url}/a/v1`, headers: { authorization: "Bearer key-A" } },
+              b: { baseURL: `${up.url}/b/v1`, headers: { authorization: "Bearer key-B" } },
+              az: {
+                baseURL: `${az.url}/openai/deployments/gpt4o-eu`, headers: { "api-key": "AZ" },
+                query: { "api-version": "2024-10-21" }, model: "gpt-4o-eu-prod",
+              },
+            },
+          }),
+        });
+        // a fails (opens), b fails (opens), the last retry is granted az
+        const r = await openai.chat.completions.create({ model: "gpt-4o", messages: MESSAGES, stream: true, stream_options: { include_usage: true } });
+        let text = "";
+        for await (const c of r) text += c.choices[0]?.delta.content ?? "";
+        assert.equal(text, "hi");
+        assert.deepEqual(up.hits.map((h) => h.url).sort(), ["/a/v1/chat/completions", "/b/v1/chat/completions"]);
+        const byPath = Object.fromEntries(up.hits.map((h) => [h.url, h.headers.authorization]));
+        assert.deepEqual(byPath, { "/a/v1/chat/completions": "Bearer key-A", "/b/v1/chat/completions": "Bearer key-B" });
+        assert.equal(az.hits.length, 1);
+        const hit = az.hits[0]!;
+        assert.equal(hit.url, "/openai/deployments/gpt4o-eu/chat/completions?api-version=2024-10-21");
+        assert.equal(hit.headers["api-key"], "AZ");
+        assert.equal(Number(hit.headers["content-length"]), Buffer.byteLength(hit.body));
+        const sent = JSON.parse(up.hits[0]!.body) as Record<string, unknown>;
+        assert.equal(sent.model, "gpt-4o");
+        assert.deepEqual(JSON.parse(hit.body), { ...sent, model: "gpt-4o-eu-prod" });
+        await until("the stream settled", 5000, async () => (await client.status()).scopes.chat!.calls === 0);
+        const st = (await client.status()).scopes.chat!;
+        assert.equal(st.sources.az!.window_successes, 1);
+        assert.equal(st.sources.az!.in_flight, 0);
+        assert.ok(st.sources.az!.tokens_available! >= 5970, `tokens_available ${st.sources.az!.tokens_available}`);
+        // a URL under none of the routes' base URLs (another host) keeps its path, the route's put in front
+        await client.forceClose("a");
+        const other = gatedFetch({ scope: "chat", client, routes: { a: { baseURL: `${up.url}/proxy` } } });
+        await (await other(`http://sdk.invalid/v1/models?x=1`)).arrayBuffer();
+        assert.equal(up.hits.at(-1)!.url, "/proxy/v1/models?x=1");
+      } finally {
+        await az.close();
+      }
+    }, t);
+  });
+
   test("an abort while waiting for the upstream is a cancel; a TimeoutError reason is a timeout", T, async (t) => {
     await withEnv(config(["a"]).replace("failure_threshold = 1", "failure_threshold = 5"), async ({ up, source, client }) => {
       up.respond({ json: CHAT_OK, delayS: 2 }, 2);
@@ -250,6 +303,47 @@ describe("transport through openai-node", () => {
         await up.close();
       }
     });
+  });
+
+  test("routes: the longest matching base URL is replaced, at a segment boundary; a Request's body gets the route's model", T, async (t) => {
+    await withDaemon(config(["a"]), "memory", t.skip.bind(t), async (client) => {
+      const up = await FakeUpstream.start();
+      try {
+        up.respond({ json: CHAT_OK }, 3);
+        const f = gatedFetch({
+          scope: "chat", client, routes: {
+            a: { baseURL: `${up.url}/v1/`, headers: { "x-key": "A" }, query: { "api-version": "2024-10-21", k: "a b!" }, model: "served-name" },
+            deep: { baseURL: `${up.url}/v1/deployments/x` },
+          },
+        });
+        const body = ' { "tools": [{"model": "x"}], "model" : "gpt-4o", "seed": 12345678901234567890123, "max_tokens": 5 }';
+        const r = await f(new Request(`${up.url}/v1/deployments/x/chat/completions?api-version=old&q=1`, {
+          method: "POST", headers: { "content-type": "application/json", "content-length": String(body.length) }, body,
+        }));
+        assert.equal(r.status, 200);
+        await r.arrayBuffer();
+        assert.equal(up.hits[0]!.url, "/v1/chat/completions?q=1&api-version=2024-10-21&k=a%20b%21");
+        assert.equal(up.hits[0]!.body, body.replace('"gpt-4o"', '"served-name"'));
+        assert.equal(Number(up.hits[0]!.headers["content-length"]), Buffer.byteLength(up.hits[0]!.body));
+        // /v10 is not under /v1: the whole path, the route's path in front; a non-JSON body is sent as it is
+        await (await f(`${up.url}/v10/x`, { method: "POST", body: "plain" })).arrayBuffer();
+        assert.equal(up.hits[1]!.url, "/v1/v10/x?api-version=2024-10-21&k=a%20b%21");
+        assert.equal(up.hits[1]!.body, "plain");
+        // a JSON object without a model gets one, first
+        await (await f(`${up.url}/v1/embeddings`, { method: "POST", body: '{"input":"hi"}' })).arrayBuffer();
+        assert.equal(up.hits[2]!.body, '{"model":"served-name","input":"hi"}');
+        assert.equal((await client.status()).scopes.chat!.calls, 0);
+      } finally {
+        await up.close();
+      }
+    });
+  });
+
+  test("routes: a bad query, model or base URL is a TypeError at construction", () => {
+    assert.throws(() => gatedFetch({ scope: "chat", routes: { a: { baseURL: "http://h/v1", query: { v: 1 as unknown as string } } } }), /routes\["a"\]\.query\["v"\] must be a string/);
+    assert.throws(() => gatedFetch({ scope: "chat", routes: { a: { baseURL: "http://h/v1", model: "" } } }), /routes\["a"\]\.model/);
+    assert.throws(() => gatedFetch({ scope: "chat", routes: { a: { baseURL: "http://h/v1?api-version=1" } } }), /query or fragment/);
+    assert.throws(() => gatedFetch({ scope: "chat", routes: { a: { baseURL: "ftp://h/v1" } } }), /http\(s\)/);
   });
 
   test("the SDK's own retries are admitted one by one", T, async (t) => {

@@ -62,6 +62,7 @@ class _Base:
         """The scope every request of this transport is admitted in."""
         self.routes = t.parse_routes(routes)
         """source → :class:`polygate._core.transport.Route`, or None (send where the SDK sent it)."""
+        self._bases = t.route_bases(self.routes) if self.routes is not None else ()
         self.on_refusal = on_refusal
         """``"response"``: a refusal is a synthetic 503/429; ``"raise"``: the PolyGate error."""
         self.priority = priority
@@ -89,12 +90,22 @@ class _Base:
                 "it (routes name %s); nothing was sent" % (source, self.scope, ", ".join(sorted(self.routes))),
                 source=source, scope=self.scope)
         lib = self._lib
-        url = request.url.copy_with(scheme=route.scheme, host=route.host, port=route.port,
-                                    path=route.path(request.url.path))
+        u = request.url
+        raw = t.rebase(self._bases, route, u.scheme, u.host, u.port, u.raw_path.decode("ascii"))
+        url = u.copy_with(scheme=route.scheme, host=route.host, port=route.port, raw_path=raw.encode("ascii"))
         headers = request.headers.copy()
         headers["host"] = url.netloc.decode("ascii")
         for k, v in route.headers:
             headers[k] = v
+        if route.model is not None:
+            try:
+                body: Optional[bytes] = request.content
+            except Exception:  # a streaming upload: sent as it is
+                body = None
+            new = t.set_model(body, route.model) if body else None
+            if new is not None and new is not body:
+                headers["content-length"] = str(len(new))
+                return lib.Request(request.method, url, headers=headers, content=new, extensions=request.extensions)
         return lib.Request(request.method, url, headers=headers, stream=request.stream,
                            extensions=request.extensions)
 

@@ -45,8 +45,11 @@ class Transport(_gate.SyncGate, httpx.BaseTransport):
     ``$POLYGATE_SOCKET`` / the default path — at the first request; closed with
     the transport). ``base``: the transport that really sends (default
     ``httpx.HTTPTransport()``). ``routes``: ``{source: {"base_url": url,
-    "headers": {...}}}`` — the request goes to the granted source's base URL
-    (its path and query kept, the base URL's path in front) with those headers;
+    "headers": {...}, "query": {...}, "model": name}}`` — the request goes to the
+    granted source's base URL with those headers (a request URL under one of the
+    routes' base URLs — write the SDK's base URL among them — has that prefix
+    replaced; one under none keeps its path, the base URL's path in front), its
+    ``query`` parameters set and a JSON body's ``"model"`` set to ``model``;
     a granted source without a route raises :class:`polygate.RouteMissingError`
     before anything is sent. ``estimate(request) -> (input, output)``: token
     estimates (default: body bytes / 4 and the body's ``max_tokens`` /

@@ -220,7 +220,7 @@ def test_routes_parse_and_validate():
     r = t.parse_routes({"a": {"base_url": "https://eu.example.com:8443/openai/", "headers": {"api-key": "K"}},
                         "b": "http://127.0.0.1:9000"})
     assert r is not None
-    assert r["a"] == t.Route("https", "eu.example.com", 8443, "/openai", (("api-key", "K"),))
+    assert r["a"] == t.Route("https", "eu.example.com", 8443, "/openai", (("api-key", "K"),), (), None)
     assert r["a"].path("/v1/chat") == "/openai/v1/chat"
     assert r["b"].path("/v1/chat") == "/v1/chat" and r["b"].port == 9000
     assert t.parse_routes(None) is None
@@ -229,6 +229,73 @@ def test_routes_parse_and_validate():
                         ({"a": {"base_url": "http://x", "header": {}}}, "unknown key")):
         with pytest.raises(ValueError, match=needle.replace("[", r"\[").replace("]", r"\]")):
             t.parse_routes(bad)
+
+
+def test_routes_parse_query_and_model():
+    r = t.parse_routes({"az": {"base_url": "https://res.openai.azure.com/openai/deployments/d",
+                               "query": {"z": "1", "api-version": "2024-10-21"}, "model": "gpt-4o-prod"}})
+    assert r is not None
+    assert r["az"].query == (("api-version", "2024-10-21"), ("z", "1")) and r["az"].model == "gpt-4o-prod"
+    assert r["az"].origin() == ("https", "res.openai.azure.com", 443)
+    for bad, needle in (({"a": {"base_url": "http://x", "query": {"k": 1}}}, "routes['a'].query"),
+                        ({"a": {"base_url": "http://x", "query": {"": "v"}}}, "routes['a'].query"),
+                        ({"a": {"base_url": "http://x", "model": ""}}, "routes['a'].model"),
+                        ({"a": {"base_url": "http://x/v1?api-version=1"}}, "query or fragment")):
+        with pytest.raises(ValueError, match=needle.replace("[", r"\[").replace("]", r"\]")):
+            t.parse_routes(bad)
+
+
+def _rebase(routes, source, url):
+    import urllib.parse as up
+    r = t.parse_routes(routes)
+    assert r is not None
+    u = up.urlsplit(url)
+    return t.rebase(t.route_bases(r), r[source], u.scheme, u.hostname, u.port,
+                    u.path + ("?" + u.query if u.query else ""))
+
+
+def test_rebase_replaces_the_matching_base_url_else_puts_the_path_in_front():
+    routes = {"a": "http://h/a/v1", "b": "http://h/b/v1", "vllm": "http://gpu-1:8000/v1",
+              "deep": "http://h/a/v1/deployments/x", "bare": "http://other:9000"}
+    # the SDK's base URL is a's: a's prefix is replaced by the granted route's
+    assert _rebase(routes, "b", "http://h/a/v1/chat/completions") == "/b/v1/chat/completions"
+    assert _rebase(routes, "vllm", "http://h:80/a/v1/chat/completions?x=1") == "/v1/chat/completions?x=1"
+    assert _rebase(routes, "b", "http://h/a/v1") == "/b/v1"
+    assert _rebase(routes, "bare", "http://h/a/v1/embeddings") == "/embeddings"
+    # the longest matching base URL wins
+    assert _rebase(routes, "b", "http://h/a/v1/deployments/x/chat") == "/b/v1/chat"
+    # a segment boundary: /a/v10 is not under /a/v1; another host or port matches nothing
+    assert _rebase(routes, "b", "http://h/a/v10/chat") == "/b/v1/a/v10/chat"
+    assert _rebase(routes, "b", "http://h:8080/a/v1/chat") == "/b/v1/a/v1/chat"
+    assert _rebase(routes, "b", "https://h/a/v1/chat") == "/b/v1/a/v1/chat"
+    assert _rebase(routes, "bare", "http://sdk/v1/chat") == "/v1/chat"
+
+
+def test_rebase_sets_the_routes_query():
+    routes = {"o": "http://o/v1", "az": {"base_url": "https://r/openai/deployments/d",
+                                         "query": {"api-version": "2024-10-21", "k": "a b&c/é"}}}
+    assert _rebase(routes, "az", "http://o/v1/chat/completions?api-version=old&trace=1&api%2Dversion=x") == \
+        "/openai/deployments/d/chat/completions?trace=1&api-version=2024-10-21&k=a%20b%26c%2F%C3%A9"
+    assert _rebase(routes, "az", "http://o/v1/chat/completions") == \
+        "/openai/deployments/d/chat/completions?api-version=2024-10-21&k=a%20b%26c%2F%C3%A9"
+
+
+@pytest.mark.parametrize("body,want", [
+    (b'{"model":"gpt-4o","stream":true,"seed":12345678901234567890123}',
+     b'{"model":"m2","stream":true,"seed":12345678901234567890123}'),
+    (b' { "tools" : [{"model":"x"}], "model" : "gpt" , "s":"}\\"model\\":" } ',
+     b' { "tools" : [{"model":"x"}], "model" : "m2" , "s":"}\\"model\\":" } '),
+    (b'{"input":"hi"}', b'{"model":"m2","input":"hi"}'),
+    (b'{ }', b'{"model":"m2" }'),
+    (b'{"mod\\u0065l":"a","n":1.5e3,"model":null}', b'{"mod\\u0065l":"m2","n":1.5e3,"model":"m2"}'),
+    (b'{"model":"m2","x":1}', b'{"model":"m2","x":1}'),
+    (b'[{"model":"x"}]', None), (b'"model"', None), (b'{"model":', None), (b'', None), (b'\xff{}', None),
+])
+def test_set_model_changes_only_the_top_level_model(body, want):
+    got = t.set_model(body, "m2")
+    assert got == want
+    if want is not None:
+        assert json.loads(got)["model"] == "m2"
 
 
 # ---------------------------------------------------------------- packaging

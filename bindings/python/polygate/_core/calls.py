@@ -25,11 +25,11 @@ here too, and nothing is sent at its end.
 from __future__ import annotations
 
 import threading
-from typing import Any, Callable, Dict, Generic, NamedTuple, Optional, Tuple, Type, TypeVar
+from typing import Any, Callable, Dict, Generic, Mapping, NamedTuple, Optional, Tuple, Type, TypeVar
 
 from . import protocol as p
 from .errmap import error_from_reply
-from .ratelimit import Limits, encode_limits, parse_headers
+from .ratelimit import Limits, as_limits, encode_limits, parse_headers
 from .run import Classifier, Outcome, _headers, classify_exception, outcome_report
 from .status import ReportResult, report_result
 
@@ -93,17 +93,26 @@ class PermitBase:
         self.tokens: Optional[int] = None
         """Usage a ``client.run`` function may set (``permit.tokens = n``) when its
         result carries none; ``run`` reports it."""
-        self.limits: Optional[Limits] = None
-        """The provider's rate-limit headers of this attempt's response (DESIGN §18),
-        sent with its report: set by hand (``permit.limits = Limits(...)`` or
-        ``parse_headers(response.headers)[0]``), or by ``client.run`` from the
-        result's or the exception's headers."""
+        self._limits: Optional[Limits] = None
         self._wire_limits: Optional[bytes] = None
         self.result: Optional[ReportResult] = None
         """The sidecar's answer to this permit's report, once one arrived (a report
         sent with ``Retry`` gets none: the answer to Retry is the next permit)."""
         self._reported = False
         self._lock = threading.Lock()  # threads of the sync client may race to report
+
+    @property
+    def limits(self) -> Optional[Limits]:
+        """The provider's rate-limit headers of this attempt's response (DESIGN §18),
+        sent with its report: set by hand (``permit.limits = Limits(...)``, a mapping
+        of its keys such as ``{"tokens": {"remaining": 200}}``, or
+        ``parse_headers(response.headers)[0]``), or by ``client.run`` from the
+        result's or the exception's headers. Another type raises TypeError here."""
+        return self._limits
+
+    @limits.setter
+    def limits(self, value: "Limits | Mapping[str, Any] | None") -> None:
+        self._limits = as_limits(value)
 
     @property
     def reported(self) -> bool:

@@ -24,11 +24,11 @@ import time
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from email.utils import parsedate_to_datetime
-from typing import Any, Dict, Iterable, List, Optional, Tuple
+from typing import Any, Dict, Iterable, List, Mapping, Optional, Tuple
 
 from .. import _frames
 
-__all__ = ["Limit", "Limits", "parse_headers", "parse_duration", "encode_limits", "limits_of"]
+__all__ = ["Limit", "Limits", "parse_headers", "parse_duration", "encode_limits", "limits_of", "as_limits"]
 
 
 @dataclass
@@ -249,6 +249,57 @@ def _check_s(name: str, v: Optional[float]) -> Optional[float]:
     return f
 
 
+_DIMS = ("requests", "tokens", "input_tokens", "output_tokens")
+_LIMITS_KEYS = _DIMS + ("age_s",)
+_LIMIT_KEYS = ("limit", "remaining", "reset_s")
+
+
+def as_limits(value: Any) -> Optional[Limits]:
+    """What ``permit.limits = value`` keeps: a :class:`Limits` (or None) as it is, a
+    mapping of the same shape (``{"tokens": {"remaining": 200, "reset_s": 20},
+    "age_s": 0.5}``, a dimension a :class:`Limit` or a mapping of its keys) made
+    into one, its values checked. Anything else raises TypeError naming
+    ``polygate.Limits`` (a bad value: ValueError naming it), at the assignment."""
+    if value is None or type(value) is Limits:
+        return value
+    if isinstance(value, Limits):
+        return value
+    if not isinstance(value, Mapping):
+        raise TypeError("permit.limits must be a polygate.Limits, a mapping of its keys (%s) or None, got %s"
+                        % (", ".join(_LIMITS_KEYS), type(value).__name__))
+    unknown = [k for k in value if k not in _LIMITS_KEYS]
+    if unknown:
+        raise TypeError("permit.limits: unknown key(s) %s; a polygate.Limits has %s"
+                        % (", ".join(map(repr, unknown)), ", ".join(_LIMITS_KEYS)))
+    out = Limits()
+    for k, v in value.items():
+        if k == "age_s":
+            if isinstance(v, bool) or not isinstance(v, (int, float)):
+                raise TypeError("permit.limits['age_s'] must be a number of seconds, got %r" % (v,))
+            out.age_s = _check_s("permit.limits['age_s']", v) or 0.0
+        else:
+            setattr(out, k, _as_limit(k, v))
+    return out
+
+
+def _as_limit(dim: str, v: Any) -> Optional[Limit]:
+    if v is None or isinstance(v, Limit):
+        return v
+    if not isinstance(v, Mapping):
+        raise TypeError("permit.limits[%r] must be a polygate.Limit, a mapping of its keys (%s) or None, got %s"
+                        % (dim, ", ".join(_LIMIT_KEYS), type(v).__name__))
+    unknown = [k for k in v if k not in _LIMIT_KEYS]
+    if unknown:
+        raise TypeError("permit.limits[%r]: unknown key(s) %s; a polygate.Limit has %s"
+                        % (dim, ", ".join(map(repr, unknown)), ", ".join(_LIMIT_KEYS)))
+    where = "permit.limits[%r][%%r]" % dim
+    reset = v.get("reset_s")
+    if reset is not None and (isinstance(reset, bool) or not isinstance(reset, (int, float))):
+        raise TypeError((where % "reset_s") + " must be a number of seconds, got %r" % (reset,))
+    return Limit(_check(where % "limit", v.get("limit")), _check(where % "remaining", v.get("remaining")),
+                 _check_s(where % "reset_s", reset))
+
+
 def encode_limits(limits: Optional[Limits]) -> Optional[bytes]:
     """The wire ``ObservedLimits`` of ``limits`` (None for None or no dimension);
     a bad value raises ValueError naming it."""
@@ -258,6 +309,8 @@ def encode_limits(limits: Optional[Limits]) -> Optional[bytes]:
     def one(name: str, d: Optional[Limit]) -> Optional[bytes]:
         if d is None:
             return None
+        if not isinstance(d, Limit):
+            raise TypeError("limits.%s must be a polygate.Limit or None, got %s" % (name, type(d).__name__))
         return _frames.observed_limit(_check(name + ".limit", d.limit), _check(name + ".remaining", d.remaining),
                                       _check_s(name + ".reset_s", d.reset_s))
 

@@ -2,7 +2,9 @@
 ``polygate.httpx2`` (sync and asyncio alike). No I/O and no HTTP library here: the
 transports hand in bytes, statuses and header mappings.
 
-* :func:`parse_routes` / :class:`Route` – ``routes = {source: {base_url, headers}}``;
+* :func:`parse_routes` / :class:`Route` / :func:`rebase` / :func:`set_model` –
+  ``routes = {source: {base_url, headers, query, model}}``: where a granted source's
+  request goes, and the model name its body gets;
 * :func:`estimate_request` – a request body → ``(input, output)`` token estimates:
   input = body bytes / 4, output = ``max_tokens`` / ``max_completion_tokens`` /
   ``max_output_tokens`` (None: the source's ``est_output_tokens`` applies);
@@ -20,13 +22,13 @@ import math
 import re
 import zlib
 from typing import Any, Dict, List, Mapping, NamedTuple, Optional, Tuple
-from urllib.parse import urlsplit
+from urllib.parse import quote, unquote_plus, urlsplit
 
 from ..errors import AllSourcesExhausted, GatewayUnavailableError
 from . import protocol as p
 from .run import Outcome, retry_after_seconds
 
-__all__ = ["Route", "parse_routes", "estimate_request", "status_outcome", "UsageReader", "refusal",
+__all__ = ["Route", "parse_routes", "route_bases", "rebase", "set_model", "estimate_request", "status_outcome", "UsageReader", "refusal",
            "Usage", "ON_REFUSAL"]
 
 ON_REFUSAL = ("response", "raise")
@@ -39,8 +41,8 @@ Usage = Tuple[Optional[int], Optional[int], Optional[int]]
 
 
 class Route(NamedTuple):
-    """Where a granted source's requests go: the request keeps its path and query,
-    scheme/host/port come from ``base_url`` and its path is put in front."""
+    """Where a granted source's requests go: scheme/host/port come from ``base_url``,
+    and the request's path is re-rooted under its path (see :func:`rebase`)."""
 
     scheme: str
     host: str
@@ -49,14 +51,30 @@ class Route(NamedTuple):
     """``base_url``'s path without its trailing ``/`` ("" for none)."""
     headers: Tuple[Tuple[str, str], ...]
     """Extra headers (API key, ...): they replace same-named request headers."""
+    query: Tuple[Tuple[str, str], ...] = ()
+    """Query parameters (Azure's ``api-version``), sorted by name: they replace
+    same-named parameters of the request's query, the others are kept."""
+    model: Optional[str] = None
+    """The ``"model"`` a JSON-object request body gets on this route (a deployment
+    that serves the model under another name); None: the body is sent as it is."""
 
     def path(self, request_path: str) -> str:
+        """The path put in front: for a request URL under none of the routes' base URLs."""
         return self.prefix + request_path if self.prefix else request_path
+
+    def origin(self) -> Tuple[str, str, int]:
+        """``(scheme, host, port)`` with the scheme's default port filled in."""
+        return self.scheme, self.host, self.port if self.port is not None else _DEFAULT_PORT[self.scheme]
+
+
+_DEFAULT_PORT = {"http": 80, "https": 443}
+_ROUTE_KEYS = ("base_url", "headers", "query", "model")
 
 
 def parse_routes(routes: Optional[Mapping[str, Any]]) -> Optional[Dict[str, Route]]:
-    """Validate ``routes``: ``{source: {"base_url": url, "headers": {...}}}`` (or
-    ``{source: url}``). Raises ValueError naming the bad entry."""
+    """Validate ``routes``: ``{source: {"base_url": url, "headers": {...}, "query":
+    {...}, "model": name}}`` (or ``{source: url}``). Raises ValueError naming the bad
+    entry."""
     if routes is None:
         return None
     if not isinstance(routes, Mapping) or not routes:
@@ -70,13 +88,17 @@ def parse_routes(routes: Optional[Mapping[str, Any]]) -> Optional[Dict[str, Rout
             spec = {"base_url": spec}
         if not isinstance(spec, Mapping):
             raise ValueError("routes[%r] must be {\"base_url\": ..., \"headers\": {...}}, got %r" % (source, spec))
-        unknown = set(spec) - {"base_url", "headers"}
+        unknown = set(spec) - set(_ROUTE_KEYS)
         if unknown:
-            raise ValueError("routes[%r]: unknown key(s) %s; allowed: base_url, headers" % (source, sorted(unknown)))
+            raise ValueError("routes[%r]: unknown key(s) %s; allowed: %s"
+                             % (source, sorted(unknown), ", ".join(_ROUTE_KEYS)))
         base = spec.get("base_url")
         parts = urlsplit(base) if isinstance(base, str) else None
         if parts is None or parts.scheme not in ("http", "https") or not parts.hostname:
             raise ValueError("routes[%r].base_url must be an http(s) URL with a host, got %r" % (source, base))
+        if parts.query or parts.fragment:
+            raise ValueError("routes[%r].base_url must not have a query or fragment (give query parameters as "
+                             "routes[%r][\"query\"]), got %r" % (source, source, base))
         try:
             port = parts.port
         except ValueError:
@@ -85,8 +107,134 @@ def parse_routes(routes: Optional[Mapping[str, Any]]) -> Optional[Dict[str, Rout
         if not isinstance(headers, Mapping) or not all(
                 isinstance(k, str) and isinstance(v, str) for k, v in headers.items()):
             raise ValueError("routes[%r].headers must map header names to string values, got %r" % (source, headers))
+        query = spec.get("query") or {}
+        if not isinstance(query, Mapping) or not all(
+                isinstance(k, str) and k and isinstance(v, str) for k, v in query.items()):
+            raise ValueError("routes[%r].query must map parameter names to string values, got %r" % (source, query))
+        model = spec.get("model")
+        if model is not None and (not isinstance(model, str) or not model):
+            raise ValueError("routes[%r].model must be a non-empty string, got %r" % (source, model))
         out[source] = Route(parts.scheme, parts.hostname, port, parts.path.rstrip("/"),
-                            tuple((k, v) for k, v in headers.items()))
+                            tuple((k, v) for k, v in headers.items()), tuple(sorted(query.items())), model)
+    return out
+
+
+Bases = Tuple[Tuple[Tuple[str, str, int], str], ...]
+"""The routes' base URLs as ``(origin, path prefix)``, the longest prefix first."""
+
+
+def route_bases(routes: Mapping[str, Route]) -> Bases:
+    """The base URLs a request URL is matched against (:func:`rebase`)."""
+    seen = {(r.origin(), r.prefix) for r in routes.values()}
+    return tuple(sorted(seen, key=lambda b: -len(b[1])))
+
+
+def _under(path: str, prefix: str) -> bool:
+    """Whether ``path`` is ``prefix`` or below it, at a segment boundary."""
+    return not prefix or path == prefix or (path.startswith(prefix) and path[len(prefix)] == "/")
+
+
+def rebase(bases: Bases, route: Route, scheme: str, host: str, port: Optional[int], raw_path: str) -> str:
+    """The raw path (path and query) of a request for ``route``. A request URL under
+    one of the routes' base URLs (the SDK's own base URL is one of them, as a user
+    writes it in ``routes``) has that prefix replaced by the route's: same scheme,
+    host and port, and a path prefix ending at a segment boundary (``/v1`` matches
+    ``/v1/chat`` and ``/v1``, not ``/v10``); the longest such base URL wins. A request
+    under none keeps its whole path, with the route's path put in front. The
+    route's ``query`` replaces same-named parameters, the others are kept."""
+    path, _, query = raw_path.partition("?")
+    origin = (scheme.lower(), host.lower(), port if port is not None else _DEFAULT_PORT.get(scheme.lower(), 0))
+    for o, prefix in bases:
+        if o == origin and _under(path, prefix):
+            path = route.prefix + path[len(prefix):]
+            break
+    else:
+        path = route.prefix + path
+    if not path.startswith("/"):
+        path = "/" + path
+    if route.query:
+        query = with_query(query, route.query)
+    return path + "?" + query if query else path
+
+
+def with_query(query: str, params: Tuple[Tuple[str, str], ...]) -> str:
+    """``query`` (raw, no ``?``) without its parameters named in ``params``, then
+    ``params`` percent-encoded (everything but ``A-Za-z0-9-._~``)."""
+    names = {k for k, _ in params}
+    kept = [kv for kv in query.split("&") if kv and unquote_plus(kv.partition("=")[0]) not in names]
+    kept.extend("%s=%s" % (quote(k, safe=""), quote(v, safe="")) for k, v in params)
+    return "&".join(kept)
+
+
+_JSON_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"', re.S)
+_JSON_SCALAR = re.compile(rb'[^,}\]\s]*')
+_JSON_NESTED = re.compile(rb'"(?:[^"\\]|\\.)*"|[\[\]{}]', re.S)
+_JSON_WS = re.compile(rb'[ \t\r\n]*')
+
+
+def _value_end(b: bytes, i: int) -> int:
+    """The index after the JSON value at ``b[i]`` (``b`` is valid JSON)."""
+    c = b[i:i + 1]
+    if c == b'"':
+        m = _JSON_STRING.match(b, i)
+        assert m is not None
+        return m.end()
+    if c not in (b"{", b"["):
+        m = _JSON_SCALAR.match(b, i)
+        assert m is not None
+        return m.end()
+    depth = 0
+    for m in _JSON_NESTED.finditer(b, i):
+        t = m.group()
+        if t in (b"{", b"["):
+            depth += 1
+        elif t in (b"}", b"]"):
+            depth -= 1
+            if depth == 0:
+                return m.end()
+    return len(b)
+
+
+def _ws(b: bytes, i: int) -> int:
+    m = _JSON_WS.match(b, i)
+    return m.end() if m is not None else i
+
+
+def set_model(body: bytes, model: str) -> Optional[bytes]:
+    """``body`` with its top-level ``"model"`` set to ``model`` (added first when it
+    has none), every other byte kept; None when the body is not a JSON object (sent
+    as it is). Byte-for-byte, not a re-serialisation: the request's other fields,
+    their order and their numbers reach the upstream as the SDK wrote them."""
+    try:
+        doc = json.loads(body)
+    except ValueError:
+        return None
+    i = _ws(body, 0)
+    if not isinstance(doc, dict) or body[i:i + 1] != b"{":  # not a (UTF-8) JSON object
+        return None
+    if doc.get("model") == model:
+        return body
+    lit = json.dumps(model).encode()
+    spans: List[Tuple[int, int]] = []
+    i = _ws(body, i + 1)
+    while body[i:i + 1] == b'"':
+        m = _JSON_STRING.match(body, i)
+        assert m is not None
+        key = m.group()
+        i = _ws(body, _ws(body, m.end()) + 1)  # past the ':'
+        end = _value_end(body, i)
+        if key == b'"model"' or (b"\\" in key and json.loads(key) == "model"):
+            spans.append((i, end))
+        i = _ws(body, end)
+        if body[i:i + 1] != b",":
+            break
+        i = _ws(body, i + 1)
+    if not spans:
+        at = body.index(b"{") + 1
+        return body[:at] + b'"model":' + lit + (b"," if doc else b"") + body[at:]
+    out = body
+    for start, end in reversed(spans):
+        out = out[:start] + lit + out[end:]
     return out
 
 
