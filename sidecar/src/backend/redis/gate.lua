@@ -87,6 +87,9 @@
 --              reservation was charged to; negative = charged more (0)
 -- ARGV[63] t_day : report, tsettle: the day number (UTC days since 1970) the reservation
 --              was charged to (-1); tcal: the day to convert
+-- ARGV[64] host : §18 with slot 37 set: the id of the host whose call this is (its
+--              heartbeat member), so its in-flight counts are kept apart ('h:<host>')
+--              and dropped when its heartbeat expires (hosts.rs); '' = not kept apart
 --
 -- Cost (§10, §16): one TIME per call; every stored number is an integer (µs or a
 -- count) written with '%d' (never '%.17g' float text, never strtod of one); each hash
@@ -428,8 +431,9 @@ local function qload()
     or arg(31, -1) > 0)
   local v
   if obs then
+    local host = A[64] or ''
     v = redis.call('HMGET', K[2], 'tt', 'rt', 'bu', 'x', 'it', 'ot', 'td', 'rd',
-      'ft', 'fr', 'fi', 'fo', 'oa', 'l:tt', 'l:rt', 'l:it', 'l:ot')
+      'ft', 'fr', 'fi', 'fo', 'oa', 'l:tt', 'l:rt', 'l:it', 'l:ot', 'h:' .. host)
   elseif extra then
     v = redis.call('HMGET', K[2], 'tt', 'rt', 'bu', 'x', 'it', 'ot', 'td', 'rd')
   else
@@ -445,6 +449,17 @@ local function qload()
   if obs then
     q.obs, q.oa, q.fl, q.raw = true, tonumber(v[13]), {}, v
     for i = 1, 4 do q.fl[i] = tonumber(v[8 + i]) or 0 end
+    -- This host's share of the counts: 'h:<host>' = "t r i o" (slot 64).
+    if (A[64] or '') ~= '' then
+      q.host, q.hf = 'h:' .. A[64], { 0, 0, 0, 0 }
+      if v[18] then
+        local i = 0
+        for x in string.gmatch(v[18], '%S+') do
+          i = i + 1
+          q.hf[i] = tonumber(x) or 0
+        end
+      end
+    end
   end
   for i = 1, #QB do
     local b = QB[i]
@@ -548,16 +563,32 @@ local function qblock(q, d)
 end
 
 -- §18: count the reservation (slots 13, 32, 33 and one request) in (+1) or out (-1)
--- of the in-flight fields, never below 0.
+-- of the in-flight fields, never below 0. With a host (slot 64) the host's own counts
+-- ('h:<host>') move too, and a release takes out at most what that host still counts:
+-- once its heartbeat expired and its counts were dropped (hosts.rs), a late report
+-- of its calls takes nothing more from the totals.
 local function qtrack(q, sign)
   if not q.obs then return end
   local amt = { arg(13, 0), 1, arg(32, 0), arg(33, 0) }
+  local hf = q.hf
   for i = 1, 4 do
-    local n = max(0, q.fl[i] + sign * amt[i])
+    local d = amt[i]
+    if hf then
+      if sign < 0 then d = min(d, hf[i]) end
+      hf[i] = hf[i] + sign * d
+    end
+    local n = max(0, q.fl[i] + sign * d)
     if n ~= q.fl[i] then
       q.fl[i] = n
       q[FL[i]] = n
       q.w[#q.w + 1] = FL[i]
+    end
+  end
+  if hf then
+    if hf[1] + hf[2] + hf[3] + hf[4] > 0 then
+      redis.call('HSET', K[2], q.host, format('%d %d %d %d', hf[1], hf[2], hf[3], hf[4]))
+    else
+      redis.call('HDEL', K[2], q.host)
     end
   end
 end

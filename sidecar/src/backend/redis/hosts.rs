@@ -31,15 +31,45 @@ pub const HEARTBEAT_EVERY: Duration = Duration::from_secs(1);
 pub const HEARTBEAT_TTL: Duration = Duration::from_secs(3);
 
 /// Refresh `ARGV[1]`'s heartbeat (expiring `ARGV[2]` ms from now), drop the expired
-/// ones, and return how many are live. The key expires with its last member.
+/// ones, and return how many are live, then the ids of those it dropped (at most
+/// 64 a beat; the rest go on the next). The key expires with its last member.
 const HEARTBEAT_LUA: &str = r"
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local ttl = tonumber(ARGV[2])
 redis.call('ZADD', KEYS[1], now + ttl, ARGV[1])
-redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
+local dead = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now, 'LIMIT', 0, 64)
+for _, id in ipairs(dead) do redis.call('ZREM', KEYS[1], id) end
 redis.call('PEXPIRE', KEYS[1], ttl)
-return redis.call('ZCARD', KEYS[1])
+local out = { redis.call('ZCARD', KEYS[1]) }
+for _, id in ipairs(dead) do out[#out + 1] = id end
+return out
+";
+
+/// §18: drop the in-flight counts the hosts `ARGV` kept in the quota hash `KEYS[1]`
+/// (`h:<host>` = `t r i o`, see `gate.lua`'s `qtrack`) from its totals, and the
+/// hosts' fields. Idempotent: a host's field is gone once dropped, so every host that
+/// saw the heartbeat expire may run it. Returns how many hosts had counts there.
+const DROP_HOSTS_LUA: &str = r"
+local FL = { 'ft', 'fr', 'fi', 'fo' }
+local n = 0
+for _, id in ipairs(ARGV) do
+  local f = 'h:' .. id
+  local v = redis.call('HGET', KEYS[1], f)
+  if v then
+    local i = 0
+    for x in string.gmatch(v, '%S+') do
+      i = i + 1
+      if FL[i] then
+        local left = (tonumber(redis.call('HGET', KEYS[1], FL[i])) or 0) - (tonumber(x) or 0)
+        redis.call('HSET', KEYS[1], FL[i], string.format('%d', math.max(0, left)))
+      end
+    end
+    redis.call('HDEL', KEYS[1], f)
+    n = n + 1
+  end
+end
+return n
 ";
 
 /// The heartbeat key of a key prefix.
@@ -51,6 +81,9 @@ pub fn hosts_key(prefix: &str) -> String {
 pub(super) struct Heartbeat {
     /// Live hosts last counted (at least 1: this one).
     live: Arc<AtomicU64>,
+    /// This host's member of the heartbeat set: its calls' in-flight counts are
+    /// kept under it in each quota hash (§18, `gate.lua` slot 64).
+    id: Arc<str>,
     /// The refreshing task.
     task: tokio::task::AbortHandle,
 }
@@ -58,7 +91,9 @@ pub(super) struct Heartbeat {
 impl Heartbeat {
     /// Start beating on `conn` under `prefix`. Must be called inside a Tokio runtime;
     /// never waits for Redis.
-    pub(super) fn start(conn: Connection, prefix: &str) -> Self {
+    /// `quota_keys`: the quota hashes a stopped host's in-flight counts are dropped
+    /// from when its heartbeat expires.
+    pub(super) fn start(conn: Connection, prefix: &str, quota_keys: Vec<String>) -> Self {
         let live = Arc::new(AtomicU64::new(1));
         // Unique per process and per backend (two backends in one test process are
         // two hosts).
@@ -68,8 +103,21 @@ impl Heartbeat {
             std::process::id(),
             rand::random::<u64>()
         );
-        let task = tokio::spawn(beat(conn, hosts_key(prefix), id, live.clone())).abort_handle();
-        Heartbeat { live, task }
+        let id: Arc<str> = id.into();
+        let task = tokio::spawn(beat(
+            conn,
+            hosts_key(prefix),
+            id.clone(),
+            live.clone(),
+            quota_keys,
+        ))
+        .abort_handle();
+        Heartbeat { live, id, task }
+    }
+
+    /// This host's heartbeat member.
+    pub(super) fn id(&self) -> &str {
+        &self.id
     }
 
     /// Live hosts last seen (1 before the first count).
@@ -91,25 +139,68 @@ impl Drop for Heartbeat {
     }
 }
 
-async fn beat(conn: Connection, key: String, id: String, live: Arc<AtomicU64>) {
+async fn beat(
+    conn: Connection,
+    key: String,
+    id: Arc<str>,
+    live: Arc<AtomicU64>,
+    quota_keys: Vec<String>,
+) {
     let ttl_ms = HEARTBEAT_TTL.as_millis() as u64;
     let mut cmd = ::redis::cmd("EVAL");
     cmd.arg(HEARTBEAT_LUA)
         .arg(1)
         .arg(key.as_str())
-        .arg(id.as_str())
+        .arg(&*id)
         .arg(ttl_ms);
     let mut tick = tokio::time::interval(HEARTBEAT_EVERY);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    // Hosts seen to stop whose counts are not dropped everywhere yet (Redis failed
+    // half way): tried again on the next beats.
+    let mut dead: Vec<String> = Vec::new();
     loop {
         tick.tick().await;
         match conn.run_cmd(&cmd).await {
-            Ok(Value::Int(n)) => live.store(n.max(1) as u64, Ordering::Relaxed),
+            Ok(Value::Array(v)) => {
+                if let Some(Value::Int(n)) = v.first() {
+                    live.store((*n).max(1) as u64, Ordering::Relaxed);
+                }
+                dead.extend(v.iter().skip(1).filter_map(|m| match m {
+                    Value::BulkString(b) => String::from_utf8(b.clone()).ok(),
+                    _ => None,
+                }));
+                dead.sort_unstable();
+                dead.dedup();
+            }
             Ok(_) => {}
             // The last count stands; the connection is made again next time.
-            Err(_) => conn.invalidate(),
+            Err(_) => {
+                conn.invalidate();
+                continue;
+            }
+        }
+        if !dead.is_empty() && drop_hosts(&conn, &quota_keys, &dead).await {
+            dead.clear();
         }
     }
+}
+
+/// §18: drop the stopped hosts `dead`'s in-flight counts from every quota hash in
+/// `keys` (one small script per key: on a Redis Cluster each has its own slot).
+/// `false`: Redis failed on some key; the caller tries them all again.
+async fn drop_hosts(conn: &Connection, keys: &[String], dead: &[String]) -> bool {
+    for k in keys {
+        let mut cmd = ::redis::cmd("EVAL");
+        cmd.arg(DROP_HOSTS_LUA).arg(1).arg(k.as_str());
+        for d in dead {
+            cmd.arg(d.as_str());
+        }
+        if conn.run_cmd(&cmd).await.is_err() {
+            conn.invalidate();
+            return false;
+        }
+    }
+    true
 }
 
 /// This machine's name, for a readable heartbeat member (`unknown` if unset).

@@ -149,12 +149,15 @@ impl RedisBackend {
         let admin = AdminFeed::start(sub_urls, &opts.key_prefix, opts.timeout);
         // Its own connection: a heartbeat never queues behind (or delays) a call.
         let (beat_conn, _) = Connection::new(&opts.url, &opts.cluster_nodes, opts.timeout)?;
-        let hosts = Heartbeat::start(beat_conn, &opts.key_prefix);
-        let keys = opts
+        let keys: HashMap<String, [String; 2]> = opts
             .sources
             .iter()
             .map(|s| (s.clone(), script::keys(&opts.key_prefix, s)))
             .collect();
+        // §18: a host that stops beating has its in-flight counts dropped from every
+        // quota hash this host knows (the fleet shares one configuration).
+        let quota_keys = keys.values().map(|k| k[1].clone()).collect();
+        let hosts = Heartbeat::start(beat_conn, &opts.key_prefix, quota_keys);
         Ok(RedisBackend {
             conn,
             keys,
@@ -269,10 +272,11 @@ impl RedisBackend {
                 &built
             }
         };
-        let inv = match tenant {
+        let mut inv = match tenant {
             Some(t) => script::invocation_with(keys, t, &op),
             None => script::invocation(keys, &op),
         };
+        script::with_host(&mut inv.args, self.hosts.id());
         match self.conn.run(&inv).await {
             Ok(v) => {
                 let reply = O::read(&v)?;

@@ -87,7 +87,7 @@ impl Slot<'_> {
 
 /// The names of `gate.lua`'s ARGV slots, `ARGV[1]` first; its header documents each
 /// under the same name.
-pub(in crate::backend::redis) const SLOTS: [&str; 63] = [
+pub(in crate::backend::redis) const SLOTS: [&str; 64] = [
     "op",
     "failure_threshold",
     "failure_rate",
@@ -151,6 +151,7 @@ pub(in crate::backend::redis) const SLOTS: [&str; 63] = [
     "t_request_credit",
     "t_cost_credit",
     "t_day",
+    "host",
 ];
 
 /// The value each slot holds when an operation does not use it, in [`SLOTS`] order
@@ -220,6 +221,7 @@ const NEUTRAL: [&str; SLOTS.len()] = [
     "0",
     "0",
     "-1",
+    "",
 ];
 
 /// Largest duration handed to the script, in µs (2^52 µs ≈ 142 years): `TIME` + it
@@ -481,6 +483,21 @@ impl<'a> Argv<'a> {
         }
         v
     }
+}
+
+/// §18: with slot 37 set (the source keeps in-flight counts), slot 64 names the
+/// host whose call this is, so its counts are kept apart and dropped with its
+/// heartbeat (`hosts.rs`). `slots` is what [`Argv::slots`] built; the slots it left
+/// out as trailing neutrals are filled in up to slot 63 first.
+pub(in crate::backend::redis) fn with_host<'a>(slots: &mut Vec<Slot<'a>>, host: &'a str) {
+    let tracks = matches!(slots.get(36), Some(Slot::Int(1)));
+    if !tracks || host.is_empty() {
+        return;
+    }
+    while slots.len() < SLOTS.len() - 1 {
+        slots.push(Slot::Text(NEUTRAL[slots.len()]));
+    }
+    slots.push(Slot::Text(host));
 }
 
 /// Where an admin script publishes `"<op> <source>"` (§9).

@@ -55,7 +55,7 @@ use ::redis::{Cmd, Script, Value};
 
 #[cfg(test)]
 pub(super) use argv::SLOTS;
-pub(super) use argv::{Announce, Argv, Slot, TenantSlots};
+pub(super) use argv::{with_host, Announce, Argv, Slot, TenantSlots};
 pub(super) use reply::{
     applied, bool_at, dur_at, int_at, level_at, level_or_none, proto, state_at, u64_at,
 };
