@@ -6,7 +6,7 @@
 import * as assert from "node:assert/strict";
 import { describe, test } from "node:test";
 
-import { Client, SidecarError, TenantLimitExceededError, connect, fetch as gatedFetch } from "../src/index.js";
+import { Client, SidecarError, TENANT_HEADER, TenantLimitExceededError, connect, fetch as gatedFetch } from "../src/index.js";
 import type { FetchOptions } from "../src/index.js";
 import { FakeConn, FakeSidecar, errorReply, variant } from "./fake-sidecar.js";
 
@@ -139,6 +139,7 @@ describe("transport tenants", () => {
   });
 
   test("a bad tenant option is refused at construction naming tenant", T, async () => {
+    assert.equal(TENANT_HEADER, "x-polygate-tenant");
     for (const bad of [7, true, {}, ["acme"], Symbol("t")]) {
       assert.throws(() => gatedFetch({ scope: "chat", tenant: bad as unknown as string }),
         (e: unknown) => e instanceof TypeError && /^tenant must be a string/.test(e.message), String(typeof bad));
