@@ -85,11 +85,10 @@ class _Base:
             body = None
         return t.estimate_request(body)
 
-    def _tenant_of(self, request: Any) -> Optional[str]:
-        """§19: the request's tenant: its ``x-polygate-tenant`` header, else the
-        ``tenant=`` option (a function is called with the request); None or ``""``
-        is the scope's anonymous tenant."""
-        named = request.headers.get(t.TENANT_HEADER)
+    def _tenant_of(self, request: Any, named: Optional[str]) -> Optional[str]:
+        """§19: the request's tenant: ``named``, its ``x-polygate-tenant`` header
+        (:func:`_tenant_header`), else the ``tenant=`` option (a function is called
+        with the request); None or ``""`` is the scope's anonymous tenant."""
         if named is not None:
             return named or None
         opt = self._tenant
@@ -100,11 +99,12 @@ class _Base:
             raise TypeError("tenant(request) must return a string or None, got %r" % (got,))
         return got or None
 
-    def _routed(self, request: Any, source: str) -> Any:
-        """The request to send for a grant on ``source`` (never the caller's own
-        object changed: a request sent again keeps its tenant header)."""
+    def _routed(self, request: Any, source: str, named: bool) -> Any:
+        """The request to send for a grant on ``source``, without its tenant header
+        when it has one (``named``); never the caller's own object changed: a
+        request sent again keeps its tenant header."""
         if self.routes is None:
-            if t.TENANT_HEADER not in request.headers:
+            if not named:
                 return request
             headers = request.headers.copy()
             del headers[t.TENANT_HEADER]
@@ -122,7 +122,7 @@ class _Base:
         url = u.copy_with(scheme=route.scheme, host=route.host, port=route.port, raw_path=raw.encode("ascii"))
         headers = request.headers.copy()
         headers["host"] = url.netloc.decode("ascii")
-        if t.TENANT_HEADER in headers:
+        if named:
             del headers[t.TENANT_HEADER]
         for k, v in route.headers:
             headers[k] = v
@@ -191,6 +191,23 @@ class _Settlement:
         self.at = time.monotonic()  # when the response's headers arrived (§18: the age)
 
 
+_TENANT_B = t.TENANT_HEADER.encode()
+
+
+def _tenant_header(request: Any) -> Optional[str]:
+    """The request's ``x-polygate-tenant`` value (None: no such header), in one pass
+    over the raw header pairs that lowers only names of its length (``Headers.get``
+    decodes every pair, per lookup: a few µs a request)."""
+    n = len(_TENANT_B)
+    for k, v in request.headers.raw:
+        if len(k) == n and k.lower() == _TENANT_B:
+            try:
+                return str(v.decode("utf-8"))
+            except UnicodeDecodeError:
+                raise ValueError("the %s header must be UTF-8, got %r" % (t.TENANT_HEADER, v)) from None
+    return None
+
+
 def _head(response: Any) -> Tuple[Optional[str], Optional[str], Optional[str]]:
     """``(content-type, content-encoding, content-length)`` in one pass over the raw
     header pairs (``Headers.get`` decodes them all, per lookup)."""
@@ -233,7 +250,8 @@ class SyncGate(_Base):
 
     def handle_request(self, request: Any) -> Any:
         est_in, est_out = self._estimates(request)
-        tenant = self._tenant_of(request)
+        named = _tenant_header(request)
+        tenant = self._tenant_of(request, named)
         call = self._gate().call(self.scope, priority=self.priority, est_input_tokens=est_in,
                                  est_output_tokens=est_out, tenant=tenant)
         try:
@@ -247,7 +265,7 @@ class SyncGate(_Base):
             call.end(_quiet=True)
             raise
         try:
-            sent = self._routed(request, permit.source)
+            sent = self._routed(request, permit.source, named is not None)
             response = self._base.handle_request(sent)
         except BaseException as exc:
             kind = self._error_kind(exc)
@@ -383,7 +401,8 @@ class AsyncGate(_Base):
 
     async def handle_async_request(self, request: Any) -> Any:
         est_in, est_out = self._estimates(request)
-        tenant = self._tenant_of(request)
+        named = _tenant_header(request)
+        tenant = self._tenant_of(request, named)
         call = (await self._gate()).call(self.scope, priority=self.priority, est_input_tokens=est_in,
                                          est_output_tokens=est_out, tenant=tenant)
         try:
@@ -397,7 +416,7 @@ class AsyncGate(_Base):
             call._release_now()
             raise
         try:
-            sent = self._routed(request, permit.source)
+            sent = self._routed(request, permit.source, named is not None)
             response = await self._base.handle_async_request(sent)
         except BaseException as exc:
             kind = self._error_kind(exc)
