@@ -118,8 +118,8 @@ type Transport struct {
 	Tenant string
 	// TenantFunc (optional) returns the tenant of a request that has no
 	// TenantHeader; when set, it wins over Tenant ("" = the anonymous tenant).
-	// The request's body is readable (and re-readable through GetBody); it must
-	// not modify the request.
+	// The request's body, when it has one, is readable (and re-readable through
+	// GetBody); it must not modify the request.
 	TenantFunc func(*http.Request) string
 
 	mu     sync.Mutex
