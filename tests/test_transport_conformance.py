@@ -31,12 +31,12 @@ from .test_conformance import Mismatch, check_keys, match_value, sidecar_config 
 SCENARIOS = REPO / "bindings" / "conformance" / "transport"
 
 TOP_KEYS = {"name", "description", "backends", "timeout_s", "config", "upstreams", "transport", "steps"}
-TRANSPORT_KEYS = {"scope", "upstream", "base_path", "routes", "on_refusal"}
+TRANSPORT_KEYS = {"scope", "upstream", "base_path", "routes", "on_refusal", "tenant"}
 ROUTE_KEYS = {"upstream", "path", "headers", "query", "model"}
 OPS: Dict[str, Tuple[set, set]] = {
     "respond": ({"upstream", "status"}, {"headers", "json", "sse", "body", "delay_s", "times"}),
-    "request": ({"method", "path"}, {"json", "stream", "read_events", "expect"}),
-    "upstream_hits": ({"upstream", "expect"}, {"header", "path", "json_subset"}),
+    "request": ({"method", "path"}, {"json", "headers", "stream", "read_events", "expect"}),
+    "upstream_hits": ({"upstream", "expect"}, {"header", "header_absent", "path", "json_subset"}),
     "status": ({"expect"}, set()),
     "sleep": ({"seconds"}, set()),
 }
@@ -45,6 +45,7 @@ ERROR_KINDS = {
     "CircuitOpen": polygate.CircuitOpenError,
     "AllSourcesExhausted": polygate.AllSourcesExhausted,
     "RouteMissing": polygate.RouteMissingError,
+    "TenantLimited": polygate.TenantLimitExceeded,
 }
 FLAVOURS = ("httpx-sync", "httpx2-async")
 
@@ -183,7 +184,9 @@ class SyncRequester:
         self.client = httpx.Client(base_url=base_url, transport=tr, timeout=20)
 
     def request(self, step: Dict[str, Any]) -> Seen:
-        kw = {"json": step["json"]} if "json" in step else {}
+        kw: Dict[str, Any] = {"json": step["json"]} if "json" in step else {}
+        if "headers" in step:
+            kw["headers"] = step["headers"]
         try:
             with self.client.stream(step["method"], step["path"], **kw) as r:
                 body = b""
@@ -206,7 +209,9 @@ class AsyncRequester:
         self.client = httpx2.AsyncClient(base_url=base_url, transport=tr, timeout=20)
 
     async def _request(self, step: Dict[str, Any]) -> Seen:
-        kw = {"json": step["json"]} if "json" in step else {}
+        kw: Dict[str, Any] = {"json": step["json"]} if "json" in step else {}
+        if "headers" in step:
+            kw["headers"] = step["headers"]
         try:
             async with self.client.stream(step["method"], step["path"], **kw) as r:
                 body = b""
@@ -272,7 +277,8 @@ def play(sc: Dict[str, Any], label: str, socket_path: str, flavour: str) -> None
             for src, r in spec["routes"].items():
                 routes[src] = {"base_url": ups[r["upstream"]].url + r.get("path", ""), "headers": r.get("headers", {})}
                 routes[src].update({k: r[k] for k in ("query", "model") if k in r})
-        kw = dict(routes=routes, on_refusal=spec.get("on_refusal", "response"), socket=socket_path)
+        kw = dict(routes=routes, on_refusal=spec.get("on_refusal", "response"), socket=socket_path,
+                  tenant=spec.get("tenant"))
         base_url = ups[spec["upstream"]].url + spec.get("base_path", "")
         if loop is None:
             req = SyncRequester(base_url, polygate.httpx.Transport(spec["scope"], **kw))
@@ -304,6 +310,10 @@ def play(sc: Dict[str, Any], label: str, socket_path: str, flavour: str) -> None
                         if got.get(k.lower()) != v:
                             raise Mismatch("%s: last request's header %r is %r, expected %r"
                                            % (where, k, got.get(k.lower()), v))
+                for k in step.get("header_absent", ()):
+                    if k.lower() in up.received[-1].headers:
+                        raise Mismatch("%s: last request carries header %r (%r), which must not be sent"
+                                       % (where, k, up.received[-1].headers[k.lower()]))
                 if "path" in step and up.received[-1].path != step["path"]:
                     raise Mismatch("%s: last request's path is %r, expected %r"
                                    % (where, up.received[-1].path, step["path"]))

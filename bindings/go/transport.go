@@ -29,12 +29,13 @@ type RefusalMode uint8
 const (
 	// RefuseWithResponse (the default) answers with a synthetic response the SDK
 	// already understands: 503 for an open circuit (and a stalled or retry-exhausted
-	// call), 429 for exhausted quota, with Retry-After and a JSON error body naming
-	// PolyGate and the reason.
+	// call), 429 for exhausted quota and for a tenant over its limit, with
+	// Retry-After, X-Polygate-Refusal and a JSON error body naming PolyGate and
+	// the reason (a tenant's refusal also names the tenant and the limit).
 	RefuseWithResponse RefusalMode = iota
 	// RefuseWithError returns the typed error (*CircuitOpenError,
-	// *AllSourcesExhaustedError, *GatewayUnavailableError) from RoundTrip; an
-	// http.Client wraps it in a *url.Error, errors.As finds it.
+	// *AllSourcesExhaustedError, *TenantLimitError, *GatewayUnavailableError)
+	// from RoundTrip; an http.Client wraps it in a *url.Error, errors.As finds it.
 	RefuseWithError
 )
 
@@ -79,6 +80,10 @@ type Route struct {
 // timeout; transport errors → classified (Classify); other 4xx → error. The
 // response reaches the caller unchanged.
 //
+// Tenants (DESIGN §19): a request's tenant is its TenantHeader if it has one, else
+// TenantFunc's answer, else Tenant; the header is removed before the request is
+// sent. A tenant over its limit gets a synthetic 429 (or the *TenantLimitError).
+//
 // A Transport is safe for concurrent use; set its fields before the first request.
 type Transport struct {
 	// Base sends the requests; nil = http.DefaultTransport.
@@ -107,6 +112,15 @@ type Transport struct {
 	Estimate func(*http.Request) (in, out int64)
 	// OnRefusal: RefuseWithResponse (default) or RefuseWithError.
 	OnRefusal RefusalMode
+	// Tenant is the tenant (DESIGN §19) of every request that names none itself:
+	// at most MaxTenantBytes (128) bytes of UTF-8; "" = the scope's anonymous
+	// tenant. A request's TenantHeader wins over it, and so does TenantFunc.
+	Tenant string
+	// TenantFunc (optional) returns the tenant of a request that has no
+	// TenantHeader; when set, it wins over Tenant ("" = the anonymous tenant).
+	// The request's body, when it has one, is readable (and re-readable through
+	// GetBody); it must not modify the request.
+	TenantFunc func(*http.Request) string
 
 	mu     sync.Mutex
 	dialed *Client
@@ -116,6 +130,45 @@ type Transport struct {
 	routesOnce sync.Once
 	table      *routeTable
 	routesErr  error
+}
+
+// TenantHeader is the request header naming a request's tenant (DESIGN §19): it
+// wins over Transport.Tenant and Transport.TenantFunc; an empty value is the
+// scope's anonymous tenant. Transport removes it from the request it sends
+// upstream (with or without Routes); the caller's request is left as it is.
+const TenantHeader = "X-Polygate-Tenant"
+
+// tenantHeader is the value of the request's TenantHeader and whether it has one
+// (a key set on the map directly, not in its canonical form, counts too: net/http
+// would send it as it is).
+func tenantHeader(h http.Header) (string, bool) {
+	if v, ok := h[TenantHeader]; ok {
+		if len(v) == 0 {
+			return "", true
+		}
+		return v[0], true
+	}
+	for k, v := range h {
+		if len(k) == len(TenantHeader) && strings.EqualFold(k, TenantHeader) {
+			if len(v) == 0 {
+				return "", true
+			}
+			return v[0], true
+		}
+	}
+	return "", false
+}
+
+// withoutTenantHeader is a copy of h without TenantHeader (under any spelling).
+func withoutTenantHeader(h http.Header) http.Header {
+	out := make(http.Header, len(h))
+	for k, v := range h {
+		if len(k) == len(TenantHeader) && strings.EqualFold(k, TenantHeader) {
+			continue
+		}
+		out[k] = append([]string(nil), v...)
+	}
+	return out
 }
 
 // RouteMissingError: PolyGate granted a source that Transport.Routes does not
@@ -245,13 +298,42 @@ func (t *Transport) RoundTrip(req *http.Request) (*http.Response, error) {
 	att := &attempt{reqCtx: ctx}
 	att.ctx = &att.detached
 	att.detached.parent = ctx
+	named, hasNamed := tenantHeader(req.Header)
 	out := req
-	if req.Body != nil && req.Body != http.NoBody {
+	hasBody := req.Body != nil && req.Body != http.NoBody
+	if hasBody || hasNamed {
 		att.req = *req // RoundTrip must not modify the caller's request
+		out = &att.req
+	}
+	if hasBody {
 		att.reqBody.Reset(body)
 		att.req.Body = &att.reqBody
 		att.req.GetBody = func() (io.ReadCloser, error) { return newByteBody(body), nil }
-		out = &att.req
+	}
+	if hasNamed {
+		// Never sent upstream: the copy's header lacks it, the caller's keeps it.
+		att.req.Header = withoutTenantHeader(req.Header)
+	}
+	// rewind gives a hook that read the body a fresh one.
+	rewind := func() {
+		if body != nil {
+			att.reqBody.Reset(body)
+			out.Body = &att.reqBody
+		}
+	}
+	tenant, from := t.Tenant, "Transport.Tenant"
+	switch {
+	case hasNamed:
+		tenant, from = named, "the "+TenantHeader+" header"
+	case t.TenantFunc != nil:
+		tenant, from = t.TenantFunc(out), "Transport.TenantFunc"
+		rewind()
+	}
+	if err := checkTenant(tenant); err != nil {
+		se := err.(*SidecarError)
+		se.Message = "polygate.Transport: the tenant from " + from + ": " + se.Message
+		se.Scope = t.Scope
+		return nil, se
 	}
 	in, outTok := EstimateBody(body)
 	if t.Estimate != nil {
@@ -262,10 +344,7 @@ func (t *Transport) RoundTrip(req *http.Request) (*http.Response, error) {
 		if ho > 0 {
 			outTok = ho
 		}
-		if body != nil {
-			att.reqBody.Reset(body)
-			out.Body = &att.reqBody
-		}
+		rewind()
 	}
 
 	if t.Routes != nil {
@@ -277,7 +356,7 @@ func (t *Transport) RoundTrip(req *http.Request) (*http.Response, error) {
 	if err != nil {
 		return nil, err
 	}
-	call, err := c.Begin(ctx, t.Scope, CallOptions{EstInputTokens: clampCount(in), EstOutputTokens: clampCount(outTok), Priority: t.Priority})
+	call, err := c.Begin(ctx, t.Scope, CallOptions{EstInputTokens: clampCount(in), EstOutputTokens: clampCount(outTok), Priority: t.Priority, Tenant: tenant})
 	if err != nil {
 		return nil, err
 	}
@@ -641,13 +720,19 @@ func jsonValueEnd(b []byte, i int) int {
 // ------------------------------------------------------------------ refusal
 
 // refusalResponse is the synthetic answer to a refusal (bindings/conformance
-// README, "Transport scenarios").
+// README, "Transport scenarios"). A tenant's refusal (*TenantLimitError, DESIGN
+// §19) is a 429 whose body adds "limit_source": "tenant", "tenant" and "limit", so
+// a caller can tell a spent customer budget from a provider quota; no other
+// refusal carries limit_source.
 func refusalResponse(err error, scope string, req *http.Request) *http.Response {
 	var gu *GatewayUnavailableError
 	errors.As(err, &gu)
 	code, status := gu.Kind, http.StatusServiceUnavailable
 	var ae *AllSourcesExhaustedError
-	if errors.As(err, &ae) {
+	var te *TenantLimitError
+	if errors.As(err, &te) {
+		code, status = "tenant_limited", http.StatusTooManyRequests
+	} else if errors.As(err, &ae) {
 		code = ae.Reason
 		if code == "" {
 			code = ReasonStalled
@@ -661,19 +746,24 @@ func refusalResponse(err error, scope string, req *http.Request) *http.Response 
 	if reasons == nil {
 		reasons = map[string]string{}
 	}
-	doc := map[string]any{"error": map[string]any{
+	e := map[string]any{
 		"type":               "polygate",
 		"code":               code,
 		"message":            fmt.Sprintf("PolyGate refused the request in scope %q (%s): %s", scope, code, gu.Message),
 		"scope":              scope,
 		"retry_after_s":      after,
 		"per_source_reasons": reasons,
-	}}
-	b, _ := json.Marshal(doc)
+	}
+	if te != nil {
+		e["limit_source"], e["tenant"], e["limit"] = "tenant", te.Tenant, te.Limit
+	}
+	b, _ := json.Marshal(map[string]any{"error": e})
 	h := http.Header{}
 	h.Set("Content-Type", "application/json")
 	h.Set("Retry-After", strconv.FormatFloat(math.Ceil(after), 'f', 0, 64))
 	h.Set("Retry-After-Ms", strconv.FormatFloat(math.Round(after*1000), 'f', 0, 64))
+	// PolyGate's answer, not the provider's (DESIGN §17).
+	h.Set("X-Polygate-Refusal", code)
 	// The call-level budget is spent (PolyGate retried, failed over and waited as
 	// the scope says): openai-go and the other Stainless SDKs do not retry this.
 	h.Set("X-Should-Retry", "false")

@@ -41,6 +41,7 @@ type transportScenario struct {
 			Model    string            `json:"model"`
 		} `json:"routes"`
 		OnRefusal string `json:"on_refusal"`
+		Tenant    string `json:"tenant"`
 	} `json:"transport"`
 	Steps []map[string]any `json:"steps"`
 }
@@ -49,8 +50,8 @@ var transportScenarioDir = filepath.Join("..", "conformance", "transport")
 
 var transportStepFields = map[string][2][]string{
 	"respond":       {{"upstream", "status"}, {"headers", "json", "sse", "body", "delay_s", "times"}},
-	"request":       {{"method", "path"}, {"json", "stream", "read_events", "expect"}},
-	"upstream_hits": {{"upstream", "expect"}, {"header", "path", "json_subset"}},
+	"request":       {{"method", "path"}, {"json", "headers", "stream", "read_events", "expect"}},
+	"upstream_hits": {{"upstream", "expect"}, {"header", "header_absent", "path", "json_subset"}},
 	"status":        {{"expect"}, nil},
 	"sleep":         {{"seconds"}, nil},
 }
@@ -169,6 +170,7 @@ func checkTransportError(wantAny any, err error, where string) error {
 	var co *CircuitOpenError
 	var ex *AllSourcesExhaustedError
 	var rm *RouteMissingError
+	var te *TenantLimitError
 	ok := false
 	switch k := str(want["kind"]); k {
 	case "CircuitOpen":
@@ -177,6 +179,8 @@ func checkTransportError(wantAny any, err error, where string) error {
 		ok = errors.As(err, &ex)
 	case "RouteMissing":
 		ok = errors.As(err, &rm)
+	case "TenantLimited":
+		ok = errors.As(err, &te)
 	default:
 		return fmt.Errorf("%s: unknown error kind %q", where, k)
 	}
@@ -221,7 +225,7 @@ func playTransport(ctx context.Context, sc *transportScenario, c *Client, ups ma
 		}
 		return u, nil
 	}
-	tr := &Transport{Client: c, Scope: sc.Transport.Scope}
+	tr := &Transport{Client: c, Scope: sc.Transport.Scope, Tenant: sc.Transport.Tenant}
 	switch sc.Transport.OnRefusal {
 	case "", "response":
 	case "raise":
@@ -320,7 +324,25 @@ func playTransport(ctx context.Context, sc *transportScenario, c *Client, ups ma
 			if body != nil {
 				req.Header.Set("Content-Type", "application/json")
 			}
+			if h, ok := st["headers"]; ok {
+				hm, ok := h.(map[string]any)
+				if !ok {
+					return fmt.Errorf("%s: headers must be an object, got %#v", where, h)
+				}
+				for k, v := range hm {
+					req.Header.Set(k, str(v))
+				}
+			}
+			sentHeader := req.Header.Clone()
 			resp, err := hc.Do(req)
+			// RoundTrip must not modify the caller's request (the tenant header
+			// stays on it, though it is not sent).
+			if !reflect.DeepEqual(req.Header, sentHeader) {
+				if resp != nil {
+					resp.Body.Close()
+				}
+				return fmt.Errorf("%s: the transport changed the caller's request headers: %v, sent %v", where, req.Header, sentHeader)
+			}
 			if err != nil {
 				if expect["error"] == nil {
 					return fmt.Errorf("%s: the request failed: %v", where, err)
@@ -399,6 +421,23 @@ func playTransport(ctx context.Context, sc *transportScenario, c *Client, ups ma
 				}
 				if err := headerSubset(h, last.header, where); err != nil {
 					return err
+				}
+			}
+			if ha, ok := st["header_absent"]; ok {
+				names, ok := ha.([]any)
+				if !ok {
+					return fmt.Errorf("%s: header_absent must be a list of names, got %#v", where, ha)
+				}
+				last, ok := u.lastHit()
+				if !ok {
+					return fmt.Errorf("%s: no request to check headers of", where)
+				}
+				for _, n := range names {
+					for k, v := range last.header {
+						if strings.EqualFold(k, str(n)) {
+							return fmt.Errorf("%s: the last request carried %s: %q", where, k, v)
+						}
+					}
 				}
 			}
 			if p, ok := st["path"]; ok {

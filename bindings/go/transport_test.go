@@ -14,6 +14,7 @@ import (
 	"io"
 	"net/http"
 	"net/url"
+	"strconv"
 	"strings"
 	"testing"
 	"time"
@@ -640,5 +641,70 @@ func TestTransportSetModel(t *testing.T) {
 		if got := setModel([]byte(in), "m2"); got != nil {
 			t.Errorf("setModel(%q) = %q, want nil", in, got)
 		}
+	}
+}
+
+const tenantTransportConfig = `
+[scopes.chat]
+circuit_open = "fail_fast"
+quota_full = "fail_fast"
+max_attempts = 2
+poll_interval = "10ms"
+stall_window = "5s"
+
+[scopes.chat.tenants]
+default = { rpm = 1 }
+
+[[scopes.chat.sources]]
+name = "a"
+timeout = "5s"
+`
+
+// TestTransportTenantOverItsLimit429: DESIGN §19 item 6 through net/http against
+// the real daemon: a tenant over rpm = 1 gets the synthetic 429 naming it (limit_source
+// "tenant"), the upstream sees one request only, and the header never reaches it.
+func TestTransportTenantOverItsLimit429(t *testing.T) {
+	for _, backend := range backends {
+		t.Run(backend, func(t *testing.T) {
+			d := startSidecar(t, tenantTransportConfig, backend)
+			e := &transportEnv{t: t, c: d.dial(t), up: startUpstream(t), d: d}
+			e.up.respond(canned{body: []byte(chatOK)}, 1)
+			hc := e.http(&Transport{Tenant: "the-option"})
+			send := func() *http.Response {
+				req, err := http.NewRequest("POST", e.up.URL()+"/v1/chat/completions", strings.NewReader(chatBody))
+				if err != nil {
+					t.Fatal(err)
+				}
+				req.Header.Set("Content-Type", "application/json")
+				req.Header.Set(TenantHeader, "acme")
+				resp, err := hc.Do(req)
+				if err != nil {
+					t.Fatal(err)
+				}
+				return resp
+			}
+			if resp := send(); resp.StatusCode != 200 || string(readAll(t, resp)) != chatOK {
+				t.Fatalf("first request: %d", resp.StatusCode)
+			}
+			resp := send()
+			b := readAll(t, resp)
+			var doc refusalBody
+			if err := json.Unmarshal(b, &doc); err != nil {
+				t.Fatalf("%v: %s", err, b)
+			}
+			ra, _ := strconv.Atoi(resp.Header.Get("Retry-After"))
+			if resp.StatusCode != 429 || resp.Header.Get("X-Should-Retry") != "false" || resp.Header.Get("X-Polygate-Refusal") != "tenant_limited" ||
+				ra < 1 || ra > 61 || doc.Error["code"] != "tenant_limited" || doc.Error["limit_source"] != "tenant" ||
+				doc.Error["tenant"] != "acme" || doc.Error["limit"] != "rpm" || doc.Error["scope"] != "chat" {
+				t.Fatalf("over the limit: %d %v %s", resp.StatusCode, resp.Header, b)
+			}
+			last, _ := e.up.lastHit()
+			if e.up.hitCount() != 1 || last.header.Get(TenantHeader) != "" {
+				t.Fatalf("upstream: %d requests, last %v", e.up.hitCount(), last.header)
+			}
+			if e.calls() != 0 || e.source("a").InFlight != 0 {
+				t.Fatal("the refusal left a call or a permit")
+			}
+		})
 	}
 }

@@ -26,5 +26,5 @@ export { MAX_TENANT_BYTES, PROTOCOL_VERSION } from "./wire.js";
 export { AUTOSTART_ENV, CONFIG_ENV, SIDECAR_ENV, platformPackage, sidecarPath } from "./autostart.js";
 export { limitsOf, parseDuration, parseRateLimitHeaders, toWireLimits } from "./ratelimit.js";
 export type { HeaderSource, Limit, Limits } from "./ratelimit.js";
-export { RouteMissingError, fetch } from "./transport.js";
+export { RouteMissingError, TENANT_HEADER, fetch } from "./transport.js";
 export type { Estimate, EstimateRequest, FetchLike, FetchOptions, Route } from "./transport.js";

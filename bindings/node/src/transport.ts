@@ -24,9 +24,13 @@
  *   429 → rate-limited (`retry-after-ms`, then `Retry-After`); 408, 409, 5xx → transient
  *   failures; transport errors → classified (`connection`, `timeout`); other 4xx →
  *   `error`. The response reaches the SDK unchanged.
- * - A refusal (`CircuitOpen`, `AllSourcesExhausted`) becomes a synthetic 503 (429 for
- *   exhausted quota) with `Retry-After` and a JSON body naming PolyGate and the reason,
- *   or, with `onRefusal: "raise"`, the typed error is thrown.
+ * - Tenants (DESIGN §19): the `tenant` option (a string, or a synchronous function of
+ *   the request) names the tenant of every request; a request's `x-polygate-tenant`
+ *   header wins over it (`""`: the anonymous tenant). The header is never sent upstream.
+ * - A refusal (`CircuitOpen`, `AllSourcesExhausted`, `TenantLimited`) becomes a
+ *   synthetic 503 (429 for exhausted quota and a tenant's limit) with `Retry-After` and
+ *   a JSON body naming PolyGate and the reason, or, with `onRefusal: "raise"`, the
+ *   typed error is thrown.
  *
  * DESIGN §18: {@link Attempt} is the one place holding (permit, response headers) after
  * a response; the provider's rate-limit headers are turned into observed limits there.
@@ -35,8 +39,11 @@
 import { Usage, classifyError, retryAfterOf, usageOf } from "./classify.js";
 import type { FailureKind } from "./classify.js";
 import { Call, Client, Permit, connect } from "./client.js";
-import { AllSourcesExhaustedError, CircuitOpenError, GatewayUnavailableError, PolyGateError } from "./errors.js";
+import {
+  AllSourcesExhaustedError, CircuitOpenError, GatewayUnavailableError, PolyGateError, TenantLimitExceededError,
+} from "./errors.js";
 import { parseRateLimitHeaders } from "./ratelimit.js";
+import { MAX_TENANT_BYTES } from "./wire.js";
 
 /** What `fetch` looks like to an SDK (`new OpenAI({fetch})`, `new Anthropic({fetch})`, `createOpenAI({fetch})`). */
 export type FetchLike = (input: string | URL | Request, init?: RequestInit) => Promise<Response>;
@@ -96,6 +103,16 @@ export interface FetchOptions {
   sdkBaseURL?: string;
   /** Your own estimate; return `undefined` (or leave a side out) for the built-in rule. */
   estimate?: (req: EstimateRequest) => Estimate | null | undefined;
+  /**
+   * The tenant of every request (DESIGN §19): a tenant id (at most 128 bytes of UTF-8),
+   * or a **synchronous** function of the request returning one (`undefined`, `null` or
+   * `""`: the scope's anonymous tenant). The function sees the request's URL, method and
+   * headers — a `Request` without its body, which a synchronous function could not read
+   * anyway; returning a Promise is a `TypeError`. A request's `x-polygate-tenant` header
+   * wins over this option (and the function is then not called); the header is removed
+   * from every request before it is sent. Absent: the anonymous tenant.
+   */
+  tenant?: string | ((request: Request) => string | null | undefined);
   /** `"response"` (default): a synthetic 503/429; `"raise"`: throw the typed error. */
   onRefusal?: "response" | "raise";
   /** The fetch that sends the request; default the global `fetch`. */
@@ -291,6 +308,7 @@ function jsonUsage(buf: Uint8Array): Usage | undefined {
 
 /** The `code` of a synthetic refusal body, and its status. */
 function refusalCode(e: GatewayUnavailableError): [string, number] {
+  if (e instanceof TenantLimitExceededError) return ["tenant_limited", 429];
   if (e instanceof CircuitOpenError) return ["circuit_open", 503];
   if (e instanceof AllSourcesExhaustedError) {
     const r = e.reason ?? "stalled";
@@ -301,23 +319,30 @@ function refusalCode(e: GatewayUnavailableError): [string, number] {
 
 /**
  * The synthetic response of a refusal (bindings/conformance/transport): 503 for an open
- * circuit (and `stalled`, `retry_exhausted`), 429 for exhausted quota; `Retry-After` =
- * ceil(retry_after_s), `retry-after-ms`, `x-should-retry: false`, and a JSON error
- * body naming PolyGate.
+ * circuit (and `stalled`, `retry_exhausted`), 429 for exhausted quota and for a
+ * tenant's limit; `Retry-After` = ceil(retry_after_s), `retry-after-ms`,
+ * `x-polygate-refusal: <code>`, `x-should-retry: false`, and a JSON error body naming
+ * PolyGate. A tenant's refusal (DESIGN §19) adds `limit_source: "tenant"`, `tenant`
+ * and `limit`, so a caller can tell a spent customer budget from a provider quota; no
+ * other refusal carries `limit_source`.
  */
 export function refusalResponse(e: GatewayUnavailableError, scope: string): Response {
   const [code, status] = refusalCode(e);
   const after = Number.isFinite(e.retryAfterS) && e.retryAfterS > 0 ? e.retryAfterS : 0;
-  const body = {
-    error: {
-      type: "polygate",
-      code,
-      message: `PolyGate refused the request in scope "${scope}" (${code}): ${e.message}`,
-      scope,
-      retry_after_s: after,
-      per_source_reasons: e.perSourceReasons,
-    },
+  const error: Record<string, unknown> = {
+    type: "polygate",
+    code,
+    message: `PolyGate refused the request in scope "${scope}" (${code}): ${e.message}`,
+    scope,
+    retry_after_s: after,
+    per_source_reasons: e.perSourceReasons,
   };
+  if (e instanceof TenantLimitExceededError) {
+    error.limit_source = "tenant";
+    error.tenant = e.tenant;
+    error.limit = e.limit;
+  }
+  const body = { error };
   return new Response(JSON.stringify(body), {
     status,
     statusText: status === 429 ? "Too Many Requests" : "Service Unavailable",
@@ -325,6 +350,8 @@ export function refusalResponse(e: GatewayUnavailableError, scope: string): Resp
       "content-type": "application/json",
       "retry-after": String(Math.ceil(after)),
       "retry-after-ms": String(Math.round(after * 1000)),
+      // PolyGate's answer, not the provider's (DESIGN §17).
+      "x-polygate-refusal": code,
       // The call-level budget is spent (PolyGate retried, failed over and waited as the
       // scope says): openai-node and @anthropic-ai/sdk honour this and do not retry it.
       "x-should-retry": "false",
@@ -523,6 +550,50 @@ async function settleResponse(att: Attempt, up: Response, signal: AbortSignal | 
   return rebuild(up, bytes);
 }
 
+// ------------------------------------------------------------------ tenants
+
+/** The request header naming a request's tenant (DESIGN §19); removed before the request is sent. */
+export const TENANT_HEADER = "x-polygate-tenant";
+
+type TenantOption = NonNullable<FetchOptions["tenant"]>;
+
+/** A tenant id given as `what`: a string of at most {@link MAX_TENANT_BYTES} bytes of UTF-8. */
+function checkTenantId(what: string, v: string): string {
+  const n = Buffer.byteLength(v, "utf8");
+  if (n > MAX_TENANT_BYTES) {
+    throw new RangeError(`${what}: the tenant id ${JSON.stringify(v.slice(0, 32))}... is ${n} bytes of UTF-8; the limit is ${MAX_TENANT_BYTES} bytes`);
+  }
+  return v;
+}
+
+function checkTenantOption(v: unknown): TenantOption | undefined {
+  if (v === undefined || v === null) return undefined;
+  if (typeof v === "function") return v as TenantOption;
+  if (typeof v !== "string") {
+    throw new TypeError(`tenant must be a string (a tenant id) or a function of the request returning one, got ${v === null ? "null" : typeof v}`);
+  }
+  return checkTenantId("the tenant option", v);
+}
+
+/**
+ * The request as the tenant function sees it: its URL, method and headers, no body (a
+ * synchronous function cannot read one, and the body still has to be sent).
+ */
+function tenantView(url: string, method: string, headers: Headers): Request {
+  return new Request(url, { method, headers });
+}
+
+/** The tenant `fn` names for the request; `null`: the anonymous tenant. */
+function tenantOf(fn: (request: Request) => unknown, view: () => Request): string | null {
+  const t = fn(view());
+  if (t === undefined || t === null || t === "") return null;
+  if (typeof t === "string") return checkTenantId("the tenant function", t);
+  if (typeof t === "object" && typeof (t as { then?: unknown }).then === "function") {
+    throw new TypeError("the tenant function returned a Promise: it must be synchronous, returning the tenant id (a string) or undefined");
+  }
+  throw new TypeError(`the tenant function must return a string (a tenant id) or undefined, got ${typeof t}`);
+}
+
 // ------------------------------------------------------------------ the fetch
 
 interface RouteIn {
@@ -719,6 +790,9 @@ export function fetch(opts: FetchOptions): FetchLike {
   const base: FetchLike = opts.fetch ?? ((input, init) => globalThis.fetch(input, init));
   const hook = opts.estimate;
   const priority = opts.priority;
+  const tenantOpt = checkTenantOption(opts.tenant);
+  const tenantFn = typeof tenantOpt === "function" ? tenantOpt : null;
+  const tenantFixed = typeof tenantOpt === "string" && tenantOpt !== "" ? tenantOpt : null;
   let clientP: Promise<Client> | null = null;
   const getClient = (): Promise<Client> => {
     if (opts.client !== undefined) return Promise.resolve(opts.client);
@@ -739,11 +813,20 @@ export function fetch(opts: FetchOptions): FetchLike {
     if (init?.body !== undefined && init.body !== null) text = bodyText(init.body);
     else if (isReq && (input as Request).body !== null) text = await (input as Request).clone().text();
     else text = null;
+    // The headers the request is sent with: init's replace the Request's (as fetch does).
+    const reqHeaders = init?.headers !== undefined ? init.headers : isReq ? (input as Request).headers : undefined;
+    const headersOf = (): Headers => new Headers(reqHeaders);
+    const methodOf = (): string => (init?.method ?? (isReq ? (input as Request).method : "GET")).toUpperCase();
+    // The tenant: the request's header, else the option (DESIGN §19); "" is the anonymous tenant.
+    const named = reqHeaders === undefined ? null : (reqHeaders instanceof Headers ? reqHeaders : headersOf()).get(TENANT_HEADER);
+    let tenant: string | null;
+    if (named !== null) tenant = named === "" ? null : checkTenantId(`the ${TENANT_HEADER} header`, named);
+    else if (tenantFn !== null) tenant = tenantOf(tenantFn, () => tenantView(url, methodOf(), headersOf()));
+    else tenant = tenantFixed;
+
     let est = estimateBody(text);
     if (hook !== undefined) {
-      const method = init?.method ?? (isReq ? (input as Request).method : "GET");
-      const headers = new Headers(init?.headers ?? (isReq ? (input as Request).headers : undefined));
-      const mine = hook({ url, method: method.toUpperCase(), headers, body: text });
+      const mine = hook({ url, method: methodOf(), headers: headersOf(), body: text });
       if (mine !== null && mine !== undefined) {
         est = {
           input: checkCount(mine.input, "input") ?? est.input,
@@ -753,7 +836,7 @@ export function fetch(opts: FetchOptions): FetchLike {
     }
 
     const client = await getClient();
-    const call = await client.call(scope, { estInputTokens: est.input, estOutputTokens: est.output, priority });
+    const call = await client.call(scope, { estInputTokens: est.input, estOutputTokens: est.output, priority, tenant });
     let permit: Permit;
     try {
       permit = await call.acquire({ signal: signal ?? undefined });
@@ -783,17 +866,31 @@ export function fetch(opts: FetchOptions): FetchLike {
         if (body !== null) r = new Request(r, { body });
         for (const [k, v] of route.headers) r.headers.set(k, v);
         if (body !== null) r.headers.delete("content-length");
+        r.headers.delete(TENANT_HEADER);
         target = r;
         sendInit = undefined;
       } else {
         const headers = new Headers(init?.headers);
         for (const [k, v] of route.headers) headers.set(k, v);
+        headers.delete(TENANT_HEADER);
         target = to;
         sendInit = { ...init, headers };
         if (body !== null) {
           headers.delete("content-length");
           sendInit.body = body;
         }
+      }
+    } else if (named !== null) {
+      // Sent where the caller sent it, without the tenant header.
+      if (isReq) {
+        const r = new Request(input as Request, init);
+        r.headers.delete(TENANT_HEADER);
+        target = r;
+        sendInit = undefined;
+      } else {
+        const headers = headersOf();
+        headers.delete(TENANT_HEADER);
+        sendInit = { ...init, headers };
       }
     }
 

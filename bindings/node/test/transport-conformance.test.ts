@@ -8,7 +8,8 @@ import * as path from "node:path";
 import { describe, test } from "node:test";
 
 import {
-  AllSourcesExhaustedError, CircuitOpenError, Client, FetchLike, RouteMissingError, fetch as gatedFetch,
+  AllSourcesExhaustedError, CircuitOpenError, Client, FetchLike, RouteMissingError, TenantLimitExceededError,
+  fetch as gatedFetch,
 } from "../src/index.js";
 import type { Route } from "../src/index.js";
 import { FakeUpstream } from "./fake-upstream.js";
@@ -27,19 +28,19 @@ interface Scenario {
   config: string;
   upstreams: string[];
   transport: {
-    scope: string; upstream: string; base_path?: string; on_refusal?: "response" | "raise";
+    scope: string; upstream: string; base_path?: string; on_refusal?: "response" | "raise"; tenant?: string;
     routes?: Record<string, { upstream: string; path?: string; headers?: Record<string, string>; query?: Record<string, string>; model?: string }>;
   };
   steps: Obj[];
 }
 
 const TOP_KEYS = ["name", "description", "backends", "timeout_s", "config", "upstreams", "transport", "steps"];
-const TRANSPORT_KEYS = ["scope", "upstream", "base_path", "routes", "on_refusal"];
+const TRANSPORT_KEYS = ["scope", "upstream", "base_path", "routes", "on_refusal", "tenant"];
 const ROUTE_KEYS = ["upstream", "path", "headers", "query", "model"];
 const OPS: Record<string, [string[], string[]]> = {
   respond: [["upstream", "status"], ["headers", "json", "sse", "body", "delay_s", "times"]],
-  request: [["method", "path"], ["json", "stream", "read_events", "expect"]],
-  upstream_hits: [["upstream", "expect"], ["header", "path", "json_subset"]],
+  request: [["method", "path"], ["json", "headers", "stream", "read_events", "expect"]],
+  upstream_hits: [["upstream", "expect"], ["header", "header_absent", "path", "json_subset"]],
   status: [["expect"], []],
   sleep: [["seconds"], []],
 };
@@ -91,7 +92,8 @@ function checkError(want: Obj, err: unknown, where: string): void {
   const ok = want.kind === "CircuitOpen" ? err instanceof CircuitOpenError
     : want.kind === "AllSourcesExhausted" ? err instanceof AllSourcesExhaustedError
       : want.kind === "RouteMissing" ? err instanceof RouteMissingError
-        : (() => { throw new Mismatch(`${where}: unknown error kind ${show(want.kind)}`); })();
+        : want.kind === "TenantLimited" ? err instanceof TenantLimitExceededError
+          : (() => { throw new Mismatch(`${where}: unknown error kind ${show(want.kind)}`); })();
   if (!ok) throw new Mismatch(`${where}: expected ${String(want.kind)}, got ${e?.name}: ${e?.message}`);
   if ("reason" in want && e.reason !== want.reason) throw new Mismatch(`${where}: reason ${show(e.reason)}, expected ${show(want.reason)}`);
   if ("message_contains" in want && !String(e.message).includes(String(want.message_contains))) {
@@ -130,7 +132,8 @@ async function play(sc: Scenario, client: Client, ups: Map<string, FakeUpstream>
       if (r.model !== undefined) route.model = r.model;
       return [src, route];
     }));
-  const f: FetchLike = gatedFetch({ scope: tr.scope, client, routes, onRefusal: tr.on_refusal ?? "response" });
+  if (tr.tenant !== undefined && typeof tr.tenant !== "string") throw new Mismatch(`${label}: transport.tenant must be a string`);
+  const f: FetchLike = gatedFetch({ scope: tr.scope, client, routes, onRefusal: tr.on_refusal ?? "response", tenant: tr.tenant });
   const baseURL = upstream(tr.upstream, `${label} transport`).url + (tr.base_path ?? "");
 
   for (const [i, step] of sc.steps.entries()) {
@@ -156,10 +159,20 @@ async function play(sc: Scenario, client: Client, ups: Map<string, FakeUpstream>
         const before = new Map([...ups].map(([n, u]) => [n, u.sent.length]));
         const hitsBefore = new Map([...ups].map(([n, u]) => [n, u.hits.length]));
         const init: RequestInit = { method: String(step.method) };
+        const headers: Record<string, string> = {};
         if (step.json !== undefined) {
           init.body = JSON.stringify(step.json);
-          init.headers = { "content-type": "application/json" };
+          headers["content-type"] = "application/json";
         }
+        if (step.headers !== undefined) {
+          const h = step.headers;
+          if (typeof h !== "object" || h === null || Array.isArray(h)) throw new Mismatch(`${where}: headers must be an object`);
+          for (const [k, v] of Object.entries(h)) {
+            if (typeof v !== "string") throw new Mismatch(`${where}: header ${k} must be a string, got ${show(v)}`);
+            headers[k] = v;
+          }
+        }
+        if (Object.keys(headers).length > 0) init.headers = headers;
         let resp: Response;
         try {
           resp = await f(`${baseURL}${String(step.path)}`, init);
@@ -209,6 +222,16 @@ async function play(sc: Scenario, client: Client, ups: Map<string, FakeUpstream>
             const v = last.headers[n];
             return Array.isArray(v) ? v.join(", ") : v;
           }, where);
+        }
+        if (step.header_absent !== undefined) {
+          const names = step.header_absent;
+          if (!Array.isArray(names) || names.some((n) => typeof n !== "string")) throw new Mismatch(`${where}: header_absent must be a list of names`);
+          const last = u.hits.at(-1);
+          if (last === undefined) throw new Mismatch(`${where}: no request to check headers of`);
+          for (const n of names as string[]) {
+            const v = last.headers[n.toLowerCase()];
+            if (v !== undefined) throw new Mismatch(`${where}: last request carries header ${n}: ${show(v)}, expected none`);
+          }
         }
         if (step.path !== undefined) {
           const last = u.hits.at(-1);

@@ -4,7 +4,7 @@
 import * as assert from "node:assert/strict";
 import { test } from "node:test";
 
-import { AllSourcesExhaustedError, CircuitOpenError } from "../src/index.js";
+import { AllSourcesExhaustedError, CircuitOpenError, GatewayUnavailableError, TenantLimitExceededError } from "../src/index.js";
 import { UsageScanner, estimateBody, refusalResponse } from "../src/transport.js";
 
 const T = { timeout: 10_000 };
@@ -61,4 +61,39 @@ test("refusalResponse: 503 / 429, Retry-After rounded up, the JSON body", T, asy
   const stalled = refusalResponse(new AllSourcesExhaustedError("slow", { reason: "stalled" }), "chat");
   assert.equal(stalled.status, 503);
   assert.equal(((await stalled.json()) as { error: { code: string } }).error.code, "stalled");
+});
+
+test("refusalResponse: x-polygate-refusal names the code; only a tenant's refusal carries limit_source", T, async () => {
+  const cases: [GatewayUnavailableError, number, string][] = [
+    [new CircuitOpenError("open", { scope: "chat" }), 503, "circuit_open"],
+    [new AllSourcesExhaustedError("q", { reason: "quota_exhausted" }), 429, "quota_exhausted"],
+    [new AllSourcesExhaustedError("r", { reason: "retry_exhausted" }), 503, "retry_exhausted"],
+    [new GatewayUnavailableError("down"), 503, "backend_unavailable"],
+  ];
+  for (const [e, status, code] of cases) {
+    const r = refusalResponse(e, "chat");
+    assert.equal(r.status, status, code);
+    assert.equal(r.headers.get("x-polygate-refusal"), code);
+    const body = (await r.json()) as { error: Record<string, unknown> };
+    assert.equal(body.error.code, code);
+    assert.ok(!("limit_source" in body.error) && !("tenant" in body.error) && !("limit" in body.error), code);
+  }
+  const t = refusalResponse(new TenantLimitExceededError('tenant "" is over its usd_per_day budget', {
+    tenant: "", limit: "usd_per_day", retryAfterS: 5400.2, perSourceReasons: { a: "tenant_limited" }, scope: "chat",
+  }), "chat");
+  assert.equal(t.status, 429);
+  assert.equal(t.statusText, "Too Many Requests");
+  assert.equal(t.headers.get("content-type"), "application/json");
+  assert.equal(t.headers.get("retry-after"), "5401");
+  assert.equal(t.headers.get("retry-after-ms"), "5400200");
+  assert.equal(t.headers.get("x-polygate-refusal"), "tenant_limited");
+  assert.equal(t.headers.get("x-should-retry"), "false");
+  assert.deepEqual(await t.json(), {
+    error: {
+      type: "polygate", code: "tenant_limited",
+      message: 'PolyGate refused the request in scope "chat" (tenant_limited): tenant "" is over its usd_per_day budget',
+      scope: "chat", retry_after_s: 5400.2, per_source_reasons: { a: "tenant_limited" },
+      limit_source: "tenant", tenant: "", limit: "usd_per_day",
+    },
+  });
 });

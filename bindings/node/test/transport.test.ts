@@ -167,6 +167,54 @@ describe("transport through openai-node", () => {
     }, t);
   });
 
+  test("a tenant over its limit (rpm = 1, fail_fast): the SDK gets the 429 naming the tenant and does not retry it", T, async (t) => {
+    const cfg = config(["a"]).replace('quota_full = "wait"', 'quota_full = "fail_fast"')
+      + "\n[scopes.chat.tenants]\ndefault = { rpm = 1 }\n";
+    await withEnv(cfg, async ({ up, client }) => {
+      up.respond({ json: CHAT_OK }, 2);
+      let sent = 0;
+      const g = gatedFetch({ scope: "chat", client, tenant: "acme" });
+      const openai = new OpenAI({
+        apiKey: "sk-test", baseURL: `${up.url}/v1`, maxRetries: 2,
+        fetch: (u, i) => {
+          sent++;
+          return g(u, i);
+        },
+      });
+      const r = await openai.chat.completions.create({ model: "m", messages: MESSAGES });
+      assert.equal(r.usage?.total_tokens, 30);
+      assert.equal(up.hits.length, 1);
+      assert.equal(up.hits[0]!.headers["x-polygate-tenant"], undefined);
+      const err = await openai.chat.completions.create({ model: "m", messages: MESSAGES }).then(() => null, (e: unknown) => e);
+      assert.ok(err instanceof OpenAI.RateLimitError, String(err));
+      assert.equal(err.status, 429);
+      const body = err.error as Record<string, unknown>;
+      assert.deepEqual([body.type, body.code, body.limit_source, body.tenant, body.limit, body.scope],
+        ["polygate", "tenant_limited", "tenant", "acme", "rpm", "chat"]);
+      assert.equal(err.headers?.get("x-should-retry"), "false");
+      assert.equal(err.headers?.get("x-polygate-refusal"), "tenant_limited");
+      const ra = Number(err.headers?.get("retry-after"));
+      assert.ok(ra >= 1 && ra <= 61, `retry-after ${ra}`);
+      assert.equal(sent, 2, "the SDK sent the refused request once (maxRetries: 2, x-should-retry: false)");
+      assert.equal(up.hits.length, 1, "the fake upstream saw exactly one request");
+      // another tenant, named by the header through the SDK's per-request headers, is not affected
+      const other = await openai.chat.completions.create({ model: "m", messages: MESSAGES }, { headers: { "x-polygate-tenant": "globex" } });
+      assert.equal(other.usage?.total_tokens, 30);
+      assert.equal(up.hits.length, 2);
+      assert.equal(up.hits[1]!.headers["x-polygate-tenant"], undefined);
+      // an id over 128 bytes: a clear error through the SDK, nothing sent, no call left
+      const long = await openai.chat.completions.create({ model: "m", messages: MESSAGES }, {
+        headers: { "x-polygate-tenant": "x".repeat(129) }, maxRetries: 0,
+      }).then(() => null, (e: unknown) => e);
+      assert.ok(long instanceof OpenAI.APIConnectionError && long.cause instanceof RangeError, String(long));
+      assert.match((long.cause as Error).message, /x-polygate-tenant header.*129 bytes of UTF-8; the limit is 128 bytes/);
+      assert.equal(up.hits.length, 2);
+      const st = (await client.status()).scopes.chat!;
+      assert.equal(st.calls, 0);
+      assert.equal(st.sources.a!.in_flight, 0);
+    }, t);
+  });
+
   test("routes: a failure on A → the SDK's retry goes to B with B's headers; each retry is its own call", T, async (t) => {
     await withEnv(config(["a", "b"]), async ({ client, up }) => {
       const upB = await FakeUpstream.start();

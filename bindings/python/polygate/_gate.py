@@ -18,7 +18,7 @@ import asyncio
 import threading
 import time
 import weakref
-from typing import Any, AsyncIterator, Callable, Iterator, Mapping, Optional, Tuple
+from typing import Any, AsyncIterator, Callable, Iterator, Mapping, Optional, Tuple, Union
 
 from . import _core
 from ._core import transport as t
@@ -26,6 +26,9 @@ from .errors import GatewayUnavailableError, PolyGateError, RouteMissingError
 
 Estimator = Callable[[Any], Tuple[Optional[int], Optional[int]]]
 """``estimate(request) -> (input_tokens, output_tokens)``; either may be None."""
+
+TenantOption = Union[str, Callable[[Any], Optional[str]]]
+"""A transport's ``tenant=``: the tenant of every request, or ``tenant(request)``."""
 
 
 def provider_limits(permit: Any, headers: Any) -> None:
@@ -51,7 +54,8 @@ class _Base:
 
     def __init__(self, scope: str, *, routes: Optional[Mapping[str, Any]] = None,
                  estimate: Optional[Estimator] = None, on_refusal: str = "response",
-                 priority: Optional[str] = None, socket: Optional[str] = None) -> None:
+                 priority: Optional[str] = None, socket: Optional[str] = None,
+                 tenant: Optional[TenantOption] = None) -> None:
         if not isinstance(scope, str) or not scope:
             raise ValueError("scope must be a non-empty string, got %r" % (scope,))
         if on_refusal not in t.ON_REFUSAL:
@@ -68,6 +72,8 @@ class _Base:
         self.priority = priority
         """The priority class of every call (None: the scope's default)."""
         self._estimate = estimate
+        self._tenant = t.check_tenant(tenant)
+        """§19: the tenant of a request naming none in its header (None: anonymous)."""
         self._socket = socket  # where to connect when no client was given (None: the default path)
 
     def _estimates(self, request: Any) -> Tuple[Optional[int], Optional[int]]:
@@ -79,10 +85,31 @@ class _Base:
             body = None
         return t.estimate_request(body)
 
-    def _routed(self, request: Any, source: str) -> Any:
-        """The request to send for a grant on ``source``."""
+    def _tenant_of(self, request: Any, named: Optional[str]) -> Optional[str]:
+        """§19: the request's tenant: ``named``, its ``x-polygate-tenant`` header
+        (:func:`_tenant_header`), else the ``tenant=`` option (a function is called
+        with the request); None or ``""`` is the scope's anonymous tenant."""
+        if named is not None:
+            return named or None
+        opt = self._tenant
+        if opt is None or isinstance(opt, str):
+            return opt or None
+        got = opt(request)
+        if got is not None and not isinstance(got, str):
+            raise TypeError("tenant(request) must return a string or None, got %r" % (got,))
+        return got or None
+
+    def _routed(self, request: Any, source: str, named: bool) -> Any:
+        """The request to send for a grant on ``source``, without its tenant header
+        when it has one (``named``); never the caller's own object changed: a
+        request sent again keeps its tenant header."""
         if self.routes is None:
-            return request
+            if not named:
+                return request
+            headers = request.headers.copy()
+            del headers[t.TENANT_HEADER]
+            return self._lib.Request(request.method, request.url, headers=headers, stream=request.stream,
+                                     extensions=request.extensions)
         route = self.routes.get(source)
         if route is None:
             raise RouteMissingError(
@@ -95,6 +122,8 @@ class _Base:
         url = u.copy_with(scheme=route.scheme, host=route.host, port=route.port, raw_path=raw.encode("ascii"))
         headers = request.headers.copy()
         headers["host"] = url.netloc.decode("ascii")
+        if named:
+            del headers[t.TENANT_HEADER]
         for k, v in route.headers:
             headers[k] = v
         if route.model is not None:
@@ -162,6 +191,23 @@ class _Settlement:
         self.at = time.monotonic()  # when the response's headers arrived (§18: the age)
 
 
+_TENANT_B = t.TENANT_HEADER.encode()
+
+
+def _tenant_header(request: Any) -> Optional[str]:
+    """The request's ``x-polygate-tenant`` value (None: no such header), in one pass
+    over the raw header pairs that lowers only names of its length (``Headers.get``
+    decodes every pair, per lookup: a few µs a request)."""
+    n = len(_TENANT_B)
+    for k, v in request.headers.raw:
+        if len(k) == n and k.lower() == _TENANT_B:
+            try:
+                return str(v.decode("utf-8"))
+            except UnicodeDecodeError:
+                raise ValueError("the %s header must be UTF-8, got %r" % (t.TENANT_HEADER, v)) from None
+    return None
+
+
 def _head(response: Any) -> Tuple[Optional[str], Optional[str], Optional[str]]:
     """``(content-type, content-encoding, content-length)`` in one pass over the raw
     header pairs (``Headers.get`` decodes them all, per lookup)."""
@@ -204,8 +250,10 @@ class SyncGate(_Base):
 
     def handle_request(self, request: Any) -> Any:
         est_in, est_out = self._estimates(request)
+        named = _tenant_header(request)
+        tenant = self._tenant_of(request, named)
         call = self._gate().call(self.scope, priority=self.priority, est_input_tokens=est_in,
-                                 est_output_tokens=est_out)
+                                 est_output_tokens=est_out, tenant=tenant)
         try:
             permit = call.acquire()
         except GatewayUnavailableError as e:
@@ -217,7 +265,7 @@ class SyncGate(_Base):
             call.end(_quiet=True)
             raise
         try:
-            sent = self._routed(request, permit.source)
+            sent = self._routed(request, permit.source, named is not None)
             response = self._base.handle_request(sent)
         except BaseException as exc:
             kind = self._error_kind(exc)
@@ -353,8 +401,10 @@ class AsyncGate(_Base):
 
     async def handle_async_request(self, request: Any) -> Any:
         est_in, est_out = self._estimates(request)
+        named = _tenant_header(request)
+        tenant = self._tenant_of(request, named)
         call = (await self._gate()).call(self.scope, priority=self.priority, est_input_tokens=est_in,
-                                         est_output_tokens=est_out)
+                                         est_output_tokens=est_out, tenant=tenant)
         try:
             permit = await call.acquire()
         except GatewayUnavailableError as e:
@@ -366,7 +416,7 @@ class AsyncGate(_Base):
             call._release_now()
             raise
         try:
-            sent = self._routed(request, permit.source)
+            sent = self._routed(request, permit.source, named is not None)
             response = await self._base.handle_async_request(sent)
         except BaseException as exc:
             kind = self._error_kind(exc)

@@ -25,7 +25,7 @@ from typing import Any, Mapping, Optional
 import httpx2
 
 from . import _gate
-from ._gate import Estimator
+from ._gate import Estimator, TenantOption
 
 __all__ = ["Transport", "AsyncTransport", "client", "async_client"]
 
@@ -56,7 +56,12 @@ class Transport(_gate.SyncGate, httpx2.BaseTransport):
     estimates (default: body bytes / 4 and the body's ``max_tokens`` /
     ``max_completion_tokens`` / ``max_output_tokens``). ``on_refusal``:
     ``"response"`` (a synthetic 503 / 429) or ``"raise"``. ``priority``: the
-    priority class of every call."""
+    priority class of every call. ``tenant``: the tenant of every request (DESIGN
+    §19), or a function ``tenant(request) -> str | None``; a request's
+    ``x-polygate-tenant`` header wins over it and is removed before sending. A
+    tenant over its limit gets a synthetic 429 whose JSON body says
+    ``"limit_source": "tenant"`` with the tenant and the limit, and
+    ``x-should-retry: false`` (``on_refusal="raise"``: :class:`polygate.TenantLimitExceeded`)."""
 
     _lib = httpx2
     _Stream = _Stream
@@ -64,9 +69,9 @@ class Transport(_gate.SyncGate, httpx2.BaseTransport):
     def __init__(self, scope: str, *, client: Any = None, base: Optional[httpx2.BaseTransport] = None,
                  routes: Optional[Mapping[str, Any]] = None, estimate: Optional[Estimator] = None,
                  on_refusal: str = "response", priority: Optional[str] = None,
-                 socket: Optional[str] = None) -> None:
+                 socket: Optional[str] = None, tenant: Optional[TenantOption] = None) -> None:
         _gate.SyncGate.__init__(self, scope, client=client, base=base, routes=routes, estimate=estimate,
-                                on_refusal=on_refusal, priority=priority, socket=socket)
+                                on_refusal=on_refusal, priority=priority, socket=socket, tenant=tenant)
 
     def handle_request(self, request: httpx2.Request) -> httpx2.Response:
         response: httpx2.Response = _gate.SyncGate.handle_request(self, request)
@@ -86,9 +91,9 @@ class AsyncTransport(_gate.AsyncGate, httpx2.AsyncBaseTransport):
     def __init__(self, scope: str, *, client: Any = None, base: Optional[httpx2.AsyncBaseTransport] = None,
                  routes: Optional[Mapping[str, Any]] = None, estimate: Optional[Estimator] = None,
                  on_refusal: str = "response", priority: Optional[str] = None,
-                 socket: Optional[str] = None) -> None:
+                 socket: Optional[str] = None, tenant: Optional[TenantOption] = None) -> None:
         _gate.AsyncGate.__init__(self, scope, client=client, base=base, routes=routes, estimate=estimate,
-                                 on_refusal=on_refusal, priority=priority, socket=socket)
+                                 on_refusal=on_refusal, priority=priority, socket=socket, tenant=tenant)
 
     async def handle_async_request(self, request: httpx2.Request) -> httpx2.Response:
         response: httpx2.Response = await _gate.AsyncGate.handle_async_request(self, request)
@@ -101,19 +106,19 @@ class AsyncTransport(_gate.AsyncGate, httpx2.AsyncBaseTransport):
 def client(scope: str, *, polygate_client: Any = None, base: Optional[httpx2.BaseTransport] = None,
            routes: Optional[Mapping[str, Any]] = None, estimate: Optional[Estimator] = None,
            on_refusal: str = "response", priority: Optional[str] = None, socket: Optional[str] = None,
-           **kwargs: Any) -> httpx2.Client:
+           tenant: Optional[TenantOption] = None, **kwargs: Any) -> httpx2.Client:
     """An ``httpx2.Client`` whose requests go through :class:`Transport`
     (``kwargs`` go to ``httpx2.Client``: ``base_url``, ``timeout``, ...)."""
     return httpx2.Client(transport=Transport(scope, client=polygate_client, base=base, routes=routes,
                                             estimate=estimate, on_refusal=on_refusal, priority=priority,
-                                            socket=socket), **kwargs)
+                                            socket=socket, tenant=tenant), **kwargs)
 
 
 def async_client(scope: str, *, polygate_client: Any = None, base: Optional[httpx2.AsyncBaseTransport] = None,
                  routes: Optional[Mapping[str, Any]] = None, estimate: Optional[Estimator] = None,
                  on_refusal: str = "response", priority: Optional[str] = None, socket: Optional[str] = None,
-                 **kwargs: Any) -> httpx2.AsyncClient:
+                 tenant: Optional[TenantOption] = None, **kwargs: Any) -> httpx2.AsyncClient:
     """An ``httpx2.AsyncClient`` whose requests go through :class:`AsyncTransport`."""
     return httpx2.AsyncClient(transport=AsyncTransport(scope, client=polygate_client, base=base, routes=routes,
                                                       estimate=estimate, on_refusal=on_refusal,
-                                                      priority=priority, socket=socket), **kwargs)
+                                                      priority=priority, socket=socket, tenant=tenant), **kwargs)

@@ -211,6 +211,27 @@ def test_refusal_of_an_exhausted_call(reason, status):
     assert st == status and dict(headers)["retry-after"] == "0"
     doc = json.loads(body)["error"]
     assert doc["code"] == reason and doc["scope"] == "emb"
+    assert "limit_source" not in doc  # only a tenant's refusal names one
+
+
+def test_refusal_by_a_tenant_is_a_429_naming_the_tenant_and_its_limit():
+    err = polygate.TenantLimitExceeded("over", tenant="acme", limit="usd_per_month", retry_after_s=3600.4,
+                                       per_source_reasons={"a": "tenant_limited"}, scope="chat")
+    status, headers, body = t.refusal(err, "chat")
+    h = dict(headers)
+    assert status == 429 and h["x-should-retry"] == "false" and h["x-polygate-refusal"] == "tenant_limited"
+    assert h["retry-after"] == "3601"
+    doc = json.loads(body)["error"]
+    assert (doc["limit_source"], doc["tenant"], doc["limit"], doc["code"]) == \
+        ("tenant", "acme", "usd_per_month", "tenant_limited")
+
+
+@pytest.mark.parametrize("bad", [42, b"acme", ["acme"]])
+def test_a_tenant_option_is_a_string_or_a_function(bad):
+    assert t.check_tenant("acme") == "acme" and t.check_tenant(None) is None
+    assert t.check_tenant(len) is len
+    with pytest.raises(TypeError, match="tenant must be"):
+        t.check_tenant(bad)
 
 
 # ---------------------------------------------------------------- routes

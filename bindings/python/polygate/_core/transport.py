@@ -12,6 +12,8 @@ transports hand in bytes, statuses and header mappings.
 * :class:`UsageReader` – fed the response body as it passes through (JSON, or SSE
   events), it finds the usage: OpenAI chat / responses / embeddings and Anthropic
   messages, including the final usage events of streams;
+* :func:`check_tenant` / :data:`TENANT_HEADER` – the transports' ``tenant=`` option
+  and the request header that names a request's tenant (DESIGN §19);
 * :func:`refusal` – a PolyGate refusal → the synthetic response the SDK understands.
 """
 
@@ -24,14 +26,28 @@ import zlib
 from typing import Any, Dict, List, Mapping, NamedTuple, Optional, Tuple
 from urllib.parse import quote, unquote_plus, urlsplit
 
-from ..errors import AllSourcesExhausted, GatewayUnavailableError
+from ..errors import AllSourcesExhausted, GatewayUnavailableError, TenantLimitExceeded
 from . import protocol as p
 from .run import Outcome, retry_after_seconds
 
 __all__ = ["Route", "parse_routes", "route_bases", "rebase", "set_model", "estimate_request", "status_outcome", "UsageReader", "refusal",
-           "Usage", "ON_REFUSAL"]
+           "Usage", "ON_REFUSAL", "TENANT_HEADER", "check_tenant"]
 
 ON_REFUSAL = ("response", "raise")
+
+TENANT_HEADER = "x-polygate-tenant"
+"""The request header naming a request's tenant (DESIGN §19). It wins over the
+transport's ``tenant=`` option, and is removed before the request is sent."""
+
+
+def check_tenant(tenant: Any) -> Any:
+    """Validate a transport's ``tenant=`` option: None, a string (the tenant of every
+    request; ``""``: the anonymous tenant) or a function ``tenant(request) -> str |
+    None``. Raises TypeError naming the option."""
+    if tenant is None or isinstance(tenant, str) or callable(tenant):
+        return tenant
+    raise TypeError("tenant must be a string or a function tenant(request) -> str | None, got %r" % (tenant,))
+
 
 Usage = Tuple[Optional[int], Optional[int], Optional[int]]
 """``(tokens, input_tokens, output_tokens)`` as ``Permit.success`` takes them."""
@@ -503,7 +519,8 @@ def _json_usage(body: bytes) -> Usage:
 def refusal(err: GatewayUnavailableError, scope: str) -> Tuple[int, List[Tuple[str, str]], bytes]:
     """``(status, headers, body)`` of the synthetic response for a refused call:
     503 for an open circuit (and stalled / retry_exhausted / backend trouble), 429
-    for an exhausted quota; ``Retry-After`` = ceil(retry_after_s), ``retry-after-ms``,
+    for an exhausted quota and for a tenant's limit (§19: the body adds
+    ``"limit_source": "tenant"``, the tenant and the limit); ``Retry-After`` = ceil(retry_after_s), ``retry-after-ms``,
     ``x-should-retry: false`` and a JSON body naming PolyGate and the reason."""
     code = getattr(err, "reason", None) if isinstance(err, AllSourcesExhausted) else err.kind
     code = code or err.kind
@@ -518,6 +535,11 @@ def refusal(err: GatewayUnavailableError, scope: str) -> Tuple[int, List[Tuple[s
         "retry_after_s": float(ra),
         "per_source_reasons": dict(err.per_source_reasons),
     }}
+    if isinstance(err, TenantLimitExceeded):
+        # §19: the caller's own customer budget, not the provider's quota: say so,
+        # and whose and which, so nothing retries a spent budget blindly.
+        status = 429
+        doc["error"].update({"limit_source": "tenant", "tenant": err.tenant, "limit": err.limit})
     body = json.dumps(doc, separators=(",", ":")).encode()
     headers = [
         ("content-type", "application/json"),
