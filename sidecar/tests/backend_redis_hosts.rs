@@ -85,17 +85,25 @@ async fn report(b: &RedisBackend, epoch: u64) {
 }
 
 /// `(tokens, requests)` in flight as the quota hash counts them, and its per-host
-/// fields.
+/// fields with a share above zero (a live host's share at zero stays, `0 0 0 0 since`).
 type Read = dyn Fn() -> ((u64, u64), Vec<String>);
 
 fn reader(cli: impl Fn(&[&str]) -> String + 'static, key: String) -> Box<Read> {
     Box::new(move || {
         let v = cli(&["HMGET", &key, "ft", "fr"]);
         let n: Vec<u64> = v.lines().map(|l| l.trim().parse().unwrap_or(0)).collect();
-        let fields = cli(&["HKEYS", &key])
+        let all: Vec<String> = cli(&["HGETALL", &key])
             .lines()
-            .filter(|l| l.starts_with("h:"))
-            .map(str::to_string)
+            .map(|l| l.trim().to_string())
+            .collect();
+        let fields = all
+            .chunks(2)
+            .filter(|kv| {
+                kv.len() == 2
+                    && kv[0].starts_with("h:")
+                    && kv[1].split(' ').take(4).any(|n| n != "0")
+            })
+            .map(|kv| kv[0].clone())
             .collect();
         ((n[0], n.get(1).copied().unwrap_or(0)), fields)
     })
@@ -175,4 +183,87 @@ async fn a_killed_host_s_in_flight_counts_go_with_its_heartbeat_on_a_cluster() {
     let c = cl.clone();
     let k = key.clone();
     killed_host_s_counts_are_dropped(a, b, reader(move |args| c.node_for(&k).cli(args), key)).await;
+}
+
+/// No live host sees the stop when the whole fleet stopped (here: the one host): the
+/// heartbeat set expires with its last member. The next host to start reconciles on
+/// its first beat and drops every share but the live hosts'.
+#[tokio::test]
+async fn shares_of_a_fleet_that_all_stopped_are_dropped_by_the_next_host() {
+    let Some(srv) = RedisServer::start() else {
+        return;
+    };
+    let prefix = format!(
+        "hfr{}-{}",
+        std::process::id(),
+        NEXT.fetch_add(1, Ordering::SeqCst)
+    );
+    let old = host(srv.url(), vec![], &prefix).await;
+    let key = old.quota_key("s1");
+    let srv = Arc::new(srv);
+    let s = srv.clone();
+    let read = reader(move |args| s.cli(args), key);
+    for _ in 0..2 {
+        admit(&old).await;
+    }
+    assert_eq!(read().0, (20, 2));
+    old.stop_heartbeat();
+    // Past the TTL: the heartbeat set is gone, and no one saw the stop.
+    let t0 = Instant::now();
+    while !srv
+        .cli(&["EXISTS", &polygate_hosts_key(&prefix)])
+        .starts_with('0')
+    {
+        assert!(
+            t0.elapsed() < Duration::from_secs(8),
+            "the heartbeat set did not expire"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    assert_eq!(
+        read().0,
+        (20, 2),
+        "nothing dropped the old host's share yet"
+    );
+    let new = host(srv.url(), vec![], &prefix).await;
+    let t0 = Instant::now();
+    while read().0 != (0, 0) {
+        assert!(t0.elapsed() < Duration::from_secs(3), "still {:?}", read());
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    admit(&new).await;
+    assert_eq!(read().0, (10, 1), "the new host's own call counts");
+    assert_eq!(read().1.len(), 1);
+}
+
+/// The heartbeat set of a key prefix (hosts.rs).
+fn polygate_hosts_key(prefix: &str) -> String {
+    format!("{{{prefix}}}:hosts")
+}
+
+/// The host's share costs no command of its own: it rides in the quota hash's one
+/// `HSET` of each admission and report (no `HDEL`, no second write).
+#[tokio::test]
+async fn a_host_s_share_rides_in_the_one_hset() {
+    let Some(srv) = RedisServer::start() else {
+        return;
+    };
+    let prefix = format!(
+        "hfb{}-{}",
+        std::process::id(),
+        NEXT.fetch_add(1, Ordering::SeqCst)
+    );
+    let b = host(srv.url(), vec![], &prefix).await;
+    b.stop_heartbeat(); // its scripts are not a call's cost
+    let e = admit(&b).await; // loads the library
+    report(&b, e).await;
+    srv.cli(&["CONFIG", "RESETSTAT"]);
+    for _ in 0..10 {
+        let e = admit(&b).await;
+        report(&b, e).await;
+    }
+    let (hset, hdel) = (srv.command_calls("hset"), srv.command_calls("hdel"));
+    assert_eq!(hdel, 0);
+    // admit: HSET q (+ the breaker's on a first call only); report: HSET b, HSET q.
+    assert!(hset <= 30, "{hset} HSETs for 10 admissions and reports");
 }

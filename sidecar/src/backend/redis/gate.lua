@@ -449,9 +449,9 @@ local function qload()
   if obs then
     q.obs, q.oa, q.fl, q.raw = true, tonumber(v[13]), {}, v
     for i = 1, 4 do q.fl[i] = tonumber(v[8 + i]) or 0 end
-    -- This host's share of the counts: 'h:<host>' = "t r i o" (slot 64).
+    -- This host's share of the counts: 'h:<host>' = "t r i o since" (slot 64).
     if (A[64] or '') ~= '' then
-      q.host, q.hf = 'h:' .. A[64], { 0, 0, 0, 0 }
+      q.host, q.hf = 'h:' .. A[64], { 0, 0, 0, 0, now }
       if v[18] then
         local i = 0
         for x in string.gmatch(v[18], '%S+') do
@@ -562,6 +562,12 @@ local function qblock(q, d)
   end
 end
 
+-- Queue field `f` = `x` for qsave.
+local function qput(q, f, x)
+  q[f] = x
+  q.w[#q.w + 1] = f
+end
+
 -- §18: count the reservation (slots 13, 32, 33 and one request) in (+1) or out (-1)
 -- of the in-flight fields, never below 0. With a host (slot 64) the host's own counts
 -- ('h:<host>') move too, and a release takes out at most what that host still counts:
@@ -570,12 +576,13 @@ end
 local function qtrack(q, sign)
   if not q.obs then return end
   local amt = { arg(13, 0), 1, arg(32, 0), arg(33, 0) }
-  local hf = q.hf
+  local hf, moved = q.hf, false
   for i = 1, 4 do
     local d = amt[i]
     if hf then
       if sign < 0 then d = min(d, hf[i]) end
       hf[i] = hf[i] + sign * d
+      moved = moved or d ~= 0
     end
     local n = max(0, q.fl[i] + sign * d)
     if n ~= q.fl[i] then
@@ -584,19 +591,13 @@ local function qtrack(q, sign)
       q.w[#q.w + 1] = FL[i]
     end
   end
-  if hf then
-    if hf[1] + hf[2] + hf[3] + hf[4] > 0 then
-      redis.call('HSET', K[2], q.host, format('%d %d %d %d', hf[1], hf[2], hf[3], hf[4]))
-    else
-      redis.call('HDEL', K[2], q.host)
-    end
+  -- Written by qsave's one HSET (text, not '%d'): the four counts and the µs the
+  -- share was first written (a reconcile spares a share younger than a heartbeat's
+  -- TTL: its host may not have beaten yet); a live host's share at zero stays until
+  -- the host is gone and hosts.rs drops it.
+  if moved then
+    qput(q, q.host, format('%d %d %d %d %d', hf[1], hf[2], hf[3], hf[4], hf[5]))
   end
-end
-
--- Queue field `f` = `x` for qsave.
-local function qput(q, f, x)
-  q[f] = x
-  q.w[#q.w + 1] = f
 end
 
 -- §18: apply the report's observation (slots 39..51), after its settlement. Ignored
@@ -671,7 +672,8 @@ local function qsave(q)
   for i = 1, n do
     local f = q.w[i]
     args[2 * i - 1] = f
-    args[2 * i] = fmt(q[f])
+    local x = q[f]
+    if type(x) == 'string' then args[2 * i] = x else args[2 * i] = fmt(x) end
   end
   redis.call('HSET', K[2], unpack(args, 1, 2 * n))
   if expire then redis.call('PEXPIREAT', K[2], fmt(ceil(q.x / 1000))) end

@@ -15,6 +15,11 @@
 //! (crash, SIGKILL, network loss) falls out of the count within the TTL.
 //! While Redis cannot be read the last count stands (that is what "last seen"
 //! means: the share a degraded host uses is fixed by the fleet it last saw).
+//!
+//! §18: a stopped host's in-flight counts go with it. The beat returns the members it
+//! removed, and a janitor task drops their shares (`h:<host>`) from every quota hash;
+//! every [`RECONCILE_EVERY`] beats it also drops the shares of every host not in the
+//! live set (what no beat saw stop), sparing shares younger than [`HEARTBEAT_TTL`].
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -31,8 +36,9 @@ pub const HEARTBEAT_EVERY: Duration = Duration::from_secs(1);
 pub const HEARTBEAT_TTL: Duration = Duration::from_secs(3);
 
 /// Refresh `ARGV[1]`'s heartbeat (expiring `ARGV[2]` ms from now), drop the expired
-/// ones, and return how many are live, then the ids of those it dropped (at most
-/// 64 a beat; the rest go on the next). The key expires with its last member.
+/// ones, and return `{live count, {ids it dropped (at most 64 a beat; the rest go on
+/// the next)}, {the live ids when ARGV[3] = 1, else none}}`. The key expires with its
+/// last member.
 const HEARTBEAT_LUA: &str = r"
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
@@ -41,27 +47,43 @@ redis.call('ZADD', KEYS[1], now + ttl, ARGV[1])
 local dead = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now, 'LIMIT', 0, 64)
 for _, id in ipairs(dead) do redis.call('ZREM', KEYS[1], id) end
 redis.call('PEXPIRE', KEYS[1], ttl)
-local out = { redis.call('ZCARD', KEYS[1]) }
-for _, id in ipairs(dead) do out[#out + 1] = id end
-return out
+local live = {}
+if ARGV[3] == '1' then live = redis.call('ZRANGE', KEYS[1], 0, -1) end
+return { redis.call('ZCARD', KEYS[1]), dead, live }
 ";
 
-/// §18: drop the in-flight counts the hosts `ARGV` kept in the quota hash `KEYS[1]`
-/// (`h:<host>` = `t r i o`, see `gate.lua`'s `qtrack`) from its totals, and the
-/// hosts' fields. Idempotent: a host's field is gone once dropped, so every host that
-/// saw the heartbeat expire may run it. Returns how many hosts had counts there.
+/// §18: drop hosts' in-flight counts from the quota hash `KEYS[1]` (`h:<host>` = `t r
+/// i o since`, see `gate.lua`'s `qtrack`): subtract them from its totals and delete
+/// the hosts' fields. `ARGV[1]` = `drop`: the hosts `ARGV[3..]` (seen to stop);
+/// `keep`: every host but `ARGV[3..]` (the live ones), sparing a share first written
+/// less than `ARGV[2]` µs ago (its host may not have beaten yet). Reconciling catches
+/// what no stop was seen for: a fleet that all stopped, a host that saw a stop and
+/// died before dropping it, a host removed by an older version. Idempotent: a field
+/// is gone once dropped. Never creates the hash. Returns how many hosts it dropped.
 const DROP_HOSTS_LUA: &str = r"
 local FL = { 'ft', 'fr', 'fi', 'fo' }
+local named = {}
+for i = 3, #ARGV do named['h:' .. ARGV[i]] = true end
+local fields = {}
+local t = redis.call('TIME')
+local young = tonumber(t[1]) * 1000000 + tonumber(t[2]) - tonumber(ARGV[2])
+if ARGV[1] == 'drop' then
+  for f in pairs(named) do fields[#fields + 1] = f end
+else
+  for _, f in ipairs(redis.call('HKEYS', KEYS[1])) do
+    if string.sub(f, 1, 2) == 'h:' and not named[f] then fields[#fields + 1] = f end
+  end
+end
 local n = 0
-for _, id in ipairs(ARGV) do
-  local f = 'h:' .. id
+for _, f in ipairs(fields) do
   local v = redis.call('HGET', KEYS[1], f)
-  if v then
+  local since = v and tonumber(string.match(v, '(%d+)%s*$')) or 0
+  if v and (ARGV[1] == 'drop' or since < young) then
     local i = 0
     for x in string.gmatch(v, '%S+') do
       i = i + 1
-      if FL[i] then
-        local left = (tonumber(redis.call('HGET', KEYS[1], FL[i])) or 0) - (tonumber(x) or 0)
+      if i <= 4 and (tonumber(x) or 0) > 0 then
+        local left = (tonumber(redis.call('HGET', KEYS[1], FL[i])) or 0) - tonumber(x)
         redis.call('HSET', KEYS[1], FL[i], string.format('%d', math.max(0, left)))
       end
     end
@@ -71,6 +93,10 @@ for _, id in ipairs(ARGV) do
 end
 return n
 ";
+
+/// Every this many beats (and on the first) a host also reconciles: it drops from
+/// every quota hash the shares of hosts not in the live set.
+pub const RECONCILE_EVERY: u64 = 10;
 
 /// The heartbeat key of a key prefix.
 pub fn hosts_key(prefix: &str) -> String {
@@ -147,60 +173,105 @@ async fn beat(
     quota_keys: Vec<String>,
 ) {
     let ttl_ms = HEARTBEAT_TTL.as_millis() as u64;
-    let mut cmd = ::redis::cmd("EVAL");
-    cmd.arg(HEARTBEAT_LUA)
-        .arg(1)
-        .arg(key.as_str())
-        .arg(&*id)
-        .arg(ttl_ms);
+    let cmd = |reconcile: bool| {
+        let mut cmd = ::redis::cmd("EVAL");
+        cmd.arg(HEARTBEAT_LUA)
+            .arg(1)
+            .arg(key.as_str())
+            .arg(&*id)
+            .arg(ttl_ms)
+            .arg(u8::from(reconcile));
+        cmd
+    };
+    let (plain, reconciling) = (cmd(false), cmd(true));
+    let conn = Arc::new(conn);
+    // Dropping runs apart, so a slow quota key never delays a beat (a late beat
+    // would get this host dropped by the others); a job that cannot be queued is
+    // left to the next reconcile, which catches whatever a drop missed.
+    let (jobs, rx) = tokio::sync::mpsc::channel::<Job>(4);
+    tokio::spawn(janitor(conn.clone(), quota_keys, rx));
     let mut tick = tokio::time::interval(HEARTBEAT_EVERY);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    // Hosts seen to stop whose counts are not dropped everywhere yet (Redis failed
-    // half way): tried again on the next beats.
-    let mut dead: Vec<String> = Vec::new();
-    loop {
+    for n in 0u64.. {
         tick.tick().await;
-        match conn.run_cmd(&cmd).await {
-            Ok(Value::Array(v)) => {
-                if let Some(Value::Int(n)) = v.first() {
-                    live.store((*n).max(1) as u64, Ordering::Relaxed);
-                }
-                dead.extend(v.iter().skip(1).filter_map(|m| match m {
-                    Value::BulkString(b) => String::from_utf8(b.clone()).ok(),
-                    _ => None,
-                }));
-                dead.sort_unstable();
-                dead.dedup();
-            }
-            Ok(_) => {}
+        let reconcile = n % RECONCILE_EVERY == 0;
+        let answer = conn
+            .run_cmd(if reconcile { &reconciling } else { &plain })
+            .await;
+        let Ok(Value::Array(v)) = answer else {
             // The last count stands; the connection is made again next time.
-            Err(_) => {
+            if answer.is_err() {
                 conn.invalidate();
-                continue;
             }
+            continue;
+        };
+        if let Some(Value::Int(n)) = v.first() {
+            live.store((*n).max(1) as u64, Ordering::Relaxed);
         }
-        if !dead.is_empty() && drop_hosts(&conn, &quota_keys, &dead).await {
-            dead.clear();
+        let dead = ids(v.get(1));
+        if !dead.is_empty() {
+            let _ = jobs.try_send(Job::Drop(dead));
+        }
+        if reconcile {
+            let mut keep = ids(v.get(2));
+            if !keep.iter().any(|k| **k == *id) {
+                keep.push(id.to_string()); // this host is live whatever the set said
+            }
+            let _ = jobs.try_send(Job::Keep(keep));
         }
     }
 }
 
-/// §18: drop the stopped hosts `dead`'s in-flight counts from every quota hash in
-/// `keys` (one small script per key: on a Redis Cluster each has its own slot).
-/// `false`: Redis failed on some key; the caller tries them all again.
-async fn drop_hosts(conn: &Connection, keys: &[String], dead: &[String]) -> bool {
-    for k in keys {
-        let mut cmd = ::redis::cmd("EVAL");
-        cmd.arg(DROP_HOSTS_LUA).arg(1).arg(k.as_str());
-        for d in dead {
-            cmd.arg(d.as_str());
-        }
-        if conn.run_cmd(&cmd).await.is_err() {
-            conn.invalidate();
-            return false;
+/// What the janitor does to every quota hash.
+enum Job {
+    /// Drop these hosts' shares (their heartbeats expired).
+    Drop(Vec<String>),
+    /// Drop every share but these hosts' (the live set).
+    Keep(Vec<String>),
+}
+
+/// The ids in a heartbeat reply's array.
+fn ids(v: Option<&Value>) -> Vec<String> {
+    match v {
+        Some(Value::Array(a)) => a
+            .iter()
+            .filter_map(|m| match m {
+                Value::BulkString(b) => String::from_utf8(b.clone()).ok(),
+                _ => None,
+            })
+            .collect(),
+        _ => Vec::new(),
+    }
+}
+
+/// §18: run the drop jobs on every quota hash in `keys` (one small script per key: on
+/// a Redis Cluster each has its own slot). A key Redis fails on is skipped: the next
+/// reconcile covers it. Ends when the heartbeat task (the sender) is gone.
+async fn janitor(
+    conn: Arc<Connection>,
+    keys: Vec<String>,
+    mut jobs: tokio::sync::mpsc::Receiver<Job>,
+) {
+    while let Some(job) = jobs.recv().await {
+        let (mode, hosts) = match &job {
+            Job::Drop(h) => ("drop", h),
+            Job::Keep(h) => ("keep", h),
+        };
+        for k in &keys {
+            let mut cmd = ::redis::cmd("EVAL");
+            cmd.arg(DROP_HOSTS_LUA)
+                .arg(1)
+                .arg(k.as_str())
+                .arg(mode)
+                .arg(HEARTBEAT_TTL.as_micros() as u64);
+            for h in hosts {
+                cmd.arg(h.as_str());
+            }
+            if conn.run_cmd(&cmd).await.is_err() {
+                conn.invalidate();
+            }
         }
     }
-    true
 }
 
 /// This machine's name, for a readable heartbeat member (`unknown` if unset).
