@@ -310,6 +310,8 @@ def play(sc: Dict[str, Any], label: str, socket_path: str, flavour: str) -> None
                         if got.get(k.lower()) != v:
                             raise Mismatch("%s: last request's header %r is %r, expected %r"
                                            % (where, k, got.get(k.lower()), v))
+                if "header_absent" in step and not up.received:
+                    raise Mismatch("%s: header_absent, but upstream %r received no request" % (where, step["upstream"]))
                 for k in step.get("header_absent", ()):
                     if k.lower() in up.received[-1].headers:
                         raise Mismatch("%s: last request carries header %r (%r), which must not be sent"

@@ -232,6 +232,13 @@ def test_a_tenant_option_is_a_string_or_a_function(bad):
     assert t.check_tenant(len) is len
     with pytest.raises(TypeError, match="tenant must be"):
         t.check_tenant(bad)
+    with pytest.raises(ValueError, match="128"):
+        t.check_tenant("t" * 129)
+
+    async def coro(request):
+        return "acme"
+    with pytest.raises(TypeError, match="coroutine"):
+        t.check_tenant(coro)
 
 
 # ---------------------------------------------------------------- routes

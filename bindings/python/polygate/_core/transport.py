@@ -19,6 +19,7 @@ transports hand in bytes, statuses and header mappings.
 
 from __future__ import annotations
 
+import inspect
 import json
 import math
 import re
@@ -44,7 +45,13 @@ def check_tenant(tenant: Any) -> Any:
     """Validate a transport's ``tenant=`` option: None, a string (the tenant of every
     request; ``""``: the anonymous tenant) or a function ``tenant(request) -> str |
     None``. Raises TypeError naming the option."""
-    if tenant is None or isinstance(tenant, str) or callable(tenant):
+    if isinstance(tenant, str):
+        p.tenant_id(tenant)  # at most 128 bytes: said now, not at every request
+        return tenant
+    if inspect.iscoroutinefunction(tenant):
+        raise TypeError("tenant must be a plain function tenant(request) -> str | None, not a coroutine "
+                        "function (the transport calls it before the request is admitted, without awaiting)")
+    if tenant is None or callable(tenant):
         return tenant
     raise TypeError("tenant must be a string or a function tenant(request) -> str | None, got %r" % (tenant,))
 
