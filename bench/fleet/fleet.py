@@ -309,7 +309,8 @@ def max_rolling(arrivals: list, t0: float, end: float, rule: str, rpm: int) -> f
 def source_block(rule: str, config: str, rpm: int, tpm: int, observe: str = "off", auto: bool = False,
                  learn: str = "off") -> str:
     lines = ['name = "deploy"', 'timeout = "10s"', f'observe_limits = "{observe}"',
-             f'learn_rate = "{learn}"',
+             # Only when on: an older sidecar (a "before" run) knows no such key.
+             *([f'learn_rate = "{learn}"'] if learn != "off" else []),
              'rpm = "auto"' if auto and rule != "per-second" else f"rpm = {rpm}"]
     if auto and rule == "token-bucket":
         return "\n".join(lines + ['itpm = "auto"', 'otpm = "auto"', f"est_tokens = {PROMPT + MAX_TOKENS}"])
