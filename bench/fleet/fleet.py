@@ -35,7 +35,8 @@ consumer outside PolyGate that uses SHARE of each limit directly at the upstream
 (off: today's behaviour, the control); `--auto` configures the limits the headers
 say as `"auto"` instead of numbers. The JSON line then also has `foreign_ok`,
 `foreign_429s` and `left_utilisation` (PolyGate's accepted requests / what the
-foreign consumer left of the rule's allowance).
+foreign consumer left of the rule's allowance). `--learn-rate aimd` sets the source's
+`learn_rate` (the rate learned from the 429s; default off).
 Standard library only (plus the polygate binding on sys.path)."""
 
 from __future__ import annotations
@@ -305,8 +306,11 @@ def max_rolling(arrivals: list, t0: float, end: float, rule: str, rpm: int) -> f
     return best / allowed
 
 
-def source_block(rule: str, config: str, rpm: int, tpm: int, observe: str = "off", auto: bool = False) -> str:
+def source_block(rule: str, config: str, rpm: int, tpm: int, observe: str = "off", auto: bool = False,
+                 learn: str = "off") -> str:
     lines = ['name = "deploy"', 'timeout = "10s"', f'observe_limits = "{observe}"',
+             # Only when on: an older sidecar (a "before" run) knows no such key.
+             *([f'learn_rate = "{learn}"'] if learn != "off" else []),
              'rpm = "auto"' if auto and rule != "per-second" else f"rpm = {rpm}"]
     if auto and rule == "token-bucket":
         return "\n".join(lines + ['itpm = "auto"', 'otpm = "auto"', f"est_tokens = {PROMPT + MAX_TOKENS}"])
@@ -401,6 +405,8 @@ def main() -> int:
                     help="observe_limits of the source: the provider's headers correct the buckets")
     ap.add_argument("--auto", action="store_true",
                     help='limits the headers carry configured as "auto" (learned)')
+    ap.add_argument("--learn-rate", choices=["aimd", "off"], default="off",
+                    help="learn_rate of the source: the rate learned from the 429s (DESIGN §18)")
     ap.add_argument("--rpm", type=int, default=60)
     ap.add_argument("--tpm", type=int, default=6000)
     ap.add_argument("--cluster", action="store_true",
@@ -430,7 +436,7 @@ def main() -> int:
         # A fault is noticed within one timeout per source; a run without one keeps
         # the slack a loaded machine needs.
         timeout = "2s" if a.fault == "none" else "500ms"
-        block = source_block(a.upstream, a.config, a.rpm, a.tpm, a.observe, a.auto)
+        block = source_block(a.upstream, a.config, a.rpm, a.tpm, a.observe, a.auto, a.learn_rate)
         if a.burst is not None:
             block = "\n".join(l for l in block.splitlines() if not l.startswith("burst"))
             block += f'\nburst = "{a.burst}"'
@@ -551,6 +557,7 @@ def main() -> int:
             "max_concurrent_probes": probes["max"],
             **fault,
             "foreign": a.foreign, "observe": a.observe, "auto": a.auto,
+            "learn_rate": a.learn_rate,
             "foreign_ok": f_ok, "foreign_429s": f_429,
             "left_utilisation": round(ok / max(1.0, allowed - f_ok), 4),
             "all_429_share": round((r429 + f_429) / max(1, requests), 4),

@@ -129,6 +129,9 @@ struct Cli {
     /// `fleet` (DESIGN §18): configure the limits as `"auto"` (learned).
     #[arg(long)]
     auto: bool,
+    /// `fleet` (DESIGN §18): the source's `learn_rate` (`aimd` | `off`).
+    #[arg(long, default_value = "off")]
+    learn_rate: String,
     /// `tenants` (DESIGN §19): the parts to run (`fairness`, `fleet`, `cost`).
     #[arg(long, value_delimiter = ',', default_value = "fairness,fleet,cost")]
     tenant_parts: Vec<String>,
@@ -409,6 +412,8 @@ pub struct Fleet {
     pub observe: String,
     /// DESIGN §18: the limits the headers carry configured as `"auto"`.
     pub auto: bool,
+    /// DESIGN §18: `aimd` | `off`, the sources' `learn_rate`.
+    pub learn_rate: String,
 }
 
 impl Opts {
@@ -553,6 +558,7 @@ fn main() -> ExitCode {
             foreign: cli.foreign,
             observe: cli.observe.clone(),
             auto: cli.auto,
+            learn_rate: cli.learn_rate.clone(),
         },
         tenants: Tenants {
             parts: cli.tenant_parts.clone(),

@@ -499,6 +499,7 @@ fn fleet(opts: &Opts) -> Line {
         .args(f.cluster.then_some("--cluster"))
         .args(["--foreign", &f.foreign.to_string(), "--observe", &f.observe])
         .args(f.auto.then_some("--auto"))
+        .args(["--learn-rate", &f.learn_rate])
         .args(["--config", &f.config, "--sidecar"])
         .arg(&opts.sidecar_bin)
         .output();

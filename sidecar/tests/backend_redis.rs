@@ -195,6 +195,67 @@ async fn one_script_call_per_admit_and_per_report_within_the_command_budget() {
     assert_eq!(snap.window_successes, 11);
 }
 
+/// §18 `learn_rate`: a learning source's admission costs the same commands (its
+/// factor is one more field of the quota HMGET), a 429 writes the factor to the
+/// quota hash's field `ar` in the report's own HSET, and the hash is kept until the
+/// factor is whole again (0.3 of the limit at +0.1 %/s: 300 s, plus the minute's
+/// slack), not just until its buckets read full (a minute).
+#[tokio::test]
+async fn a_learning_source_costs_the_same_commands_and_keeps_its_factor() {
+    let Some(srv) = RedisServer::start() else {
+        return;
+    };
+    let p = prefix();
+    let b = backend(&srv, &p, ms(500), OnBackendError::FailClosed).await;
+    b.stop_heartbeat();
+    let q = QuotaParams {
+        learn: 1_000,
+        ..qp()
+    };
+    admit_report(&b, "s2").await; // loads the library
+    srv.cli(&["CONFIG", "RESETSTAT"]);
+    let admit = || async {
+        match b
+            .admit("s1", AdmitRequest::new(&bp(), &q, 10))
+            .await
+            .unwrap()
+        {
+            Admit::Admitted { epoch, .. } => epoch,
+            a => panic!("expected a grant, got {a:?}"),
+        }
+    };
+    let e = admit().await;
+    let calls = |c: &str| srv.command_calls(c);
+    assert_eq!(
+        [calls("time"), calls("hmget"), calls("hset")],
+        [1, 2, 1],
+        "admit: TIME, HMGET q and b, HSET q"
+    );
+    let p = bp();
+    let r = ReportRequest::new(
+        &p,
+        &q,
+        e,
+        false,
+        10u64,
+        Outcome::RateLimited { retry_after: None },
+    );
+    b.report("s1", r).await.unwrap();
+    let qk = b.quota_key("s1");
+    let ar = srv.cli(&["HGET", &qk, "ar"]);
+    let ppm = ar.split_whitespace().next().unwrap_or_default();
+    assert_eq!(ppm, "700000", "field ar after one cut: {ar:?}");
+    let pttl: i64 = srv.cli(&["PTTL", &qk]).trim().parse().unwrap();
+    assert!(
+        (359_000..=360_200).contains(&pttl),
+        "kept until whole (300 s) plus a minute: PTTL {pttl}"
+    );
+    // Every host reads the cut limits: 600 rpm × 0.7.
+    let snap = b.snapshot("s1", &bp(), &q).await.unwrap();
+    let rpm = snap.levels[1].unwrap();
+    assert!((418.0..=420.0).contains(&rpm), "rpm level {rpm}");
+}
+
 #[tokio::test]
 async fn keys_are_hash_tagged_and_expire() {
     let Some(srv) = RedisServer::start() else {

@@ -569,6 +569,11 @@ fn shared_source_must_agree_on_quota() {
         &two("tpm = 1000", ""),
         &["gpt", "scopes.chat", "scopes.batch", "rpm", "unset"],
     );
+    // §18: one quota learns its rate for every scope or for none.
+    err(
+        &two("tpm = 1000", "rpm = 10\nlearn_rate = \"aimd\""),
+        &["gpt", "learn_rate", "\"off\"", "\"aimd\""],
+    );
     let e = parse(&two("tpm = 1000", "rpm = 11")).unwrap_err();
     assert!(matches!(
         e,
@@ -1328,6 +1333,36 @@ fn observed_limit_keys_parse_name_the_key_and_override() {
         MINIMAL,
         &[("CHAT__SOURCES__0__RPM", "many")],
         &["CHAT__SOURCES__0__RPM", "\"auto\""],
+    );
+}
+
+#[test]
+fn learn_rate_parses_names_a_bad_value_and_overrides() {
+    use polygate::config::LearnRate;
+    let k = "scopes.chat.sources[0]";
+    // §18: off unless asked for.
+    let s = parse(MINIMAL).unwrap().scopes[0].sources[0].clone();
+    assert_eq!(s.learn_rate, LearnRate::Off);
+    let s = parse(&source_with("learn_rate = \"aimd\"\nrpm = 60"))
+        .unwrap()
+        .scopes[0]
+        .sources[0]
+        .clone();
+    assert_eq!(s.learn_rate, LearnRate::Aimd);
+    err(
+        &source_with("learn_rate = \"on\""),
+        &[&format!("{k}.learn_rate"), "aimd, off"],
+    );
+    let s = parse_str(MINIMAL, env(&[("CHAT__SOURCES__0__LEARN_RATE", "aimd")]))
+        .unwrap()
+        .scopes[0]
+        .sources[0]
+        .clone();
+    assert_eq!(s.learn_rate, LearnRate::Aimd);
+    err_env(
+        MINIMAL,
+        &[("CHAT__SOURCES__0__LEARN_RATE", "fast")],
+        &["CHAT__SOURCES__0__LEARN_RATE", "aimd, off"],
     );
 }
 

@@ -166,6 +166,7 @@ const SOURCE_KEYS: &[(&str, Slot<RawSource>)] = &[
     ("TPD", Slot::Int(|s| &mut s.tpd)),
     ("EST_OUTPUT_TOKENS", Slot::Int(|s| &mut s.est_output_tokens)),
     ("OBSERVE_LIMITS", Slot::Text(|s| &mut s.observe_limits)),
+    ("LEARN_RATE", Slot::Text(|s| &mut s.learn_rate)),
     ("USD_PER_1M_INPUT", Slot::Float(|s| &mut s.usd_per_1m_input)),
     (
         "USD_PER_1M_OUTPUT",

@@ -151,6 +151,17 @@ spelled! {
 }
 
 spelled! {
+    /// Whether a source learns its rate from the 429s (§18 `learn_rate`).
+    pub enum LearnRate {
+        /// A 429 nothing predicted cuts the per-minute limits ×0.7 (at most once a
+        /// second, shared by every host); they recover +0.5 % of the limit a second.
+        Aimd = "aimd",
+        /// The configured (or `"auto"`) limits as they are.
+        Off = "off",
+    }
+}
+
+spelled! {
     /// How a scope with tenants orders its waiting calls within a priority class
     /// (§19 fair turns).
     pub enum Fairness {
@@ -414,6 +425,8 @@ pub struct SourceConfig {
     pub est_output_tokens: Option<u64>,
     /// §18: apply the provider's rate-limit headers reported with the outcomes.
     pub observe_limits: ObserveLimits,
+    /// §18: learn the rate from the 429s (`learn_rate`).
+    pub learn_rate: LearnRate,
     /// §18: bit `i` set = the `i`-th per-minute bucket (tpm, rpm, itpm, otpm) is
     /// `"auto"`: its limit is learned from the provider's `limit` header.
     pub auto: u8,
@@ -605,6 +618,9 @@ pub const DEFAULT_TOKENS_CHARGED: TokensCharged = TokensCharged::Actual;
 /// Default source `observe_limits` (§18): off, so a report without observed limits
 /// costs exactly what it did (no in-flight counting on the hot path).
 pub const DEFAULT_OBSERVE_LIMITS: ObserveLimits = ObserveLimits::Off;
+/// Default source `learn_rate` (§18): off, so a source keeps its limits as
+/// configured and its quota state and script calls are what they were.
+pub const DEFAULT_LEARN_RATE: LearnRate = LearnRate::Off;
 
 #[cfg(test)]
 mod tests {
@@ -626,6 +642,7 @@ mod tests {
         round_trips(BackendKind::as_str);
         round_trips(OnBackendError::as_str);
         round_trips(TokensCharged::as_str);
+        round_trips(LearnRate::as_str);
         assert_eq!(Mode::allowed(), "wait, fail_fast");
         assert_eq!(OnBackendError::allowed(), "local, fail_closed");
     }

@@ -303,6 +303,8 @@ pub(super) struct RawSource {
     pub est_output_tokens: Option<i64>,
     /// `on` | `off` (§18).
     pub observe_limits: Option<String>,
+    /// `aimd` | `off` (§18: the rate learned from 429s).
+    pub learn_rate: Option<String>,
     /// §19: dollars per million input tokens.
     pub usd_per_1m_input: Option<f64>,
     /// §19: dollars per million output tokens.

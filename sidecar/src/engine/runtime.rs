@@ -19,7 +19,7 @@ use super::tenants::{Book, TenantPolicy};
 use super::transitions::Transitions;
 use super::CallEst;
 use crate::config::{Config, ScopeConfig, SourceConfig};
-use crate::config::{ObserveLimits, TokensCharged};
+use crate::config::{LearnRate, ObserveLimits, TokensCharged};
 use crate::gate::breaker::BreakerParams;
 use crate::gate::classes::{ClassShares, Share, PPM};
 use crate::gate::health::Health;
@@ -120,6 +120,10 @@ impl SourceParams {
                 observe: s.observe_limits == ObserveLimits::On || s.auto != 0,
                 auto: s.auto,
                 auto_share_ppm: crate::gate::quota::PPM_WHOLE,
+                learn: match s.learn_rate {
+                    LearnRate::Aimd => crate::gate::quota::learn::RECOVER_PPM_PER_S,
+                    LearnRate::Off => 0,
+                },
             },
             est_tokens: s.default_est_tokens(),
             est_input_tokens: s.default_est_input_tokens(),

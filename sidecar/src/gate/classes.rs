@@ -273,6 +273,7 @@ mod tests {
         observe: false,
         auto: 0,
         auto_share_ppm: crate::gate::quota::PPM_WHOLE,
+        learn: 0,
     };
 
     /// Deficits with only the rpm bucket (index 1) configured.

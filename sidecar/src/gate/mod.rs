@@ -441,6 +441,10 @@ impl Gates {
             tenant: _,
         } = r;
         let how = outcome.settlement(reserved);
+        if let Outcome::RateLimited { .. } = outcome {
+            // §18 learn_rate: judged before this report settles or blocks anything.
+            self.quota.rate_limited(q, now);
+        }
         if let Some(class) = class {
             self.classes.settle(q, class, reserved, how, now);
         }

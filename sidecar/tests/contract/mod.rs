@@ -12,9 +12,11 @@
 
 #![allow(dead_code)]
 
+mod learned_rate;
 mod observed;
 mod provider;
 mod tenants;
+pub use learned_rate::*;
 pub use observed::*;
 pub use provider::*;
 pub use tenants::*;
@@ -1355,6 +1357,8 @@ macro_rules! contract_tests {
             an_observation_older_than_one_applied_is_ignored,
             auto_admits_one_at_a_time_then_learns_and_follows_the_limit,
             auto_input_and_output_buckets_charge_their_share,
+            a_429_cuts_the_rate_on_every_host_and_it_recovers,
+            a_predicted_429_or_one_of_a_source_that_does_not_learn_cuts_nothing,
             tenant_limit_refuses_before_the_source_and_takes_nothing,
             source_refusal_gives_the_tenant_everything_back,
             settlements_give_back_tokens_and_dollars,

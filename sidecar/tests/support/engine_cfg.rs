@@ -33,6 +33,7 @@ pub fn source(name: &str) -> SourceConfig {
         tpd: None,
         est_output_tokens: None,
         observe_limits: polygate::config::DEFAULT_OBSERVE_LIMITS,
+        learn_rate: polygate::config::DEFAULT_LEARN_RATE,
         auto: 0,
         usd_per_1m_input: None,
         usd_per_1m_output: None,

@@ -90,6 +90,13 @@
 -- ARGV[64] host : §18 with slot 37 set: the id of the host whose call this is (its
 --              heartbeat member), so its in-flight counts are kept apart ('h:<host>')
 --              and dropped when its heartbeat expires (hosts.rs); '' = not kept apart
+-- ARGV[65] learn : §18 learn_rate = "aimd": the per-minute limits are scaled by the factor
+--              in field 'ar' ("<ppm> <at µs>": ppm of the limit as of the last cut, and
+--              when), recovering this many ppm per second from it (0 = off: 'ar' is
+--              never read) (0)
+-- ARGV[66] rate_limited : report with slot 65 set: the outcome is a 429, which cuts the
+--              factor ×0.7 (at least 5 %) unless a 429 block is in force or the last cut
+--              is under a second old (gate/quota/learn.rs) (0)
 --
 -- Cost (§10, §16): one TIME per call; every stored number is an integer (µs or a
 -- count) written with '%d' (never '%.17g' float text, never strtod of one); each hash
@@ -134,6 +141,9 @@ local DAY = 86400000000 -- one day in µs: the refill period of a per-day bucket
 local QMAX_BLOCK = 7 * 24 * 3600 * 1000000
 local QSLACK = MIN -- a quota hash's expiry moves this far past its need at a time
 local QKEEP = 60 * MIN -- the same while it holds a learned limit
+-- §18 learn_rate (gate/quota/learn.rs): the whole factor, its floor, one cut per this
+-- many µs.
+local LWHOLE, LFLOOR, LCUT_EVERY = 1000000, 50000, 1000000
 
 -- The call's keys and arguments and its clock reading, set by `gate` on entry (module
 -- locals, so the same text also loads as a Redis Function library).
@@ -421,6 +431,41 @@ local function is_auto(i)
   return i <= 4 and floor(arg(38, 0) / 2 ^ (i - 1)) % 2 == 1
 end
 
+-- §18 learn_rate: the factor at now from field 'ar' (`text`; absent = whole), and on a
+-- 429 report (slot 66) the cut: unless a block is in force (the ledger knew) or the
+-- last cut is under LCUT_EVERY old, ×0.7 (at least LFLOOR), dated now, queued for
+-- qsave. Every product stays below 2^53 (floor(d × r / 1e6) computed in two parts).
+local function qlearn(q, learn, text)
+  local ppm, at = LWHOLE, nil
+  if text then
+    local p, a = string.match(text, '^(%d+) (%d+)$')
+    if p then ppm, at = tonumber(p), tonumber(a) end
+  end
+  local f = ppm
+  if at then
+    local d = max(now - at, 0)
+    local up = floor(d / 1000000) * learn + floor((d % 1000000) * learn / 1000000)
+    f = min(LWHOLE, ppm + up)
+  end
+  if arg(66, 0) == 1 and q.bu <= now and (at == nil or now - at >= LCUT_EVERY) then
+    ppm, at = max(LFLOOR, floor(f * 7 / 10)), now
+    f = ppm
+    q.ar = format('%d %d', ppm, at)
+    q.w[#q.w + 1] = 'ar'
+  end
+  q.rf, q.learn = f, learn
+  -- Until the factor is whole again the hash must not expire (qsave).
+  if at and f < LWHOLE then q.lwhole = at + ceil((LWHOLE - ppm) * 1000000 / learn) end
+end
+
+-- A per-minute limit `l` scaled by the learned factor (at least 1; -1 stays -1).
+local function qscale(q, l)
+  local f = q.rf
+  if f == nil or f >= LWHOLE or l <= 0 then return l end
+  local a = floor(l / 1000000)
+  return max(1, a * f + floor((l - a * 1000000) * f / 1000000))
+end
+
 local function qload()
   -- Slots 28..31 (the §7a buckets) are sent only when some is set (trailing neutral
   -- slots are not sent): without them, buckets 3..6 are disabled (-1).
@@ -430,10 +475,16 @@ local function qload()
   local extra = top > 2 and (obs or arg(28, -1) > 0 or arg(29, -1) > 0 or arg(30, -1) > 0
     or arg(31, -1) > 0)
   local v
+  -- §18 learn_rate: 'ar' is read last, at index ai.
+  local learn, ai = arg(65, 0), nil
   if obs then
     local host = A[64] or ''
     v = redis.call('HMGET', K[2], 'tt', 'rt', 'bu', 'x', 'it', 'ot', 'td', 'rd',
-      'ft', 'fr', 'fi', 'fo', 'oa', 'l:tt', 'l:rt', 'l:it', 'l:ot', 'h:' .. host)
+      'ft', 'fr', 'fi', 'fo', 'oa', 'l:tt', 'l:rt', 'l:it', 'l:ot', 'h:' .. host, 'ar')
+    ai = 19
+  elseif learn > 0 then
+    v = redis.call('HMGET', K[2], 'tt', 'rt', 'bu', 'x', 'it', 'ot', 'td', 'rd', 'ar')
+    ai = 9
   elseif extra then
     v = redis.call('HMGET', K[2], 'tt', 'rt', 'bu', 'x', 'it', 'ot', 'td', 'rd')
   else
@@ -446,6 +497,7 @@ local function qload()
     lim = QLIM, on = clear(QON), amt = QAMT }
   local tok, tin, tout = arg(13, 0), 0, 0
   if top > 2 then tin, tout = arg(32, 0), arg(33, 0) end
+  if learn > 0 then qlearn(q, learn, v[ai]) end
   if obs then
     q.obs, q.oa, q.fl, q.raw = true, tonumber(v[13]), {}, v
     for i = 1, 4 do q.fl[i] = tonumber(v[8 + i]) or 0 end
@@ -469,6 +521,7 @@ local function qload()
       l = tonumber(v[13 + i]) or -1
       if l <= 0 then q.unlearned = true else q.learned = true end
     end
+    if i <= 4 then l = qscale(q, l) end
     local c = l
     if l > 0 and b.per == MIN and burst > 0 and burst < MIN then
       c = max(1, floor(l * burst / MIN))
@@ -618,9 +671,10 @@ local function qobserve(q)
   for i = 1, 4 do
     local f = QB[i].f
     local lim, rem, rst = arg(37 + 3 * i, -1), arg(38 + 3 * i, -1), arg(39 + 3 * i, -1)
-    if lim > 0 and is_auto(i) and lim ~= q.lim[i] then
+    if lim > 0 and is_auto(i) and qscale(q, lim) ~= q.lim[i] then
       qput(q, 'l:' .. f, lim)
       q.learned = true
+      lim = qscale(q, lim)
       local c = lim
       local burst = arg(27, 0)
       if burst > 0 and burst < MIN then c = max(1, floor(lim * burst / MIN)) end
@@ -656,6 +710,7 @@ local function qsave(q)
   local need = max(q.bu, now)
   local on = q.on
   for k = 1, #on do need = max(need, q[QB[on[k]].f]) end
+  if q.lwhole then need = max(need, q.lwhole) end
   local slack = QSLACK
   if q.learned then
     need = max(need, now + QKEEP)
@@ -673,7 +728,8 @@ local function qsave(q)
     local f = q.w[i]
     args[2 * i - 1] = f
     local x = q[f]
-    if type(x) == 'string' then args[2 * i] = x else args[2 * i] = fmt(x) end
+    if type(x) ~= 'string' then x = fmt(x) end
+    args[2 * i] = x
   end
   redis.call('HSET', K[2], unpack(args, 1, 2 * n))
   if expire then redis.call('PEXPIREAT', K[2], fmt(ceil(q.x / 1000))) end
@@ -1042,7 +1098,7 @@ local function gate(keys, args)
     -- Settle (the caller computed the credits), then the verdict.
     local block = arg(20, -1)
     if arg(18, 0) ~= 0 or arg(19, 0) ~= 0 or block >= 0 or arg(34, 0) ~= 0
-        or arg(35, 0) ~= 0 or arg(37, 0) == 1 then
+        or arg(35, 0) ~= 0 or arg(37, 0) == 1 or arg(66, 0) == 1 then
       local q = qload()
       qcredit(q)
       qtrack(q, -1)

@@ -508,6 +508,7 @@ impl Op for ReportArgs<'_> {
             },
             observed: self.observed.filter(|_| self.q.tracks()),
             tenant: self.tenant.map(|t| super::tenant::settle_slots(&t, true)),
+            rate_limited: self.q.learn != 0 && matches!(self.outcome, Outcome::RateLimited { .. }),
             ..Argv::default()
         }
     }

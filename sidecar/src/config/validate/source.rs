@@ -8,8 +8,8 @@ use super::{choice, duration, positive};
 use crate::config::env::Origins;
 use crate::config::raw::{RawRate, RawSource};
 use crate::config::{
-    ConfigError, ScopeConfig, SourceConfig, DEFAULT_BURST, DEFAULT_OBSERVE_LIMITS,
-    DEFAULT_SOURCE_TIMEOUT, DEFAULT_TOKENS_CHARGED,
+    ConfigError, ScopeConfig, SourceConfig, DEFAULT_BURST, DEFAULT_LEARN_RATE,
+    DEFAULT_OBSERVE_LIMITS, DEFAULT_SOURCE_TIMEOUT, DEFAULT_TOKENS_CHARGED,
 };
 use crate::limits::{MAX_NAME, MAX_RATE, MAX_TOKENS};
 
@@ -94,6 +94,7 @@ pub(super) fn validate_source(
             raw.observe_limits,
             DEFAULT_OBSERVE_LIMITS,
         )?,
+        learn_rate: choice(ctx, &k("learn_rate"), raw.learn_rate, DEFAULT_LEARN_RATE)?,
         auto,
         usd_per_1m_input: price(ctx, &k("usd_per_1m_input"), raw.usd_per_1m_input)?,
         usd_per_1m_output: price(ctx, &k("usd_per_1m_output"), raw.usd_per_1m_output)?,
@@ -158,7 +159,7 @@ pub(super) fn check_shared_sources(scopes: &[ScopeConfig]) -> Result<(), ConfigE
 }
 
 /// The keys of a source that make up its one global quota, each as its value shows.
-pub(super) fn quota_keys(s: &SourceConfig) -> [(&'static str, Box<str>); 12] {
+pub(super) fn quota_keys(s: &SourceConfig) -> [(&'static str, Box<str>); 13] {
     let n = |v: Option<u64>| v.map_or_else(|| "unset".into(), |v| v.to_string().into());
     let usd =
         |v: Option<f64>| -> Box<str> { v.map_or_else(|| "unset".into(), |v| v.to_string().into()) };
@@ -188,6 +189,7 @@ pub(super) fn quota_keys(s: &SourceConfig) -> [(&'static str, Box<str>); 12] {
             "observe_limits",
             format!("{:?}", s.observe_limits.as_str()).into(),
         ),
+        ("learn_rate", format!("{:?}", s.learn_rate.as_str()).into()),
         ("usd_per_1m_input", usd(s.usd_per_1m_input)),
         ("usd_per_1m_output", usd(s.usd_per_1m_output)),
         ("usd_per_1m_cached_input", usd(s.usd_per_1m_cached_input)),

@@ -14,8 +14,10 @@
 //!   on a backend.
 //! - `observe`: §18, in-flight counts, observations and `"auto"` limits.
 //! - `share`: §10, a degraded host's share and the drain.
+//! - `learn`: §18 `learn_rate = "aimd"`, the rate learned from the 429s.
 
 mod bucket;
+pub mod learn;
 mod observe;
 mod params;
 mod share;
@@ -47,6 +49,8 @@ pub struct Quota {
     /// §18: in-flight counts and observations, for a source that observes (boxed:
     /// the others never allocate it).
     seen: Option<Box<Seen>>,
+    /// §18 `learn_rate`: the factor learned from the 429s (`None`: whole).
+    rate: Option<learn::LearnedRate>,
 }
 
 /// Quota levels for status, one per entry of [`BUCKETS`] (`None`: not configured).
@@ -93,13 +97,14 @@ impl Quota {
             buckets: [None; 6],
             blocked_until: Duration::ZERO,
             seen: None,
+            rate: None,
         }
     }
 
     /// §6/§7: the time until a reservation `t` certainly fits (the longest wait
     /// over the buckets and the block); zero = now.
     pub fn wait(&self, q: &QuotaParams, t: impl Into<Tokens>, now: Duration) -> Duration {
-        let q = &*self.eff(q);
+        let q = &*self.eff(q, now);
         let t = t.into();
         let mut wait = self.blocked_until.saturating_sub(now);
         for (i, (b, counts, _)) in BUCKETS.into_iter().enumerate() {
@@ -118,7 +123,7 @@ impl Quota {
             return Reserve::Denied { retry_after: wait };
         }
         self.track(q, t, true);
-        let q = &*self.eff(q);
+        let q = &*self.eff(q, now);
         for (i, (b, counts, _)) in BUCKETS.into_iter().enumerate() {
             match q.shape(b) {
                 Some(s) => self.buckets[i].get_or_insert(Level { full_at: now }).debit(
@@ -143,7 +148,7 @@ impl Quota {
     ) {
         let reserved = reserved.into();
         self.track(q, reserved, false);
-        let q = &*self.eff(q);
+        let q = &*self.eff(q, now);
         let c = q.credits(reserved, how);
         let most = q.max_debt.as_nanos();
         for (i, (b, counts, _)) in BUCKETS.into_iter().enumerate() {
@@ -158,6 +163,23 @@ impl Quota {
         }
     }
 
+    /// §18 `learn_rate`: a 429 reported at `now`, before its settlement and its
+    /// block: unless a block was already in force (the ledger knew), it may cut the
+    /// learned factor ([`learn::cut`]). Nothing for a source that does not learn.
+    pub fn rate_limited(&mut self, q: &QuotaParams, now: Duration) {
+        if q.learn == 0 {
+            return;
+        }
+        if let Some(r) = learn::cut(self.rate, q.learn, self.blocked_until > now, now) {
+            self.rate = Some(r);
+        }
+    }
+
+    /// §18 `learn_rate`: the learned factor at `now`, ppm of the limit.
+    pub fn rate_factor(&self, q: &QuotaParams, now: Duration) -> u32 {
+        learn::factor(self.rate, q.learn, now)
+    }
+
     /// 429: block until `now + d` (only moves forward; `d` at most
     /// [`MAX_QUOTA_BLOCK`]).
     pub fn block(&mut self, d: Duration, now: Duration) {
@@ -168,7 +190,7 @@ impl Quota {
 
     /// Levels for status.
     pub fn view(&self, q: &QuotaParams, now: Duration) -> QuotaView {
-        let q = &*self.eff(q);
+        let q = &*self.eff(q, now);
         let mut levels = [None; 6];
         for (i, (b, _, _)) in BUCKETS.into_iter().enumerate() {
             levels[i] = q
@@ -219,7 +241,7 @@ impl Quota {
     /// Each configured bucket's deficit at `now` (ns of refill time; 0 = full),
     /// `None` for a disabled bucket, in [`BUCKETS`] order.
     pub fn deficits(&self, q: &QuotaParams, now: Duration) -> [Option<u128>; 6] {
-        let q = &*self.eff(q);
+        let q = &*self.eff(q, now);
         let mut d = [None; 6];
         for (i, (b, _, _)) in BUCKETS.into_iter().enumerate() {
             if q.shape(b).is_some() {

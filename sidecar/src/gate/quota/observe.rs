@@ -45,9 +45,10 @@ impl QuotaParams {
 pub const UNLEARNED_WAIT: Duration = Duration::from_secs(1);
 
 impl Quota {
-    /// `q` with every `"auto"` bucket's limit as learned (`None` until then).
-    pub(super) fn eff<'a>(&self, q: &'a QuotaParams) -> Cow<'a, QuotaParams> {
-        if q.auto == 0 {
+    /// `q` with every `"auto"` bucket's limit as learned (`None` until then), and
+    /// with `learn_rate` the per-minute limits scaled by the factor learned at `now`.
+    pub(super) fn eff<'a>(&self, q: &'a QuotaParams, now: Duration) -> Cow<'a, QuotaParams> {
+        if q.auto == 0 && q.learn == 0 {
             return Cow::Borrowed(q);
         }
         let mut e = *q;
@@ -60,6 +61,9 @@ impl Quota {
                 };
                 e.set_limit(b, learned.map(cut));
             }
+        }
+        if q.learn != 0 {
+            e = e.scaled(self.rate_factor(q, now));
         }
         Cow::Owned(e)
     }
@@ -119,7 +123,7 @@ impl Quota {
                 }
             }
         }
-        let e = *self.eff(q);
+        let e = *self.eff(q, now);
         let mut block = Duration::ZERO;
         for (i, d) in o.dims.iter().enumerate() {
             let Some(d) = d else { continue };

@@ -48,6 +48,10 @@ pub struct QuotaParams {
     /// limit this host may use ([`QuotaParams::share`]; configured limits are cut
     /// in place, a learned one only once known). 1,000,000: the whole.
     pub auto_share_ppm: u32,
+    /// §18 `learn_rate = "aimd"`: the per-minute limits follow a factor learned from
+    /// the 429s (`learn.rs`), recovering this many ppm of the limit per second; 0 =
+    /// off (the source never reads or writes it).
+    pub learn: u32,
 }
 
 impl Default for QuotaParams {
@@ -65,6 +69,7 @@ impl Default for QuotaParams {
             observe: false,
             auto: 0,
             auto_share_ppm: PPM_WHOLE,
+            learn: 0,
         }
     }
 }

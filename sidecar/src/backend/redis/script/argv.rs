@@ -87,7 +87,7 @@ impl Slot<'_> {
 
 /// The names of `gate.lua`'s ARGV slots, `ARGV[1]` first; its header documents each
 /// under the same name.
-pub(in crate::backend::redis) const SLOTS: [&str; 64] = [
+pub(in crate::backend::redis) const SLOTS: [&str; 66] = [
     "op",
     "failure_threshold",
     "failure_rate",
@@ -152,6 +152,8 @@ pub(in crate::backend::redis) const SLOTS: [&str; 64] = [
     "t_cost_credit",
     "t_day",
     "host",
+    "learn",
+    "rate_limited",
 ];
 
 /// The value each slot holds when an operation does not use it, in [`SLOTS`] order
@@ -222,6 +224,8 @@ const NEUTRAL: [&str; SLOTS.len()] = [
     "0",
     "-1",
     "",
+    "0",
+    "0",
 ];
 
 /// Largest duration handed to the script, in µs (2^52 µs ≈ 142 years): `TIME` + it
@@ -296,6 +300,8 @@ pub(in crate::backend::redis) struct Argv<'a> {
     pub observed: Option<&'a Observation>,
     /// Slots 52–63 (§19): the call's tenant ledger.
     pub tenant: Option<TenantSlots<'a>>,
+    /// Slot 66 (§18 `learn_rate`, report): the outcome is a 429.
+    pub rate_limited: bool,
 }
 
 /// Slots 52–63 (§19): a tenant's limits and what an op takes from or gives back to
@@ -478,6 +484,13 @@ impl<'a> Argv<'a> {
             }
             None => v.extend((52..=63).map(|i| Slot::Text(NEUTRAL[i - 1]))),
         }
+        // Slot 64 (the host) is filled in by `with_host`; slots 65–66 (§18
+        // `learn_rate`) are sent only by a source that learns.
+        v.extend([
+            Slot::Text(""),
+            Slot::Int(self.quota.map_or(0, |q| i64::from(q.learn))),
+            Slot::Int(i64::from(self.rate_limited)),
+        ]);
         while v.len() > 1 && v.last().is_some_and(|s| s.is_neutral(v.len() - 1)) {
             v.pop();
         }
@@ -488,17 +501,20 @@ impl<'a> Argv<'a> {
 /// §18: with slot 37 set (the source keeps in-flight counts), slot 64 names the
 /// host whose call this is, so its counts are kept apart and dropped with its
 /// heartbeat (`hosts.rs`). `slots` is what [`Argv::slots`] built; the slots it left
-/// out as trailing neutrals are filled in up to slot 63 first.
+/// out as trailing neutrals are filled in up to slot 64 first.
 pub(in crate::backend::redis) fn with_host<'a>(slots: &mut Vec<Slot<'a>>, host: &'a str) {
     let tracks = matches!(slots.get(36), Some(Slot::Int(1)));
     if !tracks || host.is_empty() {
         return;
     }
-    while slots.len() < SLOTS.len() - 1 {
+    while slots.len() < HOST_SLOT + 1 {
         slots.push(Slot::Text(NEUTRAL[slots.len()]));
     }
-    slots.push(Slot::Text(host));
+    slots[HOST_SLOT] = Slot::Text(host);
 }
+
+/// Index of slot 64 (`host`) in the slots (`op` at 0).
+const HOST_SLOT: usize = 63;
 
 /// Where an admin script publishes `"<op> <source>"` (§9).
 #[derive(Clone, Copy)]

@@ -1,0 +1,182 @@
+//! §18 `learn_rate = "aimd"`: the rate a source may use, learned from the 429s
+//! themselves. A provider whose headers do not say when its counters refill (Azure's
+//! per-second rule: `remaining` only) gives §18's lowering nothing to act on; a 429
+//! nothing predicted does. The source's per-minute limits (`tpm`, `rpm`, `itpm`,
+//! `otpm`) are scaled by a factor in parts per million of the configured (or learned
+//! `"auto"`) limit, kept in the quota state so every host uses the same:
+//!
+//! - **multiplicative decrease**: a 429 reported while no 429 block is in force (the
+//!   ledger admitted the call and nothing since said the quota was spent) cuts the
+//!   factor to [`CUT_NUM`]/[`CUT_DEN`] of itself, never below [`FLOOR_PPM`], at most
+//!   once per [`CUT_EVERY`] (the 429s of one moment count once);
+//! - **additive recovery**: from the last cut the factor grows by
+//!   [`QuotaParams::learn`] ppm per second (default [`RECOVER_PPM_PER_S`]), never
+//!   above the whole limit.
+//!
+//! The state is two numbers (the factor as of the last cut, and that instant), so the
+//! factor at any `now` is one formula; `gate.lua` keeps the same in the quota hash's
+//! field `ar` (`"<ppm> <at µs>"`) with the same integer arithmetic. A source with
+//! `learn = 0` never has any of it.
+
+use std::time::Duration;
+
+use super::params::{QuotaParams, PPM_WHOLE};
+
+/// Lowest factor (5 % of the limit): a run of 429s never stops a source.
+pub const FLOOR_PPM: u32 = 50_000;
+/// A cut keeps `CUT_NUM / CUT_DEN` of the factor (×0.7).
+pub const CUT_NUM: u32 = 7;
+/// See [`CUT_NUM`].
+pub const CUT_DEN: u32 = 10;
+/// At most one cut per this long (`gate.lua` `LCUT_EVERY`).
+pub const CUT_EVERY: Duration = Duration::from_secs(1);
+/// Default recovery: +0.5 % of the limit per second without a cut (0.7 → 1 in a
+/// minute).
+pub const RECOVER_PPM_PER_S: u32 = 5_000;
+
+/// The learned factor: `ppm` as of `at` (the last cut, on the backend's clock).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LearnedRate {
+    /// The factor right after the last cut, ppm of the limit.
+    pub ppm: u32,
+    /// When that cut was made.
+    pub at: Duration,
+}
+
+impl LearnedRate {
+    /// The factor at `now`: `ppm` plus `recover` ppm per second since `at` (whole
+    /// microseconds, rounded down), at most the whole limit.
+    pub fn factor(&self, recover: u32, now: Duration) -> u32 {
+        let us = now.saturating_sub(self.at).as_micros();
+        let up = us * u128::from(recover) / 1_000_000;
+        (u128::from(self.ppm) + up).min(u128::from(PPM_WHOLE)) as u32
+    }
+
+    /// When the factor is whole again (nothing to remember after that).
+    pub fn whole_at(&self, recover: u32) -> Duration {
+        let missing = u64::from(PPM_WHOLE.saturating_sub(self.ppm));
+        let us = (missing * 1_000_000).div_ceil(u64::from(recover.max(1)));
+        self.at + Duration::from_micros(us)
+    }
+}
+
+/// The factor of `r` at `now` (whole when nothing was learned).
+pub fn factor(r: Option<LearnedRate>, recover: u32, now: Duration) -> u32 {
+    r.map_or(PPM_WHOLE, |r| r.factor(recover, now))
+}
+
+/// A 429 reported at `now` on a source learning with `recover` ppm/s: the new state
+/// when it cuts the factor (`blocked`: a 429 block was in force, so the 429 was
+/// predicted and cuts nothing; a cut less than [`CUT_EVERY`] ago neither), `None`
+/// when nothing changes.
+pub fn cut(
+    r: Option<LearnedRate>,
+    recover: u32,
+    blocked: bool,
+    now: Duration,
+) -> Option<LearnedRate> {
+    if recover == 0 || blocked || r.is_some_and(|r| now.saturating_sub(r.at) < CUT_EVERY) {
+        return None;
+    }
+    let f = factor(r, recover, now);
+    let ppm = (u64::from(f) * u64::from(CUT_NUM) / u64::from(CUT_DEN)) as u32;
+    Some(LearnedRate {
+        ppm: ppm.max(FLOOR_PPM),
+        at: now,
+    })
+}
+
+/// `limit` scaled by `ppm` (rounded down, at least 1).
+pub fn scale(limit: u64, ppm: u32) -> u64 {
+    ((u128::from(limit) * u128::from(ppm) / u128::from(PPM_WHOLE)) as u64).max(1)
+}
+
+impl QuotaParams {
+    /// These parameters with every per-minute limit scaled by `ppm` (a learned
+    /// factor below the whole; per-day limits are left alone: a per-second rule's
+    /// 429 says nothing about a day).
+    pub fn scaled(&self, ppm: u32) -> QuotaParams {
+        if ppm >= PPM_WHOLE {
+            return *self;
+        }
+        let s = |l: Option<u64>| l.map(|l| scale(l, ppm));
+        QuotaParams {
+            tpm: s(self.tpm),
+            rpm: s(self.rpm),
+            itpm: s(self.itpm),
+            otpm: s(self.otpm),
+            ..*self
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn s(n: u64) -> Duration {
+        Duration::from_secs(n)
+    }
+
+    fn ms(n: u64) -> Duration {
+        Duration::from_millis(n)
+    }
+
+    #[test]
+    fn a_cut_keeps_seven_tenths_once_per_interval_and_recovery_is_additive() {
+        let r = RECOVER_PPM_PER_S;
+        let a = cut(None, r, false, s(10)).expect("the first 429 cuts");
+        assert_eq!(
+            a,
+            LearnedRate {
+                ppm: 700_000,
+                at: s(10)
+            }
+        );
+        assert_eq!(
+            cut(Some(a), r, false, s(10) + ms(999)),
+            None,
+            "one moment counts once"
+        );
+        // Recovery: +0.5 % a second from the cut.
+        assert_eq!(a.factor(r, s(10) + ms(999)), 704_995);
+        assert_eq!(a.factor(r, s(12)), 710_000);
+        let b = cut(Some(a), r, false, s(12)).expect("a second later it cuts again");
+        assert_eq!(b.ppm, 497_000, "0.7 of the recovered factor");
+        assert_eq!(b.factor(r, s(12) + s(60)), 797_000);
+        assert_eq!(b.factor(r, s(1_000)), PPM_WHOLE, "never above the limit");
+        assert_eq!(b.whole_at(r), s(12) + Duration::from_micros(100_600_000));
+    }
+
+    #[test]
+    fn a_predicted_429_cuts_nothing_and_the_factor_has_a_floor() {
+        let r = RECOVER_PPM_PER_S;
+        assert_eq!(cut(None, r, true, s(1)), None, "blocked: the ledger knew");
+        assert_eq!(
+            cut(None, 0, false, s(1)),
+            None,
+            "a source that does not learn"
+        );
+        let mut st = None;
+        for i in 0..20 {
+            if let Some(n) = cut(st, r, false, s(2 * i)) {
+                st = Some(n);
+            }
+        }
+        assert_eq!(st.unwrap().ppm, FLOOR_PPM);
+    }
+
+    #[test]
+    fn scaling_cuts_the_per_minute_limits_only_and_keeps_at_least_one() {
+        let q = QuotaParams {
+            tpm: Some(6_000),
+            rpm: Some(1),
+            tpd: Some(100),
+            ..QuotaParams::default()
+        };
+        let h = q.scaled(500_000);
+        assert_eq!((h.tpm, h.rpm, h.tpd), (Some(3_000), Some(1), Some(100)));
+        assert_eq!(q.scaled(PPM_WHOLE), q);
+        assert_eq!(scale(1_000_000_000_000, 999_999), 999_999_000_000);
+    }
+}

@@ -1,0 +1,99 @@
+//! Contract cases of §18 `learn_rate = "aimd"`, run on every backend: a 429 nothing
+//! predicted cuts the source's per-minute limits ×0.7 for every host sharing the
+//! quota, and the factor recovers additively; a 429 while a block is in force (the
+//! ledger knew), and a source that does not learn, cut nothing. The cases use a fast
+//! recovery (20 % of the limit a second) so a real-time backend shows it in 1.6 s.
+
+use std::time::Duration;
+
+use polygate::backend::{Admit, AdmitRequest, Backend, Outcome, QuotaParams, ReportRequest};
+
+use super::{assert_level, bp, ms, Harness, S1};
+
+/// 10 requests per minute, learning with a recovery of 200,000 ppm a second.
+fn q() -> QuotaParams {
+    QuotaParams {
+        rpm: Some(10),
+        learn: 200_000,
+        ..QuotaParams::default()
+    }
+}
+
+async fn rpm_level<B: Backend>(b: &B, q: &QuotaParams) -> Option<f64> {
+    b.snapshot(S1, &bp(), q).await.unwrap().levels[1]
+}
+
+async fn admit<B: Backend>(b: &B, q: &QuotaParams) -> Option<u64> {
+    match b.admit(S1, AdmitRequest::new(&bp(), q, 0)).await.unwrap() {
+        Admit::Admitted { epoch, .. } => Some(epoch),
+        Admit::RateLimited { .. } => None,
+        a => panic!("expected a grant or a quota refusal, got {a:?}"),
+    }
+}
+
+async fn report_429<B: Backend>(b: &B, q: &QuotaParams, epoch: u64, retry: Option<Duration>) {
+    let p = bp();
+    let r = ReportRequest::new(
+        &p,
+        q,
+        epoch,
+        false,
+        0u64,
+        Outcome::RateLimited { retry_after: retry },
+    );
+    b.report(S1, r).await.unwrap();
+}
+
+pub async fn a_429_cuts_the_rate_on_every_host_and_it_recovers<H: Harness>(h: &H) {
+    let one = h.fresh().await;
+    let two = h.second(&one).await;
+    let two = two.as_ref().unwrap_or(&one);
+    let q = q();
+    // One request taken (6 s of refill at 10/min), then the provider refuses it.
+    let e = admit(&one, &q).await.expect("a full bucket admits");
+    report_429(&one, &q, e, None).await;
+    // The other host reads the limit cut to 7/min: 7 − 6 s × 7/60.
+    assert_level(rpm_level(two, &q).await, 6.3, "cut ×0.7 on the other host");
+    // Recovery: 1.6 s at +20 %/s brings the factor back to whole: 10 − 4.4 s × 10/60.
+    h.advance(ms(1_600)).await;
+    assert_level(rpm_level(&one, &q).await, 9.27, "recovered to the limit");
+    // A later 429 (over a second after the cut) cuts again, and the other host
+    // admits what 7/min leaves: 7 − (4.4 + 6) s × 7/60 = 5.79, so five calls.
+    let e = admit(two, &q).await.expect("room for one more");
+    report_429(two, &q, e, None).await;
+    let mut admitted = 0;
+    while admit(&one, &q).await.is_some() {
+        admitted += 1;
+        assert!(admitted <= 8, "the cut did not lower the admitted rate");
+    }
+    assert_eq!(
+        admitted, 5,
+        "five calls fit a bucket cut to 7/min (eight would at 10/min)"
+    );
+}
+
+pub async fn a_predicted_429_or_one_of_a_source_that_does_not_learn_cuts_nothing<H: Harness>(
+    h: &H,
+) {
+    let b = h.fresh().await;
+    let q = q();
+    let first = admit(&b, &q).await.expect("admitted");
+    let _second = admit(&b, &q).await.expect("admitted");
+    // Another call's 429 already blocked the quota: this one was foretold.
+    b.block_quota(S1, ms(300)).await.unwrap();
+    report_429(&b, &q, first, None).await;
+    assert_level(
+        rpm_level(&b, &q).await,
+        8.0,
+        "no cut while blocked: 10 − 12 s × 10/60",
+    );
+    let plain = QuotaParams { learn: 0, ..q };
+    let b = h.fresh().await;
+    let e = admit(&b, &plain).await.expect("admitted");
+    report_429(&b, &plain, e, None).await;
+    assert_level(
+        rpm_level(&b, &plain).await,
+        9.0,
+        "a source that does not learn",
+    );
+}
