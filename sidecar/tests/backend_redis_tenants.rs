@@ -72,6 +72,18 @@ const KEY: TenantKey<'static> = TenantKey {
 };
 
 async fn admit_report(b: &RedisBackend, t: &TenantParams) {
+    admit_then(b, t, 7, 700, || {}).await
+}
+
+/// An admission of 10 tokens at 1000 n$, `between()`, and its report settled at
+/// `tokens` and `cost`.
+async fn admit_then(
+    b: &RedisBackend,
+    t: &TenantParams,
+    tokens: u64,
+    cost: u64,
+    between: impl FnOnce(),
+) {
     let q = QuotaParams {
         tpm: Some(60_000),
         ..QuotaParams::default()
@@ -96,16 +108,17 @@ async fn admit_report(b: &RedisBackend, t: &TenantParams) {
     else {
         panic!("admit refused: {a:?}")
     };
+    between();
     let settle = TenantSettle {
         key: KEY,
         params: t,
         charge,
-        how: Settlement::charge(7),
-        cost: 700,
+        how: Settlement::charge(tokens),
+        cost,
         day: tenant_day,
     };
     let outcome = Outcome::Success {
-        tokens: Some(7),
+        tokens: Some(tokens),
         split: None,
         count_attempt: true,
     };
@@ -190,4 +203,48 @@ async fn the_scripts_calendar_is_gate_tenants() {
             "day {d}"
         );
     }
+}
+
+/// A settlement with nothing to give back (usage and cost as estimated) moves the
+/// ledger's in-flight count alone (`HINCRBY`, the ledger not loaded), and never leaves
+/// a ledger without an expiry: when the ledger expired under the call, the count the
+/// `HINCRBY` would make is dropped with the hash it made.
+#[tokio::test]
+async fn an_exact_settlement_moves_the_count_alone() {
+    let Some(srv) = RedisServer::start() else {
+        return;
+    };
+    let (b, prefix) = backend(&srv).await;
+    b.stop_heartbeat();
+    let t = tenant();
+    let key = format!("{{{prefix}:t:chat:acme}}");
+    admit_then(&b, &t, 10, 1000, || {}).await;
+    srv.cli(&["CONFIG", "RESETSTAT"]);
+    admit_then(&b, &t, 10, 1000, || {}).await;
+    assert_eq!(srv.command_calls("hincrby"), 1, "the exact report's count");
+    assert_eq!(
+        srv.command_calls("hmget"),
+        4,
+        "the admit's three and the report's breaker: not the ledger"
+    );
+    let v = b.tenant_snapshot(KEY, &t).await.unwrap().expect("a ledger");
+    assert_eq!((v.in_flight, v.spent_day), (0, 2000));
+    let ttl: i64 = srv.cli(&["PTTL", &key]).trim().parse().expect("PTTL");
+    assert!(ttl > 0, "the ledger {key} keeps its expiry (PTTL {ttl})");
+    // The ledger goes away while the call is in flight: its report makes none.
+    admit_then(&b, &t, 10, 1000, || {
+        srv.cli(&["DEL", &key]);
+    })
+    .await;
+    assert_eq!(
+        srv.cli(&["EXISTS", &key]).trim(),
+        "0",
+        "no ledger without expiry"
+    );
+    // And a settlement that gives back still loads and writes it, as before.
+    admit_then(&b, &t, 4, 400, || {}).await;
+    let v = b.tenant_snapshot(KEY, &t).await.unwrap().expect("a ledger");
+    assert_eq!((v.in_flight, v.spent_day), (0, 400));
+    let ttl: i64 = srv.cli(&["PTTL", &key]).trim().parse().expect("PTTL");
+    assert!(ttl > 0, "PTTL {ttl}");
 }

@@ -2,8 +2,8 @@
 -- tenant (§19), atomically, in one script call.
 --
 -- KEYS[1] = {prefix:source}:b  breaker hash     KEYS[2] = {prefix:source}:q  quota hash
--- KEYS[3] = {prefix:t:scope:tenant}  the tenant's ledger (admit, report with slot 52 = 1;
---           one server: a Redis Cluster routes a call by one slot, so there the engine
+-- KEYS[3] = {prefix:t:scope:tenant}  the tenant's ledger (admit, report with three keys,
+--           on one server: a Redis Cluster routes a call by one slot, so there the engine
 --           calls the tenant ops treserve / tsettle on this key alone, KEYS[1])
 --
 -- ARGV: one meaning per slot whatever the op (script.rs `Argv` and `SLOTS` build it
@@ -70,33 +70,39 @@
 -- ARGV[49] ot_limit : output tokens (-1)
 -- ARGV[50] ot_remaining : (-1)
 -- ARGV[51] ot_reset_us : (-1)
--- ARGV[52] tenant : §19 admit, report: 0|1, the call's tenant ledger is the last key (0)
--- ARGV[53] t_tpm : the tenant's token bucket limit per minute (-1 = none). Slots 53..58
---              are its limits, sent with every tenant op
--- ARGV[54] t_rpm : requests per minute (-1)
--- ARGV[55] t_tpd : tokens per day (-1)
--- ARGV[56] t_rpd : requests per day (-1)
--- ARGV[57] t_usd_day : dollars per UTC day, n$ (-1 = none)
--- ARGV[58] t_usd_month : dollars per UTC month, n$ (-1 = none)
--- ARGV[59] t_cost : admit, treserve: the reservation's estimated cost, n$ (0); its tokens
---              are slot 13 and one request
--- ARGV[60] t_token_credit : report, tsettle: tokens given back to the tenant's token
---              buckets; negative = extra debit (0)
--- ARGV[61] t_request_credit : report, tsettle: requests given back, 0 or 1 (0)
--- ARGV[62] t_cost_credit : report, tsettle: n$ given back to the budget windows the
---              reservation was charged to; negative = charged more (0)
--- ARGV[63] t_day : report, tsettle: the day number (UTC days since 1970) the reservation
---              was charged to (-1); tcal: the day to convert
--- ARGV[64] host : §18 with slot 37 set: the id of the host whose call this is (its
+-- ARGV[52] host : §18 with slot 37 set: the id of the host whose call this is (its
 --              heartbeat member), so its in-flight counts are kept apart ('h:<host>')
 --              and dropped when its heartbeat expires (hosts.rs); '' = not kept apart
--- ARGV[65] learn : §18 learn_rate = "aimd": the per-minute limits are scaled by the factor
+-- ARGV[53] learn : §18 learn_rate = "aimd": the per-minute limits are scaled by the factor
 --              in field 'ar' ("<ppm> <at µs>": ppm of the limit as of the last cut, and
 --              when), recovering this many ppm per second from it (0 = off: 'ar' is
 --              never read) (0)
--- ARGV[66] rate_limited : report with slot 65 set: the outcome is a 429, which cuts the
+-- ARGV[54] rate_limited : report with slot 53 set: the outcome is a 429, which cuts the
 --              factor ×0.7 (at least 5 %) unless a 429 block is in force or the last cut
 --              is under a second old (gate/quota/learn.rs) (0)
+--
+-- §19: a call that carries a tenant ledger (admit and report with three keys; the
+-- tenant ops treserve, tsettle, tsnapshot, tcal with it as their one key) sends its
+-- tenant's slots as the LAST 11 ARGV entries, after the slots above (trimmed as
+-- always): a call without a tenant sends none of them, and one with a tenant sends
+-- no neutral slot between the source's and the tenant's. `gate` moves them into T
+-- on entry, so arg(i) never sees them. T[k]:
+-- TARGV[1] t_tpm : the tenant's token bucket limit per minute (-1 = none). T[1..6]
+--              are its limits, sent with every tenant op
+-- TARGV[2] t_rpm : requests per minute (-1)
+-- TARGV[3] t_tpd : tokens per day (-1)
+-- TARGV[4] t_rpd : requests per day (-1)
+-- TARGV[5] t_usd_day : dollars per UTC day, n$ (-1 = none)
+-- TARGV[6] t_usd_month : dollars per UTC month, n$ (-1 = none)
+-- TARGV[7] t_cost : admit, treserve: the reservation's estimated cost, n$ (0); its tokens
+--              are slot 13 and one request
+-- TARGV[8] t_token_credit : report, tsettle: tokens given back to the tenant's token
+--              buckets; negative = extra debit (0)
+-- TARGV[9] t_request_credit : report, tsettle: requests given back, 0 or 1 (0)
+-- TARGV[10] t_cost_credit : report, tsettle: n$ given back to the budget windows the
+--              reservation was charged to; negative = charged more (0)
+-- TARGV[11] t_day : report, tsettle: the day number (UTC days since 1970) the
+--              reservation was charged to (-1); tcal: the day to convert
 --
 -- Cost (§10, §16): one TIME per call; every stored number is an integer (µs or a
 -- count) written with '%d' (never '%.17g' float text, never strtod of one); each hash
@@ -432,7 +438,7 @@ local function is_auto(i)
 end
 
 -- §18 learn_rate: the factor at now from field 'ar' (`text`; absent = whole), and on a
--- 429 report (slot 66) the cut: unless a block is in force (the ledger knew) or the
+-- 429 report (slot 54) the cut: unless a block is in force (the ledger knew) or the
 -- last cut is under LCUT_EVERY old, ×0.7 (at least LFLOOR), dated now, queued for
 -- qsave. Every product stays below 2^53 (floor(d × r / 1e6) computed in two parts).
 local function qlearn(q, learn, text)
@@ -447,7 +453,7 @@ local function qlearn(q, learn, text)
     local up = floor(d / 1000000) * learn + floor((d % 1000000) * learn / 1000000)
     f = min(LWHOLE, ppm + up)
   end
-  if arg(66, 0) == 1 and q.bu <= now and (at == nil or now - at >= LCUT_EVERY) then
+  if arg(54, 0) == 1 and q.bu <= now and (at == nil or now - at >= LCUT_EVERY) then
     ppm, at = max(LFLOOR, floor(f * 7 / 10)), now
     f = ppm
     q.ar = format('%d %d', ppm, at)
@@ -476,9 +482,9 @@ local function qload()
     or arg(31, -1) > 0)
   local v
   -- §18 learn_rate: 'ar' is read last, at index ai.
-  local learn, ai = arg(65, 0), nil
+  local learn, ai = arg(53, 0), nil
   if obs then
-    local host = A[64] or ''
+    local host = A[52] or ''
     v = redis.call('HMGET', K[2], 'tt', 'rt', 'bu', 'x', 'it', 'ot', 'td', 'rd',
       'ft', 'fr', 'fi', 'fo', 'oa', 'l:tt', 'l:rt', 'l:it', 'l:ot', 'h:' .. host, 'ar')
     ai = 19
@@ -501,9 +507,9 @@ local function qload()
   if obs then
     q.obs, q.oa, q.fl, q.raw = true, tonumber(v[13]), {}, v
     for i = 1, 4 do q.fl[i] = tonumber(v[8 + i]) or 0 end
-    -- This host's share of the counts: 'h:<host>' = "t r i o since" (slot 64).
-    if (A[64] or '') ~= '' then
-      q.host, q.hf = 'h:' .. A[64], { 0, 0, 0, 0, now }
+    -- This host's share of the counts: 'h:<host>' = "t r i o since" (slot 52).
+    if (A[52] or '') ~= '' then
+      q.host, q.hf = 'h:' .. A[52], { 0, 0, 0, 0, now }
       if v[18] then
         local i = 0
         for x in string.gmatch(v[18], '%S+') do
@@ -622,7 +628,7 @@ local function qput(q, f, x)
 end
 
 -- §18: count the reservation (slots 13, 32, 33 and one request) in (+1) or out (-1)
--- of the in-flight fields, never below 0. With a host (slot 64) the host's own counts
+-- of the in-flight fields, never below 0. With a host (slot 52) the host's own counts
 -- ('h:<host>') move too, and a release takes out at most what that host still counts:
 -- once its heartbeat expired and its counts were dropped (hosts.rs), a late report
 -- of its calls takes nothing more from the totals.
@@ -881,10 +887,23 @@ end
 -- its budget windows are over (field x, as qsave's). TK is the ledger's key.
 
 local TK
-local TQB = { 1, 2, 5, 6 } -- the tenant's buckets, as QB indices
-local TLIM = { [1] = 53, [2] = 54, [5] = 55, [6] = 56 } -- their limit slots
+local TQB = { 1, 2, 5, 6 } -- the tenant's buckets, as QB indices; T[k] is QB[TQB[k]]'s limit
 local TCODE = { [1] = 1, [2] = 2, [5] = 3, [6] = 4 } -- refusal codes: tpm rpm tpd rpd
-local TW, TCAPS, TLIMS, TON, TAMT = {}, {}, {}, {}, {}
+-- Scratch tables reused across calls (a call allocates none of them): the tenant's
+-- slots, the one ledger a call loads and its parts.
+local T, TL, TW, TCAPS, TLIMS, TON, TAMT = {}, {}, {}, {}, {}, {}, {}
+local TN = 11 -- the tenant's slots: the last TN ARGV entries of a call that has them
+
+-- Move the tenant's slots (the last TN ARGV entries, every one an integer) into T, as
+-- numbers (by arithmetic coercion: half a tonumber's cost here).
+local function tsplit()
+  local n = #A
+  for k = 1, TN do
+    local j = n - TN + k
+    T[k] = A[j] + 0
+    A[j] = nil
+  end
+end
 
 -- Months since 1970-01 of day number d (Hinnant's civil_from_days).
 local function month_of(d)
@@ -912,42 +931,48 @@ local function month_end(mo)
   return (era * 146097 + doe - 719468) * DAY
 end
 
+-- The ledger (TL, reset), shaped like a quota for the quota functions above.
 local function tload()
   local v = redis.call('HMGET', TK, 'tt', 'rt', 'td', 'rd', 'di', 'ds', 'mi', 'ms', 'f', 'x')
-  local t = { bu = 0, w = clear(TW), caps = TCAPS, lim = TLIMS, on = clear(TON), amt = TAMT,
-    x = tonumber(v[10]), f = tonumber(v[9]) or 0,
-    di = tonumber(v[5]) or -1, ds = tonumber(v[6]) or 0,
-    mi = tonumber(v[7]) or -1, ms = tonumber(v[8]) or 0 }
+  local t = TL
+  t.bu, t.w, t.caps, t.lim, t.on, t.amt = 0, clear(TW), TCAPS, TLIMS, clear(TON), TAMT
+  -- Every field holds an integer the script wrote ('%d'); an absent one reads false.
+  t.x, t.f = v[10] and v[10] + 0 or nil, v[9] and v[9] + 0 or 0
+  t.di, t.ds = v[5] and v[5] + 0 or -1, v[6] and v[6] + 0 or 0
+  t.mi, t.ms = v[7] and v[7] + 0 or -1, v[8] and v[8] + 0 or 0
   local tok = arg(13, 0)
+  local on = t.on
   for k = 1, 4 do
     local i = TQB[k]
-    local l = arg(TLIM[i], -1)
-    t.lim[i], t.caps[i] = l, l
+    local l = T[k]
+    TLIMS[i], TCAPS[i] = l, l
     if l > 0 then
-      t[QB[i].f] = max(tonumber(v[k]) or now, now)
-      t.on[#t.on + 1] = i
-      if QB[i].n == 't' then t.amt[i] = tok else t.amt[i] = 1 end
+      local full = v[k] and v[k] + 0 or now
+      if full < now then full = now end
+      t[QB[i].f] = full
+      on[#on + 1] = i
+      if k == 1 or k == 3 then TAMT[i] = tok else TAMT[i] = 1 end
     end
   end
   return t
 end
 
--- Refusal of the reservation (slot 13 tokens, one request, slot 59 n$): its code (1..4
+-- Refusal of the reservation (slot 13 tokens, one request, T[7] n$): its code (1..4
 -- a bucket, 5 usd_per_day, 6 usd_per_month; 0 = it fits) and µs until it certainly fits
 -- (a budget: the end of its window; a bucket: its refill, as qwait). A budget refuses
 -- when spent + cost passes it.
 local function tcheck(t)
-  local cost = arg(59, 0)
+  local cost = T[7]
   if cost > 0 then
     local day = floor(now / DAY)
-    local bm = arg(58, -1)
+    local bm = T[6]
     if bm >= 0 then
       local mo = month_of(day)
       local spent = 0
       if t.mi == mo then spent = t.ms end
       if spent + cost > bm then return 6, max(month_end(mo) - now, 1) end
     end
-    local bd = arg(57, -1)
+    local bd = T[5]
     if bd >= 0 then
       local spent = 0
       if t.di == day then spent = t.ds end
@@ -958,8 +983,8 @@ local function tcheck(t)
   local on = t.on
   for k = 1, #on do
     local i = on[k]
-    local cap = t.caps[i]
-    local need = min(t.amt[i], cap)
+    local cap = TCAPS[i]
+    local need = min(TAMT[i], cap)
     local x = t[QB[i].f] - now - refill(t, i, cap - need)
     if x > w then w, code = x, TCODE[i] end
   end
@@ -977,38 +1002,20 @@ end
 local function ttake(t)
   qdebit(t)
   local day = floor(now / DAY)
-  local cost = arg(59, 0)
-  if cost > 0 and arg(57, -1) >= 0 then
-    if t.di ~= day then tput(t, 'di', day); t.ds = 0 end
-    tput(t, 'ds', t.ds + cost)
-  end
-  if cost > 0 and arg(58, -1) >= 0 then
-    local mo = month_of(day)
-    if t.mi ~= mo then tput(t, 'mi', mo); t.ms = 0 end
-    tput(t, 'ms', t.ms + cost)
+  local cost = T[7]
+  if cost > 0 then
+    if T[5] >= 0 then
+      if t.di ~= day then tput(t, 'di', day); t.ds = 0 end
+      tput(t, 'ds', t.ds + cost)
+    end
+    if T[6] >= 0 then
+      local mo = month_of(day)
+      if t.mi ~= mo then tput(t, 'mi', mo); t.ms = 0 end
+      tput(t, 'ms', t.ms + cost)
+    end
   end
   tput(t, 'f', t.f + 1)
   return day
-end
-
--- Settle a reservation charged to day slot 63: the token credits (slots 60, 61; an
--- extra debit at most slot 36's refill time), the cost credit (slot 62) on each window
--- only while it is the one the reservation was charged to, one less in flight.
-local function tsettle(t)
-  local most = arg(36, 600000000)
-  local on = t.on
-  for k = 1, #on do
-    local i = on[k]
-    local n
-    if QB[i].n == 't' then n = arg(60, 0) else n = arg(61, 0) end
-    qadd(t, i, n, most)
-  end
-  local c, day = arg(62, 0), arg(63, -1)
-  if c ~= 0 and day >= 0 then
-    if t.di == day then tput(t, 'ds', max(0, t.ds - c)) end
-    if t.mi >= 0 and t.mi == month_of(day) then tput(t, 'ms', max(0, t.ms - c)) end
-  end
-  if t.f > 0 then tput(t, 'f', t.f - 1) end
 end
 
 -- Write the changed fields; move the expiry past the moment the ledger reads as fresh
@@ -1038,6 +1045,36 @@ local function tsave(t)
   if expire then redis.call('PEXPIREAT', TK, fmt(ceil(t.x / 1000))) end
 end
 
+-- Settle a reservation charged to day T[11]: the token credits (T[8], T[9]; an extra
+-- debit at most slot 36's refill time), the cost credit (T[10]) on each window only
+-- while it is the one the reservation was charged to, one less in flight. A
+-- settlement with no credit changes the in-flight count alone: one HINCRBY, without
+-- loading the ledger (a count below 0 — the ledger expired under the call — is
+-- dropped, and with it a hash the HINCRBY made).
+local function tsettle()
+  local tc, rc, c = T[8], T[9], T[10]
+  if tc == 0 and rc == 0 and c == 0 then
+    if redis.call('HINCRBY', TK, 'f', -1) < 0 then redis.call('HDEL', TK, 'f') end
+    return
+  end
+  local t = tload()
+  local most = arg(36, 600000000)
+  local on = t.on
+  for k = 1, #on do
+    local i = on[k]
+    local n
+    if QB[i].n == 't' then n = tc else n = rc end
+    qadd(t, i, n, most)
+  end
+  local day = T[11]
+  if c ~= 0 and day >= 0 then
+    if t.di == day then tput(t, 'ds', max(0, t.ds - c)) end
+    if t.mi >= 0 and t.mi == month_of(day) then tput(t, 'ms', max(0, t.ms - c)) end
+  end
+  if t.f > 0 then tput(t, 'f', t.f - 1) end
+  tsave(t)
+end
+
 -- A bucket's level at now as text ('' when the tenant has no such limit).
 local function tlevel(t, i)
   if t.caps[i] <= 0 then return '' end
@@ -1053,6 +1090,8 @@ local function gate(keys, args)
   end
   K, A, P = keys, args, setmetatable({}, PMETA)
   TK = K[#K]
+  -- §19: the tenant's slots ride last, on a call with its ledger (not two keys).
+  if #K ~= 2 then tsplit() end
   local t = redis.call('TIME')
   now = tonumber(t[1]) * 1000000 + tonumber(t[2])
   local op = A[1]
@@ -1061,7 +1100,7 @@ local function gate(keys, args)
     -- The tenant's ledger (§19), then gate 3, then gate 4; any refusal takes nothing
     -- (both ledgers, or neither).
     local t
-    if arg(52, 0) == 1 then
+    if #K == 3 then
       t = tload()
       local code, tw = tcheck(t)
       if code > 0 then return { 4, code, 0, 0, tw } end
@@ -1098,7 +1137,7 @@ local function gate(keys, args)
     -- Settle (the caller computed the credits), then the verdict.
     local block = arg(20, -1)
     if arg(18, 0) ~= 0 or arg(19, 0) ~= 0 or block >= 0 or arg(34, 0) ~= 0
-        or arg(35, 0) ~= 0 or arg(37, 0) == 1 or arg(66, 0) == 1 then
+        or arg(35, 0) ~= 0 or arg(37, 0) == 1 or arg(54, 0) == 1 then
       local q = qload()
       qcredit(q)
       qtrack(q, -1)
@@ -1108,11 +1147,7 @@ local function gate(keys, args)
       qobserve(q)
       qsave(q)
     end
-    if arg(52, 0) == 1 then
-      local t = tload()
-      tsettle(t)
-      tsave(t)
-    end
+    if #K == 3 then tsettle() end
     local verdict = A[17]
     local b = bload(verdict ~= 'N')
     local a
@@ -1218,9 +1253,7 @@ local function gate(keys, args)
     return { 1, day, 0 }
 
   elseif op == 'tsettle' then
-    local t = tload()
-    tsettle(t)
-    tsave(t)
+    tsettle()
     return { 1 }
 
   elseif op == 'tsnapshot' then
@@ -1234,8 +1267,8 @@ local function gate(keys, args)
     return { tlevel(t, 1), tlevel(t, 2), tlevel(t, 5), tlevel(t, 6), ds, ms, t.f }
 
   elseif op == 'tcal' then
-    -- The calendar of slot 63's day, for the tests that hold it to gate/tenant.rs.
-    local d = arg(63, 0)
+    -- The calendar of T[11]'s day, for the tests that hold it to gate/tenant.rs.
+    local d = T[11]
     local mo = month_of(d)
     return { mo, month_end(mo) }
 

@@ -108,7 +108,7 @@ pub(super) struct Heartbeat {
     /// Live hosts last counted (at least 1: this one).
     live: Arc<AtomicU64>,
     /// This host's member of the heartbeat set: its calls' in-flight counts are
-    /// kept under it in each quota hash (§18, `gate.lua` slot 64).
+    /// kept under it in each quota hash (§18, `gate.lua` slot 52).
     id: Arc<str>,
     /// The refreshing task.
     task: tokio::task::AbortHandle,

@@ -380,7 +380,6 @@ impl Op for AdmitArgs<'_> {
             class: self.class.map(|c| &*c.share().name),
             shares: self.class.map(|c| &*c.shares),
             tenant: self.tenant.map(|t| TenantSlots {
-                with_source: true,
                 params: t.params,
                 cost: t.charge.cost,
                 credit: Credits::default(),
@@ -507,7 +506,7 @@ impl Op for ReportArgs<'_> {
                 Tokens::default()
             },
             observed: self.observed.filter(|_| self.q.tracks()),
-            tenant: self.tenant.map(|t| super::tenant::settle_slots(&t, true)),
+            tenant: self.tenant.map(|t| super::tenant::settle_slots(&t)),
             rate_limited: self.q.learn != 0 && matches!(self.outcome, Outcome::RateLimited { .. }),
             ..Argv::default()
         }

@@ -39,12 +39,10 @@ pub(super) fn limit_of(v: &[Value], i: usize) -> BResult<TenantLimit> {
     })
 }
 
-/// The slots of a settlement of `t` (`with_source`: the ledger is a source report's
-/// third key).
-pub(super) fn settle_slots<'a>(t: &TenantSettle<'a>, with_source: bool) -> TenantSlots<'a> {
+/// The slots of a settlement of `t`.
+pub(super) fn settle_slots<'a>(t: &TenantSettle<'a>) -> TenantSlots<'a> {
     let (credit, cost_credit) = t.credits();
     TenantSlots {
-        with_source,
         params: t.params,
         cost: 0,
         credit,
@@ -234,7 +232,6 @@ impl Op for TReserveArgs<'_> {
         Argv {
             tokens: self.charge.tokens,
             tenant: Some(TenantSlots {
-                with_source: false,
                 params: self.params,
                 cost: self.charge.cost,
                 credit: Default::default(),
@@ -272,7 +269,7 @@ impl Op for TSettleArgs<'_> {
     fn argv(&self) -> Argv<'_> {
         Argv {
             max_debt: Some(self.t.params.q.max_debt),
-            tenant: Some(settle_slots(&self.t, false)),
+            tenant: Some(settle_slots(&self.t)),
             ..Argv::default()
         }
     }
@@ -293,7 +290,6 @@ impl Op for TSnapshotArgs<'_> {
     fn argv(&self) -> Argv<'_> {
         Argv {
             tenant: Some(TenantSlots {
-                with_source: false,
                 params: self.params,
                 cost: 0,
                 credit: Default::default(),
@@ -337,7 +333,6 @@ impl Op for TCalArgs<'_> {
     fn argv(&self) -> Argv<'_> {
         Argv {
             tenant: Some(TenantSlots {
-                with_source: false,
                 params: self.params,
                 cost: 0,
                 credit: Default::default(),

@@ -87,7 +87,7 @@ impl Slot<'_> {
 
 /// The names of `gate.lua`'s ARGV slots, `ARGV[1]` first; its header documents each
 /// under the same name.
-pub(in crate::backend::redis) const SLOTS: [&str; 66] = [
+pub(in crate::backend::redis) const SLOTS: [&str; 54] = [
     "op",
     "failure_threshold",
     "failure_rate",
@@ -139,7 +139,17 @@ pub(in crate::backend::redis) const SLOTS: [&str; 66] = [
     "ot_limit",
     "ot_remaining",
     "ot_reset_us",
-    "tenant",
+    "host",
+    "learn",
+    "rate_limited",
+];
+
+/// §19: the tenant's slots, which a call with its tenant ledger (admit and report with
+/// the ledger as a third key, the tenant ops on it alone) sends as its last
+/// [`TSLOTS`]`.len()` arguments, after the slots above (trimmed as always), so that no
+/// neutral source slot travels only to make room for them; `gate.lua` moves them out
+/// of ARGV on entry and its header documents each as `TARGV[k]`.
+pub(in crate::backend::redis) const TSLOTS: [&str; 11] = [
     "t_tpm",
     "t_rpm",
     "t_tpd",
@@ -151,9 +161,6 @@ pub(in crate::backend::redis) const SLOTS: [&str; 66] = [
     "t_request_credit",
     "t_cost_credit",
     "t_day",
-    "host",
-    "learn",
-    "rate_limited",
 ];
 
 /// The value each slot holds when an operation does not use it, in [`SLOTS`] order
@@ -210,18 +217,6 @@ const NEUTRAL: [&str; SLOTS.len()] = [
     "-1",
     "-1",
     "-1",
-    "-1",
-    "0",
-    "-1",
-    "-1",
-    "-1",
-    "-1",
-    "-1",
-    "-1",
-    "0",
-    "0",
-    "0",
-    "0",
     "-1",
     "",
     "0",
@@ -298,30 +293,27 @@ pub(in crate::backend::redis) struct Argv<'a> {
     pub shares: Option<&'a ClassShares>,
     /// Slots 39–51 (§18, report): the response's observed limits.
     pub observed: Option<&'a Observation>,
-    /// Slots 52–63 (§19): the call's tenant ledger.
+    /// [`TSLOTS`] (§19): the call's tenant ledger, sent after the slots by the calls
+    /// that carry it ([`Argv::tenant_slots`]).
     pub tenant: Option<TenantSlots<'a>>,
-    /// Slot 66 (§18 `learn_rate`, report): the outcome is a 429.
+    /// Slot 54 (§18 `learn_rate`, report): the outcome is a 429.
     pub rate_limited: bool,
 }
 
-/// Slots 52–63 (§19): a tenant's limits and what an op takes from or gives back to
-/// its ledger.
+/// [`TSLOTS`] (§19): a tenant's limits and what an op takes from or gives back to its
+/// ledger.
 #[derive(Clone, Copy)]
 pub(in crate::backend::redis) struct TenantSlots<'a> {
-    /// Slot 52: the ledger is the call's last key (admit, report on one server); the
-    /// tenant ops, which have it as their only key, leave it 0.
-    pub with_source: bool,
-    /// Slots 53–58: its limits.
+    /// `t_tpm` … `t_usd_month`: its limits.
     pub params: &'a TenantParams,
-    /// Slot 59: the reservation's estimated cost, n$ (admit, treserve).
+    /// `t_cost`: the reservation's estimated cost, n$ (admit, treserve).
     pub cost: u64,
-    /// Slots 60–61: tokens and requests given back (report, tsettle); tokens may be
-    /// negative (an extra debit).
+    /// `t_token_credit`, `t_request_credit`: tokens and requests given back (report,
+    /// tsettle); tokens may be negative (an extra debit).
     pub credit: Credits,
-    /// Slot 62: n$ given back to the windows charged (negative: charged more).
+    /// `t_cost_credit`: n$ given back to the windows charged (negative: charged more).
     pub cost_credit: i128,
-    /// Slot 63: the day number the reservation was charged to (report, tsettle,
-    /// tcal).
+    /// `t_day`: the day number the reservation was charged to (report, tsettle, tcal).
     pub day: Option<u32>,
 }
 
@@ -464,27 +456,7 @@ impl<'a> Argv<'a> {
             }
             None => v.extend((0..13).map(|_| Slot::Int(-1))),
         }
-        match self.tenant {
-            Some(t) => {
-                let p = t.params;
-                v.extend([
-                    Slot::Int(i64::from(t.with_source)),
-                    Slot::Int(bucket(p.q.tpm)),
-                    Slot::Int(bucket(p.q.rpm)),
-                    Slot::Int(bucket(p.q.tpd)),
-                    Slot::Int(bucket(p.q.rpd)),
-                    Slot::Int(bucket(p.usd_per_day)),
-                    Slot::Int(bucket(p.usd_per_month)),
-                    int(count(t.cost)),
-                    Slot::Int(credit(t.credit.total)),
-                    Slot::Int(i64::from(t.credit.requests)),
-                    Slot::Int(credit(t.cost_credit)),
-                    Slot::Int(t.day.map_or(-1, i64::from)),
-                ]);
-            }
-            None => v.extend((52..=63).map(|i| Slot::Text(NEUTRAL[i - 1]))),
-        }
-        // Slot 64 (the host) is filled in by `with_host`; slots 65–66 (§18
+        // Slot 52 (the host) is filled in by `with_host`; slots 53–54 (§18
         // `learn_rate`) are sent only by a source that learns.
         v.extend([
             Slot::Text(""),
@@ -496,12 +468,46 @@ impl<'a> Argv<'a> {
         }
         v
     }
+
+    /// The [`TSLOTS`] of [`Argv::tenant`], all of them (neutral when it is `None`):
+    /// what a call with its tenant ledger sends after [`Argv::slots`].
+    pub(in crate::backend::redis) fn tenant_slots(&self) -> [Slot<'a>; TSLOTS.len()] {
+        let Some(t) = self.tenant else {
+            return [
+                Slot::Int(-1),
+                Slot::Int(-1),
+                Slot::Int(-1),
+                Slot::Int(-1),
+                Slot::Int(-1),
+                Slot::Int(-1),
+                Slot::Int(0),
+                Slot::Int(0),
+                Slot::Int(0),
+                Slot::Int(0),
+                Slot::Int(-1),
+            ];
+        };
+        let p = t.params;
+        [
+            Slot::Int(bucket(p.q.tpm)),
+            Slot::Int(bucket(p.q.rpm)),
+            Slot::Int(bucket(p.q.tpd)),
+            Slot::Int(bucket(p.q.rpd)),
+            Slot::Int(bucket(p.usd_per_day)),
+            Slot::Int(bucket(p.usd_per_month)),
+            Slot::Int(count(t.cost) as i64),
+            Slot::Int(credit(t.credit.total)),
+            Slot::Int(i64::from(t.credit.requests)),
+            Slot::Int(credit(t.cost_credit)),
+            Slot::Int(t.day.map_or(-1, i64::from)),
+        ]
+    }
 }
 
-/// §18: with slot 37 set (the source keeps in-flight counts), slot 64 names the
+/// §18: with slot 37 set (the source keeps in-flight counts), slot 52 names the
 /// host whose call this is, so its counts are kept apart and dropped with its
 /// heartbeat (`hosts.rs`). `slots` is what [`Argv::slots`] built; the slots it left
-/// out as trailing neutrals are filled in up to slot 64 first.
+/// out as trailing neutrals are filled in up to slot 52 first.
 pub(in crate::backend::redis) fn with_host<'a>(slots: &mut Vec<Slot<'a>>, host: &'a str) {
     let tracks = matches!(slots.get(36), Some(Slot::Int(1)));
     if !tracks || host.is_empty() {
@@ -513,8 +519,8 @@ pub(in crate::backend::redis) fn with_host<'a>(slots: &mut Vec<Slot<'a>>, host: 
     slots[HOST_SLOT] = Slot::Text(host);
 }
 
-/// Index of slot 64 (`host`) in the slots (`op` at 0).
-const HOST_SLOT: usize = 63;
+/// Index of slot 52 (`host`) in the slots (`op` at 0).
+const HOST_SLOT: usize = 51;
 
 /// Where an admin script publishes `"<op> <source>"` (§9).
 #[derive(Clone, Copy)]
@@ -548,6 +554,53 @@ mod tests {
         assert!(
             !lua.contains(&format!("ARGV[{}]", SLOTS.len() + 1)),
             "gate.lua reads a slot script/argv.rs does not send"
+        );
+        for (k, name) in TSLOTS.iter().enumerate() {
+            let line = format!("-- TARGV[{}] {name} ", k + 1);
+            assert!(lua.contains(&line), "gate.lua header lacks {line:?}");
+        }
+        assert!(
+            lua.contains(&format!("local TN = {}", TSLOTS.len())),
+            "gate.lua moves as many tenant slots out of ARGV as script/argv.rs sends"
+        );
+        assert!(!lua.contains(&format!("TARGV[{}]", TSLOTS.len() + 1)));
+    }
+
+    #[test]
+    fn a_tenant_rides_after_the_trimmed_slots() {
+        use crate::gate::tenant::TenantParams;
+        let p = TenantParams::default();
+        let t = TenantSlots {
+            params: &p,
+            cost: 7,
+            credit: Credits::default(),
+            cost_credit: 0,
+            day: Some(3),
+        };
+        let a = Argv {
+            tokens: 12.into(),
+            tenant: Some(t),
+            ..Argv::default()
+        };
+        // The source's slots are trimmed as without a tenant: the tenant adds its own
+        // slots and no neutral source slot.
+        let plain = Argv {
+            tokens: 12.into(),
+            ..Argv::default()
+        };
+        assert_eq!(a.slots("admit"), plain.slots("admit"));
+        let ts: Vec<String> = a.tenant_slots().iter().map(ToString::to_string).collect();
+        assert_eq!(ts.len(), TSLOTS.len());
+        assert_eq!(ts[6], "7", "t_cost");
+        assert_eq!(ts[10], "3", "t_day");
+        let none: Vec<String> = plain
+            .tenant_slots()
+            .iter()
+            .map(ToString::to_string)
+            .collect();
+        assert_eq!(
+            none,
+            ["-1", "-1", "-1", "-1", "-1", "-1", "0", "0", "0", "0", "-1"]
         );
     }
 }

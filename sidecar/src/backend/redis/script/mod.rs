@@ -55,7 +55,7 @@ use ::redis::{Cmd, Script, Value};
 
 #[cfg(test)]
 pub(super) use argv::SLOTS;
-pub(super) use argv::{with_host, Announce, Argv, Slot, TenantSlots};
+pub(super) use argv::{with_host, Announce, Argv, Slot, TenantSlots, TSLOTS};
 pub(super) use reply::{
     applied, bool_at, dur_at, int_at, level_at, level_or_none, proto, state_at, u64_at,
 };
@@ -129,6 +129,9 @@ pub(super) struct Call<'a> {
     /// ARGV, `op` first, written into the command as they are (integers as decimal
     /// text, with no string of their own).
     pub args: Vec<Slot<'a>>,
+    /// §19: the tenant's slots, sent after `args` by a call with its tenant ledger
+    /// (empty otherwise).
+    tenant: Option<[Slot<'a>; TSLOTS.len()]>,
 }
 
 impl Call<'_> {
@@ -139,15 +142,21 @@ impl Call<'_> {
 
     /// `FCALL polygate_<hash> <n> <keys> <args>`, in one buffer sized up front.
     pub(super) fn fcall(&self) -> Cmd {
-        let mut c = Cmd::with_capacity(6 + self.args.len(), 160 + 12 * self.args.len());
+        let n = self.args.len() + self.tenant_args().len();
+        let mut c = Cmd::with_capacity(6 + n, 160 + 12 * n);
         c.arg("FCALL").arg(GATE.function.as_str()).arg(self.n);
         for k in self.keys() {
             c.arg(*k);
         }
-        for a in &self.args {
+        for a in self.args.iter().chain(self.tenant_args()) {
             c.arg(a);
         }
         c
+    }
+
+    /// The tenant's slots this call sends after `args` (none without its ledger).
+    fn tenant_args(&self) -> &[Slot<'_>] {
+        self.tenant.as_ref().map_or(&[], |t| &t[..])
     }
 
     /// The same as an `EVALSHA` invocation.
@@ -156,7 +165,7 @@ impl Call<'_> {
         for k in self.keys() {
             inv.key(*k);
         }
-        for a in &self.args {
+        for a in self.args.iter().chain(self.tenant_args()) {
             inv.arg(a);
         }
         inv
@@ -169,6 +178,7 @@ pub(super) fn invocation<'a, O: Op>(keys: &'a [String; 2], op: &'a O) -> Call<'a
         keys: [keys[0].as_str(), keys[1].as_str(), ""],
         n: 2,
         args: op.argv().slots(O::NAME),
+        tenant: None,
     }
 }
 
@@ -178,19 +188,23 @@ pub(super) fn invocation_with<'a, O: Op>(
     tenant: &'a str,
     op: &'a O,
 ) -> Call<'a> {
+    let argv = op.argv();
     Call {
         keys: [keys[0].as_str(), keys[1].as_str(), tenant],
         n: 3,
-        args: op.argv().slots(O::NAME),
+        args: argv.slots(O::NAME),
+        tenant: Some(argv.tenant_slots()),
     }
 }
 
 /// One call of a tenant op on the ledger `tenant` alone (§19, a Redis Cluster).
 pub(super) fn tenant_invocation<'a, O: Op>(tenant: &'a str, op: &'a O) -> Call<'a> {
+    let argv = op.argv();
     Call {
         keys: [tenant, "", ""],
         n: 1,
-        args: op.argv().slots(O::NAME),
+        args: argv.slots(O::NAME),
+        tenant: Some(argv.tenant_slots()),
     }
 }
 
