@@ -6,10 +6,15 @@
 //! what the run spends (so every call takes the whole tenant path: the ledger's
 //! check, its reservation in the same step as the source's, its settlement, and
 //! never a refusal). One connection (protocol 3) makes full calls back to back:
-//! `Start` on `bench` (no tenants: today's call) against `StartTenant` on `tc`,
-//! alternated [`ROUNDS`] times; the figures are the medians of the rounds' p50
-//! call latencies. On Redis, MONITOR says how many commands the sidecar sent per call
-//! (its round trips) and how many its scripts ran; `INFO commandstats` the totals.
+//! `Start` on `bench` (no tenants: today's call) and `StartTenant` on `tc`,
+//! alternated call by call (the pair's order flipping every pair), so both see the
+//! same state of the machine: on this VM a call's latency moves by 2x with how idle
+//! the cores are, between runs and within one, which alternating whole runs of each
+//! turned into ratios of 0.2 to 2.6. The figures are the medians of [`ROUNDS`]
+//! windows' p50 call latencies. Apart from them, each call alone in a window of its
+//! own: on Redis, `INFO commandstats` the commands and script time per call, and
+//! MONITOR how many commands the sidecar sent per call (its round trips) and how many
+//! its scripts ran.
 
 use std::sync::Arc;
 
@@ -84,37 +89,72 @@ impl Side {
     }
 }
 
-/// Both calls on `sc`, alternated; `redis`: count its commands.
-async fn sides(opts: &Opts, sc: &Sidecar, redis: Option<&Redis>) -> Result<(Side, Side), String> {
-    let shapes = [
+/// The two calls.
+fn shapes() -> [Shape; 2] {
+    [
         Shape::V3(start(SCOPE, None)),
         Shape::V3(start("tc", Some("acme"))),
-    ];
+    ]
+}
+
+/// Both calls on `sc`: the latencies interleaved call by call ([`interleaved`]), then
+/// (`redis`) each call's Redis commands in a window of its own.
+async fn sides(opts: &Opts, sc: &Sidecar, redis: Option<&Redis>) -> Result<(Side, Side), String> {
+    let shapes = shapes();
     let mut out = [Side::default(), Side::default()];
     for _ in 0..ROUNDS {
+        let p50 = interleaved(sc, &shapes, opts.warmup(), opts.window()).await?;
+        for (side, p) in out.iter_mut().zip(p50) {
+            side.p50.push(p);
+        }
+    }
+    if let Some(redis) = redis {
         for (shape, side) in shapes.iter().zip(out.iter_mut()) {
-            let before = redis.map(command_totals).transpose()?;
-            let r = load::run(
-                &sc.socket,
-                shape,
-                1,
-                opts.warmup(),
-                opts.window(),
-                Some(sc.pid),
-            )
-            .await?;
-            if let (Some(r0), Some(redis)) = (before, redis) {
-                let r1 = command_totals(redis)?;
-                side.cmds += r1.0 - r0.0;
-                side.scripts += r1.1 - r0.1;
-                side.script_us += r1.2 - r0.2;
-            }
+            let r0 = command_totals(redis)?;
+            let r = load::run(&sc.socket, shape, 1, opts.warmup(), opts.window(), None).await?;
+            let r1 = command_totals(redis)?;
+            // The totals span the warmup: per call of the whole run (`total_calls`).
+            side.cmds += r1.0 - r0.0;
+            side.scripts += r1.1 - r0.1;
+            side.script_us += r1.2 - r0.2;
             side.calls += r.total_calls;
-            side.p50.push(r.quantile_us(0.5));
         }
     }
     let [a, b] = out;
     Ok((a, b))
+}
+
+/// p50 latency (µs) of each of `shapes` over `window` after `warmup`, one connection
+/// making them by turns: pairs of one call each, the pair's order flipping every pair.
+async fn interleaved(
+    sc: &Sidecar,
+    shapes: &[Shape; 2],
+    warmup: std::time::Duration,
+    window: std::time::Duration,
+) -> Result<[f64; 2], String> {
+    use std::time::Instant;
+    let q = crate::frames::Requests::new();
+    let mut c = load::Conn::connect_version(&sc.socket, Some(3))
+        .await
+        .map_err(|e| e.to_string())?;
+    let mut ns: [Vec<u32>; 2] = [Vec::new(), Vec::new()];
+    let t0 = Instant::now();
+    let mut flip = 0;
+    while t0.elapsed() < warmup + window {
+        let counted = t0.elapsed() >= warmup;
+        for k in [flip, 1 - flip] {
+            let s = Instant::now();
+            c.call(&shapes[k], &q).await.map_err(|e| e.to_string())?;
+            if counted {
+                ns[k].push(u32::try_from(s.elapsed().as_nanos()).unwrap_or(u32::MAX));
+            }
+        }
+        flip = 1 - flip;
+    }
+    Ok(ns.map(|mut v| {
+        v.sort_unstable();
+        load::quantile_ns(&v, 0.5) / 1e3
+    }))
 }
 
 /// Calls of each kind [`round_trips`] watches.
