@@ -329,6 +329,8 @@ impl Scenario {
                 "leaked_holds",
                 "cost_ratio_memory",
                 "cost_ratio_redis",
+                "cost_added_us_memory",
+                "cost_added_us_redis",
                 "redis_round_trips_per_call",
                 "redis_round_trips_per_call_tenant",
             ],
