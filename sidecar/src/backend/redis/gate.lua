@@ -109,7 +109,9 @@
 -- is read with one HMGET of the fields the op needs and written with one HSET of the
 -- fields that changed; expiry is only touched when it must move. The common admission
 -- is TIME + HMGET q + HMGET b + HSET q; the common report TIME + HMGET b + HSET b,
--- plus HMGET q + HSET q when the charge differs from the reservation.
+-- plus HMGET q + HSET q when the charge differs from the reservation. §19: a tenant
+-- adds HMGET t + HSET t to an admission, and HINCRBY t to a report that gives nothing
+-- back (HMGET t + HSET t to one that does).
 --
 -- Times are this server's TIME in µs (exact in a double until 2^53 µs ≈ year 2255);
 -- durations cross as integer µs capped at 2^52, counts at 2^53, so the arithmetic here
