@@ -393,8 +393,11 @@ impl Gates {
             tenant: _, // the backend keeps tenants' ledgers beside the sources' gates
         } = r;
         if let Some(class) = class {
+            // §15 on the limits in force: `"auto"` as learned, scaled by §18's factor
+            // (the deficits are in that bucket's refill time, and so is the usage).
+            let eq = self.quota.effective(q, now);
             let deficits = self.quota.deficits(q, now);
-            if let Some((why, wait)) = self.classes.held(q, deficits, class, tokens, now) {
+            if let Some((why, wait)) = self.classes.held(&eq, deficits, class, tokens, now) {
                 let bucket = self.quota.wait(q, tokens, now);
                 return Admit::ClassHeld {
                     why,
@@ -415,7 +418,8 @@ impl Gates {
             };
         }
         if let Some(class) = class {
-            self.classes.take(q, &class.share().name, tokens, now);
+            let eq = self.quota.effective(q, now);
+            self.classes.take(&eq, &class.share().name, tokens, now);
         }
         Admit::Admitted {
             epoch: e.epoch,
@@ -446,7 +450,8 @@ impl Gates {
             self.quota.rate_limited(q, now);
         }
         if let Some(class) = class {
-            self.classes.settle(q, class, reserved, how, now);
+            let eq = self.quota.effective(q, now);
+            self.classes.settle(&eq, class, reserved, how, now);
         }
         self.quota.settle(q, reserved, how, now);
         if let Some(o) = observed {

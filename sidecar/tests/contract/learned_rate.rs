@@ -6,9 +6,9 @@
 
 use std::time::Duration;
 
-use polygate::backend::{Admit, AdmitRequest, Backend, Outcome, QuotaParams, ReportRequest};
+use polygate::backend::{Admit, AdmitRequest, Backend, Held, Outcome, QuotaParams, ReportRequest};
 
-use super::{assert_level, bp, ms, Harness, S1};
+use super::{assert_level, bp, classes, ms, Harness, S1};
 
 /// 10 requests per minute, learning with a recovery of 200,000 ppm a second.
 fn q() -> QuotaParams {
@@ -96,4 +96,55 @@ pub async fn a_predicted_429_or_one_of_a_source_that_does_not_learn_cuts_nothing
         9.0,
         "a source that does not learn",
     );
+}
+
+async fn admit_t<B: Backend>(b: &B, q: &QuotaParams, t: u64) -> u64 {
+    match b.admit(S1, AdmitRequest::new(&bp(), q, t)).await.unwrap() {
+        Admit::Admitted { epoch, .. } => epoch,
+        a => panic!("expected a grant, got {a:?}"),
+    }
+}
+
+async fn report_429_t<B: Backend>(b: &B, q: &QuotaParams, epoch: u64, t: u64) {
+    let p = bp();
+    let r = ReportRequest::new(
+        &p,
+        q,
+        epoch,
+        false,
+        t,
+        Outcome::RateLimited { retry_after: None },
+    );
+    b.report(S1, r).await.unwrap();
+}
+
+/// §15's class limits apply to the limit as learned: 10 rpm cut to 7/min, batch
+/// limited to 50 % of the bucket (30 s of its refill time) takes 3 calls of 8.6 s
+/// (at the uncut 10/min, 6 s each, it would take 5).
+pub async fn a_class_limit_follows_the_learned_rate<H: Harness>(h: &H) {
+    let b = h.fresh().await;
+    let q = QuotaParams {
+        rpm: Some(10),
+        learn: 1_000,
+        ..QuotaParams::default()
+    };
+    let e = admit_t(&b, &q, 0).await;
+    report_429_t(&b, &q, e, 0).await; // factor 0.7: 7/min
+    let batch = classes(1_000_000, 0, 500_000, 1);
+    let mut n = 0;
+    loop {
+        match b
+            .admit(S1, AdmitRequest::new(&bp(), &q, 0).class(&batch))
+            .await
+            .unwrap()
+        {
+            Admit::Admitted { .. } => n += 1,
+            Admit::ClassHeld {
+                why: Held::Limit, ..
+            } => break,
+            a => panic!("after {n} grants: {a:?}"),
+        }
+        assert!(n < 10, "the class limit never held");
+    }
+    assert_eq!(n, 3, "batch's 50 % of a bucket cut to 7/min");
 }

@@ -175,6 +175,17 @@ impl Quota {
         }
     }
 
+    /// The parameters in force at `now`: every `"auto"` limit as learned (§18) and
+    /// the per-minute limits scaled by the learned factor (§18 `learn_rate`); `q`
+    /// itself when neither applies. §15's class usage is kept in these limits.
+    pub fn effective<'a>(
+        &self,
+        q: &'a QuotaParams,
+        now: Duration,
+    ) -> std::borrow::Cow<'a, QuotaParams> {
+        self.eff(q, now)
+    }
+
     /// §18 `learn_rate`: the learned factor at `now`, ppm of the limit.
     pub fn rate_factor(&self, q: &QuotaParams, now: Duration) -> u32 {
         learn::factor(self.rate, q.learn, now)
