@@ -445,15 +445,18 @@ impl Gates {
             tenant: _,
         } = r;
         let how = outcome.settlement(reserved);
-        if let Outcome::RateLimited { .. } = outcome {
-            // §18 learn_rate: judged before this report settles or blocks anything.
-            self.quota.rate_limited(q, now);
-        }
         if let Some(class) = class {
             let eq = self.quota.effective(q, now);
             self.classes.settle(&eq, class, reserved, how, now);
         }
         self.quota.settle(q, reserved, how, now);
+        if let Outcome::RateLimited { .. } = outcome {
+            // §18 learn_rate: after this report's own settlement (its refund gives
+            // back what its reservation took, at the factor in force before the cut),
+            // before it blocks anything (a block already in force means the ledger
+            // knew).
+            self.quota.rate_limited(q, now);
+        }
         if let Some(o) = observed {
             self.quota.observe(q, o, now);
         }

@@ -1359,6 +1359,7 @@ macro_rules! contract_tests {
             auto_input_and_output_buckets_charge_their_share,
             a_429_cuts_the_rate_on_every_host_and_it_recovers,
             a_predicted_429_or_one_of_a_source_that_does_not_learn_cuts_nothing,
+            a_429_refunds_what_its_reservation_took_before_it_cuts,
             a_class_limit_follows_the_learned_rate,
             tenant_limit_refuses_before_the_source_and_takes_nothing,
             source_refusal_gives_the_tenant_everything_back,
