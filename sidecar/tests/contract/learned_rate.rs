@@ -6,7 +6,9 @@
 
 use std::time::Duration;
 
-use polygate::backend::{Admit, AdmitRequest, Backend, Held, Outcome, QuotaParams, ReportRequest};
+use polygate::backend::{
+    Admit, AdmitRequest, Backend, Dim, Held, Observation, Outcome, QuotaParams, ReportRequest,
+};
 
 use super::{assert_level, bp, classes, ms, Harness, S1};
 
@@ -166,4 +168,42 @@ pub async fn a_class_limit_follows_the_learned_rate<H: Harness>(h: &H) {
         assert!(n < 10, "the class limit never held");
     }
     assert_eq!(n, 3, "batch's 50 % of a bucket cut to 7/min");
+}
+
+/// An `"auto"` limit the provider changes while the factor is cut is followed: 1000
+/// → 1001 scales to 700 either way at 0.7, but the limit learned is the provider's.
+pub async fn an_auto_limit_changed_while_cut_is_followed<H: Harness>(h: &H) {
+    let b = h.fresh().await;
+    let q = QuotaParams {
+        tpm: None,
+        observe: true,
+        auto: 1,
+        learn: 200_000,
+        ..QuotaParams::default()
+    };
+    let o = |l: u64| Observation {
+        dims: [
+            Some(Dim {
+                limit: Some(l),
+                remaining: Some(l),
+                reset: None,
+            }),
+            None,
+            None,
+            None,
+        ],
+        age: Duration::ZERO,
+    };
+    let p = bp();
+    let ok = |e: u64| ReportRequest::new(&p, &q, e, false, 10u64, Outcome::success(Some(10)));
+    let e = admit_t(&b, &q, 10).await;
+    b.report(S1, ok(e).observed(&o(1_000))).await.unwrap();
+    let e = admit_t(&b, &q, 10).await;
+    report_429_t(&b, &q, e, 10).await; // factor 0.7
+    let e = admit_t(&b, &q, 10).await;
+    let seen = o(1_001);
+    b.report(S1, ok(e).observed(&seen)).await.unwrap();
+    h.advance(ms(1_600)).await; // whole again, the buckets refilled
+    let lvl = b.snapshot(S1, &bp(), &q).await.unwrap().levels[0];
+    assert_level(lvl, 1_001.0, "the limit the provider said last");
 }

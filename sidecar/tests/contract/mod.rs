@@ -1361,6 +1361,7 @@ macro_rules! contract_tests {
             a_predicted_429_or_one_of_a_source_that_does_not_learn_cuts_nothing,
             a_429_refunds_what_its_reservation_took_before_it_cuts,
             a_class_limit_follows_the_learned_rate,
+            an_auto_limit_changed_while_cut_is_followed,
             tenant_limit_refuses_before_the_source_and_takes_nothing,
             source_refusal_gives_the_tenant_everything_back,
             settlements_give_back_tokens_and_dollars,

@@ -698,12 +698,13 @@ local function qobserve(q)
   for i = 1, 4 do
     local f = QB[i].f
     local lim, rem, rst = arg(37 + 3 * i, -1), arg(38 + 3 * i, -1), arg(39 + 3 * i, -1)
-    if lim > 0 and is_auto(i) and qscale(q, lim) ~= q.lim[i] then
+    -- An "auto" limit is compared as the provider said it (not as scaled by the
+    -- learned factor, under which 1000 and 1001 may scale alike).
+    if lim > 0 and is_auto(i) and lim ~= q.rl[i] then
       qput(q, 'l:' .. f, lim)
       q.learned = true
       if q.lim[i] <= 0 then q[f] = max(tonumber(q.raw[QB[i].at]) or now, now) end
       qshape(q, i, lim)
-      lim = q.lim[i]
     end
     if rem >= 0 then
       qput(q, 'o:' .. f, rem)
