@@ -444,8 +444,10 @@ local function qput(q, f, x)
 end
 
 -- §18 learn_rate: the factor at now from field 'ar' (`text`; absent = whole): q.rf, and
--- the last cut's q.lat. Every product stays below 2^53 (floor(d × r / 1e6) computed
--- in two parts).
+-- the last cut's q.lat. A cut dated ahead of this clock (a failover to a server whose
+-- clock is behind) is re-dated now and written so: recovery and the next cut run from
+-- here, not from when the clock catches up. Every product stays below 2^53
+-- (floor(d × r / 1e6) computed in two parts).
 local function qlearn(q, learn, text)
   local ppm, at = LWHOLE, nil
   if text then
@@ -454,7 +456,11 @@ local function qlearn(q, learn, text)
   end
   local f = ppm
   if at then
-    local d = max(now - at, 0)
+    if at > now then
+      at = now
+      qput(q, 'ar', format('%d %d', ppm, at))
+    end
+    local d = now - at
     local up = floor(d / 1000000) * learn + floor((d % 1000000) * learn / 1000000)
     f = min(LWHOLE, ppm + up)
   end

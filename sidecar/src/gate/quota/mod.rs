@@ -118,6 +118,7 @@ impl Quota {
     /// Gate 3: take the reservation `t` (and one request), or nothing.
     pub fn reserve(&mut self, q: &QuotaParams, t: impl Into<Tokens>, now: Duration) -> Reserve {
         let t = t.into();
+        self.redate(now);
         let wait = self.wait(q, t, now).max(self.unlearned_wait(q));
         if !wait.is_zero() {
             return Reserve::Denied { retry_after: wait };
@@ -147,6 +148,7 @@ impl Quota {
         now: Duration,
     ) {
         let reserved = reserved.into();
+        self.redate(now);
         self.track(q, reserved, false);
         let q = &*self.eff(q, now);
         let c = q.credits(reserved, how);
@@ -170,6 +172,7 @@ impl Quota {
         if q.learn == 0 {
             return;
         }
+        self.redate(now);
         if let Some(r) = learn::cut(self.rate, q.learn, self.blocked_until > now, now) {
             self.rate = Some(r);
         }
@@ -184,6 +187,12 @@ impl Quota {
         now: Duration,
     ) -> std::borrow::Cow<'a, QuotaParams> {
         self.eff(q, now)
+    }
+
+    /// §18 `learn_rate`: a cut dated after `now` is re-dated `now`
+    /// ([`learn::LearnedRate::redated`]).
+    fn redate(&mut self, now: Duration) {
+        self.rate = self.rate.map(|r| r.redated(now));
     }
 
     /// §18 `learn_rate`: the learned factor at `now`, ppm of the limit.
