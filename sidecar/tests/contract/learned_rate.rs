@@ -56,8 +56,11 @@ pub async fn a_429_cuts_the_rate_on_every_host_and_it_recovers<H: Harness>(h: &H
     report_429(&one, &q, e, None).await;
     // The other host reads the limit cut to 7/min: 7 − 6 s × 7/60.
     assert_level(rpm_level(two, &q).await, 6.3, "cut ×0.7 on the other host");
+    // Half a second later the factor reads 0.8 (0.7 + 0.5 s × 20 %/s): 8 − 5.5 s × 8/60.
+    h.advance(ms(500)).await;
+    assert_level(rpm_level(two, &q).await, 7.27, "recovering: 0.8 of the limit");
     // Recovery: 1.6 s at +20 %/s brings the factor back to whole: 10 − 4.4 s × 10/60.
-    h.advance(ms(1_600)).await;
+    h.advance(ms(1_100)).await;
     assert_level(rpm_level(&one, &q).await, 9.27, "recovered to the limit");
     // A later 429 (over a second after the cut) cuts again, and the other host
     // admits what 7/min leaves: 7 − (4.4 + 6) s × 7/60 = 5.79, so five calls.
@@ -137,6 +140,25 @@ pub async fn a_429_refunds_what_its_reservation_took_before_it_cuts<H: Harness>(
     report_429_t(&b, &q, a, 1_000).await;
     let lvl = b.snapshot(S1, &bp(), &q).await.unwrap().levels[0];
     assert_level(lvl, 3_500.0, "the 429's own reservation refunded, then the cut");
+}
+
+/// Two 429s within a second, from two hosts, cut once (`CUT_EVERY`, `gate.lua`
+/// `LCUT_EVERY`): 70 − 1.2 s × 70/60 = 68.6 (two cuts: 49 − 1.2 s × 49/60 = 48.0).
+pub async fn two_429s_within_a_second_cut_once_across_hosts<H: Harness>(h: &H) {
+    let one = h.fresh().await;
+    let two = h.second(&one).await;
+    let two = two.as_ref().unwrap_or(&one);
+    let q = QuotaParams {
+        rpm: Some(100),
+        learn: 1_000,
+        ..QuotaParams::default()
+    };
+    let e1 = admit_t(&one, &q, 0).await;
+    let e2 = admit_t(two, &q, 0).await;
+    report_429_t(&one, &q, e1, 0).await;
+    report_429_t(two, &q, e2, 0).await;
+    let lvl = one.snapshot(S1, &bp(), &q).await.unwrap().levels[1];
+    assert_level(lvl, 68.6, "one cut for the 429s of one second");
 }
 
 /// §15's class limits apply to the limit as learned: 10 rpm cut to 7/min, batch
