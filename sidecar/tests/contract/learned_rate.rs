@@ -124,22 +124,23 @@ async fn report_429_t<B: Backend>(b: &B, q: &QuotaParams, epoch: u64, t: u64) {
 }
 
 /// A 429's token refund gives back what its reservation took, not 1/0.7 of it: the
-/// report settles at the factor in force before its cut, then cuts. 6000 tpm, two
-/// calls of 1000 tokens in flight (20 s of refill at 100/s); the 429 refunds its 10 s
-/// and cuts to 4200 tpm: 4200 − 10 s × 70/s = 3500 (a refund converted at the cut
-/// rate, 1000 tokens = 14.3 s, would leave 3800).
+/// report settles at the factor in force before its cut, then cuts. 60 tpm (slow
+/// enough that a real-time backend's milliseconds do not show), two calls of 10
+/// tokens in flight (20 s of refill); the 429 refunds its 10 s and cuts to 42 tpm:
+/// 42 − 10 s × 0.7/s = 35 (a refund converted at the cut rate, 10 tokens = 14.3 s,
+/// would leave 38).
 pub async fn a_429_refunds_what_its_reservation_took_before_it_cuts<H: Harness>(h: &H) {
     let b = h.fresh().await;
     let q = QuotaParams {
-        tpm: Some(6_000),
+        tpm: Some(60),
         learn: 1_000,
         ..QuotaParams::default()
     };
-    let a = admit_t(&b, &q, 1_000).await;
-    let _other = admit_t(&b, &q, 1_000).await; // still in flight
-    report_429_t(&b, &q, a, 1_000).await;
+    let a = admit_t(&b, &q, 10).await;
+    let _other = admit_t(&b, &q, 10).await; // still in flight
+    report_429_t(&b, &q, a, 10).await;
     let lvl = b.snapshot(S1, &bp(), &q).await.unwrap().levels[0];
-    assert_level(lvl, 3_500.0, "the 429's own reservation refunded, then the cut");
+    assert_level(lvl, 35.0, "the 429's own reservation refunded, then the cut");
 }
 
 /// Two 429s within a second, from two hosts, cut once (`CUT_EVERY`, `gate.lua`
