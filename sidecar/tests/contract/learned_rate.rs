@@ -58,7 +58,11 @@ pub async fn a_429_cuts_the_rate_on_every_host_and_it_recovers<H: Harness>(h: &H
     assert_level(rpm_level(two, &q).await, 6.3, "cut ×0.7 on the other host");
     // Half a second later the factor reads 0.8 (0.7 + 0.5 s × 20 %/s): 8 − 5.5 s × 8/60.
     h.advance(ms(500)).await;
-    assert_level(rpm_level(two, &q).await, 7.27, "recovering: 0.8 of the limit");
+    assert_level(
+        rpm_level(two, &q).await,
+        7.27,
+        "recovering: 0.8 of the limit",
+    );
     // Recovery: 1.6 s at +20 %/s brings the factor back to whole: 10 − 4.4 s × 10/60.
     h.advance(ms(1_100)).await;
     assert_level(rpm_level(&one, &q).await, 9.27, "recovered to the limit");
@@ -140,7 +144,11 @@ pub async fn a_429_refunds_what_its_reservation_took_before_it_cuts<H: Harness>(
     let _other = admit_t(&b, &q, 10).await; // still in flight
     report_429_t(&b, &q, a, 10).await;
     let lvl = b.snapshot(S1, &bp(), &q).await.unwrap().levels[0];
-    assert_level(lvl, 35.0, "the 429's own reservation refunded, then the cut");
+    assert_level(
+        lvl,
+        35.0,
+        "the 429's own reservation refunded, then the cut",
+    );
 }
 
 /// Two 429s within a second, from two hosts, cut once (`CUT_EVERY`, `gate.lua`

@@ -189,7 +189,11 @@ mod tests {
         assert_eq!(here.at, s(40), "dated now, not 60 s from now");
         assert_eq!(here.factor(r, s(42)), 710_000, "it recovers from now");
         assert_eq!(ahead.redated(s(200)), ahead, "a cut in the past stays");
-        assert_eq!(cut(Some(ahead), r, false, s(40)), None, "now is the cut's moment");
+        assert_eq!(
+            cut(Some(ahead), r, false, s(40)),
+            None,
+            "now is the cut's moment"
+        );
         assert_eq!(
             cut(Some(here), r, false, s(41)).map(|c| c.ppm),
             Some(493_500),
