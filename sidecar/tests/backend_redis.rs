@@ -312,7 +312,10 @@ async fn a_learned_factor_dated_ahead_is_redated_and_has_a_floor() {
     learning_429(&b, &q).await; // a write: re-dated, and too soon to cut again
     let (ppm, at) = field_ar(&srv, &b, "s1");
     assert_eq!(ppm, 700_000, "no cut within a second of the re-dated one");
-    assert!(at <= server_us(&srv), "re-dated to the server's now: {at} vs {ahead}");
+    assert!(
+        at <= server_us(&srv),
+        "re-dated to the server's now: {at} vs {ahead}"
+    );
     tokio::time::sleep(ms(1_100)).await;
     learning_429(&b, &q).await;
     let (ppm, _) = field_ar(&srv, &b, "s1");
@@ -754,6 +757,40 @@ async fn degrades_to_local_when_killed_and_restores_when_back() {
     // Back on Redis: state lands in the (fresh) server.
     admit_report(&b, "s1").await;
     assert_eq!(srv.cli(&["EXISTS", &b.breaker_key("s1")]).trim(), "1");
+}
+
+/// §10 × §18 `learn_rate`: a host that degrades keeps the factor learned from the
+/// 429s (the admit and report replies carry it), so its local quota runs at its share
+/// of the cut limit, not of the whole one: 600 rpm cut to 420 (a source that does not
+/// learn, beside it, keeps its 600).
+#[tokio::test]
+async fn a_degraded_host_keeps_the_learned_factor() {
+    let Some(mut srv) = RedisServer::start() else {
+        return;
+    };
+    let b = backend(&srv, &prefix(), ms(200), OnBackendError::Local).await;
+    let q = QuotaParams {
+        learn: 1_000,
+        ..qp()
+    };
+    learning_429(&b, &q).await; // factor 0.7 on Redis
+    admit_report(&b, "s2").await; // a source that does not learn
+    srv.kill();
+    let rpm = |s: &'static str, q: QuotaParams| {
+        let b = &b;
+        async move {
+            let snap = b.snapshot(s, &bp(), &q).await.unwrap();
+            assert!(b.degraded(s), "{s} served locally");
+            snap.levels[1].unwrap()
+        }
+    };
+    let cut = rpm("s1", q).await;
+    let whole = rpm("s2", qp()).await;
+    let ratio = cut / whole;
+    assert!(
+        (0.69..=0.71).contains(&ratio),
+        "local rpm {cut} of {whole}: the factor 0.7 carried into degraded mode"
+    );
 }
 
 #[tokio::test]

@@ -396,6 +396,17 @@ local function applied_reply(b, ok)
   return { a, b.st, b.e, bra(b), b.k, b.trip or 0 }
 end
 
+-- §18 learn_rate (§10): a reply of admit or report on a source that learns ends with the
+-- factor in force (ppm, element 7; element 6 filled with -1 where the reply has none),
+-- so a host knows it when Redis goes away and its local fallback starts from it.
+local function with_factor(q, r)
+  if q and q.rf then
+    if r[6] == nil then r[6] = -1 end
+    r[7] = q.rf
+  end
+  return r
+end
+
 local function publish(what)
   redis.call('PUBLISH', A[22], what .. ' ' .. A[23])
 end
@@ -1137,15 +1148,15 @@ local function gate(keys, args)
     if cl then
       cload(q, cl)
       local cw, why = cwait(q, cl, mi)
-      if cw > 0 then return { 3, why, 0, 0, max(cw, wait) } end
+      if cw > 0 then return with_factor(q, { 3, why, 0, 0, max(cw, wait) }) end
     end
     -- §18: an "auto" bucket not learned yet admits one call at a time.
     if q.unlearned and q.fl[2] > 0 then wait = max(wait, 1000000) end
-    if wait > 0 then return { 1, 0, 0, 0, wait } end
+    if wait > 0 then return with_factor(q, { 1, 0, 0, 0, wait }) end
     local b = bload(false)
     local g, p = try_enter(b)
     bsave_p(b)
-    if not g then return { 2, b.e, 0, b.st, bra(b) } end
+    if not g then return with_factor(q, { 2, b.e, 0, b.st, bra(b) }) end
     qdebit(q)
     qtrack(q, 1)
     if cl then ctake(q, cl[mi]) end
@@ -1155,15 +1166,15 @@ local function gate(keys, args)
       day = ttake(t)
       tsave(t)
     end
-    if p then return { 0, b.e, 1, b.st, 0, day } end
-    return { 0, b.e, 0, b.st, 0, day }
+    return with_factor(q, { 0, b.e, p and 1 or 0, b.st, 0, day })
 
   elseif op == 'report' then
     -- Settle (the caller computed the credits), then the verdict.
     local block = arg(20, -1)
+    local q
     if arg(18, 0) ~= 0 or arg(19, 0) ~= 0 or block >= 0 or arg(34, 0) ~= 0
         or arg(35, 0) ~= 0 or arg(37, 0) == 1 or arg(54, 0) == 1 then
-      local q = qload()
+      q = qload()
       qcredit(q)
       qtrack(q, -1)
       local class = A[24]
@@ -1185,7 +1196,7 @@ local function gate(keys, args)
       a = neutral(b)
     end
     bsave_p(b)
-    return applied_reply(b, a)
+    return with_factor(q, applied_reply(b, a))
 
   elseif op == 'try_enter' then
     local b = bload(false)

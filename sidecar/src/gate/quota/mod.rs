@@ -195,6 +195,12 @@ impl Quota {
         self.rate = self.rate.map(|r| r.redated(now));
     }
 
+    /// §18 `learn_rate`, §10: start from the factor `ppm` as of `at` (what a shared
+    /// backend's host last read, for its local fallback); it recovers from then.
+    pub fn seed_rate(&mut self, ppm: u32, at: Duration) {
+        self.rate = (ppm < PPM_WHOLE).then_some(learn::LearnedRate { ppm, at });
+    }
+
     /// §18 `learn_rate`: the learned factor at `now`, ppm of the limit.
     pub fn rate_factor(&self, q: &QuotaParams, now: Duration) -> u32 {
         learn::factor(self.rate, q.learn, now)
