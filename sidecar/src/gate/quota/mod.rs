@@ -165,9 +165,10 @@ impl Quota {
         }
     }
 
-    /// §18 `learn_rate`: a 429 reported at `now`, before its settlement and its
-    /// block: unless a block was already in force (the ledger knew), it may cut the
-    /// learned factor ([`learn::cut`]). Nothing for a source that does not learn.
+    /// §18 `learn_rate`: a 429 reported at `now`, after its settlement (at the
+    /// factor before the cut) and before its block: unless a block was already in
+    /// force (the ledger knew), it may cut the learned factor ([`learn::cut`]).
+    /// Nothing for a source that does not learn.
     pub fn rate_limited(&mut self, q: &QuotaParams, now: Duration) {
         if q.learn == 0 {
             return;
