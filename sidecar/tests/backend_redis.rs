@@ -256,6 +256,82 @@ async fn a_learning_source_costs_the_same_commands_and_keeps_its_factor() {
     assert!((418.0..=420.0).contains(&rpm), "rpm level {rpm}");
 }
 
+/// The server's clock, µs (`TIME`).
+fn server_us(srv: &RedisServer) -> i64 {
+    let t = srv.cli(&["TIME"]);
+    let mut it = t.split_whitespace().map(|x| x.parse::<i64>().unwrap());
+    it.next().unwrap() * 1_000_000 + it.next().unwrap()
+}
+
+/// The learned factor in the quota hash's field `ar`: (ppm, at µs).
+fn field_ar(srv: &RedisServer, b: &RedisBackend, source: &str) -> (i64, i64) {
+    let ar = srv.cli(&["HGET", &b.quota_key(source), "ar"]);
+    let mut it = ar.split_whitespace().map(|x| x.parse::<i64>().unwrap());
+    (it.next().unwrap(), it.next().unwrap())
+}
+
+async fn learning_429(b: &RedisBackend, q: &QuotaParams) {
+    let Admit::Admitted { epoch, .. } = b
+        .admit("s1", AdmitRequest::new(&bp(), q, 10))
+        .await
+        .unwrap()
+    else {
+        panic!("admit refused")
+    };
+    let p = bp();
+    let r = ReportRequest::new(
+        &p,
+        q,
+        epoch,
+        false,
+        10u64,
+        Outcome::RateLimited { retry_after: None },
+    );
+    b.report("s1", r).await.unwrap();
+}
+
+/// §18 `learn_rate` in `gate.lua`: a cut dated ahead of the server's clock (written by
+/// a server whose clock was ahead, before a failover) is re-dated now on the next
+/// write, so the factor recovers, and cuts again, from now rather than from when the
+/// clock catches up (a minute here); and the factor never falls below 5 %.
+#[tokio::test]
+async fn a_learned_factor_dated_ahead_is_redated_and_has_a_floor() {
+    let Some(srv) = RedisServer::start() else {
+        return;
+    };
+    let b = backend(&srv, &prefix(), ms(500), OnBackendError::FailClosed).await;
+    b.stop_heartbeat();
+    let q = QuotaParams {
+        learn: 200_000,
+        ..qp()
+    };
+    learning_429(&b, &q).await;
+    let qk = b.quota_key("s1");
+    let ahead = server_us(&srv) + 60_000_000;
+    srv.cli(&["HSET", &qk, "ar", &format!("700000 {ahead}")]);
+    learning_429(&b, &q).await; // a write: re-dated, and too soon to cut again
+    let (ppm, at) = field_ar(&srv, &b, "s1");
+    assert_eq!(ppm, 700_000, "no cut within a second of the re-dated one");
+    assert!(
+        at <= server_us(&srv),
+        "re-dated to the server's now: {at} vs {ahead}"
+    );
+    tokio::time::sleep(ms(1_100)).await;
+    learning_429(&b, &q).await;
+    let (ppm, _) = field_ar(&srv, &b, "s1");
+    // 0.7 of 0.7 + ≥ 1.1 s × 20 %/s (whole after 1.5 s): a cut from the recovered one.
+    assert!(
+        (644_000..=700_000).contains(&ppm) && ppm != 700_000,
+        "cut again a second after the re-dating: {ppm}"
+    );
+    // The floor: a factor of 6 % cut ×0.7 stays at 5 %.
+    let past = server_us(&srv) - 5_000_000;
+    srv.cli(&["HSET", &qk, "ar", &format!("60000 {past}")]);
+    let slow = QuotaParams { learn: 1, ..qp() };
+    learning_429(&b, &slow).await;
+    assert_eq!(field_ar(&srv, &b, "s1").0, 50_000, "never below 5 %");
+}
+
 #[tokio::test]
 async fn keys_are_hash_tagged_and_expire() {
     let Some(srv) = RedisServer::start() else {
@@ -681,6 +757,40 @@ async fn degrades_to_local_when_killed_and_restores_when_back() {
     // Back on Redis: state lands in the (fresh) server.
     admit_report(&b, "s1").await;
     assert_eq!(srv.cli(&["EXISTS", &b.breaker_key("s1")]).trim(), "1");
+}
+
+/// §10 × §18 `learn_rate`: a host that degrades keeps the factor learned from the
+/// 429s (the admit and report replies carry it), so its local quota runs at its share
+/// of the cut limit, not of the whole one: 600 rpm cut to 420 (a source that does not
+/// learn, beside it, keeps its 600).
+#[tokio::test]
+async fn a_degraded_host_keeps_the_learned_factor() {
+    let Some(mut srv) = RedisServer::start() else {
+        return;
+    };
+    let b = backend(&srv, &prefix(), ms(200), OnBackendError::Local).await;
+    let q = QuotaParams {
+        learn: 1_000,
+        ..qp()
+    };
+    learning_429(&b, &q).await; // factor 0.7 on Redis
+    admit_report(&b, "s2").await; // a source that does not learn
+    srv.kill();
+    let rpm = |s: &'static str, q: QuotaParams| {
+        let b = &b;
+        async move {
+            let snap = b.snapshot(s, &bp(), &q).await.unwrap();
+            assert!(b.degraded(s), "{s} served locally");
+            snap.levels[1].unwrap()
+        }
+    };
+    let cut = rpm("s1", q).await;
+    let whole = rpm("s2", qp()).await;
+    let ratio = cut / whole;
+    assert!(
+        (0.69..=0.71).contains(&ratio),
+        "local rpm {cut} of {whole}: the factor 0.7 carried into degraded mode"
+    );
 }
 
 #[tokio::test]

@@ -122,7 +122,8 @@ impl MemoryBackend {
     /// §10: start `source` afresh from what a shared backend's host last read of it
     /// (its local fallback's state when Redis cannot be read): OPEN until the known
     /// deadline, or with a probe due (which [`MemoryBackend::admit_no_probe`] never
-    /// grants), the quota blocked as long as it was known to be; buckets full. The
+    /// grants), the quota blocked as long as it was known to be, §18's learned factor
+    /// as it was read; buckets full. The
     /// epoch moves on from the cell's (never back: a permit granted by an earlier
     /// fallback period stays fenced).
     pub fn seed(&self, source: &str, seed: Seed) -> BResult<()> {
@@ -140,6 +141,9 @@ impl MemoryBackend {
             }
             if !seed.blocked_for.is_zero() {
                 c.quota.block(seed.blocked_for, now);
+            }
+            if let Some((ppm, age)) = seed.rate {
+                c.quota.seed_rate(ppm, now.saturating_sub(age));
             }
             if let Some(d) = self.drain.get(source) {
                 d.store(seed.quota_spent, Ordering::Relaxed);
@@ -216,6 +220,9 @@ pub struct Seed {
     /// The shared quota was seen refusing lately: the buckets start empty (drained
     /// by the next admission), not full.
     pub quota_spent: bool,
+    /// §18 `learn_rate`: the learned factor (ppm of the limit, below the whole) as
+    /// read this long ago: the local quota runs at it, recovering from then.
+    pub rate: Option<(u32, Duration)>,
 }
 
 /// The epoch, when the next `try_enter` would grant a probe (HALF_OPEN, or OPEN past

@@ -393,8 +393,11 @@ impl Gates {
             tenant: _, // the backend keeps tenants' ledgers beside the sources' gates
         } = r;
         if let Some(class) = class {
+            // §15 on the limits in force: `"auto"` as learned, scaled by §18's factor
+            // (the deficits are in that bucket's refill time, and so is the usage).
+            let eq = self.quota.effective(q, now);
             let deficits = self.quota.deficits(q, now);
-            if let Some((why, wait)) = self.classes.held(q, deficits, class, tokens, now) {
+            if let Some((why, wait)) = self.classes.held(&eq, deficits, class, tokens, now) {
                 let bucket = self.quota.wait(q, tokens, now);
                 return Admit::ClassHeld {
                     why,
@@ -415,7 +418,8 @@ impl Gates {
             };
         }
         if let Some(class) = class {
-            self.classes.take(q, &class.share().name, tokens, now);
+            let eq = self.quota.effective(q, now);
+            self.classes.take(&eq, &class.share().name, tokens, now);
         }
         Admit::Admitted {
             epoch: e.epoch,
@@ -441,14 +445,18 @@ impl Gates {
             tenant: _,
         } = r;
         let how = outcome.settlement(reserved);
-        if let Outcome::RateLimited { .. } = outcome {
-            // §18 learn_rate: judged before this report settles or blocks anything.
-            self.quota.rate_limited(q, now);
-        }
         if let Some(class) = class {
-            self.classes.settle(q, class, reserved, how, now);
+            let eq = self.quota.effective(q, now);
+            self.classes.settle(&eq, class, reserved, how, now);
         }
         self.quota.settle(q, reserved, how, now);
+        if let Outcome::RateLimited { .. } = outcome {
+            // §18 learn_rate: after this report's own settlement (its refund gives
+            // back what its reservation took, at the factor in force before the cut),
+            // before it blocks anything (a block already in force means the ledger
+            // knew).
+            self.quota.rate_limited(q, now);
+        }
         if let Some(o) = observed {
             self.quota.observe(q, o, now);
         }

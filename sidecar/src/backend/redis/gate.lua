@@ -398,6 +398,17 @@ local function applied_reply(b, ok)
   return { a, b.st, b.e, bra(b), b.k, b.trip or 0 }
 end
 
+-- §18 learn_rate (§10): a reply of admit or report on a source that learns ends with the
+-- factor in force (ppm, element 7; element 6 filled with -1 where the reply has none),
+-- so a host knows it when Redis goes away and its local fallback starts from it.
+local function with_factor(q, r)
+  if q and q.rf then
+    if r[6] == nil then r[6] = -1 end
+    r[7] = q.rf
+  end
+  return r
+end
+
 local function publish(what)
   redis.call('PUBLISH', A[22], what .. ' ' .. A[23])
 end
@@ -416,7 +427,7 @@ end
 -- ones only when some of them is configured.
 -- Scratch arrays of the one quota a call loads (module locals reused across calls,
 -- so a call allocates no table for them; qload resets what it does not overwrite).
-local QCAPS, QLIM, QON, QAMT = {}, {}, {}, {}
+local QCAPS, QLIM, QRAW, QON, QAMT = {}, {}, {}, {}, {}
 
 local QB = {
   { f = 'tt', lim = 11, n = 't', per = MIN, at = 1 },
@@ -439,10 +450,17 @@ local function is_auto(i)
   return i <= 4 and floor(arg(38, 0) / 2 ^ (i - 1)) % 2 == 1
 end
 
--- §18 learn_rate: the factor at now from field 'ar' (`text`; absent = whole), and on a
--- 429 report (slot 54) the cut: unless a block is in force (the ledger knew) or the
--- last cut is under LCUT_EVERY old, ×0.7 (at least LFLOOR), dated now, queued for
--- qsave. Every product stays below 2^53 (floor(d × r / 1e6) computed in two parts).
+-- Queue field `f` = `x` for qsave.
+local function qput(q, f, x)
+  q[f] = x
+  q.w[#q.w + 1] = f
+end
+
+-- §18 learn_rate: the factor at now from field 'ar' (`text`; absent = whole): q.rf, and
+-- the last cut's q.lat. A cut dated ahead of this clock (a failover to a server whose
+-- clock is behind) is re-dated now and written so: recovery and the next cut run from
+-- here, not from when the clock catches up. Every product stays below 2^53
+-- (floor(d × r / 1e6) computed in two parts).
 local function qlearn(q, learn, text)
   local ppm, at = LWHOLE, nil
   if text then
@@ -451,17 +469,15 @@ local function qlearn(q, learn, text)
   end
   local f = ppm
   if at then
-    local d = max(now - at, 0)
+    if at > now then
+      at = now
+      qput(q, 'ar', format('%d %d', ppm, at))
+    end
+    local d = now - at
     local up = floor(d / 1000000) * learn + floor((d % 1000000) * learn / 1000000)
     f = min(LWHOLE, ppm + up)
   end
-  if arg(54, 0) == 1 and q.bu <= now and (at == nil or now - at >= LCUT_EVERY) then
-    ppm, at = max(LFLOOR, floor(f * 7 / 10)), now
-    f = ppm
-    q.ar = format('%d %d', ppm, at)
-    q.w[#q.w + 1] = 'ar'
-  end
-  q.rf, q.learn = f, learn
+  q.rf, q.lat, q.learn = f, at, learn
   -- Until the factor is whole again the hash must not expire (qsave).
   if at and f < LWHOLE then q.lwhole = at + ceil((LWHOLE - ppm) * 1000000 / learn) end
 end
@@ -472,6 +488,40 @@ local function qscale(q, l)
   if f == nil or f >= LWHOLE or l <= 0 then return l end
   local a = floor(l / 1000000)
   return max(1, a * f + floor((l - a * 1000000) * f / 1000000))
+end
+
+-- Bucket i's limit and capacity from its limit `l` as configured or learned (-1 =
+-- disabled; kept in q.rl[i] for a per-minute one, which runs at `l` scaled by the
+-- learned factor), a per-minute one holding limit x burst / 1 min (§7a).
+local function qshape(q, i, l)
+  local b = QB[i]
+  if i <= 4 then
+    q.rl[i] = l
+    l = qscale(q, l)
+  end
+  local c = l
+  local burst = q.burst
+  if l > 0 and b.per == MIN and burst > 0 and burst < MIN then
+    c = max(1, floor(l * burst / MIN))
+  end
+  q.lim[i], q.caps[i] = l, c
+end
+
+-- §18 learn_rate, a 429 report (slot 54), after the report's own settlement (its
+-- refund gives back what its reservation took, at the factor in force before the cut)
+-- and before its block: unless a block is in force (the ledger knew) or the last cut is
+-- under LCUT_EVERY old, the factor is cut ×0.7 (at least LFLOOR), dated now, and the
+-- per-minute buckets run at the cut limits from here on.
+local function qcut(q)
+  if q.learn == nil or arg(54, 0) ~= 1 or q.bu > now then return end
+  if q.lat ~= nil and now - q.lat < LCUT_EVERY then return end
+  local ppm = max(LFLOOR, floor(q.rf * 7 / 10))
+  q.rf, q.lat = ppm, now
+  qput(q, 'ar', format('%d %d', ppm, now))
+  q.lwhole = now + ceil((LWHOLE - ppm) * 1000000 / q.learn)
+  for i = 1, 4 do
+    if q.rl[i] > 0 then qshape(q, i, q.rl[i]) end
+  end
 end
 
 local function qload()
@@ -498,11 +548,10 @@ local function qload()
   else
     v = redis.call('HMGET', K[2], 'tt', 'rt', 'bu', 'x')
   end
-  local burst = arg(27, 0)
   -- on: the enabled buckets' indices; amt[i]: bucket i's share of the reservation
   -- (slots 13, 32, 33), parsed once.
   local q = { bu = tonumber(v[3]) or 0, x = tonumber(v[4]), w = clear(QW), caps = QCAPS,
-    lim = QLIM, on = clear(QON), amt = QAMT }
+    lim = QLIM, rl = QRAW, on = clear(QON), amt = QAMT, burst = arg(27, 0) }
   local tok, tin, tout = arg(13, 0), 0, 0
   if top > 2 then tin, tout = arg(32, 0), arg(33, 0) end
   if learn > 0 then qlearn(q, learn, v[ai]) end
@@ -529,12 +578,7 @@ local function qload()
       l = tonumber(v[13 + i]) or -1
       if l <= 0 then q.unlearned = true else q.learned = true end
     end
-    if i <= 4 then l = qscale(q, l) end
-    local c = l
-    if l > 0 and b.per == MIN and burst > 0 and burst < MIN then
-      c = max(1, floor(l * burst / MIN))
-    end
-    q.lim[i], q.caps[i] = l, c
+    qshape(q, i, l)
     if l > 0 then
       q[b.f] = max(tonumber(v[b.at]) or now, now)
       q.on[#q.on + 1] = i
@@ -623,12 +667,6 @@ local function qblock(q, d)
   end
 end
 
--- Queue field `f` = `x` for qsave.
-local function qput(q, f, x)
-  q[f] = x
-  q.w[#q.w + 1] = f
-end
-
 -- §18: count the reservation (slots 13, 32, 33 and one request) in (+1) or out (-1)
 -- of the in-flight fields, never below 0. With a host (slot 52) the host's own counts
 -- ('h:<host>') move too, and a release takes out at most what that host still counts:
@@ -679,15 +717,13 @@ local function qobserve(q)
   for i = 1, 4 do
     local f = QB[i].f
     local lim, rem, rst = arg(37 + 3 * i, -1), arg(38 + 3 * i, -1), arg(39 + 3 * i, -1)
-    if lim > 0 and is_auto(i) and qscale(q, lim) ~= q.lim[i] then
+    -- An "auto" limit is compared as the provider said it (not as scaled by the
+    -- learned factor, under which 1000 and 1001 may scale alike).
+    if lim > 0 and is_auto(i) and lim ~= q.rl[i] then
       qput(q, 'l:' .. f, lim)
       q.learned = true
-      lim = qscale(q, lim)
-      local c = lim
-      local burst = arg(27, 0)
-      if burst > 0 and burst < MIN then c = max(1, floor(lim * burst / MIN)) end
       if q.lim[i] <= 0 then q[f] = max(tonumber(q.raw[QB[i].at]) or now, now) end
-      q.lim[i], q.caps[i] = lim, c
+      qshape(q, i, lim)
     end
     if rem >= 0 then
       qput(q, 'o:' .. f, rem)
@@ -1114,15 +1150,15 @@ local function gate(keys, args)
     if cl then
       cload(q, cl)
       local cw, why = cwait(q, cl, mi)
-      if cw > 0 then return { 3, why, 0, 0, max(cw, wait) } end
+      if cw > 0 then return with_factor(q, { 3, why, 0, 0, max(cw, wait) }) end
     end
     -- §18: an "auto" bucket not learned yet admits one call at a time.
     if q.unlearned and q.fl[2] > 0 then wait = max(wait, 1000000) end
-    if wait > 0 then return { 1, 0, 0, 0, wait } end
+    if wait > 0 then return with_factor(q, { 1, 0, 0, 0, wait }) end
     local b = bload(false)
     local g, p = try_enter(b)
     bsave_p(b)
-    if not g then return { 2, b.e, 0, b.st, bra(b) } end
+    if not g then return with_factor(q, { 2, b.e, 0, b.st, bra(b) }) end
     qdebit(q)
     qtrack(q, 1)
     if cl then ctake(q, cl[mi]) end
@@ -1132,19 +1168,20 @@ local function gate(keys, args)
       day = ttake(t)
       tsave(t)
     end
-    if p then return { 0, b.e, 1, b.st, 0, day } end
-    return { 0, b.e, 0, b.st, 0, day }
+    return with_factor(q, { 0, b.e, p and 1 or 0, b.st, 0, day })
 
   elseif op == 'report' then
     -- Settle (the caller computed the credits), then the verdict.
     local block = arg(20, -1)
+    local q
     if arg(18, 0) ~= 0 or arg(19, 0) ~= 0 or block >= 0 or arg(34, 0) ~= 0
         or arg(35, 0) ~= 0 or arg(37, 0) == 1 or arg(54, 0) == 1 then
-      local q = qload()
+      q = qload()
       qcredit(q)
       qtrack(q, -1)
       local class = A[24]
       if class ~= nil and class ~= '' then csettle(q, class) end
+      qcut(q)
       if block >= 0 then qblock(q, block) end
       qobserve(q)
       qsave(q)
@@ -1161,7 +1198,7 @@ local function gate(keys, args)
       a = neutral(b)
     end
     bsave_p(b)
-    return applied_reply(b, a)
+    return with_factor(q, applied_reply(b, a))
 
   elseif op == 'try_enter' then
     local b = bload(false)

@@ -281,7 +281,7 @@ impl RedisBackend {
             Ok(v) => {
                 let reply = O::read(&v)?;
                 self.reach
-                    .answered(source, op.seen(&reply), self.clock.now());
+                    .answered(source, op.seen(&reply), op.factor(&v), self.clock.now());
                 Ok(Some(reply))
             }
             // Redis answered: not a reachability problem, so neither degrade nor

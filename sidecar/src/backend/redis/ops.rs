@@ -8,8 +8,8 @@ use ::redis::Value;
 
 use super::reach::Seen;
 use super::script::{
-    applied, bool_at, dur_at, int_at, level_at, level_or_none, proto, seen_applied, state_at,
-    u64_at, Announce, Argv, Op, TenantSlots,
+    applied, bool_at, dur_at, factor_at, int_at, level_at, level_or_none, proto, seen_applied,
+    state_at, u64_at, Announce, Argv, Op, TenantSlots,
 };
 use crate::backend::event::AdminOp;
 use crate::backend::{
@@ -450,6 +450,9 @@ impl Op for AdmitArgs<'_> {
             }
         }
     }
+    fn factor(&self, v: &[Value]) -> Option<u32> {
+        factor_at(v)
+    }
 }
 
 /// Settle the permit's reservation and feed the outcome to the breaker, in one step
@@ -525,6 +528,9 @@ impl Op for ReportArgs<'_> {
             quota,
             ..seen_applied(a)
         }
+    }
+    fn factor(&self, v: &[Value]) -> Option<u32> {
+        factor_at(v)
     }
 }
 

@@ -21,7 +21,9 @@
 //! when, on the local clock), and the transition to degraded seeds the local fallback
 //! from it (`MemoryBackend::seed`): a source last seen OPEN stays refused until that
 //! deadline, and the local fallback never grants a probe (the shared state, where the
-//! probe's turn is decided, cannot be read).
+//! probe's turn is decided, cannot be read). §18 `learn_rate`: the learned factor the
+//! last admit or report carried is known too, and the local quota starts from it
+//! (recovering from when it was read), not from the whole limit.
 //!
 //! Admin operations never take the degraded shortcut (they always ask Redis) and
 //! never fall back; see [`Route`].
@@ -36,6 +38,7 @@ use std::time::{Duration, Instant};
 use crate::backend::memory::Seed;
 use crate::backend::{BResult, BackendError, State};
 use crate::config::OnBackendError;
+use crate::gate::quota::PPM_WHOLE;
 
 /// While a source is degraded, Redis is retried at most this often for it.
 pub const RETRY_INTERVAL: Duration = Duration::from_secs(1);
@@ -65,6 +68,9 @@ pub(super) struct Known {
     quota_until: Option<Duration>,
     /// When the shared quota last refused (its buckets were spent then).
     quota_refused_at: Option<Duration>,
+    /// §18 `learn_rate`: the learned factor the last admit or report read (ppm of
+    /// the limit) and when.
+    rate: Option<(u32, Duration)>,
 }
 
 /// A shared quota seen refusing within this long is taken as spent when the host
@@ -82,6 +88,11 @@ pub(super) struct Seen {
 }
 
 impl Known {
+    /// Take in the learned factor `ppm` an answer carried, read at `now`.
+    fn learn_rate(&mut self, ppm: u32, now: Duration) {
+        self.rate = Some((ppm, now));
+    }
+
     /// Take in an answer read at `now` (local clock).
     fn learn(&mut self, seen: Seen, now: Duration) {
         if let Some((state, retry_after)) = seen.breaker {
@@ -113,6 +124,10 @@ impl Known {
             quota_spent: self
                 .quota_refused_at
                 .is_some_and(|t| now.saturating_sub(t) < SPENT_MEMORY),
+            rate: self
+                .rate
+                .filter(|&(ppm, _)| ppm < PPM_WHOLE)
+                .map(|(ppm, at)| (ppm, now.saturating_sub(at))),
         }
     }
 }
@@ -193,10 +208,13 @@ impl Reach {
     /// Redis answered for `source` at `now` (local clock), saying `seen` of its
     /// shared state: remembered, and the source restored if it was down (logged
     /// once).
-    pub(super) fn answered(&self, source: &str, seen: Seen, now: Duration) {
+    pub(super) fn answered(&self, source: &str, seen: Seen, factor: Option<u32>, now: Duration) {
         let Ok(r) = self.of(source) else { return };
         let mut g = r.lock().unwrap_or_else(|e| e.into_inner());
         g.known.learn(seen, now);
+        if let Some(ppm) = factor {
+            g.known.learn_rate(ppm, now);
+        }
         if g.down {
             g.down = false;
             g.last_error.clear();
@@ -340,6 +358,7 @@ mod tests {
                 probe_due: false,
                 blocked_for: s(15),
                 quota_spent: true,
+                rate: None,
             }
         );
         // Seen refusing more than SPENT_MEMORY ago: the buckets start full again.
@@ -359,10 +378,20 @@ mod tests {
                     probe_due: true,
                     blocked_for: Duration::ZERO,
                     quota_spent: true,
+                    rate: None,
                 },
                 "{state:?}"
             );
         }
+    }
+
+    #[test]
+    fn the_seed_carries_the_learned_factor_as_read() {
+        let mut k = Known::default();
+        k.learn_rate(700_000, s(10));
+        assert_eq!(k.seed(s(12)).rate, Some((700_000, s(2))), "read 2 s before");
+        k.learn_rate(PPM_WHOLE, s(20));
+        assert_eq!(k.seed(s(21)).rate, None, "whole: nothing to carry");
     }
 
     #[test]

@@ -52,6 +52,17 @@ impl LearnedRate {
         (u128::from(self.ppm) + up).min(u128::from(PPM_WHOLE)) as u32
     }
 
+    /// The same re-dated to `now` when the cut is dated after it (the clock that
+    /// dated it was ahead: a failover to a server whose clock is behind): recovery
+    /// and the next cut then run from `now`, not from when the clock catches up
+    /// (`gate.lua` writes the re-dated cut the same).
+    pub fn redated(self, now: Duration) -> LearnedRate {
+        LearnedRate {
+            at: self.at.min(now),
+            ..self
+        }
+    }
+
     /// When the factor is whole again (nothing to remember after that).
     pub fn whole_at(&self, recover: u32) -> Duration {
         let missing = u64::from(PPM_WHOLE.saturating_sub(self.ppm));
@@ -75,6 +86,7 @@ pub fn cut(
     blocked: bool,
     now: Duration,
 ) -> Option<LearnedRate> {
+    let r = r.map(|r| r.redated(now));
     if recover == 0 || blocked || r.is_some_and(|r| now.saturating_sub(r.at) < CUT_EVERY) {
         return None;
     }
@@ -164,6 +176,29 @@ mod tests {
             }
         }
         assert_eq!(st.unwrap().ppm, FLOOR_PPM);
+    }
+
+    #[test]
+    fn a_cut_dated_ahead_of_the_clock_is_redated_now() {
+        let r = RECOVER_PPM_PER_S;
+        let ahead = LearnedRate {
+            ppm: 700_000,
+            at: s(100),
+        };
+        let here = ahead.redated(s(40));
+        assert_eq!(here.at, s(40), "dated now, not 60 s from now");
+        assert_eq!(here.factor(r, s(42)), 710_000, "it recovers from now");
+        assert_eq!(ahead.redated(s(200)), ahead, "a cut in the past stays");
+        assert_eq!(
+            cut(Some(ahead), r, false, s(40)),
+            None,
+            "now is the cut's moment"
+        );
+        assert_eq!(
+            cut(Some(here), r, false, s(41)).map(|c| c.ppm),
+            Some(493_500),
+            "a second after the re-dating it cuts again (0.7 of 0.705)"
+        );
     }
 
     #[test]

@@ -118,6 +118,7 @@ impl Quota {
     /// Gate 3: take the reservation `t` (and one request), or nothing.
     pub fn reserve(&mut self, q: &QuotaParams, t: impl Into<Tokens>, now: Duration) -> Reserve {
         let t = t.into();
+        self.redate(now);
         let wait = self.wait(q, t, now).max(self.unlearned_wait(q));
         if !wait.is_zero() {
             return Reserve::Denied { retry_after: wait };
@@ -147,6 +148,7 @@ impl Quota {
         now: Duration,
     ) {
         let reserved = reserved.into();
+        self.redate(now);
         self.track(q, reserved, false);
         let q = &*self.eff(q, now);
         let c = q.credits(reserved, how);
@@ -163,16 +165,41 @@ impl Quota {
         }
     }
 
-    /// §18 `learn_rate`: a 429 reported at `now`, before its settlement and its
-    /// block: unless a block was already in force (the ledger knew), it may cut the
-    /// learned factor ([`learn::cut`]). Nothing for a source that does not learn.
+    /// §18 `learn_rate`: a 429 reported at `now`, after its settlement (at the
+    /// factor before the cut) and before its block: unless a block was already in
+    /// force (the ledger knew), it may cut the learned factor ([`learn::cut`]).
+    /// Nothing for a source that does not learn.
     pub fn rate_limited(&mut self, q: &QuotaParams, now: Duration) {
         if q.learn == 0 {
             return;
         }
+        self.redate(now);
         if let Some(r) = learn::cut(self.rate, q.learn, self.blocked_until > now, now) {
             self.rate = Some(r);
         }
+    }
+
+    /// The parameters in force at `now`: every `"auto"` limit as learned (§18) and
+    /// the per-minute limits scaled by the learned factor (§18 `learn_rate`); `q`
+    /// itself when neither applies. §15's class usage is kept in these limits.
+    pub fn effective<'a>(
+        &self,
+        q: &'a QuotaParams,
+        now: Duration,
+    ) -> std::borrow::Cow<'a, QuotaParams> {
+        self.eff(q, now)
+    }
+
+    /// §18 `learn_rate`: a cut dated after `now` is re-dated `now`
+    /// ([`learn::LearnedRate::redated`]).
+    fn redate(&mut self, now: Duration) {
+        self.rate = self.rate.map(|r| r.redated(now));
+    }
+
+    /// §18 `learn_rate`, §10: start from the factor `ppm` as of `at` (what a shared
+    /// backend's host last read, for its local fallback); it recovers from then.
+    pub fn seed_rate(&mut self, ppm: u32, at: Duration) {
+        self.rate = (ppm < PPM_WHOLE).then_some(learn::LearnedRate { ppm, at });
     }
 
     /// §18 `learn_rate`: the learned factor at `now`, ppm of the limit.

@@ -223,6 +223,20 @@ pub(super) trait Op {
     fn seen(&self, _reply: &Self::Reply) -> Seen {
         Seen::default()
     }
+    /// §18 `learn_rate` (§10): the learned factor in force the reply carries (ppm;
+    /// `None`: the op carries none, or the source does not learn).
+    fn factor(&self, _v: &[Value]) -> Option<u32> {
+        None
+    }
+}
+
+/// The factor a reply of admit or report carries as its element 7 (`gate.lua`
+/// `with_factor`), when the source learns.
+pub(super) fn factor_at(v: &[Value]) -> Option<u32> {
+    if v.len() < 7 {
+        return None;
+    }
+    int_at(v, 6).ok().map(|f| f.clamp(0, 1_000_000) as u32)
 }
 
 /// What an [`Applied`] says of the breaker.
