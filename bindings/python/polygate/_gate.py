@@ -22,6 +22,7 @@ from typing import Any, AsyncIterator, Callable, Iterator, Mapping, Optional, Tu
 
 from . import _core
 from ._core import transport as t
+from ._core.ratelimit import LIMIT_PREFIXES
 from .errors import GatewayUnavailableError, PolyGateError, RouteMissingError
 
 Estimator = Callable[[Any], Tuple[Optional[int], Optional[int]]]
@@ -29,14 +30,6 @@ Estimator = Callable[[Any], Tuple[Optional[int], Optional[int]]]
 
 TenantOption = Union[str, Callable[[Any], Optional[str]]]
 """A transport's ``tenant=``: the tenant of every request, or ``tenant(request)``."""
-
-
-def provider_limits(permit: Any, headers: Any) -> None:
-    """DESIGN §18: the provider's rate-limit headers of the response become the
-    report's observed limits (None when it sent none). The sidecar applies them
-    only to a source that observes (``observe_limits = "on"`` or an ``"auto"``
-    limit); the report's age is set when it is sent (:func:`_aged`)."""
-    permit.limits = _core.parse_headers(headers)[0]
 
 
 def _aged(s: "_Settlement") -> None:
@@ -74,6 +67,9 @@ class _Base:
         self._estimate = estimate
         self._tenant = t.check_tenant(tenant)
         """§19: the tenant of a request naming none in its header (None: anonymous)."""
+        # decided once: the tenant of a request without the header, when it is not a function's answer
+        self._fixed_tenant = None if callable(self._tenant) else (self._tenant or None)
+        self._tenant_fn = callable(self._tenant)
         self._socket = socket  # where to connect when no client was given (None: the default path)
 
     def _estimates(self, request: Any) -> Tuple[Optional[int], Optional[int]]:
@@ -192,15 +188,27 @@ class _Settlement:
 
 
 _TENANT_B = t.TENANT_HEADER.encode()
+_LIMIT_NAMES_B = tuple(n.encode() for n in LIMIT_PREFIXES)
+
+
+def _lowered(headers: Any) -> Any:
+    """The ``(raw name, lower-case name, value)`` byte triples of an httpx-shaped
+    ``Headers``. httpx and httpx2 both keep exactly this list (``Headers._list``),
+    so it is used as it is — no decoding, no list built, no name lowered per
+    request; anything else (checked per object: a list of 3-tuples) gets the
+    triples built from the public ``.raw`` pairs."""
+    lst = getattr(headers, "_list", None)
+    if type(lst) is list and (not lst or (type(lst[0]) is tuple and len(lst[0]) == 3)):
+        return lst
+    return [(k, k.lower(), v) for k, v in headers.raw]
 
 
 def _tenant_header(request: Any) -> Optional[str]:
     """The request's ``x-polygate-tenant`` value (None: no such header), in one pass
-    over the raw header pairs that lowers only names of its length (``Headers.get``
-    decodes every pair, per lookup: a few µs a request)."""
-    n = len(_TENANT_B)
-    for k, v in request.headers.raw:
-        if len(k) == n and k.lower() == _TENANT_B:
+    over the header triples (``Headers.get`` decodes every pair, per lookup: a few
+    µs a request)."""
+    for _, k, v in _lowered(request.headers):
+        if k == _TENANT_B:
             try:
                 return str(v.decode("utf-8"))
             except UnicodeDecodeError:
@@ -208,19 +216,23 @@ def _tenant_header(request: Any) -> Optional[str]:
     return None
 
 
-def _head(response: Any) -> Tuple[Optional[str], Optional[str], Optional[str]]:
-    """``(content-type, content-encoding, content-length)`` in one pass over the raw
-    header pairs (``Headers.get`` decodes them all, per lookup)."""
+def _head(response: Any) -> Tuple[Optional[str], Optional[str], Optional[str], bool]:
+    """``(content-type, content-encoding, content-length, limits)`` in one pass over
+    the response's header triples (``Headers.get`` decodes them all, per lookup);
+    ``limits``: whether a header name starts as a rate-limit or retry-after header
+    does (§18: without one, there is nothing for ``parse_headers`` to find)."""
     ctype = cenc = clen = None
-    for k, v in response.headers.raw:
-        n = k.lower()
+    limits = False
+    for _, n, v in _lowered(response.headers):
         if n == b"content-type":
             ctype = v.decode("latin-1")
-        elif n == b"content-encoding":
-            cenc = v.decode("latin-1")
         elif n == b"content-length":
             clen = v.decode("latin-1")
-    return ctype, cenc, clen
+        elif n == b"content-encoding":
+            cenc = v.decode("latin-1")
+        elif not limits and n.startswith(_LIMIT_NAMES_B):
+            limits = True
+    return ctype, cenc, clen, limits
 
 
 # ---------------------------------------------------------------- sync
@@ -251,9 +263,14 @@ class SyncGate(_Base):
     def handle_request(self, request: Any) -> Any:
         est_in, est_out = self._estimates(request)
         named = _tenant_header(request)
-        tenant = self._tenant_of(request, named)
-        call = self._gate().call(self.scope, priority=self.priority, est_input_tokens=est_in,
-                                 est_output_tokens=est_out, tenant=tenant)
+        if named is not None:
+            tenant = named or None
+        else:
+            tenant = self._tenant_of(request, None) if self._tenant_fn else self._fixed_tenant
+        c = self._client
+        call = (c if c is not None else self._gate()).call(self.scope, priority=self.priority,
+                                                             est_input_tokens=est_in, est_output_tokens=est_out,
+                                                             tenant=tenant)
         try:
             permit = call.acquire()
         except GatewayUnavailableError as e:
@@ -265,7 +282,8 @@ class SyncGate(_Base):
             call.end(_quiet=True)
             raise
         try:
-            sent = self._routed(request, permit.source, named is not None)
+            sent = request if self.routes is None and named is None else \
+                self._routed(request, permit.source, named is not None)
             response = self._base.handle_request(sent)
         except BaseException as exc:
             kind = self._error_kind(exc)
@@ -275,9 +293,14 @@ class SyncGate(_Base):
                 permit.failure(kind)
             call.end(_quiet=not isinstance(exc, Exception))
             raise
-        provider_limits(permit, response.headers)
-        outcome = t.status_outcome(response.status_code, response.headers)
-        ctype, cenc, clen = _head(response)
+        ctype, cenc, clen, limits = _head(response)
+        # §18: the provider's rate-limit headers become the report's observed limits
+        # (None when it sent none: then there is nothing to parse). The sidecar applies
+        # them only to a source that observes (observe_limits = "on" or an "auto"
+        # limit); the report's age is set when it is sent (_aged).
+        permit.limits = _core.parse_headers(response.headers)[0] if limits else None
+        status = response.status_code
+        outcome = None if 200 <= status < 300 else t.status_outcome(status, response.headers)
         if response.is_closed:  # a base transport that read the body itself (MockTransport, a cache)
             self.settle(_Settlement(call, permit, outcome, None), usage=t.body_usage(response.content))
             return response
@@ -327,7 +350,12 @@ class SyncGate(_Base):
         s.done = True
         call = s.call
         try:
-            self._report(s, error, usage)(s.permit)
+            if error is None and s.outcome is None:  # a 2xx's usage: the common case, no closure
+                _aged(s)
+                tokens, inp, out = usage or (s.reader.usage() if s.reader is not None else (None, None, None))
+                s.permit.success(tokens, input_tokens=inp, output_tokens=out)
+            else:
+                self._report(s, error, usage)(s.permit)
             call.end()
         except PolyGateError:
             call.end(_quiet=True)  # the sidecar is gone: it released the permit with the connection
@@ -429,9 +457,14 @@ class AsyncGate(_Base):
             else:
                 call._release_now()
             raise
-        provider_limits(permit, response.headers)
-        outcome = t.status_outcome(response.status_code, response.headers)
-        ctype, cenc, clen = _head(response)
+        ctype, cenc, clen, limits = _head(response)
+        # §18: the provider's rate-limit headers become the report's observed limits
+        # (None when it sent none: then there is nothing to parse). The sidecar applies
+        # them only to a source that observes (observe_limits = "on" or an "auto"
+        # limit); the report's age is set when it is sent (_aged).
+        permit.limits = _core.parse_headers(response.headers)[0] if limits else None
+        status = response.status_code
+        outcome = None if 200 <= status < 300 else t.status_outcome(status, response.headers)
         if response.is_closed:  # a base transport that read the body itself
             await self.settle(_Settlement(call, permit, outcome, None), usage=t.body_usage(response.content))
             return response

@@ -107,7 +107,11 @@ def _http_date(text: str) -> Optional[datetime]:
     return d if d.tzinfo is not None else d.replace(tzinfo=timezone.utc)
 
 
-_WANTED = ("x-ratelimit-", "anthropic-ratelimit-", "retry-after", "date")
+LIMIT_PREFIXES = ("x-ratelimit-", "anthropic-ratelimit-", "retry-after")
+"""How the names :func:`parse_headers` reads begin, besides ``date``: a response
+with no header name so beginning has no limits and no retry-after (the transports
+skip the parse then)."""
+_WANTED = LIMIT_PREFIXES + ("date",)
 _WANTED_B = tuple(w.encode() for w in _WANTED)
 
 
@@ -119,6 +123,14 @@ def _table(headers: Any) -> Dict[str, str]:
     if headers is None:
         return table
     items: Iterable[Tuple[Any, Any]]
+    lst = getattr(headers, "_list", None)
+    if type(lst) is list and lst and type(lst[0]) is tuple and len(lst[0]) == 3:
+        # httpx / httpx2 Headers: (raw name, lower-case name, value) triples, the
+        # names lowered already (the .raw pairs would be a new list to lower again)
+        for _, kb, v in lst:
+            if kb.startswith(_WANTED_B):
+                table.setdefault(kb.decode("latin-1"), v.decode("latin-1"))
+        return table
     raw = getattr(headers, "raw", None)
     if isinstance(raw, list):
         items = raw
