@@ -72,14 +72,25 @@ class _Base:
         self._tenant_fn = callable(self._tenant)
         self._socket = socket  # where to connect when no client was given (None: the default path)
 
-    def _estimates(self, request: Any) -> Tuple[Optional[int], Optional[int]]:
-        if self._estimate is not None:
-            return t.check_estimate(self._estimate(request))
-        try:
-            body = request.content
-        except Exception:  # a streaming upload not read yet: no size to go by
-            body = None
-        return t.estimate_request(body)
+    def _admission(self, request: Any) -> Tuple[Optional[int], Optional[int], Optional[str], Optional[str]]:
+        """``(est_input, est_output, named, tenant)`` of a request: its estimates
+        (``estimate=``'s answer, checked, else from the body), its ``x-polygate-tenant`` header
+        (None: none) and its tenant (:meth:`_tenant_of`, decided at construction
+        unless ``tenant=`` is a function). Once per request: kept flat."""
+        if self._estimate is None:
+            try:
+                body = request.content
+            except Exception:  # a streaming upload not read yet: no size to go by
+                body = None
+            est_in, est_out = t.estimate_request(body)
+        else:
+            est_in, est_out = t.check_estimate(self._estimate(request))
+        named = _tenant_header(request)
+        if named is not None:
+            return est_in, est_out, named, named or None
+        if self._tenant_fn:
+            return est_in, est_out, None, self._tenant_of(request, None)
+        return est_in, est_out, None, self._fixed_tenant
 
     def _tenant_of(self, request: Any, named: Optional[str]) -> Optional[str]:
         """§19: the request's tenant: ``named``, its ``x-polygate-tenant`` header
@@ -261,12 +272,7 @@ class SyncGate(_Base):
         return c
 
     def handle_request(self, request: Any) -> Any:
-        est_in, est_out = self._estimates(request)
-        named = _tenant_header(request)
-        if named is not None:
-            tenant = named or None
-        else:
-            tenant = self._tenant_of(request, None) if self._tenant_fn else self._fixed_tenant
+        est_in, est_out, named, tenant = self._admission(request)
         c = self._client
         call = (c if c is not None else self._gate()).call(self.scope, priority=self.priority,
                                                              est_input_tokens=est_in, est_output_tokens=est_out,
@@ -428,9 +434,7 @@ class AsyncGate(_Base):
         return c
 
     async def handle_async_request(self, request: Any) -> Any:
-        est_in, est_out = self._estimates(request)
-        named = _tenant_header(request)
-        tenant = self._tenant_of(request, named)
+        est_in, est_out, named, tenant = self._admission(request)
         call = (await self._gate()).call(self.scope, priority=self.priority, est_input_tokens=est_in,
                                          est_output_tokens=est_out, tenant=tenant)
         try:
@@ -444,7 +448,8 @@ class AsyncGate(_Base):
             call._release_now()
             raise
         try:
-            sent = self._routed(request, permit.source, named is not None)
+            sent = request if self.routes is None and named is None else \
+                self._routed(request, permit.source, named is not None)
             response = await self._base.handle_async_request(sent)
         except BaseException as exc:
             kind = self._error_kind(exc)
