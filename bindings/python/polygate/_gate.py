@@ -189,28 +189,40 @@ class _Settlement:
     __slots__ = ("call", "permit", "outcome", "reader", "done", "at")
 
     def __init__(self, call: Any, permit: Any, outcome: Optional[_core.Outcome],
-                 reader: Optional[t.UsageReader]) -> None:
+                 reader: Optional[t.UsageReader], at: Optional[float] = None) -> None:
         self.call = call
         self.permit = permit
         self.outcome = outcome  # None: a 2xx, settled as a success with the usage read
         self.reader = reader  # None: a body read whole, its usage passed to settle()
         self.done = False
-        self.at = time.monotonic()  # when the response's headers arrived (§18: the age)
+        self.at = time.monotonic() if at is None else at  # when the response's headers arrived (§18: the age)
 
 
 _TENANT_B = t.TENANT_HEADER.encode()
 _LIMIT_NAMES_B = tuple(n.encode() for n in LIMIT_PREFIXES)
 
 
-def _lowered(headers: Any) -> Any:
-    """The ``(raw name, lower-case name, value)`` byte triples of an httpx-shaped
-    ``Headers``. httpx and httpx2 both keep exactly this list (``Headers._list``),
-    so it is used as it is — no decoding, no list built, no name lowered per
-    request; anything else (checked per object: a list of 3-tuples) gets the
-    triples built from the public ``.raw`` pairs."""
-    lst = getattr(headers, "_list", None)
-    if type(lst) is list and (not lst or (type(lst[0]) is tuple and len(lst[0]) == 3)):
-        return lst
+_TRIPLES: "set[type]" = set()
+"""``Headers`` classes whose ``_list`` is known to hold ``(raw name, lower-case
+name, value)`` byte triples (httpx's and httpx2's do; see :func:`trust_headers`)."""
+
+
+def trust_headers(cls: type) -> None:
+    """Let the transports read ``cls``'s own header triples (``Headers._list``) as
+    they are: no decoding, no list built, no name lowered per request. Called by
+    :mod:`polygate.httpx` / :mod:`polygate.httpx2` at import with the library's
+    ``Headers``, and trusted only if a probe shows exactly that layout; any other
+    class (a subclass, another version's layout) goes by the public ``.raw``."""
+    try:
+        ok = getattr(cls([("X-Probe", "v")]), "_list", None) == [(b"X-Probe", b"x-probe", b"v")]
+    except Exception:
+        ok = False
+    if ok:
+        _TRIPLES.add(cls)
+
+
+def _triples(headers: Any) -> Any:
+    """The ``(raw, lower, value)`` triples of a ``Headers`` not trusted above."""
     return [(k, k.lower(), v) for k, v in headers.raw]
 
 
@@ -218,7 +230,8 @@ def _tenant_header(request: Any) -> Optional[str]:
     """The request's ``x-polygate-tenant`` value (None: no such header), in one pass
     over the header triples (``Headers.get`` decodes every pair, per lookup: a few
     µs a request)."""
-    for _, k, v in _lowered(request.headers):
+    h = request.headers
+    for _, k, v in (h._list if type(h) in _TRIPLES else _triples(h)):
         if k == _TENANT_B:
             try:
                 return str(v.decode("utf-8"))
@@ -234,7 +247,8 @@ def _head(response: Any) -> Tuple[Optional[str], Optional[str], Optional[str], b
     does (§18: without one, there is nothing for ``parse_headers`` to find)."""
     ctype = cenc = clen = None
     limits = False
-    for _, n, v in _lowered(response.headers):
+    h = response.headers
+    for _, n, v in (h._list if type(h) in _TRIPLES else _triples(h)):
         if n == b"content-type":
             ctype = v.decode("latin-1")
         elif n == b"content-length":
@@ -314,15 +328,26 @@ class SyncGate(_Base):
             # A small JSON body: read it here, settle, hand the same bytes on (no
             # stream wrapper, no finalizer; the SDK reads it at once anyway).
             inner = response.stream
-            s = _Settlement(call, permit, outcome, None)
+            at = time.monotonic()
             try:
                 raw = b"".join(inner)
             except BaseException as exc:
                 inner.close()
-                self.settle(s, exc)
+                self.settle(_Settlement(call, permit, outcome, None, at), exc)
                 raise
             inner.close()
-            self.settle(s, usage=t.body_usage(raw, cenc))
+            usage = t.body_usage(raw, cenc)
+            if outcome is None:  # a 2xx: settled here as settle() would, without a settlement
+                observed = permit.limits
+                if observed is not None:  # _aged
+                    observed.age_s = max(0.0, time.monotonic() - at)
+                try:
+                    permit.success(usage[0], input_tokens=usage[1], output_tokens=usage[2])
+                    call.end()
+                except PolyGateError:
+                    call.end(_quiet=True)  # the sidecar is gone: it released the permit with the connection
+            else:
+                self.settle(_Settlement(call, permit, outcome, None, at), usage=usage)
             response.stream = self._lib.ByteStream(raw)
             return response
         settlement = _Settlement(call, permit, outcome, t.UsageReader(ctype, cenc))

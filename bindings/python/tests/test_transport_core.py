@@ -409,7 +409,11 @@ def test_header_reads_use_the_lowered_triples_and_fall_back_to_raw(lib):
     another shape goes by .raw. The rate-limit flag is set exactly when a name
     begins as parse_headers' names do (else it would find nothing)."""
     mod = pytest.importorskip(lib)
+    __import__("polygate." + lib)  # trusts the library's Headers layout (read as it is)
     from polygate import _gate
+    assert mod.Headers in _gate._TRIPLES
+    _gate.trust_headers(dict)  # a class without the layout is not trusted
+    assert dict not in _gate._TRIPLES
     from polygate._core import parse_headers
 
     class RawOnly:  # a Headers without httpx's list: only .raw

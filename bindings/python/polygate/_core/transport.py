@@ -394,8 +394,14 @@ def is_sse(content_type: Optional[str]) -> bool:
 def eager(content_type: Optional[str], content_length: Optional[str]) -> bool:
     """Whether a transport may read this body whole before handing the response
     on: not a stream, and a declared length of at most 1 MiB."""
-    if content_length is None or is_sse(content_type):
+    if content_length is None:
         return False
+    if content_type is not None:  # is_sse, inline (every response)
+        sse = _SSE.get(content_type)
+        if sse is None:
+            sse = is_sse(content_type)
+        if sse:
+            return False
     try:
         return 0 <= int(content_length) <= _EAGER_MAX
     except ValueError:
