@@ -22,6 +22,7 @@ from typing import Any, AsyncIterator, Callable, Iterator, Mapping, Optional, Tu
 
 from . import _core
 from ._core import transport as t
+from ._core.ratelimit import LIMIT_PREFIXES
 from .errors import GatewayUnavailableError, PolyGateError, RouteMissingError
 
 Estimator = Callable[[Any], Tuple[Optional[int], Optional[int]]]
@@ -29,14 +30,6 @@ Estimator = Callable[[Any], Tuple[Optional[int], Optional[int]]]
 
 TenantOption = Union[str, Callable[[Any], Optional[str]]]
 """A transport's ``tenant=``: the tenant of every request, or ``tenant(request)``."""
-
-
-def provider_limits(permit: Any, headers: Any) -> None:
-    """DESIGN §18: the provider's rate-limit headers of the response become the
-    report's observed limits (None when it sent none). The sidecar applies them
-    only to a source that observes (``observe_limits = "on"`` or an ``"auto"``
-    limit); the report's age is set when it is sent (:func:`_aged`)."""
-    permit.limits = _core.parse_headers(headers)[0]
 
 
 def _aged(s: "_Settlement") -> None:
@@ -74,16 +67,30 @@ class _Base:
         self._estimate = estimate
         self._tenant = t.check_tenant(tenant)
         """§19: the tenant of a request naming none in its header (None: anonymous)."""
+        # decided once: the tenant of a request without the header, when it is not a function's answer
+        self._fixed_tenant = None if callable(self._tenant) else (self._tenant or None)
+        self._tenant_fn = callable(self._tenant)
         self._socket = socket  # where to connect when no client was given (None: the default path)
 
-    def _estimates(self, request: Any) -> Tuple[Optional[int], Optional[int]]:
-        if self._estimate is not None:
-            return t.check_estimate(self._estimate(request))
-        try:
-            body = request.content
-        except Exception:  # a streaming upload not read yet: no size to go by
-            body = None
-        return t.estimate_request(body)
+    def _admission(self, request: Any) -> Tuple[Optional[int], Optional[int], Optional[str], Optional[str]]:
+        """``(est_input, est_output, named, tenant)`` of a request: its estimates
+        (``estimate=``'s answer, checked, else from the body), its ``x-polygate-tenant`` header
+        (None: none) and its tenant (:meth:`_tenant_of`, decided at construction
+        unless ``tenant=`` is a function). Once per request: kept flat."""
+        if self._estimate is None:
+            try:
+                body = request.content
+            except Exception:  # a streaming upload not read yet: no size to go by
+                body = None
+            est_in, est_out = t.estimate_request(body)
+        else:
+            est_in, est_out = t.check_estimate(self._estimate(request))
+        named = _tenant_header(request)
+        if named is not None:
+            return est_in, est_out, named, named or None
+        if self._tenant_fn:
+            return est_in, est_out, None, self._tenant_of(request, None)
+        return est_in, est_out, None, self._fixed_tenant
 
     def _tenant_of(self, request: Any, named: Optional[str]) -> Optional[str]:
         """§19: the request's tenant: ``named``, its ``x-polygate-tenant`` header
@@ -182,25 +189,50 @@ class _Settlement:
     __slots__ = ("call", "permit", "outcome", "reader", "done", "at")
 
     def __init__(self, call: Any, permit: Any, outcome: Optional[_core.Outcome],
-                 reader: Optional[t.UsageReader]) -> None:
+                 reader: Optional[t.UsageReader], at: Optional[float] = None) -> None:
         self.call = call
         self.permit = permit
         self.outcome = outcome  # None: a 2xx, settled as a success with the usage read
         self.reader = reader  # None: a body read whole, its usage passed to settle()
         self.done = False
-        self.at = time.monotonic()  # when the response's headers arrived (§18: the age)
+        self.at = time.monotonic() if at is None else at  # when the response's headers arrived (§18: the age)
 
 
 _TENANT_B = t.TENANT_HEADER.encode()
+_LIMIT_NAMES_B = tuple(n.encode() for n in LIMIT_PREFIXES)
+
+
+_TRIPLES: "set[type]" = set()
+"""``Headers`` classes whose ``_list`` is known to hold ``(raw name, lower-case
+name, value)`` byte triples (httpx's and httpx2's do; see :func:`trust_headers`)."""
+
+
+def trust_headers(cls: type) -> None:
+    """Let the transports read ``cls``'s own header triples (``Headers._list``) as
+    they are: no decoding, no list built, no name lowered per request. Called by
+    :mod:`polygate.httpx` / :mod:`polygate.httpx2` at import with the library's
+    ``Headers``, and trusted only if a probe shows exactly that layout; any other
+    class (a subclass, another version's layout) goes by the public ``.raw``."""
+    try:
+        ok = getattr(cls([("X-Probe", "v")]), "_list", None) == [(b"X-Probe", b"x-probe", b"v")]
+    except Exception:
+        ok = False
+    if ok:
+        _TRIPLES.add(cls)
+
+
+def _triples(headers: Any) -> Any:
+    """The ``(raw, lower, value)`` triples of a ``Headers`` not trusted above."""
+    return [(k, k.lower(), v) for k, v in headers.raw]
 
 
 def _tenant_header(request: Any) -> Optional[str]:
     """The request's ``x-polygate-tenant`` value (None: no such header), in one pass
-    over the raw header pairs that lowers only names of its length (``Headers.get``
-    decodes every pair, per lookup: a few µs a request)."""
-    n = len(_TENANT_B)
-    for k, v in request.headers.raw:
-        if len(k) == n and k.lower() == _TENANT_B:
+    over the header triples (``Headers.get`` decodes every pair, per lookup: a few
+    µs a request)."""
+    h = request.headers
+    for _, k, v in (h._list if type(h) in _TRIPLES else _triples(h)):
+        if k == _TENANT_B:
             try:
                 return str(v.decode("utf-8"))
             except UnicodeDecodeError:
@@ -208,19 +240,24 @@ def _tenant_header(request: Any) -> Optional[str]:
     return None
 
 
-def _head(response: Any) -> Tuple[Optional[str], Optional[str], Optional[str]]:
-    """``(content-type, content-encoding, content-length)`` in one pass over the raw
-    header pairs (``Headers.get`` decodes them all, per lookup)."""
+def _head(response: Any) -> Tuple[Optional[str], Optional[str], Optional[str], bool]:
+    """``(content-type, content-encoding, content-length, limits)`` in one pass over
+    the response's header triples (``Headers.get`` decodes them all, per lookup);
+    ``limits``: whether a header name starts as a rate-limit or retry-after header
+    does (§18: without one, there is nothing for ``parse_headers`` to find)."""
     ctype = cenc = clen = None
-    for k, v in response.headers.raw:
-        n = k.lower()
+    limits = False
+    h = response.headers
+    for _, n, v in (h._list if type(h) in _TRIPLES else _triples(h)):
         if n == b"content-type":
             ctype = v.decode("latin-1")
-        elif n == b"content-encoding":
-            cenc = v.decode("latin-1")
         elif n == b"content-length":
             clen = v.decode("latin-1")
-    return ctype, cenc, clen
+        elif n == b"content-encoding":
+            cenc = v.decode("latin-1")
+        elif not limits and n.startswith(_LIMIT_NAMES_B):
+            limits = True
+    return ctype, cenc, clen, limits
 
 
 # ---------------------------------------------------------------- sync
@@ -249,11 +286,11 @@ class SyncGate(_Base):
         return c
 
     def handle_request(self, request: Any) -> Any:
-        est_in, est_out = self._estimates(request)
-        named = _tenant_header(request)
-        tenant = self._tenant_of(request, named)
-        call = self._gate().call(self.scope, priority=self.priority, est_input_tokens=est_in,
-                                 est_output_tokens=est_out, tenant=tenant)
+        est_in, est_out, named, tenant = self._admission(request)
+        c = self._client
+        call = (c if c is not None else self._gate()).call(self.scope, priority=self.priority,
+                                                             est_input_tokens=est_in, est_output_tokens=est_out,
+                                                             tenant=tenant)
         try:
             permit = call.acquire()
         except GatewayUnavailableError as e:
@@ -265,7 +302,8 @@ class SyncGate(_Base):
             call.end(_quiet=True)
             raise
         try:
-            sent = self._routed(request, permit.source, named is not None)
+            sent = request if self.routes is None and named is None else \
+                self._routed(request, permit.source, named is not None)
             response = self._base.handle_request(sent)
         except BaseException as exc:
             kind = self._error_kind(exc)
@@ -275,9 +313,14 @@ class SyncGate(_Base):
                 permit.failure(kind)
             call.end(_quiet=not isinstance(exc, Exception))
             raise
-        provider_limits(permit, response.headers)
-        outcome = t.status_outcome(response.status_code, response.headers)
-        ctype, cenc, clen = _head(response)
+        ctype, cenc, clen, limits = _head(response)
+        # §18: the provider's rate-limit headers become the report's observed limits
+        # (None when it sent none: then there is nothing to parse). The sidecar applies
+        # them only to a source that observes (observe_limits = "on" or an "auto"
+        # limit); the report's age is set when it is sent (_aged).
+        permit.limits = _core.parse_headers(response.headers)[0] if limits else None
+        status = response.status_code
+        outcome = None if 200 <= status < 300 else t.status_outcome(status, response.headers)
         if response.is_closed:  # a base transport that read the body itself (MockTransport, a cache)
             self.settle(_Settlement(call, permit, outcome, None), usage=t.body_usage(response.content))
             return response
@@ -285,15 +328,26 @@ class SyncGate(_Base):
             # A small JSON body: read it here, settle, hand the same bytes on (no
             # stream wrapper, no finalizer; the SDK reads it at once anyway).
             inner = response.stream
-            s = _Settlement(call, permit, outcome, None)
+            at = time.monotonic()
             try:
                 raw = b"".join(inner)
             except BaseException as exc:
                 inner.close()
-                self.settle(s, exc)
+                self.settle(_Settlement(call, permit, outcome, None, at), exc)
                 raise
             inner.close()
-            self.settle(s, usage=t.body_usage(raw, cenc))
+            usage = t.body_usage(raw, cenc)
+            if outcome is None:  # a 2xx: settled here as settle() would, without a settlement
+                observed = permit.limits
+                if observed is not None:  # _aged
+                    observed.age_s = max(0.0, time.monotonic() - at)
+                try:
+                    permit.success(usage[0], input_tokens=usage[1], output_tokens=usage[2])
+                    call.end()
+                except PolyGateError:
+                    call.end(_quiet=True)  # the sidecar is gone: it released the permit with the connection
+            else:
+                self.settle(_Settlement(call, permit, outcome, None, at), usage=usage)
             response.stream = self._lib.ByteStream(raw)
             return response
         settlement = _Settlement(call, permit, outcome, t.UsageReader(ctype, cenc))
@@ -327,7 +381,12 @@ class SyncGate(_Base):
         s.done = True
         call = s.call
         try:
-            self._report(s, error, usage)(s.permit)
+            if error is None and s.outcome is None:  # a 2xx's usage: the common case, no closure
+                _aged(s)
+                tokens, inp, out = usage or (s.reader.usage() if s.reader is not None else (None, None, None))
+                s.permit.success(tokens, input_tokens=inp, output_tokens=out)
+            else:
+                self._report(s, error, usage)(s.permit)
             call.end()
         except PolyGateError:
             call.end(_quiet=True)  # the sidecar is gone: it released the permit with the connection
@@ -400,9 +459,7 @@ class AsyncGate(_Base):
         return c
 
     async def handle_async_request(self, request: Any) -> Any:
-        est_in, est_out = self._estimates(request)
-        named = _tenant_header(request)
-        tenant = self._tenant_of(request, named)
+        est_in, est_out, named, tenant = self._admission(request)
         call = (await self._gate()).call(self.scope, priority=self.priority, est_input_tokens=est_in,
                                          est_output_tokens=est_out, tenant=tenant)
         try:
@@ -416,7 +473,8 @@ class AsyncGate(_Base):
             call._release_now()
             raise
         try:
-            sent = self._routed(request, permit.source, named is not None)
+            sent = request if self.routes is None and named is None else \
+                self._routed(request, permit.source, named is not None)
             response = await self._base.handle_async_request(sent)
         except BaseException as exc:
             kind = self._error_kind(exc)
@@ -429,9 +487,14 @@ class AsyncGate(_Base):
             else:
                 call._release_now()
             raise
-        provider_limits(permit, response.headers)
-        outcome = t.status_outcome(response.status_code, response.headers)
-        ctype, cenc, clen = _head(response)
+        ctype, cenc, clen, limits = _head(response)
+        # §18: the provider's rate-limit headers become the report's observed limits
+        # (None when it sent none: then there is nothing to parse). The sidecar applies
+        # them only to a source that observes (observe_limits = "on" or an "auto"
+        # limit); the report's age is set when it is sent (_aged).
+        permit.limits = _core.parse_headers(response.headers)[0] if limits else None
+        status = response.status_code
+        outcome = None if 200 <= status < 300 else t.status_outcome(status, response.headers)
         if response.is_closed:  # a base transport that read the body itself
             await self.settle(_Settlement(call, permit, outcome, None), usage=t.body_usage(response.content))
             return response

@@ -128,6 +128,38 @@ def test_gzip_bodies_are_read_and_unknown_encodings_keep_the_estimate():
     assert r.usage() == (None, None, None)
 
 
+def test_usage_fast_paths_give_what_the_whole_document_gives():
+    """The shortcuts of the whole-body read (no regex for `"usage": {` / `"usage":{`,
+    no parse at all for a body without "usage") answer as json.loads of the body."""
+    want = (50, 25, 10)
+    usage = {"prompt_tokens": 40, "completion_tokens": 10, "total_tokens": 50,
+             "prompt_tokens_details": {"cached_tokens": 15}}
+    for seps in ((",", ":"), (", ", ": "), (",", " : "), (",", ":\n ")):
+        body = json.dumps({"id": "x", "usage": usage}, separators=seps).encode()
+        assert t.body_usage(body) == want, body
+    assert t.body_usage(json.dumps({"id": "x", "usage": usage}, indent=2).encode()) == want
+    # no "usage" in the bytes: nothing to find, unless an escape spells the key ...
+    assert t.body_usage(b'{"error": {"message": "bad request"}}') == (None, None, None)
+    escaped = json.dumps({"usage": usage}).encode().replace(b'"usage"', b'"\\u0075sage"')
+    assert b'"usage"' not in escaped and t.body_usage(escaped) == want
+    # ... or the body is UTF-16 / UTF-32 (json.loads reads those; the bytes hold no "usage")
+    for enc in ("utf-16", "utf-16-le", "utf-16-be", "utf-32", "utf-32-le"):
+        body = json.dumps({"usage": usage}).encode(enc)
+        assert b'"usage"' not in body and t.body_usage(body) == want, enc
+    # "usage": null and a usage that is no object fall back to the whole document, as before
+    assert t.body_usage(b'{"usage": null, "response": {"usage": {"input_tokens": 3}}}') == (None, 3, None)
+    assert t.body_usage(b'{"usage": {"total_tokens": true}, "x": 1}') == (None, None, None)
+    assert t.body_usage(b'{"usage": {broken') == (None, None, None)
+
+
+def test_is_sse_is_the_same_with_its_cache_full():
+    for i in range(100):  # more distinct values than the cache keeps
+        assert not t.is_sse("application/json; boundary=%d" % i)
+        assert t.is_sse(" Text/Event-Stream ; x=%d" % i)
+    assert t.is_sse("text/event-stream") and t.is_sse("TEXT/EVENT-STREAM;charset=utf-8")
+    assert not t.is_sse(None) and not t.is_sse("") and not t.is_sse("text/event-streams")
+
+
 def test_a_whole_body_read_by_the_transport():
     assert t.body_usage(CHAT) == (50, 25, 10)
     assert t.body_usage(gzip.compress(CHAT), "gzip") == (50, 25, 10)
@@ -366,3 +398,52 @@ def test_transport_options_are_checked_at_construction():
     c = ph.client("chat", base_url="http://127.0.0.1:1")
     assert isinstance(c, httpx.Client) and isinstance(c._transport, ph.Transport)
     c.close()
+
+
+# ---------------------------------------------------------------- the transports' header reads
+
+
+@pytest.mark.parametrize("lib", ["httpx", "httpx2"])
+def test_header_reads_use_the_lowered_triples_and_fall_back_to_raw(lib):
+    """_head / _tenant_header read httpx's (raw, lower, value) triples; a Headers of
+    another shape goes by .raw. The rate-limit flag is set exactly when a name
+    begins as parse_headers' names do (else it would find nothing)."""
+    mod = pytest.importorskip(lib)
+    __import__("polygate." + lib)  # trusts the library's Headers layout (read as it is)
+    from polygate import _gate
+    assert mod.Headers in _gate._TRIPLES
+    _gate.trust_headers(dict)  # a class without the layout is not trusted
+    assert dict not in _gate._TRIPLES
+    from polygate._core import parse_headers
+
+    class RawOnly:  # a Headers without httpx's list: only .raw
+        def __init__(self, h):
+            self.raw = list(mod.Headers(h).raw)
+
+    class Shim:
+        def __init__(self, headers):
+            self.headers = headers
+
+    cases = [
+        ([("Content-Type", "application/json"), ("Content-Length", "12")], ("application/json", None, "12", False)),
+        ([("content-encoding", "gzip"), ("X-RateLimit-Remaining-Requests", "9")], (None, "gzip", None, True)),
+        ([("Retry-After", "3"), ("date", "Mon, 07 Dec 2026 09:00:00 GMT")], (None, None, None, True)),
+        ([("date", "x"), ("x-ratelimit", "no dash"), ("server", "s")], (None, None, None, False)),
+        ([("anthropic-ratelimit-tokens-remaining", "5"), ("content-type", "a"), ("Content-Type", "b")],
+         ("b", None, None, True)),  # the last value wins, as before
+        ([], (None, None, None, False)),
+    ]
+    for pairs, want in cases:
+        for headers in (mod.Headers(pairs), RawOnly(pairs)):
+            got = _gate._head(Shim(headers))
+            assert got == want, (pairs, got)
+            limits, retry = parse_headers(pairs)
+            assert got[3] or (limits is None and retry is None), pairs  # nothing skipped that would parse
+            if isinstance(headers, mod.Headers):
+                assert parse_headers(headers) == parse_headers(pairs)
+    for pairs, want in [([("X-PolyGate-Tenant", "acme"), ("accept", "*/*")], "acme"),
+                        ([("accept", "*/*")], None), ([("x-polygate-tenant", "")], "")]:
+        for headers in (mod.Headers(pairs), RawOnly(pairs)):
+            assert _gate._tenant_header(Shim(headers)) == want
+    with pytest.raises(ValueError):
+        _gate._tenant_header(Shim(mod.Headers([(b"x-polygate-tenant", b"\xff")])))

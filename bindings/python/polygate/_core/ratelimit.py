@@ -77,6 +77,12 @@ def parse_duration(text: str) -> Optional[float]:
             return v if math.isfinite(v) and v >= 0 else None
         except ValueError:
             pass
+    if t[-1] == "s":  # one part in seconds or ms (OpenAI's "1s", "6ms", "0.5s"): no regex
+        num, unit = t[:-1], 1.0
+        if num[-1:] == "m":
+            num, unit = num[:-1], 1e-3
+        if num.replace(".", "", 1).isdecimal():  # what the regex's number matches, no more
+            return float(num) * unit
     pos, total = 0, 0.0
     for m in _DURATION_PART.finditer(t):
         if m.start() != pos:
@@ -107,18 +113,39 @@ def _http_date(text: str) -> Optional[datetime]:
     return d if d.tzinfo is not None else d.replace(tzinfo=timezone.utc)
 
 
-_WANTED = ("x-ratelimit-", "anthropic-ratelimit-", "retry-after", "date")
+LIMIT_PREFIXES = ("x-ratelimit-", "anthropic-ratelimit-", "retry-after")
+"""How the names :func:`parse_headers` reads begin, besides ``date``: a response
+with no header name so beginning has no limits and no retry-after (the transports
+skip the parse then)."""
+_WANTED = LIMIT_PREFIXES + ("date",)
 _WANTED_B = tuple(w.encode() for w in _WANTED)
 
 
-def _table(headers: Any) -> Dict[str, str]:
+def _table(headers: Any) -> Tuple[Dict[str, str], bool, bool]:
     """The headers this module reads (rate limits, retry-after, date), by lower-case
     name, first value wins; every other header is skipped undecoded. Takes a
-    mapping, a list of pairs, or an httpx ``Headers`` (its raw byte pairs)."""
+    mapping, a list of pairs, or an httpx ``Headers`` (its lowered triples, else its
+    raw byte pairs). With it: whether an ``anthropic-ratelimit-*`` and whether an
+    ``x-ratelimit-*`` name was seen (the dimensions of a family not seen are not
+    looked up)."""
     table: Dict[str, str] = {}
+    anthropic = openai = False
     if headers is None:
-        return table
+        return table, anthropic, openai
     items: Iterable[Tuple[Any, Any]]
+    lst = getattr(headers, "_list", None)
+    if type(lst) is list and lst and type(lst[0]) is tuple and len(lst[0]) == 3:
+        # httpx / httpx2 Headers: (raw name, lower-case name, value) triples, the
+        # names lowered already (the .raw pairs would be a new list to lower again)
+        for _, kb, v in lst:
+            if kb.startswith(_WANTED_B):
+                c = kb[0]
+                if c == 97:  # b"a": anthropic-ratelimit-
+                    anthropic = True
+                elif c == 120:  # b"x": x-ratelimit-
+                    openai = True
+                table.setdefault(kb.decode("latin-1"), v.decode("latin-1"))
+        return table, anthropic, openai
     raw = getattr(headers, "raw", None)
     if isinstance(raw, list):
         items = raw
@@ -130,12 +157,20 @@ def _table(headers: Any) -> Dict[str, str]:
         if isinstance(k, bytes):  # httpx's raw pairs: only the wanted names are decoded
             kb = k.lower()
             if kb.startswith(_WANTED_B):
-                table.setdefault(kb.decode("latin-1"), v.decode("latin-1") if isinstance(v, bytes) else str(v))
-            continue
-        key = str(k).lower()
-        if key.startswith(_WANTED):
+                key = kb.decode("latin-1")
+                table.setdefault(key, v.decode("latin-1") if isinstance(v, bytes) else str(v))
+            else:
+                continue
+        else:
+            key = str(k).lower()
+            if not key.startswith(_WANTED):
+                continue
             table.setdefault(key, v.decode("latin-1") if isinstance(v, bytes) else str(v))
-    return table
+        if key[0] == "a":
+            anthropic = True
+        elif key[0] == "x":
+            openai = True
+    return table, anthropic, openai
 
 
 MAX_COUNT = 1_000_000_000
@@ -145,8 +180,11 @@ MAX_COUNT = 1_000_000_000
 def _count(v: Optional[str]) -> Optional[int]:
     if v is None:
         return None
+    t = v.strip()
+    if t.isdecimal() and len(t) < 16:  # a plain count (the usual header): exact, no float
+        return min(int(t), MAX_COUNT)
     try:
-        n = float(v.strip())
+        n = float(t)
     except ValueError:
         return None
     if not math.isfinite(n) or n < 0:
@@ -167,47 +205,58 @@ _OPENAI = tuple(("x-ratelimit-limit-" + d, "x-ratelimit-remaining-" + d, "x-rate
                 for d in ("requests", "tokens"))
 
 
+def _base_ts(get: Any, now: Optional[float], base: List[float]) -> float:
+    """The response's time (its ``date``, else ``now``, else the clock), parsed once
+    per response (``base`` keeps it), when an instant needs it."""
+    if not base:
+        d = _http_date(get("date") or "")
+        base.append(d.timestamp() if d is not None else (time.time() if now is None else now))
+    return base[0]
+
+
+def _reset_of(v: str, get: Any, now: Optional[float], base: List[float]) -> Optional[float]:
+    d = parse_duration(v)
+    if d is not None:
+        return d
+    at = _instant(v)
+    if at is None:
+        return None
+    return max(0.0, at.timestamp() - _base_ts(get, now, base))
+
+
+def _dim(get: Any, keys: Tuple[str, str, str], now: Optional[float], base: List[float]) -> Optional[Limit]:
+    lim, rem, rst = get(keys[0]), get(keys[1]), get(keys[2])
+    if lim is None and rem is None and rst is None:
+        return None
+    d = Limit(_count(lim), _count(rem), None if rst is None else _reset_of(rst, get, now, base))
+    if d.limit is None and d.remaining is None and d.reset_s is None:
+        return None
+    return d
+
+
 def parse_headers(headers: Any, now: Optional[float] = None) -> Tuple[Optional[Limits], Optional[float]]:
     """``(limits, retry_after_s)`` of one response's headers (see the module doc).
     ``limits`` is None when no rate-limit header was found; ``now`` is a Unix
     time (default: the clock) for Anthropic's instants when the response has no
     ``date``."""
-    table = _table(headers)
+    table, anthropic, openai = _table(headers)
     if len(table) <= ("date" in table):  # nothing but a date
         return None, None
     get = table.get
     base: List[float] = []
-
-    def base_ts() -> float:
-        """The response's time (its ``date``, else ``now``), parsed once, when an
-        instant needs it."""
-        if not base:
-            d = _http_date(get("date") or "")
-            base.append(d.timestamp() if d is not None else (time.time() if now is None else now))
-        return base[0]
-
-    def reset_of(v: Optional[str]) -> Optional[float]:
-        if v is None:
-            return None
-        d = parse_duration(v)
-        if d is not None:
-            return d
-        at = _instant(v)
-        if at is None:
-            return None
-        return max(0.0, at.timestamp() - base_ts())
-
-    def dim(keys: Tuple[str, str, str]) -> Optional[Limit]:
-        lim, rem, rst = get(keys[0]), get(keys[1]), get(keys[2])
-        if lim is None and rem is None and rst is None:
-            return None
-        d = Limit(_count(lim), _count(rem), reset_of(rst))
-        if d.limit is None and d.remaining is None and d.reset_s is None:
-            return None
-        return d
-
-    limits = Limits(dim(_ANTHROPIC[0]) or dim(_OPENAI[0]), dim(_ANTHROPIC[1]) or dim(_OPENAI[1]),
-                    dim(_ANTHROPIC[2]), dim(_ANTHROPIC[3]))
+    limits: Optional[Limits] = None
+    if anthropic or openai:
+        if anthropic:
+            requests = _dim(get, _ANTHROPIC[0], now, base)
+            tokens = _dim(get, _ANTHROPIC[1], now, base)
+            inp, out = _dim(get, _ANTHROPIC[2], now, base), _dim(get, _ANTHROPIC[3], now, base)
+        else:
+            requests = tokens = inp = out = None
+        if openai:
+            requests = requests or _dim(get, _OPENAI[0], now, base)
+            tokens = tokens or _dim(get, _OPENAI[1], now, base)
+        if requests is not None or tokens is not None or inp is not None or out is not None:
+            limits = Limits(requests, tokens, inp, out)
 
     retry_after: Optional[float] = None
     ms = get("retry-after-ms")
@@ -228,8 +277,8 @@ def parse_headers(headers: Any, now: Optional[float] = None) -> Tuple[Optional[L
             except ValueError:
                 when = _http_date(ra)
                 if when is not None:
-                    retry_after = max(0.0, when.timestamp() - base_ts())
-    return (None if limits.empty() else limits), retry_after
+                    retry_after = max(0.0, when.timestamp() - _base_ts(get, now, base))
+    return limits, retry_after
 
 
 def _check(name: str, v: Optional[int]) -> Optional[int]:

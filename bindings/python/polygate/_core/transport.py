@@ -24,7 +24,7 @@ import json
 import math
 import re
 import zlib
-from typing import Any, Dict, List, Mapping, NamedTuple, Optional, Tuple
+from typing import Any, Callable, Dict, List, Mapping, NamedTuple, Optional, Tuple
 from urllib.parse import quote, unquote_plus, urlsplit
 
 from ..errors import AllSourcesExhausted, GatewayUnavailableError, TenantLimitExceeded
@@ -263,7 +263,10 @@ def set_model(body: bytes, model: str) -> Optional[bytes]:
 
 # ---------------------------------------------------------------- estimate
 
-_OUTPUT = re.compile(rb'"(?:max_tokens|max_completion_tokens|max_output_tokens)"\s*:\s*(\d{1,10})(?![\d.eE])')
+# "max_ written out in front (not inside the alternation): the regex engine then
+# skips to each "max_ with a literal search instead of trying the alternation at
+# every '"' of the body (a chat body has dozens). The same matches as before.
+_OUTPUT = re.compile(rb'"max_(?:tokens|completion_tokens|output_tokens)"\s*:\s*(\d{1,10})(?![\d.eE])')
 
 
 def estimate_request(body: Optional[bytes]) -> Tuple[Optional[int], Optional[int]]:
@@ -278,12 +281,17 @@ def estimate_request(body: Optional[bytes]) -> Tuple[Optional[int], Optional[int
     match.)"""
     if not body:
         return None, None
-    inp = min(p.MAX_COUNT // 2, (len(body) + 3) // 4)
+    inp = (len(body) + 3) // 4
+    if inp > _HALF_COUNT:
+        inp = _HALF_COUNT
     m = _OUTPUT.search(body)
-    out = int(m.group(1)) if m is not None else None
-    if out is not None and out > p.MAX_COUNT // 2:
-        out = None
-    return inp, out
+    if m is None:
+        return inp, None
+    out = int(m[1])
+    return inp, out if out <= _HALF_COUNT else None
+
+
+_HALF_COUNT = p.MAX_COUNT // 2  # the largest estimate (the sidecar adds input and output)
 
 
 def check_estimate(value: Any) -> Tuple[Optional[int], Optional[int]]:
@@ -328,23 +336,29 @@ def _count(v: Any, _max: int = p.MAX_COUNT) -> Optional[int]:
     return v if type(v) is int and 0 <= v <= _max else None  # bool is not int here
 
 
-def usage_fields(usage: Any) -> Usage:
+def usage_fields(usage: Any, _max: int = p.MAX_COUNT) -> Usage:
     """``(total, input, output)`` of one provider ``usage`` object (cached input
-    reads excluded; Anthropic's ``input_tokens`` already excludes them)."""
+    reads excluded; Anthropic's ``input_tokens`` already excludes them). A count is
+    an int (not a bool) in ``0..MAX_COUNT``, else None (:func:`_count`, inlined:
+    this runs on every response)."""
     if not isinstance(usage, dict):
         return None, None, None
-    total = _count(usage.get("total_tokens"))
-    prompt = _count(usage.get("prompt_tokens"))
-    if prompt is not None:  # OpenAI chat / embeddings
-        details = usage.get("prompt_tokens_details")
+    get = usage.get
+    total = get("total_tokens")
+    if type(total) is not int or not 0 <= total <= _max:
+        total = None
+    prompt = get("prompt_tokens")
+    if type(prompt) is int and 0 <= prompt <= _max:  # OpenAI chat / embeddings
+        details = get("prompt_tokens_details")
         cached = _count(details.get("cached_tokens")) if isinstance(details, dict) else None
-        return total, max(0, prompt - (cached or 0)), _count(usage.get("completion_tokens"))
-    inp = _count(usage.get("input_tokens"))
+        out = get("completion_tokens")
+        return total, max(0, prompt - (cached or 0)), out if type(out) is int and 0 <= out <= _max else None
+    inp = _count(get("input_tokens"))
     if inp is not None:  # OpenAI responses (cached in details) / Anthropic (cache reads apart)
-        details = usage.get("input_tokens_details")
+        details = get("input_tokens_details")
         cached = _count(details.get("cached_tokens")) if isinstance(details, dict) else None
         inp = max(0, inp - (cached or 0))
-    return total, inp, _count(usage.get("output_tokens"))
+    return total, inp, _count(get("output_tokens"))
 
 
 def _usage_in(doc: Any) -> Any:
@@ -363,34 +377,54 @@ def _usage_in(doc: Any) -> Any:
     return None
 
 
+_SSE: Dict[str, bool] = {}  # content-type value → is_sse (the same few values on every response)
+
+
 def is_sse(content_type: Optional[str]) -> bool:
-    return content_type is not None and content_type.split(";", 1)[0].strip().lower() == "text/event-stream"
+    if content_type is None:
+        return False
+    sse = _SSE.get(content_type)
+    if sse is None:
+        sse = content_type.split(";", 1)[0].strip().lower() == "text/event-stream"
+        if len(_SSE) < 64:  # a server inventing values (a boundary, a nonce) fills it once, no more
+            _SSE[content_type] = sse
+    return sse
 
 
 def eager(content_type: Optional[str], content_length: Optional[str]) -> bool:
     """Whether a transport may read this body whole before handing the response
     on: not a stream, and a declared length of at most 1 MiB."""
-    if content_length is None or is_sse(content_type):
+    if content_length is None:
         return False
+    if content_type is not None:  # is_sse, inline (every response)
+        sse = _SSE.get(content_type)
+        if sse is None:
+            sse = is_sse(content_type)
+        if sse:
+            return False
     try:
         return 0 <= int(content_length) <= _EAGER_MAX
     except ValueError:
         return False
 
 
+_NONE3: Usage = (None, None, None)
+
+
 def body_usage(body: bytes, content_encoding: Optional[str] = None) -> Usage:
     """The usage of a whole (non-stream) body as received (gzip/deflate decoded
     here; another encoding: unknown)."""
-    enc = (content_encoding or "").strip().lower()
-    if enc in ("gzip", "x-gzip", "deflate"):
-        try:
-            body = zlib.decompressobj(47).decompress(body)
-        except zlib.error:
-            return None, None, None
-    elif enc not in ("", "identity"):
-        return None, None, None
+    if content_encoding is not None:
+        enc = content_encoding.strip().lower()
+        if enc in ("gzip", "x-gzip", "deflate"):
+            try:
+                body = zlib.decompressobj(47).decompress(body)
+            except zlib.error:
+                return _NONE3
+        elif enc not in ("", "identity"):
+            return _NONE3
     if not body or len(body) > _MAX_JSON:
-        return None, None, None
+        return _NONE3
     return _json_usage(body)
 
 
@@ -497,22 +531,37 @@ class UsageReader:
 
 
 _DECODER = json.JSONDecoder()
+# raw_decode without its Python frame (the C scanner it calls): (value, end), StopIteration at no value
+_scan: Callable[[str, int], Tuple[Any, int]] = getattr(_DECODER, "scan_once", _DECODER.raw_decode)
 
 
 def _json_usage(body: bytes) -> Usage:
     """The usage of a JSON body. Fast path: the last ``"usage"`` key's object
     (providers put it at the end; a big body — embeddings — is not parsed whole);
-    else the whole document."""
+    else the whole document — unless the body has no ``"usage"`` at all, no
+    ``\\u`` escape that could spell one and is UTF-8 (a UTF-16/32 JSON text has a
+    NUL in its first four bytes; ``json.loads`` reads those too): an error body,
+    another API's answer, with nothing to find."""
     i = body.rfind(b'"usage"')
-    m = _USAGE_OBJ.match(body, i) if i >= 0 else None
-    if m is not None:
-        try:
-            obj, _ = _DECODER.raw_decode(body[m.end() - 1:].decode("utf-8", "replace"))
-            found = usage_fields(obj)
-            if found != (None, None, None):
-                return found
-        except ValueError:
-            pass
+    if i < 0:
+        if b"\\u" not in body and b"\x00" not in body[:4]:
+            return None, None, None
+    else:
+        if body.startswith(b':{', i + 7):  # compact JSON, or json.dumps's ": ": no regex needed
+            at = i + 8
+        elif body.startswith(b': {', i + 7):
+            at = i + 9
+        else:
+            m = _USAGE_OBJ.match(body, i)
+            at = m.end() - 1 if m is not None else -1
+        if at >= 0:
+            try:
+                obj = _scan(body[at:].decode("utf-8", "replace"), 0)[0]
+                found = usage_fields(obj)
+                if found != (None, None, None):
+                    return found
+            except (ValueError, StopIteration):
+                pass
     try:
         doc = json.loads(body)
     except ValueError:
