@@ -169,3 +169,22 @@ def test_the_async_transport_carries_the_tenant(sidecar, upstream):
 
     err = asyncio.run(main())
     assert (err["tenant"], err["limit"]) == ("acme", "rpm") and upstream.hits == 1
+
+
+def test_the_cached_input_is_priced_at_its_own_rate(sidecar, backend, upstream):
+    """§19 item 4: the transport reports the provider's cached input apart
+    (``prompt_tokens_details.cached_tokens``), so the tenant pays the cached rate for
+    it, as ``run()`` does."""
+    priced = dict(PRICED, usd_per_1m_cached_input=0.5)
+    sidecar.write_config({"chat": scope(priced, tenants={"default": {"usd_per_day": 1.0}})}, **backend)
+    sidecar.start()
+    pg = sidecar.client()
+    client = oai(upstream, sidecar.socket, tenant="acme")
+    body = chat_body(prompt=5000, completion=1000)
+    body["usage"]["prompt_tokens_details"] = {"cached_tokens": 2000}
+    upstream.queue(Reply.json(body))
+    client.chat.completions.create(model="gpt-test", messages=MESSAGES, max_tokens=50)
+    ledger = pg.tenant_status("acme")["scopes"]["chat"]["ledger"]
+    # 3,000 input at $1/1M + 2,000 cached at $0.5/1M + 1,000 output at $2/1M (not $0.007:
+    # the cached reads at the input rate).
+    assert ledger["usd_spent_day"] == pytest.approx(0.006, abs=1e-9) and ledger["in_flight"] == 0

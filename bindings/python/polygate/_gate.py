@@ -166,8 +166,8 @@ class _Base:
             return lambda p: p.failure(kind)
         outcome = s.outcome
         if outcome is None:
-            tokens, inp, out = usage or (s.reader.usage() if s.reader is not None else (None, None, None))
-            return lambda p: p.success(tokens, input_tokens=inp, output_tokens=out)
+            tokens, inp, out, cached = usage or (s.reader.usage() if s.reader is not None else t.NO_USAGE)
+            return lambda p: p.success(tokens, input_tokens=inp, output_tokens=out, cached_input_tokens=cached)
         if outcome.kind == "rate_limited":
             return lambda p: p.rate_limited(outcome.retry_after_s)
         return lambda p: p.failure(outcome.kind)
@@ -342,7 +342,8 @@ class SyncGate(_Base):
                 if observed is not None:  # _aged
                     observed.age_s = max(0.0, time.monotonic() - at)
                 try:
-                    permit.success(usage[0], input_tokens=usage[1], output_tokens=usage[2])
+                    permit.success(usage[0], input_tokens=usage[1], output_tokens=usage[2],
+                                   cached_input_tokens=usage[3])
                     call.end()
                 except PolyGateError:
                     call.end(_quiet=True)  # the sidecar is gone: it released the permit with the connection
@@ -383,8 +384,8 @@ class SyncGate(_Base):
         try:
             if error is None and s.outcome is None:  # a 2xx's usage: the common case, no closure
                 _aged(s)
-                tokens, inp, out = usage or (s.reader.usage() if s.reader is not None else (None, None, None))
-                s.permit.success(tokens, input_tokens=inp, output_tokens=out)
+                tokens, inp, out, cached = usage or (s.reader.usage() if s.reader is not None else t.NO_USAGE)
+                s.permit.success(tokens, input_tokens=inp, output_tokens=out, cached_input_tokens=cached)
             else:
                 self._report(s, error, usage)(s.permit)
             call.end()

@@ -88,8 +88,8 @@ CHAT = json.dumps({"id": "x", "choices": [{"message": {"content": "usage: none h
 
 
 @pytest.mark.parametrize("size", [1, 7, 4096])
-def test_json_usage_of_openai_chat_excludes_cached_input(size):
-    assert feed_all(t.UsageReader("application/json"), CHAT, size) == (50, 25, 10)
+def test_json_usage_of_openai_chat_excludes_cached_input_and_counts_it_apart(size):
+    assert feed_all(t.UsageReader("application/json"), CHAT, size) == (50, 25, 10, 15)
 
 
 def test_json_usage_of_responses_embeddings_and_anthropic():
@@ -97,7 +97,7 @@ def test_json_usage_of_responses_embeddings_and_anthropic():
                                                           "input_tokens_details": {"cached_tokens": 10}}}
     emb = {"object": "list", "data": [{"embedding": [0.5] * 10}], "usage": {"prompt_tokens": 8, "total_tokens": 8}}
     msg = {"type": "message", "usage": {"input_tokens": 12, "cache_read_input_tokens": 100, "output_tokens": 8}}
-    for doc, want in ((resp, (60, 30, 20)), (emb, (8, 8, None)), (msg, (None, 12, 8))):
+    for doc, want in ((resp, (60, 30, 20, 10)), (emb, (8, 8, None, None)), (msg, (None, 12, 8, 100))):
         r = t.UsageReader("application/json; charset=utf-8")
         r.feed(json.dumps(doc).encode())
         assert r.usage() == want, doc
@@ -107,31 +107,31 @@ def test_json_usage_far_from_the_end_and_in_a_big_body():
     doc = {"usage": {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7}, "pad": "x" * 10000}
     r = t.UsageReader("application/json")
     r.feed(json.dumps(doc).encode())
-    assert r.usage() == (7, 3, 4)  # not in the last 4 KiB: the whole document is read
+    assert r.usage() == (7, 3, 4, None)  # not in the last 4 KiB: the whole document is read
     big = {"data": [{"embedding": [0.123456] * 200000}], "usage": {"prompt_tokens": 9, "total_tokens": 9}}
     r = t.UsageReader("application/json")
     r.feed(json.dumps(big).encode())
-    assert r.usage() == (9, 9, None)
+    assert r.usage() == (9, 9, None, None)
 
 
 def test_gzip_bodies_are_read_and_unknown_encodings_keep_the_estimate():
     r = t.UsageReader("application/json", "gzip")
-    assert feed_all(r, gzip.compress(CHAT), 5) == (50, 25, 10)
+    assert feed_all(r, gzip.compress(CHAT), 5) == (50, 25, 10, 15)
     r = t.UsageReader("application/json", "br")
     r.feed(b"\x00\x01")
-    assert r.usage() == (None, None, None)
+    assert r.usage() == (None, None, None, None)
     r = t.UsageReader("application/json", "gzip")
     r.feed(b"not gzip at all")
-    assert r.usage() == (None, None, None)
+    assert r.usage() == (None, None, None, None)
     r = t.UsageReader("application/json")
     r.feed(b"<html>502</html>")
-    assert r.usage() == (None, None, None)
+    assert r.usage() == (None, None, None, None)
 
 
 def test_usage_fast_paths_give_what_the_whole_document_gives():
     """The shortcuts of the whole-body read (no regex for `"usage": {` / `"usage":{`,
     no parse at all for a body without "usage") answer as json.loads of the body."""
-    want = (50, 25, 10)
+    want = (50, 25, 10, 15)
     usage = {"prompt_tokens": 40, "completion_tokens": 10, "total_tokens": 50,
              "prompt_tokens_details": {"cached_tokens": 15}}
     for seps in ((",", ":"), (", ", ": "), (",", " : "), (",", ":\n ")):
@@ -139,7 +139,7 @@ def test_usage_fast_paths_give_what_the_whole_document_gives():
         assert t.body_usage(body) == want, body
     assert t.body_usage(json.dumps({"id": "x", "usage": usage}, indent=2).encode()) == want
     # no "usage" in the bytes: nothing to find, unless an escape spells the key ...
-    assert t.body_usage(b'{"error": {"message": "bad request"}}') == (None, None, None)
+    assert t.body_usage(b'{"error": {"message": "bad request"}}') == (None, None, None, None)
     escaped = json.dumps({"usage": usage}).encode().replace(b'"usage"', b'"\\u0075sage"')
     assert b'"usage"' not in escaped and t.body_usage(escaped) == want
     # ... or the body is UTF-16 / UTF-32 (json.loads reads those; the bytes hold no "usage")
@@ -147,9 +147,9 @@ def test_usage_fast_paths_give_what_the_whole_document_gives():
         body = json.dumps({"usage": usage}).encode(enc)
         assert b'"usage"' not in body and t.body_usage(body) == want, enc
     # "usage": null and a usage that is no object fall back to the whole document, as before
-    assert t.body_usage(b'{"usage": null, "response": {"usage": {"input_tokens": 3}}}') == (None, 3, None)
-    assert t.body_usage(b'{"usage": {"total_tokens": true}, "x": 1}') == (None, None, None)
-    assert t.body_usage(b'{"usage": {broken') == (None, None, None)
+    assert t.body_usage(b'{"usage": null, "response": {"usage": {"input_tokens": 3}}}') == (None, 3, None, None)
+    assert t.body_usage(b'{"usage": {"total_tokens": true}, "x": 1}') == (None, None, None, None)
+    assert t.body_usage(b'{"usage": {broken') == (None, None, None, None)
 
 
 def test_is_sse_is_the_same_with_its_cache_full():
@@ -161,11 +161,11 @@ def test_is_sse_is_the_same_with_its_cache_full():
 
 
 def test_a_whole_body_read_by_the_transport():
-    assert t.body_usage(CHAT) == (50, 25, 10)
-    assert t.body_usage(gzip.compress(CHAT), "gzip") == (50, 25, 10)
-    assert t.body_usage(b"\x00", "br") == (None, None, None)
-    assert t.body_usage(b"garbage", "gzip") == (None, None, None)
-    assert t.body_usage(b"") == (None, None, None)
+    assert t.body_usage(CHAT) == (50, 25, 10, 15)
+    assert t.body_usage(gzip.compress(CHAT), "gzip") == (50, 25, 10, 15)
+    assert t.body_usage(b"\x00", "br") == (None, None, None, None)
+    assert t.body_usage(b"garbage", "gzip") == (None, None, None, None)
+    assert t.body_usage(b"") == (None, None, None, None)
     # read whole: a declared length up to 1 MiB and not a stream
     assert t.eager("application/json", "300") and t.eager(None, "0")
     assert not t.eager("application/json", None)  # chunked: passed through as it comes
@@ -185,7 +185,7 @@ def chunk(usage=None, content="hi") -> str:
 OPENAI_SSE = sse(chunk(), chunk(), chunk(usage={"prompt_tokens": 20, "completion_tokens": 3, "total_tokens": 23}),
                  "data: [DONE]")
 ANTHROPIC_SSE = sse(
-    'event: message_start\ndata: {"type":"message_start","message":{"id":"m","usage":{"input_tokens":25,"output_tokens":1}}}',
+    'event: message_start\ndata: {"type":"message_start","message":{"id":"m","usage":{"input_tokens":25,"cache_read_input_tokens":7,"output_tokens":1}}}',
     'event: content_block_delta\ndata: {"type":"content_block_delta","index":0,"delta":{"type":"text_delta","text":"usage"}}',
     'event: message_delta\ndata: {"type":"message_delta","delta":{"stop_reason":"end_turn"},"usage":{"output_tokens":15}}',
     'event: message_stop\ndata: {"type":"message_stop"}')
@@ -197,26 +197,26 @@ RESPONSES_SSE = sse(
 
 @pytest.mark.parametrize("size", [1, 3, 64, 100000])
 def test_sse_usage_in_any_chunking(size):
-    assert feed_all(t.UsageReader("text/event-stream"), OPENAI_SSE, size) == (23, 20, 3)
-    assert feed_all(t.UsageReader("text/event-stream; charset=utf-8"), ANTHROPIC_SSE, size) == (None, 25, 15)
-    assert feed_all(t.UsageReader("text/event-stream"), RESPONSES_SSE, size) == (42, 25, 12)
+    assert feed_all(t.UsageReader("text/event-stream"), OPENAI_SSE, size) == (23, 20, 3, None)
+    assert feed_all(t.UsageReader("text/event-stream; charset=utf-8"), ANTHROPIC_SSE, size) == (None, 25, 15, 7)
+    assert feed_all(t.UsageReader("text/event-stream"), RESPONSES_SSE, size) == (42, 25, 12, 5)
 
 
 def test_an_abandoned_stream_has_what_was_seen():
     r = t.UsageReader("text/event-stream")
     cut = ANTHROPIC_SSE.index(b"event: content_block_delta")
     r.feed(ANTHROPIC_SSE[:cut])
-    assert r.usage() == (None, 25, 1)
+    assert r.usage() == (None, 25, 1, 7)
     r = t.UsageReader("text/event-stream")
     r.feed(sse(chunk(), chunk()))
-    assert r.usage() == (None, None, None)  # nothing seen: the estimate stays
+    assert r.usage() == (None, None, None, None)  # nothing seen: the estimate stays
 
 
 def test_sse_with_crlf_lines_and_a_gzip_stream():
     r = t.UsageReader("text/event-stream")
-    assert feed_all(r, OPENAI_SSE.replace(b"\n", b"\r\n"), 10) == (23, 20, 3)
+    assert feed_all(r, OPENAI_SSE.replace(b"\n", b"\r\n"), 10) == (23, 20, 3, None)
     r = t.UsageReader("text/event-stream", "gzip")
-    assert feed_all(r, gzip.compress(ANTHROPIC_SSE), 9) == (None, 25, 15)
+    assert feed_all(r, gzip.compress(ANTHROPIC_SSE), 9) == (None, 25, 15, 7)
 
 
 # ---------------------------------------------------------------- refusal

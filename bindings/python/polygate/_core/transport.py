@@ -32,7 +32,7 @@ from . import protocol as p
 from .run import Outcome, retry_after_seconds
 
 __all__ = ["Route", "parse_routes", "route_bases", "rebase", "set_model", "estimate_request", "status_outcome", "UsageReader", "refusal",
-           "Usage", "ON_REFUSAL", "TENANT_HEADER", "check_tenant"]
+           "Usage", "NO_USAGE", "ON_REFUSAL", "TENANT_HEADER", "check_tenant"]
 
 ON_REFUSAL = ("response", "raise")
 
@@ -56,8 +56,9 @@ def check_tenant(tenant: Any) -> Any:
     raise TypeError("tenant must be a string or a function tenant(request) -> str | None, got %r" % (tenant,))
 
 
-Usage = Tuple[Optional[int], Optional[int], Optional[int]]
-"""``(tokens, input_tokens, output_tokens)`` as ``Permit.success`` takes them."""
+Usage = Tuple[Optional[int], Optional[int], Optional[int], Optional[int]]
+"""``(tokens, input_tokens, output_tokens, cached_input_tokens)`` as ``Permit.success``
+takes them (§19: a tenant's dollar cost prices the cached input at its own rate)."""
 
 
 # ---------------------------------------------------------------- routes
@@ -332,17 +333,24 @@ _USAGE_OBJ = re.compile(rb'"usage"\s*:\s*\{')  # a usage object (not "usage": nu
 _find_usage = _USAGE_OBJ.search
 
 
+_NONE4: Usage = (None, None, None, None)
+NO_USAGE = _NONE4  # "unknown": every count None (the estimate stays)
+
+
 def _count(v: Any, _max: int = p.MAX_COUNT) -> Optional[int]:
     return v if type(v) is int and 0 <= v <= _max else None  # bool is not int here
 
 
 def usage_fields(usage: Any, _max: int = p.MAX_COUNT) -> Usage:
-    """``(total, input, output)`` of one provider ``usage`` object (cached input
-    reads excluded; Anthropic's ``input_tokens`` already excludes them). A count is
-    an int (not a bool) in ``0..MAX_COUNT``, else None (:func:`_count`, inlined:
-    this runs on every response)."""
+    """``(total, input, output, cached)`` of one provider ``usage`` object: input
+    excludes the cached reads (Anthropic's ``input_tokens`` already does), cached is
+    ``prompt_tokens_details.cached_tokens`` (OpenAI chat),
+    ``input_tokens_details.cached_tokens`` (OpenAI responses) or
+    ``cache_read_input_tokens`` (Anthropic), as ``run()`` reads them. A count is an
+    int (not a bool) in ``0..MAX_COUNT``, else None (:func:`_count`, inlined: this
+    runs on every response)."""
     if not isinstance(usage, dict):
-        return None, None, None
+        return _NONE4
     get = usage.get
     total = get("total_tokens")
     if type(total) is not int or not 0 <= total <= _max:
@@ -352,13 +360,17 @@ def usage_fields(usage: Any, _max: int = p.MAX_COUNT) -> Usage:
         details = get("prompt_tokens_details")
         cached = _count(details.get("cached_tokens")) if isinstance(details, dict) else None
         out = get("completion_tokens")
-        return total, max(0, prompt - (cached or 0)), out if type(out) is int and 0 <= out <= _max else None
+        return (total, max(0, prompt - (cached or 0)), out if type(out) is int and 0 <= out <= _max else None,
+                cached)
     inp = _count(get("input_tokens"))
+    cached = None
     if inp is not None:  # OpenAI responses (cached in details) / Anthropic (cache reads apart)
         details = get("input_tokens_details")
         cached = _count(details.get("cached_tokens")) if isinstance(details, dict) else None
         inp = max(0, inp - (cached or 0))
-    return total, inp, _count(get("output_tokens"))
+    if cached is None:  # Anthropic: input_tokens already excludes the cache reads
+        cached = _count(get("cache_read_input_tokens"))
+    return total, inp, _count(get("output_tokens")), cached
 
 
 def _usage_in(doc: Any) -> Any:
@@ -408,7 +420,6 @@ def eager(content_type: Optional[str], content_length: Optional[str]) -> bool:
         return False
 
 
-_NONE3: Usage = (None, None, None)
 
 
 def body_usage(body: bytes, content_encoding: Optional[str] = None) -> Usage:
@@ -420,11 +431,11 @@ def body_usage(body: bytes, content_encoding: Optional[str] = None) -> Usage:
             try:
                 body = zlib.decompressobj(47).decompress(body)
             except zlib.error:
-                return _NONE3
+                return _NONE4
         elif enc not in ("", "identity"):
-            return _NONE3
+            return _NONE4
     if not body or len(body) > _MAX_JSON:
-        return _NONE3
+        return _NONE4
     return _json_usage(body)
 
 
@@ -438,7 +449,7 @@ class UsageReader:
     at any time — after the end, or with what was seen when a stream is
     abandoned. All-None means "unknown": keep the estimate."""
 
-    __slots__ = ("sse", "pending", "_inflate", "_off", "_buf", "_tail", "total", "input", "output")
+    __slots__ = ("sse", "pending", "_inflate", "_off", "_buf", "_tail", "total", "input", "output", "cached")
 
     BATCH = 64
     """Chunks queued before they are read (the pass-through loop checks ``len(pending)``)."""
@@ -459,6 +470,7 @@ class UsageReader:
         self.total: Optional[int] = None
         self.input: Optional[int] = None
         self.output: Optional[int] = None
+        self.cached: Optional[int] = None
 
     def feed(self, chunk: bytes) -> None:
         """Queue one chunk (reading the queue every :data:`BATCH` chunks)."""
@@ -510,24 +522,27 @@ class UsageReader:
                 self._merge(usage_fields(_usage_in(doc)))
 
     def _merge(self, found: Usage) -> None:
-        total, inp, out = found
+        total, inp, out, cached = found
         if total is not None:
             self.total = total
         if inp is not None:
             self.input = inp
         if out is not None:
             self.output = out  # Anthropic's message_delta carries the cumulative count
+        if cached is not None:
+            self.cached = cached
 
     def usage(self) -> Usage:
-        """``(tokens, input_tokens, output_tokens)`` for ``Permit.success``."""
+        """``(tokens, input_tokens, output_tokens, cached_input_tokens)`` for
+        ``Permit.success``."""
         self.flush()
         if not self.sse and self._buf and not self._off:
             self._merge(_json_usage(bytes(self._buf)))
             self._buf = bytearray()
         inp, out = self.input, self.output
         if inp is not None and out is not None and inp + out > p.MAX_COUNT:
-            return None, None, None
-        return self.total, inp, out
+            return _NONE4
+        return self.total, inp, out, self.cached
 
 
 _DECODER = json.JSONDecoder()
@@ -545,7 +560,7 @@ def _json_usage(body: bytes) -> Usage:
     i = body.rfind(b'"usage"')
     if i < 0:
         if b"\\u" not in body and b"\x00" not in body[:4]:
-            return None, None, None
+            return _NONE4
     else:
         if body.startswith(b':{', i + 7):  # compact JSON, or json.dumps's ": ": no regex needed
             at = i + 8
@@ -558,14 +573,14 @@ def _json_usage(body: bytes) -> Usage:
             try:
                 obj = _scan(body[at:].decode("utf-8", "replace"), 0)[0]
                 found = usage_fields(obj)
-                if found != (None, None, None):
+                if found != _NONE4:
                     return found
             except (ValueError, StopIteration):
                 pass
     try:
         doc = json.loads(body)
     except ValueError:
-        return None, None, None
+        return _NONE4
     return usage_fields(_usage_in(doc))
 
 
