@@ -579,6 +579,29 @@ mod tests {
     }
 
     #[test]
+    fn the_admission_factor_travels_only_when_it_is_not_whole() {
+        let q = QuotaParams {
+            learn: 1_000,
+            ..QuotaParams::default()
+        };
+        let at = |rate_ppm| Argv {
+            quota: Some(&q),
+            rate_ppm,
+            ..Argv::default()
+        };
+        let rate = SLOTS.iter().position(|s| *s == "rate_ppm").unwrap();
+        assert_eq!(NEUTRAL[rate], PPM_WHOLE.to_string());
+        assert!(
+            at(PPM_WHOLE).strings("report").len() <= rate,
+            "whole: not sent"
+        );
+        assert!(at(0).strings("report").len() <= rate, "unset: whole");
+        let cut = at(700_000).strings("report");
+        assert_eq!(cut.len(), rate + 1);
+        assert_eq!(cut[rate], "700000");
+    }
+
+    #[test]
     fn a_tenant_rides_after_the_trimmed_slots() {
         use crate::gate::tenant::TenantParams;
         let p = TenantParams::default();
