@@ -129,7 +129,10 @@ impl Held<'_> {
         let a = admit_source()?;
         Ok(match a {
             Admit::Admitted {
-                epoch, is_probe, ..
+                epoch,
+                is_probe,
+                rate_ppm,
+                ..
             } => {
                 // The source's step ran under this lock: nothing changed the ledger.
                 let l = self
@@ -139,6 +142,7 @@ impl Held<'_> {
                     epoch,
                     is_probe,
                     tenant_day: l.take(t.params, t.charge, now, wall),
+                    rate_ppm,
                 }
             }
             other => other,
@@ -152,6 +156,7 @@ impl Held<'_> {
                 epoch: 0,
                 is_probe: false,
                 tenant_day: 0,
+                rate_ppm: crate::gate::quota::PPM_WHOLE,
             })
         })
         .expect("the source step cannot fail")

@@ -200,6 +200,7 @@ impl<B: Backend> Engine<B> {
                     epoch,
                     is_probe,
                     tenant_day,
+                    rate_ppm,
                 }) => {
                     // From here the Acquire's Ticket owns the slot (no await between).
                     slot.keep();
@@ -213,6 +214,7 @@ impl<B: Backend> Engine<B> {
                         epoch,
                         is_probe,
                         tokens,
+                        rate_ppm,
                         class,
                         ledger: ask_cost.map(|cost| LedgerHold {
                             day: tenant_day,
@@ -423,6 +425,7 @@ impl<B: Backend> Work<B> for Admission {
             epoch,
             is_probe,
             tenant_day,
+            rate_ppm,
         }) = out
         {
             // A task's answer is dropped inside the runtime; outside one (runtime
@@ -433,6 +436,7 @@ impl<B: Backend> Work<B> for Admission {
                     epoch,
                     is_probe,
                     tokens: self.tokens,
+                    rate_ppm,
                     class: self.class.as_ref().map_or(0, |c| c.index),
                     ledger: self.tenant.as_ref().map(|t| LedgerHold {
                         day: tenant_day,

@@ -315,6 +315,8 @@ pub(super) struct Settle {
     is_probe: bool,
     /// Tokens the grant reserved.
     tokens: Tokens,
+    /// §18 `learn_rate`: the learned factor they were reserved at.
+    rate_ppm: u32,
     /// What happened.
     outcome: Outcome,
     /// §15: the grant's priority class, whose usage settles with the buckets
@@ -414,6 +416,7 @@ impl Settle {
             epoch: p.epoch,
             is_probe: p.is_probe,
             tokens: p.tokens,
+            rate_ppm: p.rate_ppm,
             outcome,
             class: engine.class_name(p.scope, p.class),
             observed: None,
@@ -454,6 +457,7 @@ impl Settle {
             epoch: g.epoch,
             is_probe: g.is_probe,
             tokens: g.tokens,
+            rate_ppm: g.rate_ppm,
             outcome: Outcome::Cancelled,
             class: engine.class_name(scope, g.class),
             observed: None,
@@ -474,7 +478,8 @@ impl<B: Backend> Work<B> for Settle {
                 self.is_probe,
                 self.tokens,
                 self.outcome,
-            );
+            )
+            .admitted_at(self.rate_ppm);
             if let Some(class) = &self.class {
                 r = r.class(class);
             }

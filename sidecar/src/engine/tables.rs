@@ -91,6 +91,9 @@ pub(crate) struct PermitRec {
     pub(crate) is_probe: bool,
     /// Tokens reserved.
     pub(crate) tokens: Tokens,
+    /// §18 `learn_rate`: the learned factor they were reserved at (the report
+    /// settles at it).
+    pub(crate) rate_ppm: u32,
     /// §15: the call's priority class (its share of the source settles with it).
     pub(crate) class: usize,
     /// When granted (latency for health).
@@ -117,6 +120,8 @@ pub(crate) struct Hold {
     pub(crate) is_probe: bool,
     /// Tokens reserved.
     pub(crate) tokens: Tokens,
+    /// §18 `learn_rate`: the learned factor they were reserved at.
+    pub(crate) rate_ppm: u32,
     /// §15: the call's priority class in its scope (0 without classes).
     pub(crate) class: usize,
     /// §19: what the grant charged the call's tenant's ledger.
@@ -320,6 +325,7 @@ impl Tables {
                 epoch: g.epoch,
                 is_probe: g.is_probe,
                 tokens: g.tokens,
+                rate_ppm: g.rate_ppm,
                 class: g.class,
                 granted_at: now,
                 expires: now + lease,

@@ -193,6 +193,22 @@ impl ClassUsage {
         how: Settlement,
         now: Duration,
     ) {
+        self.settle_at(q, q, class, reserved, how, now)
+    }
+
+    /// [`ClassUsage::settle`] with the credits converted to refill time at `then`'s
+    /// limits (§18 `learn_rate`: those in force at the reservation's admission, as
+    /// the buckets' own settlement, [`crate::gate::quota::Quota::settle_at`]); the
+    /// usage keeps the bounds of `q`'s, the limits in force now.
+    pub fn settle_at(
+        &mut self,
+        q: &QuotaParams,
+        then: &QuotaParams,
+        class: &str,
+        reserved: impl Into<Tokens>,
+        how: Settlement,
+        now: Duration,
+    ) {
         let c = q.credits(reserved.into(), how);
         let Some(e) = self.by_class.get_mut(class) else {
             return;
@@ -203,12 +219,13 @@ impl ClassUsage {
             if credit == 0 {
                 continue;
             }
+            let at = then.shape(b).unwrap_or(s);
             let used = e[i].saturating_sub(now).as_nanos();
             let n = credit.unsigned_abs().min(u64::MAX as u128) as u64;
             let next = if credit > 0 {
-                used.saturating_sub(s.back_ns(n))
+                used.saturating_sub(at.back_ns(n))
             } else {
-                (used + s.refill_ns(n)).min(s.floor_ns())
+                (used + at.refill_ns(n)).min(s.floor_ns())
             };
             e[i] = now + Duration::from_nanos(next.min(u64::MAX as u128) as u64);
         }

@@ -43,6 +43,11 @@ pub enum Admit {
         /// §19: the UTC day number the tenant's reservation was charged to (its
         /// settlement goes to that day's and month's budgets); 0 without a tenant.
         tenant_day: u32,
+        /// §18 `learn_rate`: the learned factor the reservation was taken at (ppm of
+        /// the limits; [`quota::PPM_WHOLE`] on a source that does not learn). The
+        /// permit carries it back ([`ReportRequest::admitted_at`]) so its settlement
+        /// gives back what the reservation took, however the factor moved since.
+        rate_ppm: u32,
     },
     /// §19: the call's tenant has no room for it (its bucket, or its dollar budget at
     /// this source's prices); nothing was taken, the source's gates not consulted.
@@ -309,6 +314,10 @@ pub struct ReportRequest<'a> {
     pub observed: Option<&'a Observation>,
     /// §19: the permit's tenant reservation, settled in the same step.
     pub tenant: Option<TenantSettle<'a>>,
+    /// §18 `learn_rate`: the factor the permit's reservation was taken at
+    /// ([`Admit::Admitted::rate_ppm`]); its credits are converted at it
+    /// ([`quota::PPM_WHOLE`] unless set by [`ReportRequest::admitted_at`]).
+    pub rate_ppm: u32,
 }
 
 impl<'a> ReportRequest<'a> {
@@ -331,6 +340,16 @@ impl<'a> ReportRequest<'a> {
             class: None,
             observed: None,
             tenant: None,
+            rate_ppm: quota::PPM_WHOLE,
+        }
+    }
+
+    /// The same for a permit whose reservation was taken at the learned factor
+    /// `ppm` (§18 `learn_rate`, [`Admit::Admitted::rate_ppm`]).
+    pub fn admitted_at(self, ppm: u32) -> Self {
+        ReportRequest {
+            rate_ppm: ppm,
+            ..self
         }
     }
 
@@ -425,6 +444,7 @@ impl Gates {
             epoch: e.epoch,
             is_probe: e.is_probe,
             tenant_day: 0,
+            rate_ppm: self.quota.admitted_ppm(q, now),
         }
     }
 
@@ -443,18 +463,21 @@ impl Gates {
             class,
             observed,
             tenant: _,
+            rate_ppm,
         } = r;
         let how = outcome.settlement(reserved);
         if let Some(class) = class {
             let eq = self.quota.effective(q, now);
-            self.classes.settle(&eq, class, reserved, how, now);
+            let then = self.quota.effective_at(q, rate_ppm);
+            self.classes
+                .settle_at(&eq, &then, class, reserved, how, now);
         }
-        self.quota.settle(q, reserved, how, now);
+        self.quota.settle_at(q, reserved, how, rate_ppm, now);
         if let Outcome::RateLimited { .. } = outcome {
             // §18 learn_rate: after this report's own settlement (its refund gives
-            // back what its reservation took, at the factor in force before the cut),
-            // before it blocks anything (a block already in force means the ledger
-            // knew).
+            // back what its reservation took: converted at the factor of its
+            // admission), before it blocks anything (a block already in force means
+            // the ledger knew).
             self.quota.rate_limited(q, now);
         }
         if let Some(o) = observed {

@@ -107,23 +107,33 @@ pub async fn a_predicted_429_or_one_of_a_source_that_does_not_learn_cuts_nothing
     );
 }
 
-async fn admit_t<B: Backend>(b: &B, q: &QuotaParams, t: u64) -> u64 {
+/// A grant: its epoch and the learned factor its reservation was taken at.
+#[derive(Clone, Copy)]
+struct Grant {
+    epoch: u64,
+    rate_ppm: u32,
+}
+
+async fn admit_t<B: Backend>(b: &B, q: &QuotaParams, t: u64) -> Grant {
     match b.admit(S1, AdmitRequest::new(&bp(), q, t)).await.unwrap() {
-        Admit::Admitted { epoch, .. } => epoch,
+        Admit::Admitted {
+            epoch, rate_ppm, ..
+        } => Grant { epoch, rate_ppm },
         a => panic!("expected a grant, got {a:?}"),
     }
 }
 
-async fn report_429_t<B: Backend>(b: &B, q: &QuotaParams, epoch: u64, t: u64) {
+async fn report_429_t<B: Backend>(b: &B, q: &QuotaParams, g: Grant, t: u64) {
     let p = bp();
     let r = ReportRequest::new(
         &p,
         q,
-        epoch,
+        g.epoch,
         false,
         t,
         Outcome::RateLimited { retry_after: None },
-    );
+    )
+    .admitted_at(g.rate_ppm);
     b.report(S1, r).await.unwrap();
 }
 
@@ -149,6 +159,27 @@ pub async fn a_429_refunds_what_its_reservation_took_before_it_cuts<H: Harness>(
         35.0,
         "the 429's own reservation refunded, then the cut",
     );
+}
+
+/// A 429 reported after the factor was cut (the second of a burst: only the first
+/// cuts) refunds what its reservation took at its admission's factor, not 1/0.7 of
+/// it: three calls of 10 tokens at 60 tpm (30 s of refill), A's 429 refunds 10 s and
+/// cuts to 42 tpm, B's refunds its 10 s: 42 − 10 s × 0.7/s = 35 (B's 10 tokens
+/// converted at the cut rate, 14.3 s, would leave 38).
+pub async fn a_second_429_refunds_what_it_took<H: Harness>(h: &H) {
+    let b = h.fresh().await;
+    let q = QuotaParams {
+        tpm: Some(60),
+        learn: 1_000,
+        ..QuotaParams::default()
+    };
+    let a = admit_t(&b, &q, 10).await;
+    let bb = admit_t(&b, &q, 10).await;
+    let _c = admit_t(&b, &q, 10).await; // still in flight
+    report_429_t(&b, &q, a, 10).await; // refunds at factor 1, cuts to 42 tpm
+    report_429_t(&b, &q, bb, 10).await; // within the second: no second cut
+    let lvl = b.snapshot(S1, &bp(), &q).await.unwrap().levels[0];
+    assert_level(lvl, 35.0, "B's refund is what B took");
 }
 
 /// Two 429s within a second, from two hosts, cut once (`CUT_EVERY`, `gate.lua`
@@ -226,7 +257,10 @@ pub async fn an_auto_limit_changed_while_cut_is_followed<H: Harness>(h: &H) {
         age: Duration::ZERO,
     };
     let p = bp();
-    let ok = |e: u64| ReportRequest::new(&p, &q, e, false, 10u64, Outcome::success(Some(10)));
+    let ok = |g: Grant| {
+        ReportRequest::new(&p, &q, g.epoch, false, 10u64, Outcome::success(Some(10)))
+            .admitted_at(g.rate_ppm)
+    };
     let e = admit_t(&b, &q, 10).await;
     b.report(S1, ok(e).observed(&o(1_000))).await.unwrap();
     let e = admit_t(&b, &q, 10).await;

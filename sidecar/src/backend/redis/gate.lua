@@ -80,6 +80,11 @@
 -- ARGV[54] rate_limited : report with slot 53 set: the outcome is a 429, which cuts the
 --              factor ×0.7 (at least 5 %) unless a 429 block is in force or the last cut
 --              is under a second old (gate/quota/learn.rs) (0)
+-- ARGV[55] rate_ppm : report with slot 53 set: the factor the reservation was admitted
+--              at (the admit reply's element 7): the settlement's credits (slots 18, 19,
+--              34, 35) are converted to refill time at the per-minute limits scaled by
+--              it, so a refund gives back what the reservation took even when the factor
+--              was cut since (1000000 = whole)
 --
 -- §19: a call that carries a tenant ledger (admit and report with three keys; the
 -- tenant ops treserve, tsettle, tsnapshot, tcal with it as their one key) sends its
@@ -482,12 +487,17 @@ local function qlearn(q, learn, text)
   if at and f < LWHOLE then q.lwhole = at + ceil((LWHOLE - ppm) * 1000000 / learn) end
 end
 
--- A per-minute limit `l` scaled by the learned factor (at least 1; -1 stays -1).
-local function qscale(q, l)
-  local f = q.rf
+-- A per-minute limit `l` scaled by the factor `f` (ppm; at least 1; -1 stays -1;
+-- learn.rs `scale`).
+local function lscale(l, f)
   if f == nil or f >= LWHOLE or l <= 0 then return l end
   local a = floor(l / 1000000)
   return max(1, a * f + floor((l - a * 1000000) * f / 1000000))
+end
+
+-- A per-minute limit `l` scaled by the learned factor in force.
+local function qscale(q, l)
+  return lscale(l, q.rf)
 end
 
 -- Bucket i's limit and capacity from its limit `l` as configured or learned (-1 =
@@ -508,7 +518,7 @@ local function qshape(q, i, l)
 end
 
 -- §18 learn_rate, a 429 report (slot 54), after the report's own settlement (its
--- refund gives back what its reservation took, at the factor in force before the cut)
+-- refund gives back what its reservation took, at the factor of its admission, slot 55)
 -- and before its block: unless a block is in force (the ledger knew) or the last cut is
 -- under LCUT_EVERY old, the factor is cut ×0.7 (at least LFLOOR), dated now, and the
 -- per-minute buckets run at the cut limits from here on.
@@ -618,19 +628,30 @@ local function qwait(q)
   return w
 end
 
+-- §18 learn_rate: the limit at which a settlement's credits on bucket i convert to
+-- refill time: the per-minute limit scaled by the factor the reservation was admitted
+-- at (slot 55, a report's), not the one in force now; bucket i's limit on a source
+-- that does not learn, and for the settle op (which settles at the factor in force).
+local function qconv(q, i)
+  if q.rf == nil or i > 4 or q.rl[i] <= 0 or A[1] ~= 'report' then return q.lim[i] end
+  return lscale(q.rl[i], arg(55, LWHOLE))
+end
+
 -- Add `n` to bucket `i` (negative: take, at most `most` µs of refill time when
--- given), keeping −limit ≤ level ≤ capacity.
-local function qadd(q, i, n, most)
+-- given), converted at the limit `cl` (q.lim[i] when not given), keeping −limit ≤
+-- level ≤ capacity.
+local function qadd(q, i, n, most, cl)
   local cap = q.caps[i]
   if cap <= 0 or n == 0 then return end
+  cl = cl or q.lim[i]
   local f = QB[i].f
   local full_at
   if n < 0 then
-    local r = refill(q, i, -n)
+    local r = ceil(-n * QB[i].per / cl)
     if most and r > most then r = most end
     full_at = min(q[f] + r, now + refill(q, i, cap + q.lim[i]))
   else
-    full_at = max(q[f] - floor(n * QB[i].per / q.lim[i]), now)
+    full_at = max(q[f] - floor(n * QB[i].per / cl), now)
   end
   if full_at ~= q[f] then
     q[f] = full_at
@@ -648,14 +669,15 @@ end
 
 -- Give back the settlement's credits (computed by the caller): slots 18 (tokens),
 -- 19 (requests), 34 (input), 35 (output); an extra debit takes at most slot 36's
--- refill time from each bucket (§12: one report's debt).
+-- refill time from each bucket (§12: one report's debt); §18 learn_rate: converted at
+-- the limits of the reservation's admission (qconv).
 local CREDIT = { t = 18, r = 19, i = 34, o = 35 }
 local function qcredit(q)
   local on = q.on
   local most = arg(36, 600000000)
   for k = 1, #on do
     local i = on[k]
-    qadd(q, i, arg(CREDIT[QB[i].n], 0), most)
+    qadd(q, i, arg(CREDIT[QB[i].n], 0), most, qconv(q, i))
   end
 end
 
@@ -872,16 +894,18 @@ local function cwait(q, cl, mi)
   return ceil(w), why
 end
 
--- Move class `name`'s drain_at of bucket `i` by `n` (negative: take), within
--- [now, the bucket's debt floor], queued for qsave like a bucket field.
-local function cadd(q, name, i, cur, n)
+-- Move class `name`'s drain_at of bucket `i` by `n` (negative: take), converted at
+-- the limit `cl` (q.lim[i] when not given), within [now, the bucket's debt floor],
+-- queued for qsave like a bucket field.
+local function cadd(q, name, i, cur, n, cl)
   local cap = q.caps[i]
   if cap <= 0 or n == 0 then return end
+  cl = cl or q.lim[i]
   local v
   if n < 0 then
-    v = min(cur + refill(q, i, -n), now + refill(q, i, cap + q.lim[i]))
+    v = min(cur + ceil(-n * QB[i].per / cl), now + refill(q, i, cap + q.lim[i]))
   else
-    v = max(cur - floor(n * QB[i].per / q.lim[i]), now)
+    v = max(cur - floor(n * QB[i].per / cl), now)
   end
   if v ~= cur then
     local f = QB[i].f .. ':' .. name
@@ -910,7 +934,7 @@ local function csettle(q, name)
   local v = redis.call('HMGET', K[2], unpack(f))
   for k = 1, #at do
     local i = at[k]
-    cadd(q, name, i, max(tonumber(v[k]) or now, now), arg(CREDIT[QB[i].n], 0))
+    cadd(q, name, i, max(tonumber(v[k]) or now, now), arg(CREDIT[QB[i].n], 0), qconv(q, i))
   end
 end
 

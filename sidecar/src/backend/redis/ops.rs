@@ -16,7 +16,7 @@ use crate::backend::{
     Admit, Applied, BResult, BreakerParams, ClassTag, Entry, Held, LastSeen, Observation, Outcome,
     Peek, QuotaParams, Reserve, Settlement, SourceSnapshot, State, Tokens,
 };
-use crate::gate::quota::{Credits, MAX_QUOTA_BLOCK};
+use crate::gate::quota::{Credits, MAX_QUOTA_BLOCK, PPM_WHOLE};
 use crate::gate::{TenantAdmit, TenantSettle};
 
 /// Gate 4 alone: may a caller enter?
@@ -400,6 +400,9 @@ impl Op for AdmitArgs<'_> {
                 } else {
                     0
                 },
+                // §18 learn_rate: the factor in force (element 7; whole when the
+                // source does not learn), carried back by the report.
+                rate_ppm: factor_at(v).unwrap_or(PPM_WHOLE),
             }),
             1 => Ok(Admit::RateLimited {
                 retry_after: dur_at(v, 4)?,
@@ -477,6 +480,8 @@ pub(super) struct ReportArgs<'a> {
     /// §19: the permit's tenant reservation, its ledger the call's third key (one
     /// server only).
     pub tenant: Option<TenantSettle<'a>>,
+    /// §18 `learn_rate`: the factor the permit's reservation was taken at (slot 55).
+    pub rate_ppm: u32,
 }
 
 impl Op for ReportArgs<'_> {
@@ -511,6 +516,7 @@ impl Op for ReportArgs<'_> {
             observed: self.observed.filter(|_| self.q.tracks()),
             tenant: self.tenant.map(|t| super::tenant::settle_slots(&t)),
             rate_limited: self.q.learn != 0 && matches!(self.outcome, Outcome::RateLimited { .. }),
+            rate_ppm: self.rate_ppm,
             ..Argv::default()
         }
     }
@@ -665,6 +671,7 @@ mod tests {
             class: None,
             observed: None,
             tenant: None,
+            rate_ppm: PPM_WHOLE,
         };
         let announce = Announce {
             channel: "chan",
@@ -739,6 +746,7 @@ mod tests {
             class: None,
             observed: None,
             tenant: None,
+            rate_ppm: PPM_WHOLE,
         };
         assert_eq!(slot(&report, "is_probe"), "1");
         assert_eq!(slot(&report, "count_attempt"), "0");
@@ -807,6 +815,7 @@ mod tests {
             class: None,
             observed: None,
             tenant: None,
+            rate_ppm: PPM_WHOLE,
         };
         let credit = |r: &ReportArgs| slot(r, "token_credit");
         assert_eq!(credit(&report(FailureKind::Timeout, Some(40))), "100");

@@ -146,11 +146,15 @@ impl RedisBackend {
         let give_back = || self.exec_tenant(&key, TSettleArgs { t: refund(&t, day) });
         match answer {
             Ok(Some(Admit::Admitted {
-                epoch, is_probe, ..
+                epoch,
+                is_probe,
+                rate_ppm,
+                ..
             })) => Ok(Admit::Admitted {
                 epoch,
                 is_probe,
                 tenant_day: day,
+                rate_ppm,
             }),
             Ok(Some(refused)) => {
                 give_back().await?;
@@ -247,6 +251,7 @@ impl Op for TReserveArgs<'_> {
                 epoch: 0,
                 is_probe: false,
                 tenant_day: u32::try_from(int_at(v, 1)?).map_err(|_| proto("treserve", v))?,
+                rate_ppm: crate::gate::quota::PPM_WHOLE,
             }),
             0 => Ok(Admit::TenantLimited {
                 limit: limit_of(v, 1)?,

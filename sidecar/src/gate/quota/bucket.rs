@@ -191,19 +191,26 @@ impl Level {
         self.full_at = now + dur(deficit);
     }
 
-    /// Give back `amount`, keeping the level ≤ capacity.
-    pub(super) fn credit(&mut self, s: &Shape, amount: u64, now: Duration) {
-        self.full_at = now + dur(self.deficit(now).saturating_sub(s.back_ns(amount)));
-    }
-
-    /// Add `amount` (negative: a debit of at most `most` ns of refill time).
-    pub(super) fn add(&mut self, s: &Shape, amount: i128, most: u128, now: Duration) {
+    /// Add `amount` (negative: a debit of at most `most` ns of refill time),
+    /// converted to refill time at `at`'s limit (§18 `learn_rate`: the limit in force
+    /// when the reservation settled was taken; `s` itself otherwise), keeping −limit
+    /// ≤ level ≤ capacity of `s` (the limit in force now).
+    pub(super) fn add_at(
+        &mut self,
+        s: &Shape,
+        at: &Shape,
+        amount: i128,
+        most: u128,
+        now: Duration,
+    ) {
         let n = amount.unsigned_abs().min(u64::MAX as u128) as u64;
-        if amount >= 0 {
-            self.credit(s, n, now)
+        let deficit = self.deficit(now);
+        let next = if amount >= 0 {
+            deficit.saturating_sub(at.back_ns(n))
         } else {
-            self.debit_at_most(s, n, most, now)
-        }
+            (deficit + at.refill_ns(n).min(most)).min(s.floor_ns())
+        };
+        self.full_at = now + dur(next);
     }
 
     /// The level at `now` (negative: debt), for status.

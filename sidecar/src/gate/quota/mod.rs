@@ -138,8 +138,9 @@ impl Quota {
         Reserve::Reserved
     }
 
-    /// Settle a reservation `reserved`. An extra debit takes at most
-    /// [`QuotaParams::max_debt`] of refill time from each bucket (§12).
+    /// Settle a reservation `reserved` taken at the factor in force now. An extra
+    /// debit takes at most [`QuotaParams::max_debt`] of refill time from each bucket
+    /// (§12).
     pub fn settle(
         &mut self,
         q: &QuotaParams,
@@ -147,21 +148,53 @@ impl Quota {
         how: Settlement,
         now: Duration,
     ) {
+        let ppm = self.rate_factor(q, now);
+        self.settle_at(q, reserved, how, ppm, now)
+    }
+
+    /// Settle a reservation `reserved` taken while §18's learned factor was `ppm`
+    /// ([`Quota::admitted_ppm`] at its admission; [`PPM_WHOLE`] for a source that
+    /// does not learn): its credits are converted to refill time at the limits of
+    /// that factor, so a refund gives back what the reservation took even when the
+    /// factor was cut since; the buckets keep the bounds of the limits in force now.
+    pub fn settle_at(
+        &mut self,
+        q: &QuotaParams,
+        reserved: impl Into<Tokens>,
+        how: Settlement,
+        ppm: u32,
+        now: Duration,
+    ) {
         let reserved = reserved.into();
         self.redate(now);
         self.track(q, reserved, false);
+        let then = self.eff_at(q, ppm);
         let q = &*self.eff(q, now);
         let c = q.credits(reserved, how);
         let most = q.max_debt.as_nanos();
         for (i, (b, counts, _)) in BUCKETS.into_iter().enumerate() {
             let credit = c.of(counts);
             match q.shape(b) {
-                Some(s) if credit != 0 => self.buckets[i]
-                    .get_or_insert(Level { full_at: now })
-                    .add(&s, credit, most, now),
+                Some(s) if credit != 0 => {
+                    let at = then.shape(b).unwrap_or(s);
+                    self.buckets[i]
+                        .get_or_insert(Level { full_at: now })
+                        .add_at(&s, &at, credit, most, now)
+                }
                 Some(_) => {}
                 None => self.buckets[i] = None,
             }
+        }
+    }
+
+    /// §18 `learn_rate`: the factor a reservation taken at `now` is taken at, for
+    /// its settlement ([`Quota::settle_at`]): [`PPM_WHOLE`] on a source that does
+    /// not learn.
+    pub fn admitted_ppm(&self, q: &QuotaParams, now: Duration) -> u32 {
+        if q.learn == 0 {
+            PPM_WHOLE
+        } else {
+            self.rate_factor(q, now)
         }
     }
 
@@ -188,6 +221,16 @@ impl Quota {
         now: Duration,
     ) -> std::borrow::Cow<'a, QuotaParams> {
         self.eff(q, now)
+    }
+
+    /// [`Quota::effective`] with §18's learned factor `ppm` (the one a reservation
+    /// was admitted at, [`Quota::admitted_ppm`]) instead of the one at some `now`.
+    pub fn effective_at<'a>(
+        &self,
+        q: &'a QuotaParams,
+        ppm: u32,
+    ) -> std::borrow::Cow<'a, QuotaParams> {
+        self.eff_at(q, ppm)
     }
 
     /// §18 `learn_rate`: a cut dated after `now` is re-dated `now`

@@ -48,6 +48,15 @@ impl Quota {
     /// `q` with every `"auto"` bucket's limit as learned (`None` until then), and
     /// with `learn_rate` the per-minute limits scaled by the factor learned at `now`.
     pub(super) fn eff<'a>(&self, q: &'a QuotaParams, now: Duration) -> Cow<'a, QuotaParams> {
+        if q.learn == 0 {
+            return self.eff_at(q, PPM_WHOLE);
+        }
+        self.eff_at(q, self.rate_factor(q, now))
+    }
+
+    /// [`Quota::eff`] with the learned factor `ppm` (§18 `learn_rate`: the one in
+    /// force when a reservation was taken) instead of the one at some `now`.
+    pub(super) fn eff_at<'a>(&self, q: &'a QuotaParams, ppm: u32) -> Cow<'a, QuotaParams> {
         if q.auto == 0 && q.learn == 0 {
             return Cow::Borrowed(q);
         }
@@ -63,7 +72,7 @@ impl Quota {
             }
         }
         if q.learn != 0 {
-            e = e.scaled(self.rate_factor(q, now));
+            e = e.scaled(ppm);
         }
         Cow::Owned(e)
     }

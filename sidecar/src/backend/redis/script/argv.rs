@@ -23,7 +23,7 @@ use std::time::Duration;
 use ::redis::{RedisWrite, ToRedisArgs};
 
 use crate::backend::{BreakerParams, ClassShares, Observation, QuotaParams, Tokens};
-use crate::gate::quota::{Credits, DEFAULT_MAX_DEBT, MINUTE};
+use crate::gate::quota::{Credits, DEFAULT_MAX_DEBT, MINUTE, PPM_WHOLE};
 use crate::gate::tenant::TenantParams;
 
 /// One ARGV slot's value as it goes on the wire. Numbers are written as decimal text
@@ -87,7 +87,7 @@ impl Slot<'_> {
 
 /// The names of `gate.lua`'s ARGV slots, `ARGV[1]` first; its header documents each
 /// under the same name.
-pub(in crate::backend::redis) const SLOTS: [&str; 54] = [
+pub(in crate::backend::redis) const SLOTS: [&str; 55] = [
     "op",
     "failure_threshold",
     "failure_rate",
@@ -142,6 +142,7 @@ pub(in crate::backend::redis) const SLOTS: [&str; 54] = [
     "host",
     "learn",
     "rate_limited",
+    "rate_ppm",
 ];
 
 /// §19: the tenant's slots, which a call with its tenant ledger (admit and report with
@@ -221,6 +222,7 @@ const NEUTRAL: [&str; SLOTS.len()] = [
     "",
     "0",
     "0",
+    "1000000",
 ];
 
 /// Largest duration handed to the script, in µs (2^52 µs ≈ 142 years): `TIME` + it
@@ -298,6 +300,10 @@ pub(in crate::backend::redis) struct Argv<'a> {
     pub tenant: Option<TenantSlots<'a>>,
     /// Slot 54 (§18 `learn_rate`, report): the outcome is a 429.
     pub rate_limited: bool,
+    /// Slot 55 (§18 `learn_rate`, report): the factor the reservation was taken at,
+    /// ppm (its credits are converted at it). 0 in a default `Argv` is sent as the
+    /// neutral whole factor.
+    pub rate_ppm: u32,
 }
 
 /// [`TSLOTS`] (§19): a tenant's limits and what an op takes from or gives back to its
@@ -456,12 +462,18 @@ impl<'a> Argv<'a> {
             }
             None => v.extend((0..13).map(|_| Slot::Int(-1))),
         }
-        // Slot 52 (the host) is filled in by `with_host`; slots 53–54 (§18
-        // `learn_rate`) are sent only by a source that learns.
+        // Slot 52 (the host) is filled in by `with_host`; slots 53–55 (§18
+        // `learn_rate`) are sent only by a source that learns (a report's factor is
+        // whole, the neutral, on any other).
+        let rate_ppm = match self.rate_ppm {
+            0 => PPM_WHOLE,
+            f => f.min(PPM_WHOLE),
+        };
         v.extend([
             Slot::Text(""),
             Slot::Int(self.quota.map_or(0, |q| i64::from(q.learn))),
             Slot::Int(i64::from(self.rate_limited)),
+            Slot::Int(i64::from(rate_ppm)),
         ]);
         while v.len() > 1 && v.last().is_some_and(|s| s.is_neutral(v.len() - 1)) {
             v.pop();
@@ -564,6 +576,29 @@ mod tests {
             "gate.lua moves as many tenant slots out of ARGV as script/argv.rs sends"
         );
         assert!(!lua.contains(&format!("TARGV[{}]", TSLOTS.len() + 1)));
+    }
+
+    #[test]
+    fn the_admission_factor_travels_only_when_it_is_not_whole() {
+        let q = QuotaParams {
+            learn: 1_000,
+            ..QuotaParams::default()
+        };
+        let at = |rate_ppm| Argv {
+            quota: Some(&q),
+            rate_ppm,
+            ..Argv::default()
+        };
+        let rate = SLOTS.iter().position(|s| *s == "rate_ppm").unwrap();
+        assert_eq!(NEUTRAL[rate], PPM_WHOLE.to_string());
+        assert!(
+            at(PPM_WHOLE).strings("report").len() <= rate,
+            "whole: not sent"
+        );
+        assert!(at(0).strings("report").len() <= rate, "unset: whole");
+        let cut = at(700_000).strings("report");
+        assert_eq!(cut.len(), rate + 1);
+        assert_eq!(cut[rate], "700000");
     }
 
     #[test]
