@@ -104,7 +104,7 @@ impl Quota {
     /// §6/§7: the time until a reservation `t` certainly fits (the longest wait
     /// over the buckets and the block); zero = now.
     pub fn wait(&self, q: &QuotaParams, t: impl Into<Tokens>, now: Duration) -> Duration {
-        let q = &*self.eff(q, now);
+        let q = &*self.effective(q, now);
         let t = t.into();
         let mut wait = self.blocked_until.saturating_sub(now);
         for (i, (b, counts, _)) in BUCKETS.into_iter().enumerate() {
@@ -124,7 +124,7 @@ impl Quota {
             return Reserve::Denied { retry_after: wait };
         }
         self.track(q, t, true);
-        let q = &*self.eff(q, now);
+        let q = &*self.effective(q, now);
         for (i, (b, counts, _)) in BUCKETS.into_iter().enumerate() {
             match q.shape(b) {
                 Some(s) => self.buckets[i].get_or_insert(Level { full_at: now }).debit(
@@ -168,8 +168,8 @@ impl Quota {
         let reserved = reserved.into();
         self.redate(now);
         self.track(q, reserved, false);
-        let then = self.eff_at(q, ppm);
-        let q = &*self.eff(q, now);
+        let then = self.effective_at(q, ppm);
+        let q = &*self.effective(q, now);
         let c = q.credits(reserved, how);
         let most = q.max_debt.as_nanos();
         for (i, (b, counts, _)) in BUCKETS.into_iter().enumerate() {
@@ -212,27 +212,6 @@ impl Quota {
         }
     }
 
-    /// The parameters in force at `now`: every `"auto"` limit as learned (§18) and
-    /// the per-minute limits scaled by the learned factor (§18 `learn_rate`); `q`
-    /// itself when neither applies. §15's class usage is kept in these limits.
-    pub fn effective<'a>(
-        &self,
-        q: &'a QuotaParams,
-        now: Duration,
-    ) -> std::borrow::Cow<'a, QuotaParams> {
-        self.eff(q, now)
-    }
-
-    /// [`Quota::effective`] with §18's learned factor `ppm` (the one a reservation
-    /// was admitted at, [`Quota::admitted_ppm`]) instead of the one at some `now`.
-    pub fn effective_at<'a>(
-        &self,
-        q: &'a QuotaParams,
-        ppm: u32,
-    ) -> std::borrow::Cow<'a, QuotaParams> {
-        self.eff_at(q, ppm)
-    }
-
     /// §18 `learn_rate`: a cut dated after `now` is re-dated `now`
     /// ([`learn::LearnedRate::redated`]).
     fn redate(&mut self, now: Duration) {
@@ -260,7 +239,7 @@ impl Quota {
 
     /// Levels for status.
     pub fn view(&self, q: &QuotaParams, now: Duration) -> QuotaView {
-        let q = &*self.eff(q, now);
+        let q = &*self.effective(q, now);
         let mut levels = [None; 6];
         for (i, (b, _, _)) in BUCKETS.into_iter().enumerate() {
             levels[i] = q
@@ -311,7 +290,7 @@ impl Quota {
     /// Each configured bucket's deficit at `now` (ns of refill time; 0 = full),
     /// `None` for a disabled bucket, in [`BUCKETS`] order.
     pub fn deficits(&self, q: &QuotaParams, now: Duration) -> [Option<u128>; 6] {
-        let q = &*self.eff(q, now);
+        let q = &*self.effective(q, now);
         let mut d = [None; 6];
         for (i, (b, _, _)) in BUCKETS.into_iter().enumerate() {
             if q.shape(b).is_some() {

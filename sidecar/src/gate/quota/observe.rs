@@ -45,18 +45,21 @@ impl QuotaParams {
 pub const UNLEARNED_WAIT: Duration = Duration::from_secs(1);
 
 impl Quota {
-    /// `q` with every `"auto"` bucket's limit as learned (`None` until then), and
-    /// with `learn_rate` the per-minute limits scaled by the factor learned at `now`.
-    pub(super) fn eff<'a>(&self, q: &'a QuotaParams, now: Duration) -> Cow<'a, QuotaParams> {
+    /// The parameters in force at `now`: `q` with every `"auto"` bucket's limit as
+    /// learned (`None` until then, §18), and with `learn_rate` the per-minute limits
+    /// scaled by the factor learned at `now`; `q` itself when neither applies. §15's
+    /// class usage is kept in these limits.
+    pub fn effective<'a>(&self, q: &'a QuotaParams, now: Duration) -> Cow<'a, QuotaParams> {
         if q.learn == 0 {
-            return self.eff_at(q, PPM_WHOLE);
+            return self.effective_at(q, PPM_WHOLE);
         }
-        self.eff_at(q, self.rate_factor(q, now))
+        self.effective_at(q, self.rate_factor(q, now))
     }
 
-    /// [`Quota::eff`] with the learned factor `ppm` (§18 `learn_rate`: the one in
-    /// force when a reservation was taken) instead of the one at some `now`.
-    pub(super) fn eff_at<'a>(&self, q: &'a QuotaParams, ppm: u32) -> Cow<'a, QuotaParams> {
+    /// [`Quota::effective`] with the learned factor `ppm` (§18 `learn_rate`: the one
+    /// a reservation was admitted at, [`Quota::admitted_ppm`]) instead of the one at
+    /// some `now`.
+    pub fn effective_at<'a>(&self, q: &'a QuotaParams, ppm: u32) -> Cow<'a, QuotaParams> {
         if q.auto == 0 && q.learn == 0 {
             return Cow::Borrowed(q);
         }
@@ -132,7 +135,7 @@ impl Quota {
                 }
             }
         }
-        let e = *self.eff(q, now);
+        let e = *self.effective(q, now);
         let mut block = Duration::ZERO;
         for (i, d) in o.dims.iter().enumerate() {
             let Some(d) = d else { continue };
