@@ -333,8 +333,8 @@ _USAGE_OBJ = re.compile(rb'"usage"\s*:\s*\{')  # a usage object (not "usage": nu
 _find_usage = _USAGE_OBJ.search
 
 
-_NONE4: Usage = (None, None, None, None)
-NO_USAGE = _NONE4  # "unknown": every count None (the estimate stays)
+NO_USAGE: Usage = (None, None, None, None)
+"""Usage unknown: every count None (the estimate stays)."""
 
 
 def _count(v: Any, _max: int = p.MAX_COUNT) -> Optional[int]:
@@ -350,7 +350,7 @@ def usage_fields(usage: Any, _max: int = p.MAX_COUNT) -> Usage:
     int (not a bool) in ``0..MAX_COUNT``, else None (:func:`_count`, inlined: this
     runs on every response)."""
     if not isinstance(usage, dict):
-        return _NONE4
+        return NO_USAGE
     get = usage.get
     total = get("total_tokens")
     if type(total) is not int or not 0 <= total <= _max:
@@ -431,11 +431,11 @@ def body_usage(body: bytes, content_encoding: Optional[str] = None) -> Usage:
             try:
                 body = zlib.decompressobj(47).decompress(body)
             except zlib.error:
-                return _NONE4
+                return NO_USAGE
         elif enc not in ("", "identity"):
-            return _NONE4
+            return NO_USAGE
     if not body or len(body) > _MAX_JSON:
-        return _NONE4
+        return NO_USAGE
     return _json_usage(body)
 
 
@@ -541,7 +541,7 @@ class UsageReader:
             self._buf = bytearray()
         inp, out = self.input, self.output
         if inp is not None and out is not None and inp + out > p.MAX_COUNT:
-            return _NONE4
+            return NO_USAGE
         return self.total, inp, out, self.cached
 
 
@@ -560,7 +560,7 @@ def _json_usage(body: bytes) -> Usage:
     i = body.rfind(b'"usage"')
     if i < 0:
         if b"\\u" not in body and b"\x00" not in body[:4]:
-            return _NONE4
+            return NO_USAGE
     else:
         if body.startswith(b':{', i + 7):  # compact JSON, or json.dumps's ": ": no regex needed
             at = i + 8
@@ -573,14 +573,14 @@ def _json_usage(body: bytes) -> Usage:
             try:
                 obj = _scan(body[at:].decode("utf-8", "replace"), 0)[0]
                 found = usage_fields(obj)
-                if found != _NONE4:
+                if found != NO_USAGE:
                     return found
             except (ValueError, StopIteration):
                 pass
     try:
         doc = json.loads(body)
     except ValueError:
-        return _NONE4
+        return NO_USAGE
     return usage_fields(_usage_in(doc))
 
 
