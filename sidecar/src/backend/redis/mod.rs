@@ -542,18 +542,21 @@ impl Backend for RedisBackend {
             }
             _ => (self.exec_on(source, key.as_deref(), op, false).await, None),
         };
-        let local_tenant = r.tenant.map(|t| self.local_tenant(t.params));
+        // The local fallback's tenant limits (this host's share), made only when the
+        // local fallback serves the tenant.
         match answer? {
             Some(a) => {
-                if let (Some(Ok(None)), Some(t), Some(p)) = (tenant, r.tenant, &local_tenant) {
+                if let (Some(Ok(None)), Some(t)) = (tenant, r.tenant) {
+                    let p = self.local_tenant(t.params);
                     self.local
-                        .tenant_settle(TenantSettle { params: p, ..t })
+                        .tenant_settle(TenantSettle { params: &p, ..t })
                         .await?;
                 }
                 Ok(a)
             }
             None => {
                 let q = self.local_q(r.q);
+                let local_tenant = r.tenant.map(|t| self.local_tenant(t.params));
                 let tenant = r
                     .tenant
                     .zip(local_tenant.as_ref())
