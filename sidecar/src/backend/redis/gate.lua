@@ -1182,20 +1182,32 @@ local function gate(keys, args)
     end
     local q = qload()
     local wait = qwait(q)
+    -- A refusal takes nothing, but writes what qload queued (§18: a learned cut dated
+    -- ahead, re-dated now; nothing else, and no write at all on most calls), so a
+    -- refused call does not re-date it afresh and the factor recovers meanwhile.
     -- §15: a class held back by its limit or others' reserves takes nothing either.
     local cl, mi = cparse()
     if cl then
       cload(q, cl)
       local cw, why = cwait(q, cl, mi)
-      if cw > 0 then return with_factor(q, { 3, why, 0, 0, max(cw, wait) }) end
+      if cw > 0 then
+        qsave(q)
+        return with_factor(q, { 3, why, 0, 0, max(cw, wait) })
+      end
     end
     -- §18: an "auto" bucket not learned yet admits one call at a time.
     if q.unlearned and q.fl[2] > 0 then wait = max(wait, 1000000) end
-    if wait > 0 then return with_factor(q, { 1, 0, 0, 0, wait }) end
+    if wait > 0 then
+      qsave(q)
+      return with_factor(q, { 1, 0, 0, 0, wait })
+    end
     local b = bload(false)
     local g, p = try_enter(b)
     bsave_p(b)
-    if not g then return with_factor(q, { 2, b.e, 0, b.st, bra(b) }) end
+    if not g then
+      qsave(q)
+      return with_factor(q, { 2, b.e, 0, b.st, bra(b) })
+    end
     qdebit(q)
     qtrack(q, 1)
     if cl then ctake(q, cl[mi]) end
