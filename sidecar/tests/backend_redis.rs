@@ -332,6 +332,37 @@ async fn a_learned_factor_dated_ahead_is_redated_and_has_a_floor() {
     assert_eq!(field_ar(&srv, &b, "s1").0, 50_000, "never below 5 %");
 }
 
+/// The same re-dating is written by an admission the quota refuses: otherwise every
+/// refused call re-dates it afresh, and the factor does not recover (from a re-dated
+/// now that moves with the clock) while the quota refuses.
+#[tokio::test]
+async fn a_cut_dated_ahead_is_redated_by_a_refused_admission_too() {
+    let Some(srv) = RedisServer::start() else {
+        return;
+    };
+    let b = backend(&srv, &prefix(), ms(500), OnBackendError::FailClosed).await;
+    b.stop_heartbeat();
+    let q = QuotaParams {
+        learn: 200_000,
+        ..qp()
+    };
+    learning_429(&b, &q).await;
+    b.block_quota("s1", Duration::from_secs(10)).await.unwrap();
+    let ahead = server_us(&srv) + 60_000_000;
+    srv.cli(&["HSET", &b.quota_key("s1"), "ar", &format!("700000 {ahead}")]);
+    let a = b
+        .admit("s1", AdmitRequest::new(&bp(), &q, 10))
+        .await
+        .unwrap();
+    assert!(matches!(a, Admit::RateLimited { .. }), "blocked: {a:?}");
+    let (ppm, at) = field_ar(&srv, &b, "s1");
+    assert_eq!(ppm, 700_000);
+    assert!(
+        at <= server_us(&srv),
+        "re-dated by the refused admission: {at} vs {ahead}"
+    );
+}
+
 #[tokio::test]
 async fn keys_are_hash_tagged_and_expire() {
     let Some(srv) = RedisServer::start() else {

@@ -161,10 +161,18 @@ async fn interleaved(
 const WATCHED: u64 = 200;
 
 /// Redis commands per call of `shape` on `sc`, as MONITOR shows them between two
-/// markers around [`WATCHED`] calls: (sent by the sidecar — its round trips, a
-/// pipeline counted per command —, run by its scripts). `INFO commandstats` cannot
-/// tell the two apart: it counts a script's `redis.call`s too.
-async fn round_trips(redis: &Redis, sc: &Sidecar, shape: &Shape) -> Result<(f64, f64), String> {
+/// markers around [`WATCHED`] calls: (sent by the sidecar to run the gate — its
+/// round trips: `FCALL` or `EVALSHA`, a pipeline counted per command —, run by its
+/// scripts, and every other command the sidecar sent meanwhile: its background
+/// tasks, the host heartbeat's scripts and the connection's `PING`, which a window
+/// meets by chance). `INFO commandstats` cannot tell them apart: it counts a
+/// script's `redis.call`s too. A call that sent a command of another kind would
+/// show as about one background command per call.
+async fn round_trips(
+    redis: &Redis,
+    sc: &Sidecar,
+    shape: &Shape,
+) -> Result<(f64, f64, f64), String> {
     let q = crate::frames::Requests::new();
     let mut c = load::Conn::connect_version(&sc.socket, Some(3))
         .await
@@ -179,7 +187,7 @@ async fn round_trips(redis: &Redis, sc: &Sidecar, shape: &Shape) -> Result<(f64,
         c.call(shape, &q).await.map_err(|e| e.to_string())?;
     }
     marker("polygate-bench-end")?;
-    let (mut sent, mut scripted, mut phase) = (0u64, 0u64, 0);
+    let (mut sent, mut scripted, mut background, mut phase) = (0u64, 0u64, 0u64, 0);
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
     while phase < 2 {
         if std::time::Instant::now() > deadline {
@@ -204,15 +212,15 @@ async fn round_trips(redis: &Redis, sc: &Sidecar, shape: &Shape) -> Result<(f64,
         if phase == 1 {
             if client.ends_with(" lua") {
                 scripted += 1;
-            } else {
+            } else if name == "FCALL" || name == "EVALSHA" {
                 sent += 1;
+            } else {
+                background += 1;
             }
         }
     }
-    Ok((
-        sent as f64 / WATCHED as f64,
-        scripted as f64 / WATCHED as f64,
-    ))
+    let per = |n: u64| n as f64 / WATCHED as f64;
+    Ok((per(sent), per(scripted), per(background)))
 }
 
 /// Fills the cost keys of `l`.
@@ -238,7 +246,9 @@ pub async fn measure(l: &mut Line, opts: &Opts) -> Result<(), String> {
     l.num("redis_round_trips_per_call", plain_rt.0)
         .num("redis_round_trips_per_call_tenant", tenant_rt.0)
         .num("redis_script_cmds_per_call", plain_rt.1)
-        .num("redis_script_cmds_per_call_tenant", tenant_rt.1);
+        .num("redis_script_cmds_per_call_tenant", tenant_rt.1)
+        .num("redis_background_cmds_per_call", plain_rt.2)
+        .num("redis_background_cmds_per_call_tenant", tenant_rt.2);
     let per = |n: u64, s: &Side| n as f64 / s.calls.max(1) as f64;
     l.num("cost_us_memory", plain.median())
         .num("cost_us_memory_tenant", tenant.median())

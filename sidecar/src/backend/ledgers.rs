@@ -131,7 +131,7 @@ impl Held<'_> {
             Admit::Admitted {
                 epoch,
                 is_probe,
-                rate_ppm,
+                rate,
                 ..
             } => {
                 // The source's step ran under this lock: nothing changed the ledger.
@@ -142,7 +142,7 @@ impl Held<'_> {
                     epoch,
                     is_probe,
                     tenant_day: l.take(t.params, t.charge, now, wall),
-                    rate_ppm,
+                    rate,
                 }
             }
             other => other,
@@ -156,7 +156,7 @@ impl Held<'_> {
                 epoch: 0,
                 is_probe: false,
                 tenant_day: 0,
-                rate_ppm: crate::gate::quota::PPM_WHOLE,
+                rate: crate::gate::quota::AdmittedRate::WHOLE,
             })
         })
         .expect("the source step cannot fail")

@@ -200,7 +200,7 @@ impl<B: Backend> Engine<B> {
                     epoch,
                     is_probe,
                     tenant_day,
-                    rate_ppm,
+                    rate,
                 }) => {
                     // From here the Acquire's Ticket owns the slot (no await between).
                     slot.keep();
@@ -214,7 +214,7 @@ impl<B: Backend> Engine<B> {
                         epoch,
                         is_probe,
                         tokens,
-                        rate_ppm,
+                        rate,
                         class,
                         ledger: ask_cost.map(|cost| LedgerHold {
                             day: tenant_day,
@@ -425,7 +425,7 @@ impl<B: Backend> Work<B> for Admission {
             epoch,
             is_probe,
             tenant_day,
-            rate_ppm,
+            rate,
         }) = out
         {
             // A task's answer is dropped inside the runtime; outside one (runtime
@@ -436,7 +436,7 @@ impl<B: Backend> Work<B> for Admission {
                     epoch,
                     is_probe,
                     tokens: self.tokens,
-                    rate_ppm,
+                    rate,
                     class: self.class.as_ref().map_or(0, |c| c.index),
                     ledger: self.tenant.as_ref().map(|t| LedgerHold {
                         day: tenant_day,

@@ -21,7 +21,7 @@ use crate::backend::{
 };
 use crate::gate::breaker::{Applied, BreakerParams, State};
 use crate::gate::pacer::Signal;
-use crate::gate::quota::{QuotaParams, Settlement, Tokens};
+use crate::gate::quota::{AdmittedRate, QuotaParams, Settlement, Tokens};
 use crate::gate::{FailureKind, Outcome};
 use crate::logs::{self, Kind};
 
@@ -315,8 +315,8 @@ pub(super) struct Settle {
     is_probe: bool,
     /// Tokens the grant reserved.
     tokens: Tokens,
-    /// §18 `learn_rate`: the learned factor they were reserved at.
-    rate_ppm: u32,
+    /// §18 `learn_rate`: the learned factor they were reserved at, the last cut then.
+    rate: AdmittedRate,
     /// What happened.
     outcome: Outcome,
     /// §15: the grant's priority class, whose usage settles with the buckets
@@ -416,7 +416,7 @@ impl Settle {
             epoch: p.epoch,
             is_probe: p.is_probe,
             tokens: p.tokens,
-            rate_ppm: p.rate_ppm,
+            rate: p.rate,
             outcome,
             class: engine.class_name(p.scope, p.class),
             observed: None,
@@ -457,7 +457,7 @@ impl Settle {
             epoch: g.epoch,
             is_probe: g.is_probe,
             tokens: g.tokens,
-            rate_ppm: g.rate_ppm,
+            rate: g.rate,
             outcome: Outcome::Cancelled,
             class: engine.class_name(scope, g.class),
             observed: None,
@@ -479,7 +479,7 @@ impl<B: Backend> Work<B> for Settle {
                 self.tokens,
                 self.outcome,
             )
-            .admitted_at(self.rate_ppm);
+            .admitted_at(self.rate);
             if let Some(class) = &self.class {
                 r = r.class(class);
             }

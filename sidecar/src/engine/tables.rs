@@ -13,7 +13,7 @@ use tokio::sync::Notify;
 
 use super::error::EngineError;
 use super::CallEst;
-use crate::gate::quota::Tokens;
+use crate::gate::quota::{AdmittedRate, Tokens};
 use crate::gate::Outcome;
 
 /// Identifies who holds calls and permits (one per connection in the daemon).
@@ -91,9 +91,9 @@ pub(crate) struct PermitRec {
     pub(crate) is_probe: bool,
     /// Tokens reserved.
     pub(crate) tokens: Tokens,
-    /// §18 `learn_rate`: the learned factor they were reserved at (the report
-    /// settles at it).
-    pub(crate) rate_ppm: u32,
+    /// §18 `learn_rate`: the learned factor they were reserved at and the last cut
+    /// then (the report settles at it, and its 429 cuts only under that cut).
+    pub(crate) rate: AdmittedRate,
     /// §15: the call's priority class (its share of the source settles with it).
     pub(crate) class: usize,
     /// When granted (latency for health).
@@ -120,8 +120,8 @@ pub(crate) struct Hold {
     pub(crate) is_probe: bool,
     /// Tokens reserved.
     pub(crate) tokens: Tokens,
-    /// §18 `learn_rate`: the learned factor they were reserved at.
-    pub(crate) rate_ppm: u32,
+    /// §18 `learn_rate`: the learned factor they were reserved at, the last cut then.
+    pub(crate) rate: AdmittedRate,
     /// §15: the call's priority class in its scope (0 without classes).
     pub(crate) class: usize,
     /// §19: what the grant charged the call's tenant's ledger.
@@ -325,7 +325,7 @@ impl Tables {
                 epoch: g.epoch,
                 is_probe: g.is_probe,
                 tokens: g.tokens,
-                rate_ppm: g.rate_ppm,
+                rate: g.rate,
                 class: g.class,
                 granted_at: now,
                 expires: now + lease,

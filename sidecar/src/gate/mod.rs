@@ -28,7 +28,7 @@ use std::time::Duration;
 use breaker::{Applied, Breaker, BreakerParams, State};
 use classes::{ClassTag, ClassUsage, Held};
 use observed::Observation;
-use quota::{Quota, QuotaParams, Reserve, Settlement, Split, Tokens};
+use quota::{AdmittedRate, Quota, QuotaParams, Reserve, Settlement, Split, Tokens};
 use tenant::{Charge, TenantLimit, TenantParams};
 
 /// Answer of the combined admission step (gates 3 + 4, [`Gates::admit`]).
@@ -43,11 +43,12 @@ pub enum Admit {
         /// §19: the UTC day number the tenant's reservation was charged to (its
         /// settlement goes to that day's and month's budgets); 0 without a tenant.
         tenant_day: u32,
-        /// §18 `learn_rate`: the learned factor the reservation was taken at (ppm of
-        /// the limits; [`quota::PPM_WHOLE`] on a source that does not learn). The
-        /// permit carries it back ([`ReportRequest::admitted_at`]) so its settlement
-        /// gives back what the reservation took, however the factor moved since.
-        rate_ppm: u32,
+        /// §18 `learn_rate`: the learned factor the reservation was taken at and the
+        /// last cut then in force ([`AdmittedRate::WHOLE`] on a source that does
+        /// not learn). The permit carries it back ([`ReportRequest::admitted_at`]) so
+        /// its settlement gives back what the reservation took, however the factor
+        /// moved since, and its 429 cuts only if no cut was made since.
+        rate: AdmittedRate,
     },
     /// §19: the call's tenant has no room for it (its bucket, or its dollar budget at
     /// this source's prices); nothing was taken, the source's gates not consulted.
@@ -315,9 +316,11 @@ pub struct ReportRequest<'a> {
     /// §19: the permit's tenant reservation, settled in the same step.
     pub tenant: Option<TenantSettle<'a>>,
     /// §18 `learn_rate`: the factor the permit's reservation was taken at
-    /// ([`Admit::Admitted::rate_ppm`]); its credits are converted at it
-    /// ([`quota::PPM_WHOLE`] unless set by [`ReportRequest::admitted_at`]).
-    pub rate_ppm: u32,
+    /// and the last cut then in force ([`Admit::Admitted::rate`]): its credits are
+    /// converted at that factor, and its 429 cuts only under that cut. `None` unless
+    /// set by [`ReportRequest::admitted_at`]: credits at the whole limit, a 429 cuts
+    /// as if admitted under the last cut.
+    pub admitted: Option<AdmittedRate>,
 }
 
 impl<'a> ReportRequest<'a> {
@@ -340,15 +343,15 @@ impl<'a> ReportRequest<'a> {
             class: None,
             observed: None,
             tenant: None,
-            rate_ppm: quota::PPM_WHOLE,
+            admitted: None,
         }
     }
 
     /// The same for a permit whose reservation was taken at the learned factor
-    /// `ppm` (§18 `learn_rate`, [`Admit::Admitted::rate_ppm`]).
-    pub fn admitted_at(self, ppm: u32) -> Self {
+    /// `rate` (§18 `learn_rate`, [`Admit::Admitted::rate`]).
+    pub fn admitted_at(self, rate: AdmittedRate) -> Self {
         ReportRequest {
-            rate_ppm: ppm,
+            admitted: Some(rate),
             ..self
         }
     }
@@ -444,7 +447,7 @@ impl Gates {
             epoch: e.epoch,
             is_probe: e.is_probe,
             tenant_day: 0,
-            rate_ppm: self.quota.admitted_ppm(q, now),
+            rate: self.quota.admitted(q, now),
         }
     }
 
@@ -463,8 +466,9 @@ impl Gates {
             class,
             observed,
             tenant: _,
-            rate_ppm,
+            admitted,
         } = r;
+        let rate_ppm = admitted.map_or(quota::PPM_WHOLE, |a| a.ppm);
         let how = outcome.settlement(reserved);
         if let Some(class) = class {
             let eq = self.quota.effective(q, now);
@@ -478,7 +482,7 @@ impl Gates {
             // back what its reservation took: converted at the factor of its
             // admission), before it blocks anything (a block already in force means
             // the ledger knew).
-            self.quota.rate_limited(q, now);
+            self.quota.rate_limited(q, admitted, now);
         }
         if let Some(o) = observed {
             self.quota.observe(q, o, now);

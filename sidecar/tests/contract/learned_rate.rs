@@ -7,7 +7,8 @@
 use std::time::Duration;
 
 use polygate::backend::{
-    Admit, AdmitRequest, Backend, Dim, Held, Observation, Outcome, QuotaParams, ReportRequest,
+    Admit, AdmitRequest, AdmittedRate, Backend, Dim, Held, Observation, Outcome, QuotaParams,
+    ReportRequest,
 };
 
 use super::{assert_level, bp, classes, ms, Harness, S1};
@@ -107,18 +108,16 @@ pub async fn a_predicted_429_or_one_of_a_source_that_does_not_learn_cuts_nothing
     );
 }
 
-/// A grant: its epoch and the learned factor its reservation was taken at.
+/// A grant: its epoch and what its admission saw of the learned factor.
 #[derive(Clone, Copy)]
 struct Grant {
     epoch: u64,
-    rate_ppm: u32,
+    rate: AdmittedRate,
 }
 
 async fn admit_t<B: Backend>(b: &B, q: &QuotaParams, t: u64) -> Grant {
     match b.admit(S1, AdmitRequest::new(&bp(), q, t)).await.unwrap() {
-        Admit::Admitted {
-            epoch, rate_ppm, ..
-        } => Grant { epoch, rate_ppm },
+        Admit::Admitted { epoch, rate, .. } => Grant { epoch, rate },
         a => panic!("expected a grant, got {a:?}"),
     }
 }
@@ -133,7 +132,7 @@ async fn report_429_t<B: Backend>(b: &B, q: &QuotaParams, g: Grant, t: u64) {
         t,
         Outcome::RateLimited { retry_after: None },
     )
-    .admitted_at(g.rate_ppm);
+    .admitted_at(g.rate);
     b.report(S1, r).await.unwrap();
 }
 
@@ -180,6 +179,41 @@ pub async fn a_second_429_refunds_what_it_took<H: Harness>(h: &H) {
     report_429_t(&b, &q, bb, 10).await; // within the second: no second cut
     let lvl = b.snapshot(S1, &bp(), &q).await.unwrap().levels[0];
     assert_level(lvl, 35.0, "B's refund is what B took");
+}
+
+/// A 429 of a call admitted before the last cut cuts nothing, however late it is
+/// reported (a slow response: it says nothing of the rate after that cut, as classic
+/// AIMD cuts only on the loss of a packet sent after the last cut); one of a call
+/// admitted after it cuts. 100 rpm, a 429 keeps its request (1.2 s of refill for A
+/// and B): A's 429 cuts to 70/min; 1.1 s later (past the once-a-second rule) B's 429
+/// leaves it there: 70 − 0.1 s × 70/60 = 69.9 (a second cut: 48.9). C, admitted after
+/// the cut (0.857 s at 70/min), gets a 429 on the other host that cuts to 49/min:
+/// 49 − 0.957 s × 49/60 = 48.2.
+pub async fn a_429_of_a_call_sent_before_the_last_cut_cuts_nothing<H: Harness>(h: &H) {
+    let one = h.fresh().await;
+    let two = h.second(&one).await;
+    let two = two.as_ref().unwrap_or(&one);
+    let q = QuotaParams {
+        rpm: Some(100),
+        learn: 1_000,
+        ..QuotaParams::default()
+    };
+    let a = admit_t(&one, &q, 0).await;
+    let b = admit_t(two, &q, 0).await;
+    report_429_t(&one, &q, a, 0).await; // cuts to 0.7
+    h.advance(ms(1_100)).await;
+    report_429_t(two, &q, b, 0).await;
+    let lvl = one.snapshot(S1, &bp(), &q).await.unwrap().levels[1];
+    assert_level(lvl, 69.9, "B was sent before the cut: no second cut");
+    let c = admit_t(&one, &q, 0).await;
+    assert!(
+        c.rate.cut_at.is_some(),
+        "a grant under a cut carries its date: {:?}",
+        c.rate
+    );
+    report_429_t(two, &q, c, 0).await;
+    let lvl = one.snapshot(S1, &bp(), &q).await.unwrap().levels[1];
+    assert_level(lvl, 48.2, "C was sent after it: its 429 cuts again");
 }
 
 /// Two 429s within a second, from two hosts, cut once (`CUT_EVERY`, `gate.lua`
@@ -259,7 +293,7 @@ pub async fn an_auto_limit_changed_while_cut_is_followed<H: Harness>(h: &H) {
     let p = bp();
     let ok = |g: Grant| {
         ReportRequest::new(&p, &q, g.epoch, false, 10u64, Outcome::success(Some(10)))
-            .admitted_at(g.rate_ppm)
+            .admitted_at(g.rate)
     };
     let e = admit_t(&b, &q, 10).await;
     b.report(S1, ok(e).observed(&o(1_000))).await.unwrap();

@@ -1361,6 +1361,7 @@ macro_rules! contract_tests {
             a_predicted_429_or_one_of_a_source_that_does_not_learn_cuts_nothing,
             a_429_refunds_what_its_reservation_took_before_it_cuts,
             a_second_429_refunds_what_it_took,
+            a_429_of_a_call_sent_before_the_last_cut_cuts_nothing,
             two_429s_within_a_second_cut_once_across_hosts,
             a_class_limit_follows_the_learned_rate,
             an_auto_limit_changed_while_cut_is_followed,

@@ -85,6 +85,11 @@
 --              34, 35) are converted to refill time at the per-minute limits scaled by
 --              it, so a refund gives back what the reservation took even when the factor
 --              was cut since (1000000 = whole)
+-- ARGV[56] cut_at_us : report with slot 53 set: the date of the last cut in force at the
+--              call's admission (the admit reply's element 8; 0 = none): a 429 cuts
+--              only while that cut is still the last one, since a call sent before a
+--              cut says nothing of the rate after it (-1 = not known: it cuts as if
+--              admitted under the last cut)
 --
 -- §19: a call that carries a tenant ledger (admit and report with three keys; the
 -- tenant ops treserve, tsettle, tsnapshot, tcal with it as their one key) sends its
@@ -405,11 +410,14 @@ end
 
 -- §18 learn_rate (§10): a reply of admit or report on a source that learns ends with the
 -- factor in force (ppm, element 7; element 6 filled with -1 where the reply has none),
--- so a host knows it when Redis goes away and its local fallback starts from it.
+-- so a host knows it when Redis goes away and its local fallback starts from it, and
+-- the last cut's date (µs, element 8; 0 = none), which an admitted call's report sends
+-- back (slot 56).
 local function with_factor(q, r)
   if q and q.rf then
     if r[6] == nil then r[6] = -1 end
     r[7] = q.rf
+    r[8] = q.lat or 0
   end
   return r
 end
@@ -519,12 +527,17 @@ end
 
 -- §18 learn_rate, a 429 report (slot 54), after the report's own settlement (its
 -- refund gives back what its reservation took, at the factor of its admission, slot 55)
--- and before its block: unless a block is in force (the ledger knew) or the last cut is
--- under LCUT_EVERY old, the factor is cut ×0.7 (at least LFLOOR), dated now, and the
--- per-minute buckets run at the cut limits from here on.
+-- and before its block: unless a block is in force (the ledger knew), the last cut is
+-- under LCUT_EVERY old, or a cut was made since the call's admission (slot 56), the
+-- factor is cut ×0.7 (at least LFLOOR), dated now, and the per-minute buckets run at
+-- the cut limits from here on.
 local function qcut(q)
   if q.learn == nil or arg(54, 0) ~= 1 or q.bu > now then return end
-  if q.lat ~= nil and now - q.lat < LCUT_EVERY then return end
+  if q.lat ~= nil then
+    if now - q.lat < LCUT_EVERY then return end
+    local seen = arg(56, -1)
+    if seen >= 0 and seen ~= q.lat then return end
+  end
   local ppm = max(LFLOOR, floor(q.rf * 7 / 10))
   q.rf, q.lat = ppm, now
   qput(q, 'ar', format('%d %d', ppm, now))
@@ -1169,20 +1182,32 @@ local function gate(keys, args)
     end
     local q = qload()
     local wait = qwait(q)
+    -- A refusal takes nothing, but writes what qload queued (§18: a learned cut dated
+    -- ahead, re-dated now; nothing else, and no write at all on most calls), so a
+    -- refused call does not re-date it afresh and the factor recovers meanwhile.
     -- §15: a class held back by its limit or others' reserves takes nothing either.
     local cl, mi = cparse()
     if cl then
       cload(q, cl)
       local cw, why = cwait(q, cl, mi)
-      if cw > 0 then return with_factor(q, { 3, why, 0, 0, max(cw, wait) }) end
+      if cw > 0 then
+        qsave(q)
+        return with_factor(q, { 3, why, 0, 0, max(cw, wait) })
+      end
     end
     -- §18: an "auto" bucket not learned yet admits one call at a time.
     if q.unlearned and q.fl[2] > 0 then wait = max(wait, 1000000) end
-    if wait > 0 then return with_factor(q, { 1, 0, 0, 0, wait }) end
+    if wait > 0 then
+      qsave(q)
+      return with_factor(q, { 1, 0, 0, 0, wait })
+    end
     local b = bload(false)
     local g, p = try_enter(b)
     bsave_p(b)
-    if not g then return with_factor(q, { 2, b.e, 0, b.st, bra(b) }) end
+    if not g then
+      qsave(q)
+      return with_factor(q, { 2, b.e, 0, b.st, bra(b) })
+    end
     qdebit(q)
     qtrack(q, 1)
     if cl then ctake(q, cl[mi]) end

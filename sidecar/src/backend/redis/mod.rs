@@ -529,7 +529,7 @@ impl Backend for RedisBackend {
             class: r.class,
             observed: r.observed,
             tenant: r.tenant.filter(|_| !cluster),
-            rate_ppm: r.rate_ppm,
+            admitted: r.admitted,
         };
         // A Redis Cluster settles the tenant beside the source, both sent at once.
         let (answer, tenant) = match (cluster, r.tenant, key.as_deref()) {

@@ -8,15 +8,15 @@ use ::redis::Value;
 
 use super::reach::Seen;
 use super::script::{
-    applied, bool_at, dur_at, factor_at, int_at, level_at, level_or_none, proto, seen_applied,
-    state_at, u64_at, Announce, Argv, Op, TenantSlots,
+    admitted_rate_at, applied, bool_at, dur_at, factor_at, int_at, level_at, level_or_none, proto,
+    seen_applied, state_at, u64_at, Announce, Argv, Op, TenantSlots,
 };
 use crate::backend::event::AdminOp;
 use crate::backend::{
     Admit, Applied, BResult, BreakerParams, ClassTag, Entry, Held, LastSeen, Observation, Outcome,
     Peek, QuotaParams, Reserve, Settlement, SourceSnapshot, State, Tokens,
 };
-use crate::gate::quota::{Credits, MAX_QUOTA_BLOCK, PPM_WHOLE};
+use crate::gate::quota::{AdmittedRate, Credits, MAX_QUOTA_BLOCK};
 use crate::gate::{TenantAdmit, TenantSettle};
 
 /// Gate 4 alone: may a caller enter?
@@ -400,9 +400,10 @@ impl Op for AdmitArgs<'_> {
                 } else {
                     0
                 },
-                // §18 learn_rate: the factor in force (element 7; whole when the
-                // source does not learn), carried back by the report.
-                rate_ppm: factor_at(v).unwrap_or(PPM_WHOLE),
+                // §18 learn_rate: the factor in force and the last cut's date
+                // (elements 7, 8; whole when the source does not learn), carried
+                // back by the report.
+                rate: admitted_rate_at(v),
             }),
             1 => Ok(Admit::RateLimited {
                 retry_after: dur_at(v, 4)?,
@@ -480,8 +481,8 @@ pub(super) struct ReportArgs<'a> {
     /// §19: the permit's tenant reservation, its ledger the call's third key (one
     /// server only).
     pub tenant: Option<TenantSettle<'a>>,
-    /// §18 `learn_rate`: the factor the permit's reservation was taken at (slot 55).
-    pub rate_ppm: u32,
+    /// §18 `learn_rate`: what the permit's admission saw (slots 55, 56).
+    pub admitted: Option<AdmittedRate>,
 }
 
 impl Op for ReportArgs<'_> {
@@ -516,7 +517,7 @@ impl Op for ReportArgs<'_> {
             observed: self.observed.filter(|_| self.q.tracks()),
             tenant: self.tenant.map(|t| super::tenant::settle_slots(&t)),
             rate_limited: self.q.learn != 0 && matches!(self.outcome, Outcome::RateLimited { .. }),
-            rate_ppm: self.rate_ppm,
+            admitted: self.admitted,
             ..Argv::default()
         }
     }
@@ -671,7 +672,7 @@ mod tests {
             class: None,
             observed: None,
             tenant: None,
-            rate_ppm: PPM_WHOLE,
+            admitted: None,
         };
         let announce = Announce {
             channel: "chan",
@@ -746,7 +747,7 @@ mod tests {
             class: None,
             observed: None,
             tenant: None,
-            rate_ppm: PPM_WHOLE,
+            admitted: None,
         };
         assert_eq!(slot(&report, "is_probe"), "1");
         assert_eq!(slot(&report, "count_attempt"), "0");
@@ -815,7 +816,7 @@ mod tests {
             class: None,
             observed: None,
             tenant: None,
-            rate_ppm: PPM_WHOLE,
+            admitted: None,
         };
         let credit = |r: &ReportArgs| slot(r, "token_credit");
         assert_eq!(credit(&report(FailureKind::Timeout, Some(40))), "100");

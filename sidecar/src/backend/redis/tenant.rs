@@ -148,13 +148,13 @@ impl RedisBackend {
             Ok(Some(Admit::Admitted {
                 epoch,
                 is_probe,
-                rate_ppm,
+                rate,
                 ..
             })) => Ok(Admit::Admitted {
                 epoch,
                 is_probe,
                 tenant_day: day,
-                rate_ppm,
+                rate,
             }),
             Ok(Some(refused)) => {
                 give_back().await?;
@@ -251,7 +251,7 @@ impl Op for TReserveArgs<'_> {
                 epoch: 0,
                 is_probe: false,
                 tenant_day: u32::try_from(int_at(v, 1)?).map_err(|_| proto("treserve", v))?,
-                rate_ppm: crate::gate::quota::PPM_WHOLE,
+                rate: crate::gate::quota::AdmittedRate::WHOLE,
             }),
             0 => Ok(Admit::TenantLimited {
                 limit: limit_of(v, 1)?,

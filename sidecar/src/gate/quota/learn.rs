@@ -8,7 +8,9 @@
 //! - **multiplicative decrease**: a 429 reported while no 429 block is in force (the
 //!   ledger admitted the call and nothing since said the quota was spent) cuts the
 //!   factor to [`CUT_NUM`]/[`CUT_DEN`] of itself, never below [`FLOOR_PPM`], at most
-//!   once per [`CUT_EVERY`] (the 429s of one moment count once);
+//!   once per [`CUT_EVERY`] (the 429s of one moment count once), and only when the
+//!   call was admitted under the last cut ([`AdmittedRate::cut_at`]: a 429 of a call
+//!   sent before it says nothing of the rate after it);
 //! - **additive recovery**: from the last cut the factor grows by
 //!   [`QuotaParams::learn`] ppm per second (default [`RECOVER_PPM_PER_S`]), never
 //!   above the whole limit.
@@ -41,6 +43,29 @@ pub struct LearnedRate {
     pub ppm: u32,
     /// When that cut was made.
     pub at: Duration,
+}
+
+/// What a permit's admission saw of the learned factor, carried back by its report
+/// (`Admit::Admitted::rate`, `ReportRequest::admitted_at`; on Redis the admit reply's
+/// elements 7 and 8, the report's script slots 55 and 56).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct AdmittedRate {
+    /// The factor the reservation was taken at, ppm of the limits: its settlement
+    /// converts at it, so a refund gives back what the reservation took.
+    pub ppm: u32,
+    /// The date of the last cut in force then ([`LearnedRate::at`], on the backend's
+    /// clock; `None`: none): the call's 429 cuts only while that cut is still the
+    /// last one, as classic AIMD cuts only on the loss of a packet sent after the
+    /// last cut.
+    pub cut_at: Option<Duration>,
+}
+
+impl AdmittedRate {
+    /// What a source that does not learn is admitted at.
+    pub const WHOLE: AdmittedRate = AdmittedRate {
+        ppm: PPM_WHOLE,
+        cut_at: None,
+    };
 }
 
 impl LearnedRate {
@@ -76,18 +101,25 @@ pub fn factor(r: Option<LearnedRate>, recover: u32, now: Duration) -> u32 {
     r.map_or(PPM_WHOLE, |r| r.factor(recover, now))
 }
 
-/// A 429 reported at `now` on a source learning with `recover` ppm/s: the new state
-/// when it cuts the factor (`blocked`: a 429 block was in force, so the 429 was
-/// predicted and cuts nothing; a cut less than [`CUT_EVERY`] ago neither), `None`
-/// when nothing changes.
+/// A 429 reported at `now` on a source learning with `recover` ppm/s, of a call
+/// admitted as `seen` says (`None`: a report that does not say): the new state when
+/// it cuts the factor, `None` when nothing changes. It cuts nothing when `blocked`
+/// (a 429 block was in force, so the 429 was predicted), when the last cut is less
+/// than [`CUT_EVERY`] old, or when a cut was made since the call's admission (its
+/// 429 says nothing of the rate after that cut).
 pub fn cut(
     r: Option<LearnedRate>,
     recover: u32,
     blocked: bool,
+    seen: Option<AdmittedRate>,
     now: Duration,
 ) -> Option<LearnedRate> {
     let r = r.map(|r| r.redated(now));
-    if recover == 0 || blocked || r.is_some_and(|r| now.saturating_sub(r.at) < CUT_EVERY) {
+    let cut_since = |r: LearnedRate| seen.is_some_and(|s| s.cut_at != Some(r.at));
+    if recover == 0
+        || blocked
+        || r.is_some_and(|r| now.saturating_sub(r.at) < CUT_EVERY || cut_since(r))
+    {
         return None;
     }
     let f = factor(r, recover, now);
@@ -137,7 +169,7 @@ mod tests {
     #[test]
     fn a_cut_keeps_seven_tenths_once_per_interval_and_recovery_is_additive() {
         let r = RECOVER_PPM_PER_S;
-        let a = cut(None, r, false, s(10)).expect("the first 429 cuts");
+        let a = cut(None, r, false, None, s(10)).expect("the first 429 cuts");
         assert_eq!(
             a,
             LearnedRate {
@@ -146,14 +178,14 @@ mod tests {
             }
         );
         assert_eq!(
-            cut(Some(a), r, false, s(10) + ms(999)),
+            cut(Some(a), r, false, None, s(10) + ms(999)),
             None,
             "one moment counts once"
         );
         // Recovery: +0.5 % a second from the cut.
         assert_eq!(a.factor(r, s(10) + ms(999)), 704_995);
         assert_eq!(a.factor(r, s(12)), 710_000);
-        let b = cut(Some(a), r, false, s(12)).expect("a second later it cuts again");
+        let b = cut(Some(a), r, false, None, s(12)).expect("a second later it cuts again");
         assert_eq!(b.ppm, 497_000, "0.7 of the recovered factor");
         assert_eq!(b.factor(r, s(12) + s(60)), 797_000);
         assert_eq!(b.factor(r, s(1_000)), PPM_WHOLE, "never above the limit");
@@ -163,19 +195,54 @@ mod tests {
     #[test]
     fn a_predicted_429_cuts_nothing_and_the_factor_has_a_floor() {
         let r = RECOVER_PPM_PER_S;
-        assert_eq!(cut(None, r, true, s(1)), None, "blocked: the ledger knew");
         assert_eq!(
-            cut(None, 0, false, s(1)),
+            cut(None, r, true, None, s(1)),
+            None,
+            "blocked: the ledger knew"
+        );
+        assert_eq!(
+            cut(None, 0, false, None, s(1)),
             None,
             "a source that does not learn"
         );
         let mut st = None;
         for i in 0..20 {
-            if let Some(n) = cut(st, r, false, s(2 * i)) {
+            if let Some(n) = cut(st, r, false, None, s(2 * i)) {
                 st = Some(n);
             }
         }
         assert_eq!(st.unwrap().ppm, FLOOR_PPM);
+    }
+
+    #[test]
+    fn a_429_cuts_only_when_its_call_was_admitted_under_the_last_cut() {
+        let r = RECOVER_PPM_PER_S;
+        let before = AdmittedRate::WHOLE; // admitted while nothing was cut
+        let a = cut(None, r, false, Some(before), s(10)).expect("the first 429 cuts");
+        // Two seconds later, a slow response of a call sent before that cut.
+        assert_eq!(
+            cut(Some(a), r, false, Some(before), s(12)),
+            None,
+            "a call admitted before the last cut"
+        );
+        let under = AdmittedRate {
+            ppm: a.factor(r, s(11)),
+            cut_at: Some(a.at),
+        };
+        assert_eq!(
+            cut(Some(a), r, false, Some(under), s(12)).map(|c| c.ppm),
+            Some(497_000),
+            "a call admitted after the cut cuts again (0.7 of 0.71)"
+        );
+        assert_eq!(
+            cut(Some(a), r, false, None, s(12)).map(|c| c.ppm),
+            Some(497_000),
+            "a report that does not say what its admission saw cuts as before"
+        );
+        assert!(
+            cut(None, r, false, Some(under), s(12)).is_some(),
+            "no cut remembered (the state was dropped): none since the admission"
+        );
     }
 
     #[test]
@@ -190,12 +257,12 @@ mod tests {
         assert_eq!(here.factor(r, s(42)), 710_000, "it recovers from now");
         assert_eq!(ahead.redated(s(200)), ahead, "a cut in the past stays");
         assert_eq!(
-            cut(Some(ahead), r, false, s(40)),
+            cut(Some(ahead), r, false, None, s(40)),
             None,
             "now is the cut's moment"
         );
         assert_eq!(
-            cut(Some(here), r, false, s(41)).map(|c| c.ppm),
+            cut(Some(here), r, false, None, s(41)).map(|c| c.ppm),
             Some(493_500),
             "a second after the re-dating it cuts again (0.7 of 0.705)"
         );

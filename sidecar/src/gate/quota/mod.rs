@@ -26,6 +26,7 @@ use std::time::Duration;
 
 use bucket::Level;
 pub use bucket::{Bucket, Counts, Shape, BUCKETS, DAY, MINUTE};
+pub use learn::AdmittedRate;
 pub use observe::UNLEARNED_WAIT;
 pub use params::{
     Credits, QuotaParams, Reserve, Settlement, Split, Tokens, DEFAULT_MAX_DEBT, PPM_WHOLE,
@@ -187,27 +188,33 @@ impl Quota {
         }
     }
 
-    /// §18 `learn_rate`: the factor a reservation taken at `now` is taken at, for
-    /// its settlement ([`Quota::settle_at`]): [`PPM_WHOLE`] on a source that does
-    /// not learn.
-    pub fn admitted_ppm(&self, q: &QuotaParams, now: Duration) -> u32 {
+    /// §18 `learn_rate`: what a reservation taken at `now` is taken at, for its
+    /// settlement ([`Quota::settle_at`] converts at its factor) and its 429
+    /// ([`Quota::rate_limited`] cuts only under the same last cut):
+    /// [`AdmittedRate::WHOLE`] on a source that does not learn.
+    pub fn admitted(&self, q: &QuotaParams, now: Duration) -> AdmittedRate {
         if q.learn == 0 {
-            PPM_WHOLE
+            AdmittedRate::WHOLE
         } else {
-            self.rate_factor(q, now)
+            AdmittedRate {
+                ppm: self.rate_factor(q, now),
+                cut_at: self.rate.map(|r| r.at),
+            }
         }
     }
 
     /// §18 `learn_rate`: a 429 reported at `now`, after its settlement (at the
     /// factor before the cut) and before its block: unless a block was already in
-    /// force (the ledger knew), it may cut the learned factor ([`learn::cut`]).
-    /// Nothing for a source that does not learn.
-    pub fn rate_limited(&mut self, q: &QuotaParams, now: Duration) {
+    /// force (the ledger knew) or a cut was made since the call's admission (`seen`,
+    /// [`Quota::admitted`]; `None`: not known), it may cut the learned factor
+    /// ([`learn::cut`]). Nothing for a source that does not learn.
+    pub fn rate_limited(&mut self, q: &QuotaParams, seen: Option<AdmittedRate>, now: Duration) {
         if q.learn == 0 {
             return;
         }
         self.redate(now);
-        if let Some(r) = learn::cut(self.rate, q.learn, self.blocked_until > now, now) {
+        let blocked = self.blocked_until > now;
+        if let Some(r) = learn::cut(self.rate, q.learn, blocked, seen, now) {
             self.rate = Some(r);
         }
     }

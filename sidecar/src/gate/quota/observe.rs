@@ -57,7 +57,7 @@ impl Quota {
     }
 
     /// [`Quota::effective`] with the learned factor `ppm` (§18 `learn_rate`: the one
-    /// a reservation was admitted at, [`Quota::admitted_ppm`]) instead of the one at
+    /// a reservation was admitted at, [`Quota::admitted`]) instead of the one at
     /// some `now`.
     pub fn effective_at<'a>(&self, q: &'a QuotaParams, ppm: u32) -> Cow<'a, QuotaParams> {
         if q.auto == 0 && q.learn == 0 {

@@ -23,7 +23,7 @@ use std::time::Duration;
 use ::redis::{RedisWrite, ToRedisArgs};
 
 use crate::backend::{BreakerParams, ClassShares, Observation, QuotaParams, Tokens};
-use crate::gate::quota::{Credits, DEFAULT_MAX_DEBT, MINUTE, PPM_WHOLE};
+use crate::gate::quota::{AdmittedRate, Credits, DEFAULT_MAX_DEBT, MINUTE, PPM_WHOLE};
 use crate::gate::tenant::TenantParams;
 
 /// One ARGV slot's value as it goes on the wire. Numbers are written as decimal text
@@ -87,7 +87,7 @@ impl Slot<'_> {
 
 /// The names of `gate.lua`'s ARGV slots, `ARGV[1]` first; its header documents each
 /// under the same name.
-pub(in crate::backend::redis) const SLOTS: [&str; 55] = [
+pub(in crate::backend::redis) const SLOTS: [&str; 56] = [
     "op",
     "failure_threshold",
     "failure_rate",
@@ -143,6 +143,7 @@ pub(in crate::backend::redis) const SLOTS: [&str; 55] = [
     "learn",
     "rate_limited",
     "rate_ppm",
+    "cut_at_us",
 ];
 
 /// §19: the tenant's slots, which a call with its tenant ledger (admit and report with
@@ -223,6 +224,7 @@ const NEUTRAL: [&str; SLOTS.len()] = [
     "0",
     "0",
     "1000000",
+    "-1",
 ];
 
 /// Largest duration handed to the script, in µs (2^52 µs ≈ 142 years): `TIME` + it
@@ -300,10 +302,11 @@ pub(in crate::backend::redis) struct Argv<'a> {
     pub tenant: Option<TenantSlots<'a>>,
     /// Slot 54 (§18 `learn_rate`, report): the outcome is a 429.
     pub rate_limited: bool,
-    /// Slot 55 (§18 `learn_rate`, report): the factor the reservation was taken at,
-    /// ppm (its credits are converted at it). 0 in a default `Argv` is sent as the
-    /// neutral whole factor.
-    pub rate_ppm: u32,
+    /// Slots 55–56 (§18 `learn_rate`, report): what the reservation's admission saw:
+    /// the factor it was taken at, ppm (its credits are converted at it), and the
+    /// last cut's date then (its 429 cuts only while that cut is the last). `None`:
+    /// not known (the whole factor; a 429 cuts as if admitted under the last cut).
+    pub admitted: Option<AdmittedRate>,
 }
 
 /// [`TSLOTS`] (§19): a tenant's limits and what an op takes from or gives back to its
@@ -462,18 +465,21 @@ impl<'a> Argv<'a> {
             }
             None => v.extend((0..13).map(|_| Slot::Int(-1))),
         }
-        // Slot 52 (the host) is filled in by `with_host`; slots 53–55 (§18
+        // Slot 52 (the host) is filled in by `with_host`; slots 53–56 (§18
         // `learn_rate`) are sent only by a source that learns (a report's factor is
-        // whole, the neutral, on any other).
-        let rate_ppm = match self.rate_ppm {
-            0 => PPM_WHOLE,
-            f => f.min(PPM_WHOLE),
+        // whole and its cut unknown, the neutrals, on any other). A cut's date is
+        // never 0 on Redis's clock: 0 says "admitted with no cut in force".
+        let rate_ppm = self.admitted.map_or(PPM_WHOLE, |a| a.ppm.min(PPM_WHOLE));
+        let cut_at = match self.admitted {
+            None => -1,
+            Some(a) => a.cut_at.map_or(0, |c| micros(c) as i64),
         };
         v.extend([
             Slot::Text(""),
             Slot::Int(self.quota.map_or(0, |q| i64::from(q.learn))),
             Slot::Int(i64::from(self.rate_limited)),
             Slot::Int(i64::from(rate_ppm)),
+            Slot::Int(cut_at),
         ]);
         while v.len() > 1 && v.last().is_some_and(|s| s.is_neutral(v.len() - 1)) {
             v.pop();
@@ -579,26 +585,41 @@ mod tests {
     }
 
     #[test]
-    fn the_admission_factor_travels_only_when_it_is_not_whole() {
+    fn what_the_admission_saw_travels_only_when_it_is_known() {
         let q = QuotaParams {
             learn: 1_000,
             ..QuotaParams::default()
         };
-        let at = |rate_ppm| Argv {
+        let at = |admitted| Argv {
             quota: Some(&q),
-            rate_ppm,
+            admitted,
             ..Argv::default()
         };
         let rate = SLOTS.iter().position(|s| *s == "rate_ppm").unwrap();
+        let cut = SLOTS.iter().position(|s| *s == "cut_at_us").unwrap();
+        assert_eq!(cut, rate + 1);
         assert_eq!(NEUTRAL[rate], PPM_WHOLE.to_string());
+        assert_eq!(NEUTRAL[cut], "-1");
         assert!(
-            at(PPM_WHOLE).strings("report").len() <= rate,
-            "whole: not sent"
+            at(None).strings("report").len() <= rate,
+            "unknown: not sent"
         );
-        assert!(at(0).strings("report").len() <= rate, "unset: whole");
-        let cut = at(700_000).strings("report");
-        assert_eq!(cut.len(), rate + 1);
-        assert_eq!(cut[rate], "700000");
+        let never = at(Some(AdmittedRate {
+            ppm: 700_000,
+            cut_at: None,
+        }))
+        .strings("report");
+        assert_eq!(never.len(), cut + 1);
+        assert_eq!((never[rate].as_str(), never[cut].as_str()), ("700000", "0"));
+        let under = at(Some(AdmittedRate {
+            ppm: PPM_WHOLE,
+            cut_at: Some(Duration::from_secs(5)),
+        }))
+        .strings("report");
+        assert_eq!(
+            (under[rate].as_str(), under[cut].as_str()),
+            ("1000000", "5000000")
+        );
     }
 
     #[test]

@@ -50,6 +50,7 @@ mod argv;
 mod reply;
 
 use std::sync::LazyLock;
+use std::time::Duration;
 
 use ::redis::{Cmd, Script, Value};
 
@@ -61,7 +62,7 @@ pub(super) use reply::{
 };
 
 use super::reach::Seen;
-use crate::backend::{Applied, BResult};
+use crate::backend::{AdmittedRate, Applied, BResult};
 
 /// `gate.lua`, ready to run either way.
 pub(super) struct Gate {
@@ -237,6 +238,22 @@ pub(super) fn factor_at(v: &[Value]) -> Option<u32> {
         return None;
     }
     int_at(v, 6).ok().map(|f| f.clamp(0, 1_000_000) as u32)
+}
+
+/// What an admit reply says its reservation was taken at (§18 `learn_rate`): the
+/// factor (element 7) and the last cut's date (element 8, µs on Redis's clock; 0 =
+/// none); [`AdmittedRate::WHOLE`] when the source does not learn.
+pub(super) fn admitted_rate_at(v: &[Value]) -> AdmittedRate {
+    match factor_at(v) {
+        None => AdmittedRate::WHOLE,
+        Some(ppm) => AdmittedRate {
+            ppm,
+            cut_at: int_at(v, 7)
+                .ok()
+                .filter(|&at| at > 0)
+                .map(|at| Duration::from_micros(at as u64)),
+        },
+    }
 }
 
 /// What an [`Applied`] says of the breaker.
