@@ -290,6 +290,19 @@ async fn learning_429(b: &RedisBackend, q: &QuotaParams) {
     b.report("s1", r).await.unwrap();
 }
 
+/// A backend without heartbeat and a source learning fast (200,000 ppm a second) that
+/// has had one 429 (its quota hash exists, cut to 0.7).
+async fn learning_backend(srv: &RedisServer) -> (RedisBackend, QuotaParams) {
+    let b = backend(srv, &prefix(), ms(500), OnBackendError::FailClosed).await;
+    b.stop_heartbeat();
+    let q = QuotaParams {
+        learn: 200_000,
+        ..qp()
+    };
+    learning_429(&b, &q).await;
+    (b, q)
+}
+
 /// §18 `learn_rate` in `gate.lua`: a cut dated ahead of the server's clock (written by
 /// a server whose clock was ahead, before a failover) is re-dated now on the next
 /// write, so the factor recovers, and cuts again, from now rather than from when the
@@ -299,13 +312,7 @@ async fn a_learned_factor_dated_ahead_is_redated_and_has_a_floor() {
     let Some(srv) = RedisServer::start() else {
         return;
     };
-    let b = backend(&srv, &prefix(), ms(500), OnBackendError::FailClosed).await;
-    b.stop_heartbeat();
-    let q = QuotaParams {
-        learn: 200_000,
-        ..qp()
-    };
-    learning_429(&b, &q).await;
+    let (b, q) = learning_backend(&srv).await;
     let qk = b.quota_key("s1");
     let ahead = server_us(&srv) + 60_000_000;
     srv.cli(&["HSET", &qk, "ar", &format!("700000 {ahead}")]);
@@ -340,13 +347,7 @@ async fn a_cut_dated_ahead_is_redated_by_a_refused_admission_too() {
     let Some(srv) = RedisServer::start() else {
         return;
     };
-    let b = backend(&srv, &prefix(), ms(500), OnBackendError::FailClosed).await;
-    b.stop_heartbeat();
-    let q = QuotaParams {
-        learn: 200_000,
-        ..qp()
-    };
-    learning_429(&b, &q).await;
+    let (b, q) = learning_backend(&srv).await;
     b.block_quota("s1", Duration::from_secs(10)).await.unwrap();
     let ahead = server_us(&srv) + 60_000_000;
     srv.cli(&["HSET", &b.quota_key("s1"), "ar", &format!("700000 {ahead}")]);

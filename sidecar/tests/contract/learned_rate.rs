@@ -181,6 +181,15 @@ pub async fn a_second_429_refunds_what_it_took<H: Harness>(h: &H) {
     assert_level(lvl, 35.0, "B's refund is what B took");
 }
 
+/// 100 requests per minute, learning slowly (1,000 ppm a second).
+fn rpm_100() -> QuotaParams {
+    QuotaParams {
+        rpm: Some(100),
+        learn: 1_000,
+        ..QuotaParams::default()
+    }
+}
+
 /// A 429 of a call admitted before the last cut cuts nothing, however late it is
 /// reported (a slow response: it says nothing of the rate after that cut, as classic
 /// AIMD cuts only on the loss of a packet sent after the last cut); one of a call
@@ -193,11 +202,7 @@ pub async fn a_429_of_a_call_sent_before_the_last_cut_cuts_nothing<H: Harness>(h
     let one = h.fresh().await;
     let two = h.second(&one).await;
     let two = two.as_ref().unwrap_or(&one);
-    let q = QuotaParams {
-        rpm: Some(100),
-        learn: 1_000,
-        ..QuotaParams::default()
-    };
+    let q = rpm_100();
     let a = admit_t(&one, &q, 0).await;
     let b = admit_t(two, &q, 0).await;
     report_429_t(&one, &q, a, 0).await; // cuts to 0.7
@@ -222,11 +227,7 @@ pub async fn two_429s_within_a_second_cut_once_across_hosts<H: Harness>(h: &H) {
     let one = h.fresh().await;
     let two = h.second(&one).await;
     let two = two.as_ref().unwrap_or(&one);
-    let q = QuotaParams {
-        rpm: Some(100),
-        learn: 1_000,
-        ..QuotaParams::default()
-    };
+    let q = rpm_100();
     let e1 = admit_t(&one, &q, 0).await;
     let e2 = admit_t(two, &q, 0).await;
     report_429_t(&one, &q, e1, 0).await;
