@@ -209,7 +209,10 @@ async fn main() {
                 let s = &sources[i % sources.len()];
                 i += 1;
                 let Ok(Admit::Admitted {
-                    epoch, is_probe, ..
+                    epoch,
+                    is_probe,
+                    rate,
+                    ..
                 }) = b.admit(s, AdmitRequest::new(&bp(), &qp(), 10)).await
                 else {
                     continue;
@@ -225,7 +228,9 @@ async fn main() {
                 let _ = b
                     .report(
                         s,
-                        ReportRequest::new(&bp(), &qp(), epoch, is_probe, 10, outcome),
+                        // What the engine sends: the permit's admission with it.
+                        ReportRequest::new(&bp(), &qp(), epoch, is_probe, 10, outcome)
+                            .admitted_at(rate),
                     )
                     .await;
                 calls.fetch_add(1, Ordering::Relaxed);

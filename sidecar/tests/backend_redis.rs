@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 use polygate::backend::redis::{RedisBackend, RedisOptions};
 use polygate::backend::{AdminEvent, AdminOp, AdmitRequest, ReportRequest};
 use polygate::backend::{
-    Admit, AnyBackend, Backend, BackendError, BreakerParams, Outcome, QuotaParams, State,
+    Admit, AnyBackend, Backend, BackendError, BreakerParams, Outcome, QuotaParams, SeenCut, State,
 };
 use polygate::clock::TokioClock;
 use polygate::config::OnBackendError;
@@ -1720,4 +1720,95 @@ async fn a_learned_limit_keeps_the_quota_hash_and_a_lost_report_does_not() {
             panic!("a learned source admits calls side by side")
         };
     }
+}
+
+/// §18 across a degradation: a permit admitted on Redis under its last cut, whose 429
+/// reaches the host once Redis is gone (no cut made anywhere since), cuts the local
+/// fallback's factor. The local factor is seeded from Redis's reading, dated on this
+/// host's clock: the permit's cut, dated on Redis's, is no date of it and must not
+/// read as "a cut since". 0.7 × 0.7 = 0.49 of a source that does not learn.
+#[tokio::test]
+async fn a_redis_permit_reported_while_degraded_cuts_the_local_factor() {
+    let Some(mut srv) = RedisServer::start() else {
+        return;
+    };
+    let b = backend(&srv, &prefix(), ms(200), OnBackendError::Local).await;
+    let q = QuotaParams {
+        learn: 1_000,
+        ..qp()
+    };
+    learning_429(&b, &q).await; // 0.7 on Redis
+    admit_report(&b, "s2").await; // a source that does not learn: the whole level
+    tokio::time::sleep(ms(1_100)).await;
+    let Admit::Admitted { epoch, rate, .. } = b
+        .admit("s1", AdmitRequest::new(&bp(), &q, 10))
+        .await
+        .unwrap()
+    else {
+        panic!("admit refused")
+    };
+    assert!(
+        matches!(rate.cut, SeenCut::At(_)),
+        "under the cut: {rate:?}"
+    );
+    srv.kill();
+    tokio::time::sleep(ms(1_100)).await; // past a second from the seed's reading
+    let p = bp();
+    let r = ReportRequest::new(
+        &p,
+        &q,
+        epoch,
+        false,
+        10u64,
+        Outcome::RateLimited { retry_after: None },
+    )
+    .admitted_at(rate);
+    b.report("s1", r).await.unwrap();
+    assert!(b.degraded("s1"));
+    let cut = b.snapshot("s1", &bp(), &q).await.unwrap().levels[1].unwrap();
+    let whole = b.snapshot("s2", &bp(), &qp()).await.unwrap().levels[1].unwrap();
+    let f = cut / whole;
+    assert!((0.48..=0.50).contains(&f), "the local factor cut: {f}");
+}
+
+/// The other way: a permit the local fallback admitted (Redis paused), reported once
+/// Redis answers again (no cut made on Redis since), cuts the shared factor: its cut,
+/// dated on this host's clock, is no date of Redis's.
+#[tokio::test]
+async fn a_local_permit_reported_after_restore_cuts_the_shared_factor() {
+    let Some(srv) = RedisServer::start() else {
+        return;
+    };
+    let b = backend(&srv, &prefix(), ms(150), OnBackendError::Local).await;
+    let q = QuotaParams {
+        learn: 1_000,
+        ..qp()
+    };
+    learning_429(&b, &q).await; // 0.7 on Redis
+    tokio::time::sleep(ms(1_100)).await;
+    srv.pause();
+    let Admit::Admitted { epoch, rate, .. } = b
+        .admit("s1", AdmitRequest::new(&bp(), &q, 10))
+        .await
+        .unwrap()
+    else {
+        panic!("admit refused")
+    };
+    assert!(b.degraded("s1"), "admitted locally");
+    srv.resume();
+    tokio::time::sleep(ms(1_200)).await; // the retry interval: the report asks Redis
+    let p = bp();
+    let r = ReportRequest::new(
+        &p,
+        &q,
+        epoch,
+        false,
+        10u64,
+        Outcome::RateLimited { retry_after: None },
+    )
+    .admitted_at(rate);
+    b.report("s1", r).await.unwrap();
+    assert!(!b.degraded("s1"), "reported on Redis");
+    let (ppm, _) = field_ar(&srv, &b, "s1");
+    assert!(ppm < 500_000, "the shared factor cut (0.7 × ~0.7): {ppm}");
 }

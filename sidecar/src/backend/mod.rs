@@ -109,7 +109,9 @@ pub use event::{AdminEvent, AdminOp};
 pub use crate::gate::breaker::{Applied, BreakerParams, Entry, Peek, State, Trip};
 pub use crate::gate::classes::{ClassShares, ClassTag, Held, Share};
 pub use crate::gate::observed::{Dim, LastSeen, Observation};
-pub use crate::gate::quota::{AdmittedRate, QuotaParams, Reserve, Settlement, Split, Tokens};
+pub use crate::gate::quota::{
+    AdmittedRate, QuotaParams, Reserve, SeenCut, Settlement, Split, Tokens,
+};
 pub use crate::gate::tenant::{Charge, LedgerView, TenantLimit, TenantParams};
 pub use crate::gate::{
     Admit, AdmitRequest, FailureKind, Outcome, ReportRequest, TenantAdmit, TenantKey, TenantSettle,

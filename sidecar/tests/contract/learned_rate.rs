@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use polygate::backend::{
     Admit, AdmitRequest, AdmittedRate, Backend, Dim, Held, Observation, Outcome, QuotaParams,
-    ReportRequest,
+    ReportRequest, SeenCut,
 };
 
 use super::{assert_level, bp, classes, ms, Harness, S1};
@@ -212,7 +212,7 @@ pub async fn a_429_of_a_call_sent_before_the_last_cut_cuts_nothing<H: Harness>(h
     assert_level(lvl, 69.9, "B was sent before the cut: no second cut");
     let c = admit_t(&one, &q, 0).await;
     assert!(
-        c.rate.cut_at.is_some(),
+        matches!(c.rate.cut, SeenCut::At(_)),
         "a grant under a cut carries its date: {:?}",
         c.rate
     );

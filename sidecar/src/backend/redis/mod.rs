@@ -519,6 +519,14 @@ impl Backend for RedisBackend {
     async fn report(&self, source: &str, r: ReportRequest<'_>) -> BResult<Applied> {
         let cluster = self.conn.is_cluster();
         let key = r.tenant.map(|t| self.tenant_key(t.key));
+        // §18: a permit's cut is dated on the clock of the ledger that admitted it (a
+        // Redis epoch: Redis's; a local one: this host's), so a report that crosses
+        // to the other ledger carries it as not comparable.
+        let local = reach::is_local_epoch(r.epoch);
+        let crossing = |to_local: bool| {
+            r.admitted
+                .map(|a| if local == to_local { a } else { a.foreign() })
+        };
         let op = ReportArgs {
             p: r.p,
             q: r.q,
@@ -529,7 +537,7 @@ impl Backend for RedisBackend {
             class: r.class,
             observed: r.observed,
             tenant: r.tenant.filter(|_| !cluster),
-            admitted: r.admitted,
+            admitted: crossing(false),
         };
         // A Redis Cluster settles the tenant beside the source, both sent at once.
         let (answer, tenant) = match (cluster, r.tenant, key.as_deref()) {
@@ -561,8 +569,17 @@ impl Backend for RedisBackend {
                     .tenant
                     .zip(local_tenant.as_ref())
                     .map(|(t, params)| TenantSettle { params, ..t });
+                let admitted = crossing(true);
                 self.local
-                    .report(source, ReportRequest { q: &q, tenant, ..r })
+                    .report(
+                        source,
+                        ReportRequest {
+                            q: &q,
+                            tenant,
+                            admitted,
+                            ..r
+                        },
+                    )
                     .await
             }
         }

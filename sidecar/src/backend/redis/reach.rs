@@ -312,6 +312,11 @@ pub(super) fn local_epoch_base() -> u64 {
     (1u64 << 62) | (rand::random::<u64>() >> 3)
 }
 
+/// An epoch of the local fallback ([`local_epoch_base`]), not of a Redis breaker.
+pub(super) fn is_local_epoch(epoch: u64) -> bool {
+    epoch >= 1 << 62
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

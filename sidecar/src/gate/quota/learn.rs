@@ -9,7 +9,7 @@
 //!   ledger admitted the call and nothing since said the quota was spent) cuts the
 //!   factor to [`CUT_NUM`]/[`CUT_DEN`] of itself, never below [`FLOOR_PPM`], at most
 //!   once per [`CUT_EVERY`] (the 429s of one moment count once), and only when the
-//!   call was admitted under the last cut ([`AdmittedRate::cut_at`]: a 429 of a call
+//!   call was admitted under the last cut ([`AdmittedRate::cut`]: a 429 of a call
 //!   sent before it says nothing of the rate after it);
 //! - **additive recovery**: from the last cut the factor grows by
 //!   [`QuotaParams::learn`] ppm per second (default [`RECOVER_PPM_PER_S`]), never
@@ -53,19 +53,49 @@ pub struct AdmittedRate {
     /// The factor the reservation was taken at, ppm of the limits: its settlement
     /// converts at it, so a refund gives back what the reservation took.
     pub ppm: u32,
-    /// The date of the last cut in force then ([`LearnedRate::at`], on the backend's
-    /// clock; `None`: none): the call's 429 cuts only while that cut is still the
-    /// last one, as classic AIMD cuts only on the loss of a packet sent after the
+    /// The last cut in force then: the call's 429 cuts only while that cut is still
+    /// the last one, as classic AIMD cuts only on the loss of a packet sent after the
     /// last cut.
-    pub cut_at: Option<Duration>,
+    pub cut: SeenCut,
+}
+
+/// The last cut a permit's admission saw ([`AdmittedRate::cut`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SeenCut {
+    /// No cut was in force.
+    None,
+    /// The cut dated this ([`LearnedRate::at`], on the admitting backend's clock).
+    At(Duration),
+    /// Not comparable: the permit was admitted by another ledger than the one its
+    /// report goes to (Redis and a host's local fallback, across a degradation),
+    /// whose dates are on another clock. Its 429 cuts as if admitted under the last
+    /// cut (as before the permit carried a cut at all).
+    Unknown,
 }
 
 impl AdmittedRate {
     /// What a source that does not learn is admitted at.
     pub const WHOLE: AdmittedRate = AdmittedRate {
         ppm: PPM_WHOLE,
-        cut_at: None,
+        cut: SeenCut::None,
     };
+
+    /// The same, its cut no longer comparable ([`SeenCut::Unknown`]).
+    pub fn foreign(self) -> AdmittedRate {
+        AdmittedRate {
+            cut: SeenCut::Unknown,
+            ..self
+        }
+    }
+
+    /// A cut was made since this admission, judged against the last cut `last`.
+    fn cut_since(&self, last: &LearnedRate) -> bool {
+        match self.cut {
+            SeenCut::None => true,
+            SeenCut::At(at) => at != last.at,
+            SeenCut::Unknown => false,
+        }
+    }
 }
 
 impl LearnedRate {
@@ -115,10 +145,11 @@ pub fn cut(
     now: Duration,
 ) -> Option<LearnedRate> {
     let r = r.map(|r| r.redated(now));
-    let cut_since = |r: LearnedRate| seen.is_some_and(|s| s.cut_at != Some(r.at));
     if recover == 0
         || blocked
-        || r.is_some_and(|r| now.saturating_sub(r.at) < CUT_EVERY || cut_since(r))
+        || r.is_some_and(|r| {
+            now.saturating_sub(r.at) < CUT_EVERY || seen.is_some_and(|s| s.cut_since(&r))
+        })
     {
         return None;
     }
@@ -227,7 +258,7 @@ mod tests {
         );
         let under = AdmittedRate {
             ppm: a.factor(r, s(11)),
-            cut_at: Some(a.at),
+            cut: SeenCut::At(a.at),
         };
         assert_eq!(
             cut(Some(a), r, false, Some(under), s(12)).map(|c| c.ppm),
@@ -238,6 +269,11 @@ mod tests {
             cut(Some(a), r, false, None, s(12)).map(|c| c.ppm),
             Some(497_000),
             "a report that does not say what its admission saw cuts as before"
+        );
+        assert_eq!(
+            cut(Some(a), r, false, Some(before.foreign()), s(12)).map(|c| c.ppm),
+            Some(497_000),
+            "admitted by another ledger (its dates on another clock): cuts as before"
         );
         assert!(
             cut(None, r, false, Some(under), s(12)).is_some(),

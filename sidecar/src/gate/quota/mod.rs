@@ -26,7 +26,7 @@ use std::time::Duration;
 
 use bucket::Level;
 pub use bucket::{Bucket, Counts, Shape, BUCKETS, DAY, MINUTE};
-pub use learn::AdmittedRate;
+pub use learn::{AdmittedRate, SeenCut};
 pub use observe::UNLEARNED_WAIT;
 pub use params::{
     Credits, QuotaParams, Reserve, Settlement, Split, Tokens, DEFAULT_MAX_DEBT, PPM_WHOLE,
@@ -198,7 +198,7 @@ impl Quota {
         } else {
             AdmittedRate {
                 ppm: self.rate_factor(q, now),
-                cut_at: self.rate.map(|r| r.at),
+                cut: self.rate.map_or(SeenCut::None, |r| SeenCut::At(r.at)),
             }
         }
     }

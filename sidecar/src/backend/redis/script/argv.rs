@@ -23,7 +23,7 @@ use std::time::Duration;
 use ::redis::{RedisWrite, ToRedisArgs};
 
 use crate::backend::{BreakerParams, ClassShares, Observation, QuotaParams, Tokens};
-use crate::gate::quota::{AdmittedRate, Credits, DEFAULT_MAX_DEBT, MINUTE, PPM_WHOLE};
+use crate::gate::quota::{AdmittedRate, Credits, SeenCut, DEFAULT_MAX_DEBT, MINUTE, PPM_WHOLE};
 use crate::gate::tenant::TenantParams;
 
 /// One ARGV slot's value as it goes on the wire. Numbers are written as decimal text
@@ -469,10 +469,14 @@ impl<'a> Argv<'a> {
         // `learn_rate`) are sent only by a source that learns (a report's factor is
         // whole and its cut unknown, the neutrals, on any other). A cut's date is
         // never 0 on Redis's clock: 0 says "admitted with no cut in force".
-        let rate_ppm = self.admitted.map_or(PPM_WHOLE, |a| a.ppm.min(PPM_WHOLE));
-        let cut_at = match self.admitted {
-            None => -1,
-            Some(a) => a.cut_at.map_or(0, |c| micros(c) as i64),
+        let admitted = self
+            .admitted
+            .filter(|_| self.quota.is_some_and(|q| q.learn != 0));
+        let rate_ppm = admitted.map_or(PPM_WHOLE, |a| a.ppm.min(PPM_WHOLE));
+        let cut_at = match admitted.map(|a| a.cut) {
+            None | Some(SeenCut::Unknown) => -1,
+            Some(SeenCut::None) => 0,
+            Some(SeenCut::At(c)) => micros(c) as i64,
         };
         v.extend([
             Slot::Text(""),
@@ -606,20 +610,39 @@ mod tests {
         );
         let never = at(Some(AdmittedRate {
             ppm: 700_000,
-            cut_at: None,
+            cut: SeenCut::None,
         }))
         .strings("report");
         assert_eq!(never.len(), cut + 1);
         assert_eq!((never[rate].as_str(), never[cut].as_str()), ("700000", "0"));
         let under = at(Some(AdmittedRate {
             ppm: PPM_WHOLE,
-            cut_at: Some(Duration::from_secs(5)),
+            cut: SeenCut::At(Duration::from_secs(5)),
         }))
         .strings("report");
         assert_eq!(
             (under[rate].as_str(), under[cut].as_str()),
             ("1000000", "5000000")
         );
+        let foreign = at(Some(AdmittedRate {
+            ppm: 700_000,
+            cut: SeenCut::Unknown,
+        }))
+        .strings("report");
+        assert_eq!(
+            (foreign[rate].as_str(), foreign.get(cut).map(String::as_str)),
+            ("700000", None),
+            "a cut from another ledger is not sent (the neutral -1)"
+        );
+        // What the engine sends for every permit of a source that does not learn:
+        // the source's report stays as short as before the slots existed.
+        let plain = QuotaParams::default();
+        let whole = Argv {
+            quota: Some(&plain),
+            admitted: Some(AdmittedRate::WHOLE),
+            ..Argv::default()
+        };
+        assert!(whole.strings("report").len() <= SLOTS.iter().position(|s| *s == "learn").unwrap());
     }
 
     #[test]

@@ -62,7 +62,7 @@ pub(super) use reply::{
 };
 
 use super::reach::Seen;
-use crate::backend::{AdmittedRate, Applied, BResult};
+use crate::backend::{AdmittedRate, Applied, BResult, SeenCut};
 
 /// `gate.lua`, ready to run either way.
 pub(super) struct Gate {
@@ -248,10 +248,10 @@ pub(super) fn admitted_rate_at(v: &[Value]) -> AdmittedRate {
         None => AdmittedRate::WHOLE,
         Some(ppm) => AdmittedRate {
             ppm,
-            cut_at: int_at(v, 7)
-                .ok()
-                .filter(|&at| at > 0)
-                .map(|at| Duration::from_micros(at as u64)),
+            cut: match int_at(v, 7) {
+                Ok(at) if at > 0 => SeenCut::At(Duration::from_micros(at as u64)),
+                _ => SeenCut::None,
+            },
         },
     }
 }
