@@ -83,6 +83,28 @@ def test_a_spent_dollar_budget_is_not_waited_on_and_cached_reads_cost_less(sidec
     assert _ledger(client, "acme")["in_flight"] == 0
 
 
+def test_a_spent_budget_refuses_a_call_estimated_at_no_tokens(sidecar, backend):
+    # A priced source without tpm estimates a call without an estimate at 0 tokens:
+    # it still reserves 1 n$, so a spent budget refuses it (before, a 0 n$ estimate
+    # skipped the budget check, and such calls spent past it without limit).
+    sidecar.write_config({"chat": scope(dict(PRICED, rpm=600), quota_full="fail_fast",
+                                        tenants={"default": {"usd_per_day": 0.001}})},
+                         **backend)
+    sidecar.start()
+    client = sidecar.client()
+    with client.call("chat", tenant="acme") as c:
+        c.acquire().success(input_tokens=1_000_000, output_tokens=0)  # $1 spent
+    assert _ledger(client, "acme")["usd_spent_day"] == pytest.approx(1.0, abs=1e-6)
+    with pytest.raises(polygate.TenantLimitExceeded) as e:
+        with client.call("chat", tenant="acme") as c:
+            c.acquire()
+    assert e.value.limit == "usd_per_day"
+    assert _ledger(client, "acme")["in_flight"] == 0
+    # Another tenant's untouched budget admits it.
+    with client.call("chat", tenant="globex") as c:
+        c.acquire().success(input_tokens=10, output_tokens=0)
+
+
 WORKER = textwrap.dedent("""
     import sys, time, polygate
     client = polygate.connect(sys.argv[1])

@@ -140,23 +140,27 @@ const TenantHeader = "X-Polygate-Tenant"
 
 // tenantHeader is the value of the request's TenantHeader and whether it has one
 // (a key set on the map directly, not in its canonical form, counts too: net/http
-// would send it as it is).
+// would send it as it is). Spaces and tabs around the value are not part of it
+// (HTTP's rule, and what the Python and Node bindings read).
 func tenantHeader(h http.Header) (string, bool) {
 	if v, ok := h[TenantHeader]; ok {
-		if len(v) == 0 {
-			return "", true
-		}
-		return v[0], true
+		return firstValue(v), true
 	}
 	for k, v := range h {
 		if len(k) == len(TenantHeader) && strings.EqualFold(k, TenantHeader) {
-			if len(v) == 0 {
-				return "", true
-			}
-			return v[0], true
+			return firstValue(v), true
 		}
 	}
 	return "", false
+}
+
+// firstValue is a header's first value without the spaces and tabs around it ("" for
+// none).
+func firstValue(v []string) string {
+	if len(v) == 0 {
+		return ""
+	}
+	return strings.Trim(v[0], " \t")
 }
 
 // withoutTenantHeader is a copy of h without TenantHeader (under any spelling).

@@ -357,3 +357,23 @@ func TestRefusalResponseLimitSourceOnlyForTenants(t *testing.T) {
 		t.Fatalf("anonymous tenant's refusal: %d %v %s", resp.StatusCode, resp.Header, b)
 	}
 }
+
+func TestTenantHeaderValueIsTrimmedAsHTTPReadsIt(t *testing.T) {
+	for _, tc := range []struct {
+		h    http.Header
+		want string
+		ok   bool
+	}{
+		{http.Header{TenantHeader: {" acme\t"}}, "acme", true},
+		{http.Header{"x-polygate-tenant": {"\tglobex "}}, "globex", true},
+		{http.Header{TenantHeader: {"  "}}, "", true},
+		{http.Header{TenantHeader: {}}, "", true},
+		{http.Header{TenantHeader: {"a b"}}, "a b", true},
+		{http.Header{"X-Other": {"x"}}, "", false},
+	} {
+		got, ok := tenantHeader(tc.h)
+		if got != tc.want || ok != tc.ok {
+			t.Fatalf("tenantHeader(%v) = %q, %v; want %q, %v", tc.h, got, ok, tc.want, tc.ok)
+		}
+	}
+}

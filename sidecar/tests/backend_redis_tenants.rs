@@ -248,3 +248,49 @@ async fn an_exact_settlement_moves_the_count_alone() {
     let ttl: i64 = srv.cli(&["PTTL", &key]).trim().parse().expect("PTTL");
     assert!(ttl > 0, "PTTL {ttl}");
 }
+
+/// §19: a tenant's ledger is per scope, whatever the bytes of the names: tenant `b:c`
+/// of scope `a` and tenant `c` of scope `a:b` (a scope is any TOML key, a tenant id
+/// any 128 bytes a worker sends) never share a Redis hash, as the memory backend
+/// keeps them apart. Before, `{prefix:t:<scope>:<tenant>}` joined them into one key.
+#[tokio::test]
+async fn tenants_of_scopes_whose_names_contain_colons_keep_their_own_ledgers() {
+    let Some(srv) = RedisServer::start() else {
+        return;
+    };
+    let (b, _) = backend(&srv).await;
+    let p = TenantParams {
+        usd_per_day: Some(1_000),
+        ..tenant()
+    };
+    let one = TenantKey {
+        scope: "a",
+        tenant: "b:c",
+    };
+    let other = TenantKey {
+        scope: "a:b",
+        tenant: "c",
+    };
+    let charge = Charge {
+        tokens: Tokens::from(1),
+        cost: 900,
+    };
+    let ask = |key| TenantAdmit {
+        key,
+        params: &p,
+        charge,
+        max_tenants: 10,
+    };
+    let a = b.tenant_reserve(ask(one)).await.unwrap();
+    assert!(matches!(a, Admit::Admitted { .. }), "{a:?}");
+    let v = b.tenant_snapshot(other, &p).await.unwrap();
+    assert!(
+        v.is_none_or(|v| v.spent_day == 0 && v.in_flight == 0),
+        "the other scope's tenant never made a call: {v:?}"
+    );
+    let a = b.tenant_reserve(ask(other)).await.unwrap();
+    assert!(
+        matches!(a, Admit::Admitted { .. }),
+        "refused by the other scope's spend: {a:?}"
+    );
+}

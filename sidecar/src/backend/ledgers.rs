@@ -8,7 +8,8 @@
 //! budget's current window): a sweep runs when a scope's map has doubled since the
 //! last one, so memory stays proportional to the tenants that still matter. Past
 //! `max_tenants` live ledgers in a scope, a new tenant is refused
-//! ([`Admit::TenantsFull`]) rather than grown into.
+//! ([`Admit::TenantsFull`]) rather than grown into, and a full scope sweeps again only
+//! a second later ([`FULL_RETRY`]): new ids arriving meanwhile are refused at once.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -27,10 +28,20 @@ struct Scope {
     map: HashMap<Box<str>, (TenantParams, Ledger)>,
     /// Sweep for idle ledgers when the map reaches this size.
     sweep_at: usize,
+    /// A sweep that left the map full (every ledger live) refuses new tenants without
+    /// sweeping again until this instant: a flood of new tenant ids at a full scope
+    /// must not scan `max_tenants` ledgers under the one lock on every call.
+    full_until: Duration,
+    /// Sweeps run (tests).
+    #[cfg(test)]
+    sweeps: u32,
 }
 
 /// The first sweep of a scope runs at this many ledgers.
 const FIRST_SWEEP: usize = 1024;
+
+/// How long a full scope refuses new tenants before it sweeps for idle ledgers again.
+const FULL_RETRY: Duration = Duration::from_secs(1);
 
 /// Every scope's tenants' ledgers.
 pub struct Ledgers {
@@ -92,11 +103,20 @@ impl Held<'_> {
         let scope = self.scopes.get_mut(key.scope).expect("inserted above");
         if !scope.map.contains_key(key.tenant) {
             let max = max.max(1) as usize;
+            let full = scope.map.len() >= max;
+            if full && now < scope.full_until {
+                return None;
+            }
             if scope.map.len() >= scope.sweep_at.max(FIRST_SWEEP).min(max) {
                 scope.map.retain(|_, (p, l)| !l.idle(p, now, wall));
                 scope.sweep_at = (2 * scope.map.len()).max(FIRST_SWEEP);
+                #[cfg(test)]
+                {
+                    scope.sweeps += 1;
+                }
             }
             if scope.map.len() >= max {
+                scope.full_until = now + FULL_RETRY;
                 return None;
             }
         }
@@ -197,5 +217,96 @@ impl Held<'_> {
             s.map.retain(|_, (p, l)| !l.idle(p, now, wall));
         }
         self.scopes.retain(|_, s| !s.map.is_empty());
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::clock::ManualClock;
+    use crate::gate::quota::{QuotaParams, Tokens};
+    use crate::gate::tenant::Charge;
+
+    fn admit(l: &Ledgers, tenant: &str, p: &TenantParams) -> Admit {
+        let t = TenantAdmit {
+            key: TenantKey {
+                scope: "chat",
+                tenant,
+            },
+            params: p,
+            charge: Charge {
+                tokens: Tokens::from(10),
+                cost: 0,
+            },
+            max_tenants: 2,
+        };
+        l.lock()
+            .admit(t, || {
+                Ok(Admit::Admitted {
+                    epoch: 0,
+                    is_probe: false,
+                    tenant_day: 0,
+                    rate: crate::gate::quota::AdmittedRate::WHOLE,
+                })
+            })
+            .unwrap()
+    }
+
+    fn sweeps(l: &Ledgers) -> u32 {
+        l.lock().scopes.get("chat").map_or(0, |s| s.sweeps)
+    }
+
+    /// A full scope (every ledger live) refuses a flood of new tenants without a sweep
+    /// per call: one sweep, then none for a second, then it sweeps again and admits
+    /// into the room that idle ledgers left.
+    #[test]
+    fn a_full_scope_refuses_new_tenants_without_sweeping_on_every_call() {
+        let clock = Arc::new(ManualClock::new());
+        let l = Ledgers::new(clock.clone());
+        let p = TenantParams {
+            q: QuotaParams {
+                tpm: Some(600),
+                ..QuotaParams::default()
+            },
+            ..TenantParams::default()
+        };
+        for t in ["a", "b"] {
+            assert!(matches!(admit(&l, t, &p), Admit::Admitted { .. }));
+        }
+        for i in 0..100 {
+            let a = admit(&l, &format!("new{i}"), &p);
+            assert_eq!(a, Admit::TenantsFull, "{i}");
+        }
+        assert_eq!(sweeps(&l), 1, "one sweep for the whole flood");
+        // Known tenants are still served.
+        assert!(matches!(admit(&l, "a", &p), Admit::Admitted { .. }));
+        // Their buckets refill in 2 s (20 tokens at 600/min); the 'in flight' counts
+        // were never settled here, so settle them to let the ledgers go idle.
+        for t in ["a", "a", "b"] {
+            l.lock().settle(TenantSettle {
+                key: TenantKey {
+                    scope: "chat",
+                    tenant: t,
+                },
+                params: &p,
+                charge: Charge {
+                    tokens: Tokens::from(10),
+                    cost: 0,
+                },
+                how: crate::gate::quota::Settlement::RefundAll,
+                cost: 0,
+                day: 0,
+            });
+        }
+        clock.advance(Duration::from_millis(500));
+        assert_eq!(
+            admit(&l, "late", &p),
+            Admit::TenantsFull,
+            "within the second"
+        );
+        assert_eq!(sweeps(&l), 1);
+        clock.advance(FULL_RETRY);
+        assert!(matches!(admit(&l, "late", &p), Admit::Admitted { .. }));
+        assert_eq!(sweeps(&l), 2, "a second later it swept and found room");
     }
 }

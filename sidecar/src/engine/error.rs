@@ -134,7 +134,7 @@ pub enum EngineError {
     /// §19: this host already tracks the scope's `max_tenants` tenants and the call's
     /// is a new one.
     #[error(
-        "scope {scope:?} already tracks {max} tenants (scopes.{scope}.tenants.max_tenants);          retry later"
+        "scope {scope:?} already tracks {max} tenants (scopes.{scope}.tenants.max_tenants); retry later"
     )]
     TooManyTenants {
         /// The scope.
@@ -219,5 +219,22 @@ fn unknown_priority(scope: &str, priority: &str, classes: &[String]) -> String {
             "scope {scope:?} has no priority class {priority:?}; its classes are: {}",
             classes.join(", ")
         )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn too_many_tenants_names_the_key_in_one_sentence() {
+        let e = EngineError::TooManyTenants {
+            scope: "chat".into(),
+            max: 3,
+        };
+        assert_eq!(
+            e.to_string(),
+            "scope \"chat\" already tracks 3 tenants (scopes.chat.tenants.max_tenants); retry later"
+        );
     }
 }

@@ -103,8 +103,9 @@ pub struct TenantStats {
 }
 
 /// The tenants of one scope this host has seen, under one short lock. Bounded by
-/// `max_tenants`: a full book forgets its least recently seen tenant with no call and
-/// no permit; when every tenant has one, a new tenant is refused. The scope's totals
+/// `max_tenants`: a full book forgets its least recently seen tenants with no call
+/// and no permit (a sixteenth of the book at a time); when every tenant has one, a
+/// new tenant is refused, for a second without looking again. The scope's totals
 /// are kept apart, so forgetting a tenant never lowers them.
 #[derive(Debug, Default)]
 pub(crate) struct Book {
@@ -119,7 +120,14 @@ struct Inner {
     map: HashMap<Arc<str>, TenantStats>,
     /// Grants, refusals, tokens and n$ over every tenant ever seen here.
     sum: TenantStats,
+    /// A full book with no tenant to forget refuses new ones without looking again
+    /// until this instant ([`FULL_RETRY`]).
+    full_until: Duration,
 }
+
+/// How long a full book whose every tenant has a call or a permit refuses new tenants
+/// before it looks for one to forget again.
+const FULL_RETRY: Duration = Duration::from_secs(1);
 
 /// A change to one tenant's figures.
 #[derive(Debug, Clone, Copy)]
@@ -150,14 +158,29 @@ impl Book {
             s.calls += 1;
             s.last = now;
         } else {
-            if g.map.len() >= max.max(1) as usize {
-                let victim = g
+            let max = max.max(1) as usize;
+            if g.map.len() >= max {
+                if now < g.full_until {
+                    return None;
+                }
+                // One scan forgets the least recently seen 1/16 of the book's idle
+                // tenants (at least one), so a stream of new tenants at a full book
+                // scans it once per max/16 of them, not once each.
+                let mut idle: Vec<(Duration, Arc<str>)> = g
                     .map
                     .iter()
                     .filter(|(_, s)| s.calls == 0 && s.in_flight == 0)
-                    .min_by_key(|(_, s)| s.last)
-                    .map(|(k, _)| k.clone())?;
-                g.map.remove(&victim);
+                    .map(|(k, s)| (s.last, k.clone()))
+                    .collect();
+                if idle.is_empty() {
+                    g.full_until = now + FULL_RETRY;
+                    return None;
+                }
+                let n = (max / 16).clamp(1, idle.len());
+                idle.select_nth_unstable_by_key(n - 1, |e| e.0);
+                for (_, k) in &idle[..n] {
+                    g.map.remove(k);
+                }
             }
             g.map.insert(
                 Arc::from(id),
@@ -181,7 +204,7 @@ impl Book {
     /// Count `e` for `id` (and in the scope's totals).
     pub(crate) fn note(&self, id: &str, e: Event) {
         let mut g = self.lock();
-        let Inner { map, sum } = &mut *g;
+        let Inner { map, sum, .. } = &mut *g;
         let apply = |s: &mut TenantStats| match e {
             Event::Granted => {
                 s.grants += 1;
@@ -227,5 +250,58 @@ impl Book {
         let mut t = g.sum;
         t.calls = g.map.values().map(|s| s.calls).sum();
         (g.map.len(), t)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn s(n: u64) -> Duration {
+        Duration::from_secs(n)
+    }
+
+    /// A full book forgets its least recently seen idle tenants, a sixteenth of it at
+    /// a time, and keeps the recent and the busy ones.
+    #[test]
+    fn a_full_book_forgets_its_oldest_idle_sixteenth() {
+        let b = Book::default();
+        for i in 0..32u64 {
+            b.enter(&format!("t{i}"), 32, s(i)).expect("room");
+            if i != 0 {
+                b.leave(&format!("t{i}"));
+            }
+        }
+        // t0 still has its call: of the idle ones, t1 and t2 are the oldest.
+        b.enter("new", 32, s(40)).expect("room made");
+        assert_eq!(b.totals().0, 31);
+        assert!(b.get("t0").is_some(), "a tenant with a call is kept");
+        assert!(b.get("t1").is_none() && b.get("t2").is_none());
+        assert!(b.get("t3").is_some() && b.get("new").is_some());
+        b.enter("newer", 32, s(41))
+            .expect("the room left by the same scan");
+        assert_eq!(b.totals().0, 32);
+    }
+
+    /// When every tenant has a call, a new one is refused, and for a second the book
+    /// does not look again (a flood of new ids would scan it on every call).
+    #[test]
+    fn a_book_of_busy_tenants_refuses_new_ones_and_looks_again_a_second_later() {
+        let b = Book::default();
+        for i in 0..4 {
+            b.enter(&format!("t{i}"), 4, s(0)).expect("room");
+        }
+        assert!(b.enter("new", 4, s(1)).is_none());
+        b.leave("t0");
+        assert!(
+            b.enter("new", 4, s(1) + Duration::from_millis(500))
+                .is_none(),
+            "within the second: not looked at again"
+        );
+        assert!(
+            b.enter("new", 4, s(2)).is_some(),
+            "a second later t0 is forgotten"
+        );
+        assert!(b.get("t0").is_none());
     }
 }

@@ -176,12 +176,19 @@ impl Prices {
     }
 
     /// The estimated cost of a reservation: its input and output parts at their
-    /// prices, or, with neither part, its total priced as input.
+    /// prices, or, with neither part, its total priced as input; at a priced source
+    /// at least 1 n$, so that a call estimated at no tokens (a source without `tpm`
+    /// estimates 0 by default) is still refused by a spent dollar budget (§19).
     pub fn estimate(&self, t: Tokens) -> u64 {
-        if t.input == 0 && t.output == 0 {
+        let c = if t.input == 0 && t.output == 0 {
             self.cost(t.total, 0, 0)
         } else {
             self.cost(t.input, 0, t.output)
+        };
+        if self.free() {
+            c
+        } else {
+            c.max(1)
         }
     }
 
@@ -567,6 +574,13 @@ mod tests {
         assert_eq!(pr.settled(Settlement::charge(40), 0), 40 * 2500);
         assert_eq!(pr.settled(Settlement::RefundTokens, 9), 0);
         assert!(Prices::per_million(None, None, None).free());
+        // A call estimated at no tokens reserves 1 n$ at a priced source (a spent
+        // budget refuses it), nothing at a free one.
+        assert_eq!(pr.estimate(Tokens::from(0)), 1);
+        assert_eq!(
+            Prices::per_million(None, None, None).estimate(Tokens::from(0)),
+            0
+        );
         assert_eq!(Prices::per_million(Some(1.0), None, None).cached, 1000.0);
     }
 }

@@ -4,7 +4,9 @@
 -- KEYS[1] = {prefix:source}:b  breaker hash     KEYS[2] = {prefix:source}:q  quota hash
 -- KEYS[3] = {prefix:t:scope:tenant}  the tenant's ledger (admit, report with three keys,
 --           on one server: a Redis Cluster routes a call by one slot, so there the engine
---           calls the tenant ops treserve / tsettle on this key alone, KEYS[1])
+--           calls the tenant ops treserve / tsettle on this key alone, KEYS[1]); a scope
+--           whose name has ':' is written {prefix:t#<its length>:scope:tenant}
+--           (script/mod.rs `tenant_key`)
 --
 -- ARGV: one meaning per slot whatever the op (script.rs `Argv` and `SLOTS` build it
 -- under the same names); a slot the op does not use holds the neutral value shown, and

@@ -115,8 +115,16 @@ pub(super) fn keys(prefix: &str, source: &str) -> [String; 2] {
 
 /// The tenant ledger's key of `tenant` in `scope` (§19): its own hash tag, so on a
 /// Redis Cluster it lives in its own slot (the tenant ops run on it alone there).
+/// One key per (scope, tenant), whatever their bytes: `{prefix:t:<scope>:<tenant>}`
+/// for a scope without `:` (the scope is what precedes the first `:`), and
+/// `{prefix:t#<bytes of scope>:<scope>:<tenant>}` for one with it, so tenant `b:c` of
+/// scope `a` and tenant `c` of scope `a:b` never share a ledger.
 pub(super) fn tenant_key(prefix: &str, scope: &str, tenant: &str) -> String {
-    format!("{{{prefix}:t:{scope}:{tenant}}}")
+    if scope.contains(':') {
+        format!("{{{prefix}:t#{}:{scope}:{tenant}}}", scope.len())
+    } else {
+        format!("{{{prefix}:t:{scope}:{tenant}}}")
+    }
 }
 
 /// One call of `gate.lua`: its keys (a source's two, plus its call's tenant ledger on
@@ -267,6 +275,23 @@ pub(super) fn seen_applied(a: &Applied) -> Seen {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_tenant_key_is_one_per_scope_and_tenant_whatever_their_bytes() {
+        assert_eq!(tenant_key("p", "chat", "acme"), "{p:t:chat:acme}");
+        let names = [
+            "a", "a:b", "b:c", "c", "", ":", "a:", ":b", "1:a", "t#1", "}{",
+        ];
+        let mut seen = std::collections::HashMap::new();
+        for scope in names {
+            for tenant in names {
+                let k = tenant_key("p", scope, tenant);
+                if let Some(other) = seen.insert(k.clone(), (scope, tenant)) {
+                    panic!("{k} is both {other:?} and {:?}", (scope, tenant));
+                }
+            }
+        }
+    }
 
     #[test]
     fn gate_lua_caps_a_block_like_the_memory_backend() {
