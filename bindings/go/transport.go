@@ -140,8 +140,8 @@ const TenantHeader = "X-Polygate-Tenant"
 
 // tenantHeader is the value of the request's TenantHeader and whether it has one
 // (a key set on the map directly, not in its canonical form, counts too: net/http
-// would send it as it is). Spaces and tabs around the value are not part of it
-// (HTTP's rule, and what the Python and Node bindings read).
+// would send it as it is). HTTP whitespace around the value (space, tab, CR, LF) is
+// not part of it: what fetch's Headers gives the Node binding, and Python reads.
 func tenantHeader(h http.Header) (string, bool) {
 	if v, ok := h[TenantHeader]; ok {
 		return firstValue(v), true
@@ -154,13 +154,13 @@ func tenantHeader(h http.Header) (string, bool) {
 	return "", false
 }
 
-// firstValue is a header's first value without the spaces and tabs around it ("" for
-// none).
+// firstValue is a header's first value without the HTTP whitespace around it (""
+// for none).
 func firstValue(v []string) string {
 	if len(v) == 0 {
 		return ""
 	}
-	return strings.Trim(v[0], " \t")
+	return strings.Trim(v[0], " \t\r\n")
 }
 
 // withoutTenantHeader is a copy of h without TenantHeader (under any spelling).

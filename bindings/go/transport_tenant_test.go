@@ -369,6 +369,7 @@ func TestTenantHeaderValueIsTrimmedAsHTTPReadsIt(t *testing.T) {
 		{http.Header{TenantHeader: {"  "}}, "", true},
 		{http.Header{TenantHeader: {}}, "", true},
 		{http.Header{TenantHeader: {"a b"}}, "a b", true},
+		{http.Header{TenantHeader: {"acme\r\n"}}, "acme", true},
 		{http.Header{"X-Other": {"x"}}, "", false},
 	} {
 		got, ok := tenantHeader(tc.h)

@@ -1404,3 +1404,24 @@ fn idle_exit_is_off_for_a_daemon_and_ten_minutes_when_autostarted() {
         &["SIDECAR__IDLE_EXIT=never", "\"off\""],
     );
 }
+
+/// §19: a dollar budget below one nano-dollar (the ledgers' unit) would round to a
+/// budget of nothing that refuses every priced call: refused naming the key.
+#[test]
+fn a_dollar_budget_under_a_nano_dollar_is_refused_by_name() {
+    let with = |budget: &str| {
+        format!(
+            "[scopes.chat]\n[scopes.chat.tenants]\ndefault = {{ usd_per_day = {budget} }}\n{MINIMAL}"
+        )
+    };
+    err(
+        &with("1e-10"),
+        &["scopes.chat.tenants.default.usd_per_day", "0.000000001"],
+    );
+    err(&with("0.0"), &["scopes.chat.tenants.default.usd_per_day"]);
+    let c = parse_str(&with("0.000000001"), env(&[])).expect("one n$ is a budget");
+    assert_eq!(
+        c.scopes[0].tenants.as_ref().unwrap().default.usd_per_day,
+        Some(1)
+    );
+}

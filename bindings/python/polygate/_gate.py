@@ -229,13 +229,13 @@ def _triples(headers: Any) -> Any:
 def _tenant_header(request: Any) -> Optional[str]:
     """The request's ``x-polygate-tenant`` value (None: no such header), in one pass
     over the header triples (``Headers.get`` decodes every pair, per lookup: a few
-    µs a request). Spaces and tabs around it are not part of it (HTTP's rule, and what
-    the Node and Go bindings read)."""
+    µs a request). HTTP whitespace around it (space, tab, CR, LF) is not part of it:
+    what fetch's ``Headers`` gives the Node binding, and the Go binding reads."""
     h = request.headers
     for _, k, v in (h._list if type(h) in _TRIPLES else _triples(h)):
         if k == _TENANT_B:
             try:
-                return str(v.decode("utf-8")).strip(" \t")
+                return str(v.decode("utf-8")).strip(" \t\r\n")
             except UnicodeDecodeError:
                 raise ValueError("the %s header must be UTF-8, got %r" % (t.TENANT_HEADER, v)) from None
     return None

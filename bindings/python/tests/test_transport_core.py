@@ -444,7 +444,8 @@ def test_header_reads_use_the_lowered_triples_and_fall_back_to_raw(lib):
     for pairs, want in [([("X-PolyGate-Tenant", "acme"), ("accept", "*/*")], "acme"),
                         ([("accept", "*/*")], None), ([("x-polygate-tenant", "")], ""),
                         # spaces and tabs around a value are not part of it (as Node and Go read it)
-                        ([("x-polygate-tenant", " acme\t")], "acme"), ([("x-polygate-tenant", "a b")], "a b")]:
+                        ([("x-polygate-tenant", " acme\t")], "acme"), ([("x-polygate-tenant", "a b")], "a b"),
+                        ([(b"x-polygate-tenant", b"acme\r\n")], "acme")]:
         for headers in (mod.Headers(pairs), RawOnly(pairs)):
             assert _gate._tenant_header(Shim(headers)) == want
     with pytest.raises(ValueError):

@@ -8,8 +8,9 @@
 //! budget's current window): a sweep runs when a scope's map has doubled since the
 //! last one, so memory stays proportional to the tenants that still matter. Past
 //! `max_tenants` live ledgers in a scope, a new tenant is refused
-//! ([`Admit::TenantsFull`]) rather than grown into, and a full scope sweeps again only
-//! a second later ([`FULL_RETRY`]): new ids arriving meanwhile are refused at once.
+//! ([`Admit::TenantsFull`]) rather than grown into; a full scope whose sweep freed
+//! under a sixteenth of it sweeps again only a second later ([`FULL_RETRY`]): new ids
+//! finding it full meanwhile are refused at once.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -28,9 +29,10 @@ struct Scope {
     map: HashMap<Box<str>, (TenantParams, Ledger)>,
     /// Sweep for idle ledgers when the map reaches this size.
     sweep_at: usize,
-    /// A sweep that left the map full (every ledger live) refuses new tenants without
-    /// sweeping again until this instant: a flood of new tenant ids at a full scope
-    /// must not scan `max_tenants` ledgers under the one lock on every call.
+    /// A sweep that left the map full, or freed under a sixteenth of it, refuses new
+    /// tenants at a full map without sweeping again until this instant: a flood of
+    /// new tenant ids at a full scope must not scan `max_tenants` ledgers under the
+    /// one lock on every call.
     full_until: Duration,
     /// Sweeps run (tests).
     #[cfg(test)]
@@ -108,8 +110,15 @@ impl Held<'_> {
                 return None;
             }
             if scope.map.len() >= scope.sweep_at.max(FIRST_SWEEP).min(max) {
+                let before = scope.map.len();
                 scope.map.retain(|_, (p, l)| !l.idle(p, now, wall));
                 scope.sweep_at = (2 * scope.map.len()).max(FIRST_SWEEP);
+                // A sweep that freed little (under a sixteenth of the scope) is not
+                // run again for a second once the scope is full: else a stream of new
+                // ids at a scope where tenants go idle one by one scans it each time.
+                if before - scope.map.len() < (max / 16).max(1) {
+                    scope.full_until = now + FULL_RETRY;
+                }
                 #[cfg(test)]
                 {
                     scope.sweeps += 1;
@@ -308,5 +317,80 @@ mod tests {
         clock.advance(FULL_RETRY);
         assert!(matches!(admit(&l, "late", &p), Admit::Admitted { .. }));
         assert_eq!(sweeps(&l), 2, "a second later it swept and found room");
+        // That sweep freed both (a and b were idle): room for one more at once.
+        assert!(matches!(admit(&l, "later", &p), Admit::Admitted { .. }));
+        assert_eq!(admit(&l, "c", &p), Admit::TenantsFull);
+        assert_eq!(
+            sweeps(&l),
+            3,
+            "full again: one sweep, which found nothing idle"
+        );
+        assert_eq!(admit(&l, "d", &p), Admit::TenantsFull);
+        assert_eq!(sweeps(&l), 3, "and none more within the second");
+    }
+
+    /// Ledgers going idle one at a time at a full scope of 32 (a sixteenth: 2): a
+    /// sweep that frees only one is not repeated within the second.
+    #[test]
+    fn a_sweep_that_frees_little_is_not_repeated_within_the_second() {
+        let clock = Arc::new(ManualClock::new());
+        let l = Ledgers::new(clock.clone());
+        let p = TenantParams::default(); // no limits: idle once nothing is in flight
+        fn ask<'a>(t: &'a str, p: &'a TenantParams) -> TenantAdmit<'a> {
+            TenantAdmit {
+                key: TenantKey {
+                    scope: "chat",
+                    tenant: t,
+                },
+                params: p,
+                charge: Charge {
+                    tokens: Tokens::from(1),
+                    cost: 0,
+                },
+                max_tenants: 32,
+            }
+        }
+        let grant = || {
+            Ok(Admit::Admitted {
+                epoch: 0,
+                is_probe: false,
+                tenant_day: 0,
+                rate: crate::gate::quota::AdmittedRate::WHOLE,
+            })
+        };
+        let settle = |t: &str| {
+            l.lock().settle(TenantSettle {
+                key: TenantKey {
+                    scope: "chat",
+                    tenant: t,
+                },
+                params: &p,
+                charge: Charge {
+                    tokens: Tokens::from(1),
+                    cost: 0,
+                },
+                how: crate::gate::quota::Settlement::RefundAll,
+                cost: 0,
+                day: 0,
+            })
+        };
+        for i in 0..32 {
+            let a = l.lock().admit(ask(&format!("t{i}"), &p), grant).unwrap();
+            assert!(matches!(a, Admit::Admitted { .. }));
+        }
+        settle("t0");
+        let a = l.lock().admit(ask("a", &p), grant).unwrap();
+        assert!(matches!(a, Admit::Admitted { .. }), "t0 swept: {a:?}");
+        settle("t1");
+        clock.advance(Duration::from_millis(300));
+        assert_eq!(
+            l.lock().admit(ask("b", &p), grant).unwrap(),
+            Admit::TenantsFull
+        );
+        assert_eq!(sweeps(&l), 1, "within the second: no sweep");
+        clock.advance(FULL_RETRY);
+        let a = l.lock().admit(ask("b", &p), grant).unwrap();
+        assert!(matches!(a, Admit::Admitted { .. }), "{a:?}");
+        assert_eq!(sweeps(&l), 2);
     }
 }

@@ -105,7 +105,8 @@ pub struct TenantStats {
 /// The tenants of one scope this host has seen, under one short lock. Bounded by
 /// `max_tenants`: a full book forgets its least recently seen tenants with no call
 /// and no permit (a sixteenth of the book at a time); when every tenant has one, a
-/// new tenant is refused, for a second without looking again. The scope's totals
+/// new tenant is refused, and a scan that found fewer to forget is not repeated for a
+/// second: a new tenant finding the book full meanwhile is refused. The scope's totals
 /// are kept apart, so forgetting a tenant never lowers them.
 #[derive(Debug, Default)]
 pub(crate) struct Book {
@@ -120,8 +121,9 @@ struct Inner {
     map: HashMap<Arc<str>, TenantStats>,
     /// Grants, refusals, tokens and n$ over every tenant ever seen here.
     sum: TenantStats,
-    /// A full book with no tenant to forget refuses new ones without looking again
-    /// until this instant ([`FULL_RETRY`]).
+    /// A full book that found no tenant to forget, or fewer than a sixteenth of it,
+    /// refuses new ones when full again without looking until this instant
+    /// ([`FULL_RETRY`]).
     full_until: Duration,
 }
 
@@ -177,6 +179,11 @@ impl Book {
                     return None;
                 }
                 let n = (max / 16).clamp(1, idle.len());
+                if n < max / 16 {
+                    // Few to forget: the next ones finding the book full wait a
+                    // second rather than scan it again each.
+                    g.full_until = now + FULL_RETRY;
+                }
                 idle.select_nth_unstable_by_key(n - 1, |e| e.0);
                 for (_, k) in &idle[..n] {
                     g.map.remove(k);
@@ -303,5 +310,29 @@ mod tests {
             "a second later t0 is forgotten"
         );
         assert!(b.get("t0").is_none());
+    }
+
+    /// Tenants going idle one by one at a full book of 32 (a sixteenth: 2): a scan
+    /// that finds only one to forget is not repeated within the second.
+    #[test]
+    fn a_scan_that_finds_little_to_forget_is_not_repeated_within_the_second() {
+        let b = Book::default();
+        for i in 0..32 {
+            b.enter(&format!("t{i}"), 32, s(0)).expect("room");
+        }
+        b.leave("t0");
+        assert!(b.enter("a", 32, s(5)).is_some(), "t0 forgotten");
+        b.leave("t1");
+        assert!(
+            b.enter("b", 32, s(5) + Duration::from_millis(300))
+                .is_none(),
+            "within the second: refused without a scan"
+        );
+        assert!(b.get("t1").is_some());
+        assert!(
+            b.enter("b", 32, s(6)).is_some(),
+            "a second later it scans again"
+        );
+        assert!(b.get("t1").is_none());
     }
 }

@@ -1,7 +1,8 @@
 //! §19 on Redis: the tenant ops of `gate.lua` (`treserve`, `tsettle`, `tsnapshot`,
 //! `tcal`) and the slots a source's admit and report fill for their call's tenant.
 //!
-//! A tenant's ledger is one hash, `{<prefix>:t:<scope>:<tenant>}`. On one server it
+//! A tenant's ledger is one hash, `{<prefix>:t:<scope>:<tenant>}` (`t#<length of the
+//! scope>:` for a scope whose name has `:`, [`script::tenant_key`]). On one server it
 //! is the third key of the source's `admit` and `report`, so the tenant and the
 //! source change together in one script call (no extra round trip). A Redis Cluster
 //! cannot run one script over two slots: there the ledger is reserved first

@@ -99,19 +99,24 @@ pub(super) fn validate_tenants(
 }
 
 /// One limits table (`prefix` = its key path): counts in `1..=MAX_RATE`, dollar
-/// budgets finite and positive, a weight in (0, 10^6].
+/// budgets finite and of at least one n$, a weight in (0, 10^6].
 fn limits(prefix: &str, raw: RawTenantLimits, ctx: &Origins) -> Result<TenantLimits, ConfigError> {
     let k = |key: &str| format!("{prefix}.{key}");
     let usd = |key: &str, v: Option<f64>| -> Result<Option<u64>, ConfigError> {
         match v {
             None => Ok(None),
-            Some(d) if d.is_finite() && d > 0.0 && d <= MAX_USD => {
+            // At least one n$ (1e-9 dollars, the ledgers' unit): a smaller amount
+            // would round to a budget of nothing, which refuses every priced call.
+            Some(d) if d.is_finite() && d * NANOS_PER_USD >= 0.5 && d <= MAX_USD => {
                 Ok(Some((d * NANOS_PER_USD).round() as u64))
             }
             Some(d) => Err(ctx.err(
                 &k(key),
                 d,
-                format!("must be a dollar amount greater than 0 and at most {MAX_USD}"),
+                format!(
+                    "must be a dollar amount of at least 0.000000001 (one nano-dollar) \
+                     and at most {MAX_USD}"
+                ),
             )),
         }
     };

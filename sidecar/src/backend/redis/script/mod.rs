@@ -24,7 +24,8 @@
 //! A source has two keys, both passed as keys and hash-tagged into one slot so Redis
 //! Cluster routes the call by its first key: `{<prefix>:<source>}:b` (breaker hash)
 //! and `{<prefix>:<source>}:q` (quota hash). §19: a tenant's ledger is
-//! `{<prefix>:t:<scope>:<tenant>}`, in a slot of its own: on one server it is the
+//! `{<prefix>:t:<scope>:<tenant>}` ([`tenant_key`]: `t#<length>:` for a scope whose
+//! name has `:`), in a slot of its own: on one server it is the
 //! third key of the source's admit and report; on a Redis Cluster the tenant ops run
 //! on it alone ([`tenant_invocation`]).
 //!
