@@ -14,7 +14,8 @@ use std::time::{Duration, Instant};
 use polygate::backend::redis::{RedisBackend, RedisOptions};
 use polygate::backend::{AdminEvent, AdminOp, AdmitRequest, ReportRequest};
 use polygate::backend::{
-    Admit, AnyBackend, Backend, BackendError, BreakerParams, Outcome, QuotaParams, SeenCut, State,
+    Admit, AdmittedRate, AnyBackend, Backend, BackendError, BreakerParams, Outcome, QuotaParams,
+    SeenCut, State,
 };
 use polygate::clock::TokioClock;
 use polygate::config::OnBackendError;
@@ -270,16 +271,23 @@ fn field_ar(srv: &RedisServer, b: &RedisBackend, source: &str) -> (i64, i64) {
     (it.next().unwrap(), it.next().unwrap())
 }
 
-async fn learning_429(b: &RedisBackend, q: &QuotaParams) {
-    let Admit::Admitted { epoch, .. } = b
+/// A grant of 10 tokens on `s1`: its epoch and what its admission saw (§18).
+async fn grant_s1(b: &RedisBackend, q: &QuotaParams) -> (u64, AdmittedRate) {
+    let Admit::Admitted { epoch, rate, .. } = b
         .admit("s1", AdmitRequest::new(&bp(), q, 10))
         .await
         .unwrap()
     else {
         panic!("admit refused")
     };
+    (epoch, rate)
+}
+
+/// A 429 of the grant `epoch` on `s1`, with what its admission saw (as the engine
+/// reports it) or without.
+async fn report_429_s1(b: &RedisBackend, q: &QuotaParams, epoch: u64, seen: Option<AdmittedRate>) {
     let p = bp();
-    let r = ReportRequest::new(
+    let mut r = ReportRequest::new(
         &p,
         q,
         epoch,
@@ -287,7 +295,15 @@ async fn learning_429(b: &RedisBackend, q: &QuotaParams) {
         10u64,
         Outcome::RateLimited { retry_after: None },
     );
+    if let Some(rate) = seen {
+        r = r.admitted_at(rate);
+    }
     b.report("s1", r).await.unwrap();
+}
+
+async fn learning_429(b: &RedisBackend, q: &QuotaParams) {
+    let (epoch, _) = grant_s1(b, q).await;
+    report_429_s1(b, q, epoch, None).await;
 }
 
 /// A backend without heartbeat and a source learning fast (200,000 ppm a second) that
@@ -791,6 +807,20 @@ async fn degrades_to_local_when_killed_and_restores_when_back() {
     assert_eq!(srv.cli(&["EXISTS", &b.breaker_key("s1")]).trim(), "1");
 }
 
+/// A backend that serves locally when Redis goes away (`on_backend_error = "local"`),
+/// `s1` learning slowly with one 429 on Redis (factor 0.7), and `s2` (a source that
+/// does not learn: the whole level) used once.
+async fn degradable_learning(srv: &RedisServer) -> (RedisBackend, QuotaParams) {
+    let b = backend(srv, &prefix(), ms(200), OnBackendError::Local).await;
+    let q = QuotaParams {
+        learn: 1_000,
+        ..qp()
+    };
+    learning_429(&b, &q).await;
+    admit_report(&b, "s2").await;
+    (b, q)
+}
+
 /// §10 × §18 `learn_rate`: a host that degrades keeps the factor learned from the
 /// 429s (the admit and report replies carry it), so its local quota runs at its share
 /// of the cut limit, not of the whole one: 600 rpm cut to 420 (a source that does not
@@ -800,13 +830,7 @@ async fn a_degraded_host_keeps_the_learned_factor() {
     let Some(mut srv) = RedisServer::start() else {
         return;
     };
-    let b = backend(&srv, &prefix(), ms(200), OnBackendError::Local).await;
-    let q = QuotaParams {
-        learn: 1_000,
-        ..qp()
-    };
-    learning_429(&b, &q).await; // factor 0.7 on Redis
-    admit_report(&b, "s2").await; // a source that does not learn
+    let (b, q) = degradable_learning(&srv).await;
     srv.kill();
     let rpm = |s: &'static str, q: QuotaParams| {
         let b = &b;
@@ -1732,38 +1756,16 @@ async fn a_redis_permit_reported_while_degraded_cuts_the_local_factor() {
     let Some(mut srv) = RedisServer::start() else {
         return;
     };
-    let b = backend(&srv, &prefix(), ms(200), OnBackendError::Local).await;
-    let q = QuotaParams {
-        learn: 1_000,
-        ..qp()
-    };
-    learning_429(&b, &q).await; // 0.7 on Redis
-    admit_report(&b, "s2").await; // a source that does not learn: the whole level
+    let (b, q) = degradable_learning(&srv).await;
     tokio::time::sleep(ms(1_100)).await;
-    let Admit::Admitted { epoch, rate, .. } = b
-        .admit("s1", AdmitRequest::new(&bp(), &q, 10))
-        .await
-        .unwrap()
-    else {
-        panic!("admit refused")
-    };
+    let (epoch, rate) = grant_s1(&b, &q).await;
     assert!(
         matches!(rate.cut, SeenCut::At(_)),
         "under the cut: {rate:?}"
     );
     srv.kill();
     tokio::time::sleep(ms(1_100)).await; // past a second from the seed's reading
-    let p = bp();
-    let r = ReportRequest::new(
-        &p,
-        &q,
-        epoch,
-        false,
-        10u64,
-        Outcome::RateLimited { retry_after: None },
-    )
-    .admitted_at(rate);
-    b.report("s1", r).await.unwrap();
+    report_429_s1(&b, &q, epoch, Some(rate)).await;
     assert!(b.degraded("s1"));
     let cut = b.snapshot("s1", &bp(), &q).await.unwrap().levels[1].unwrap();
     let whole = b.snapshot("s2", &bp(), &qp()).await.unwrap().levels[1].unwrap();
@@ -1779,35 +1781,14 @@ async fn a_local_permit_reported_after_restore_cuts_the_shared_factor() {
     let Some(srv) = RedisServer::start() else {
         return;
     };
-    let b = backend(&srv, &prefix(), ms(150), OnBackendError::Local).await;
-    let q = QuotaParams {
-        learn: 1_000,
-        ..qp()
-    };
-    learning_429(&b, &q).await; // 0.7 on Redis
+    let (b, q) = degradable_learning(&srv).await;
     tokio::time::sleep(ms(1_100)).await;
     srv.pause();
-    let Admit::Admitted { epoch, rate, .. } = b
-        .admit("s1", AdmitRequest::new(&bp(), &q, 10))
-        .await
-        .unwrap()
-    else {
-        panic!("admit refused")
-    };
+    let (epoch, rate) = grant_s1(&b, &q).await;
     assert!(b.degraded("s1"), "admitted locally");
     srv.resume();
     tokio::time::sleep(ms(1_200)).await; // the retry interval: the report asks Redis
-    let p = bp();
-    let r = ReportRequest::new(
-        &p,
-        &q,
-        epoch,
-        false,
-        10u64,
-        Outcome::RateLimited { retry_after: None },
-    )
-    .admitted_at(rate);
-    b.report("s1", r).await.unwrap();
+    report_429_s1(&b, &q, epoch, Some(rate)).await;
     assert!(!b.degraded("s1"), "reported on Redis");
     let (ppm, _) = field_ar(&srv, &b, "s1");
     assert!(ppm < 500_000, "the shared factor cut (0.7 × ~0.7): {ppm}");

@@ -233,21 +233,33 @@ impl Held<'_> {
 mod tests {
     use super::*;
     use crate::clock::ManualClock;
-    use crate::gate::quota::{QuotaParams, Tokens};
+    use crate::gate::quota::{AdmittedRate, QuotaParams, Settlement, Tokens};
     use crate::gate::tenant::Charge;
 
-    fn admit(l: &Ledgers, tenant: &str, p: &TenantParams) -> Admit {
+    const CHARGE: Charge = Charge {
+        tokens: Tokens {
+            total: 10,
+            input: 0,
+            output: 0,
+        },
+        cost: 0,
+    };
+
+    fn key(tenant: &str) -> TenantKey<'_> {
+        TenantKey {
+            scope: "chat",
+            tenant,
+        }
+    }
+
+    /// An admission of `tenant` in a scope of at most `max` tenants, the source's
+    /// gates granting.
+    fn admit(l: &Ledgers, tenant: &str, p: &TenantParams, max: u32) -> Admit {
         let t = TenantAdmit {
-            key: TenantKey {
-                scope: "chat",
-                tenant,
-            },
+            key: key(tenant),
             params: p,
-            charge: Charge {
-                tokens: Tokens::from(10),
-                cost: 0,
-            },
-            max_tenants: 2,
+            charge: CHARGE,
+            max_tenants: max,
         };
         l.lock()
             .admit(t, || {
@@ -255,10 +267,26 @@ mod tests {
                     epoch: 0,
                     is_probe: false,
                     tenant_day: 0,
-                    rate: crate::gate::quota::AdmittedRate::WHOLE,
+                    rate: AdmittedRate::WHOLE,
                 })
             })
             .unwrap()
+    }
+
+    /// One of `tenant`'s reservations given back whole.
+    fn settle(l: &Ledgers, tenant: &str, p: &TenantParams) {
+        l.lock().settle(TenantSettle {
+            key: key(tenant),
+            params: p,
+            charge: CHARGE,
+            how: Settlement::RefundAll,
+            cost: 0,
+            day: 0,
+        });
+    }
+
+    fn admitted(a: Admit) -> bool {
+        matches!(a, Admit::Admitted { .. })
     }
 
     fn sweeps(l: &Ledgers) -> u32 {
@@ -280,52 +308,38 @@ mod tests {
             ..TenantParams::default()
         };
         for t in ["a", "b"] {
-            assert!(matches!(admit(&l, t, &p), Admit::Admitted { .. }));
+            assert!(admitted(admit(&l, t, &p, 2)));
         }
         for i in 0..100 {
-            let a = admit(&l, &format!("new{i}"), &p);
+            let a = admit(&l, &format!("new{i}"), &p, 2);
             assert_eq!(a, Admit::TenantsFull, "{i}");
         }
         assert_eq!(sweeps(&l), 1, "one sweep for the whole flood");
         // Known tenants are still served.
-        assert!(matches!(admit(&l, "a", &p), Admit::Admitted { .. }));
-        // Their buckets refill in 2 s (20 tokens at 600/min); the 'in flight' counts
-        // were never settled here, so settle them to let the ledgers go idle.
+        assert!(admitted(admit(&l, "a", &p, 2)));
+        // Their buckets refill in 2 s (20 tokens at 600/min) once nothing is in flight.
         for t in ["a", "a", "b"] {
-            l.lock().settle(TenantSettle {
-                key: TenantKey {
-                    scope: "chat",
-                    tenant: t,
-                },
-                params: &p,
-                charge: Charge {
-                    tokens: Tokens::from(10),
-                    cost: 0,
-                },
-                how: crate::gate::quota::Settlement::RefundAll,
-                cost: 0,
-                day: 0,
-            });
+            settle(&l, t, &p);
         }
         clock.advance(Duration::from_millis(500));
         assert_eq!(
-            admit(&l, "late", &p),
+            admit(&l, "late", &p, 2),
             Admit::TenantsFull,
             "within the second"
         );
         assert_eq!(sweeps(&l), 1);
         clock.advance(FULL_RETRY);
-        assert!(matches!(admit(&l, "late", &p), Admit::Admitted { .. }));
+        assert!(admitted(admit(&l, "late", &p, 2)));
         assert_eq!(sweeps(&l), 2, "a second later it swept and found room");
         // That sweep freed both (a and b were idle): room for one more at once.
-        assert!(matches!(admit(&l, "later", &p), Admit::Admitted { .. }));
-        assert_eq!(admit(&l, "c", &p), Admit::TenantsFull);
+        assert!(admitted(admit(&l, "later", &p, 2)));
+        assert_eq!(admit(&l, "c", &p, 2), Admit::TenantsFull);
         assert_eq!(
             sweeps(&l),
             3,
             "full again: one sweep, which found nothing idle"
         );
-        assert_eq!(admit(&l, "d", &p), Admit::TenantsFull);
+        assert_eq!(admit(&l, "d", &p, 2), Admit::TenantsFull);
         assert_eq!(sweeps(&l), 3, "and none more within the second");
     }
 
@@ -336,61 +350,17 @@ mod tests {
         let clock = Arc::new(ManualClock::new());
         let l = Ledgers::new(clock.clone());
         let p = TenantParams::default(); // no limits: idle once nothing is in flight
-        fn ask<'a>(t: &'a str, p: &'a TenantParams) -> TenantAdmit<'a> {
-            TenantAdmit {
-                key: TenantKey {
-                    scope: "chat",
-                    tenant: t,
-                },
-                params: p,
-                charge: Charge {
-                    tokens: Tokens::from(1),
-                    cost: 0,
-                },
-                max_tenants: 32,
-            }
-        }
-        let grant = || {
-            Ok(Admit::Admitted {
-                epoch: 0,
-                is_probe: false,
-                tenant_day: 0,
-                rate: crate::gate::quota::AdmittedRate::WHOLE,
-            })
-        };
-        let settle = |t: &str| {
-            l.lock().settle(TenantSettle {
-                key: TenantKey {
-                    scope: "chat",
-                    tenant: t,
-                },
-                params: &p,
-                charge: Charge {
-                    tokens: Tokens::from(1),
-                    cost: 0,
-                },
-                how: crate::gate::quota::Settlement::RefundAll,
-                cost: 0,
-                day: 0,
-            })
-        };
         for i in 0..32 {
-            let a = l.lock().admit(ask(&format!("t{i}"), &p), grant).unwrap();
-            assert!(matches!(a, Admit::Admitted { .. }));
+            assert!(admitted(admit(&l, &format!("t{i}"), &p, 32)));
         }
-        settle("t0");
-        let a = l.lock().admit(ask("a", &p), grant).unwrap();
-        assert!(matches!(a, Admit::Admitted { .. }), "t0 swept: {a:?}");
-        settle("t1");
+        settle(&l, "t0", &p);
+        assert!(admitted(admit(&l, "a", &p, 32)), "t0 swept");
+        settle(&l, "t1", &p);
         clock.advance(Duration::from_millis(300));
-        assert_eq!(
-            l.lock().admit(ask("b", &p), grant).unwrap(),
-            Admit::TenantsFull
-        );
+        assert_eq!(admit(&l, "b", &p, 32), Admit::TenantsFull);
         assert_eq!(sweeps(&l), 1, "within the second: no sweep");
         clock.advance(FULL_RETRY);
-        let a = l.lock().admit(ask("b", &p), grant).unwrap();
-        assert!(matches!(a, Admit::Admitted { .. }), "{a:?}");
+        assert!(admitted(admit(&l, "b", &p, 32)));
         assert_eq!(sweeps(&l), 2);
     }
 }
