@@ -136,6 +136,16 @@ async fn report_429_t<B: Backend>(b: &B, q: &QuotaParams, g: Grant, t: u64) {
     b.report(S1, r).await.unwrap();
 }
 
+/// 60 tokens per minute (slow enough that a real-time backend's milliseconds do not
+/// show), learning slowly (1,000 ppm a second).
+fn tpm_60() -> QuotaParams {
+    QuotaParams {
+        tpm: Some(60),
+        learn: 1_000,
+        ..QuotaParams::default()
+    }
+}
+
 /// A 429's token refund gives back what its reservation took, not 1/0.7 of it: the
 /// report settles at the factor in force before its cut, then cuts. 60 tpm (slow
 /// enough that a real-time backend's milliseconds do not show), two calls of 10
@@ -144,11 +154,7 @@ async fn report_429_t<B: Backend>(b: &B, q: &QuotaParams, g: Grant, t: u64) {
 /// would leave 38).
 pub async fn a_429_refunds_what_its_reservation_took_before_it_cuts<H: Harness>(h: &H) {
     let b = h.fresh().await;
-    let q = QuotaParams {
-        tpm: Some(60),
-        learn: 1_000,
-        ..QuotaParams::default()
-    };
+    let q = tpm_60();
     let a = admit_t(&b, &q, 10).await;
     let _other = admit_t(&b, &q, 10).await; // still in flight
     report_429_t(&b, &q, a, 10).await;
@@ -167,11 +173,7 @@ pub async fn a_429_refunds_what_its_reservation_took_before_it_cuts<H: Harness>(
 /// converted at the cut rate, 14.3 s, would leave 38).
 pub async fn a_second_429_refunds_what_it_took<H: Harness>(h: &H) {
     let b = h.fresh().await;
-    let q = QuotaParams {
-        tpm: Some(60),
-        learn: 1_000,
-        ..QuotaParams::default()
-    };
+    let q = tpm_60();
     let a = admit_t(&b, &q, 10).await;
     let bb = admit_t(&b, &q, 10).await;
     let _c = admit_t(&b, &q, 10).await; // still in flight
