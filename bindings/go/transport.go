@@ -141,26 +141,32 @@ const TenantHeader = "X-Polygate-Tenant"
 // tenantHeader is the value of the request's TenantHeader and whether it has one
 // (a key set on the map directly, not in its canonical form, counts too: net/http
 // would send it as it is). HTTP whitespace around the value (space, tab, CR, LF) is
-// not part of it: what fetch's Headers gives the Node binding, and Python reads.
+// not part of it, and a header given more than once is its values joined by ", "
+// (RFC 9110 §5.3): what fetch's Headers gives the Node binding, and Python reads,
+// so one request names one tenant in all three.
 func tenantHeader(h http.Header) (string, bool) {
-	if v, ok := h[TenantHeader]; ok {
-		return firstValue(v), true
-	}
-	for k, v := range h {
-		if len(k) == len(TenantHeader) && strings.EqualFold(k, TenantHeader) {
-			return firstValue(v), true
+	vs, found := h[TenantHeader]
+	var others []string // keys not in canonical form, in a fixed order
+	for k := range h {
+		if k != TenantHeader && len(k) == len(TenantHeader) && strings.EqualFold(k, TenantHeader) {
+			others = append(others, k)
 		}
 	}
-	return "", false
-}
-
-// firstValue is a header's first value without the HTTP whitespace around it (""
-// for none).
-func firstValue(v []string) string {
-	if len(v) == 0 {
-		return ""
+	if len(others) == 0 && len(vs) <= 1 { // the usual case: no copy made
+		if len(vs) == 0 {
+			return "", found
+		}
+		return strings.Trim(vs[0], " \t\r\n"), true
 	}
-	return strings.Trim(v[0], " \t\r\n")
+	sort.Strings(others)
+	all := append([]string(nil), vs...) // not the caller's slice: trimmed below
+	for _, k := range others {
+		all = append(all, h[k]...)
+	}
+	for i, v := range all {
+		all[i] = strings.Trim(v, " \t\r\n")
+	}
+	return strings.Join(all, ", "), true
 }
 
 // withoutTenantHeader is a copy of h without TenantHeader (under any spelling).

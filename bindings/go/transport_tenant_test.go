@@ -371,6 +371,9 @@ func TestTenantHeaderValueIsTrimmedAsHTTPReadsIt(t *testing.T) {
 		{http.Header{TenantHeader: {"a b"}}, "a b", true},
 		{http.Header{TenantHeader: {"acme\r\n"}}, "acme", true},
 		{http.Header{"X-Other": {"x"}}, "", false},
+		// Given twice: one value, joined as fetch's Headers.get joins them.
+		{http.Header{TenantHeader: {" a ", "b"}}, "a, b", true},
+		{http.Header{TenantHeader: {"a"}, "x-polygate-tenant": {"b"}, "X-POLYGATE-TENANT": {"c"}}, "a, c, b", true},
 	} {
 		got, ok := tenantHeader(tc.h)
 		if got != tc.want || ok != tc.ok {
