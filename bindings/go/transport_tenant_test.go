@@ -190,7 +190,12 @@ func TestTransportTenantHeaderWinsAndIsNeverSent(t *testing.T) {
 					t.Fatalf("routed=%v case %d: %s sent upstream: %v", routed, i, k, got.header)
 				}
 			}
-			if got.header.Get("X-Other") != "kept" || got.header.Get("Authorization") != "Bearer caller" || got.body != tc.body {
+			// Routed to another origin, the SDK's key stays behind (DESIGN §17).
+			wantAuth := "Bearer caller"
+			if routed {
+				wantAuth = ""
+			}
+			if got.header.Get("X-Other") != "kept" || got.header.Get("Authorization") != wantAuth || got.body != tc.body {
 				t.Fatalf("routed=%v case %d: sent %v %q", routed, i, got.header, got.body)
 			}
 			if routed && (got.header.Get("X-Key") == "" || !strings.HasSuffix(got.url, ".invalid/v2/chat/completions?x=1")) {

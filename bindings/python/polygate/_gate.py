@@ -125,12 +125,16 @@ class _Base:
                 source=source, scope=self.scope)
         lib = self._lib
         u = request.url
-        raw = t.rebase(self._bases, route, u.scheme, u.host, u.port, u.raw_path.decode("ascii"))
+        raw, cross = t.rebase(self._bases, route, u.scheme, u.host, u.port, u.raw_path.decode("ascii"))
         url = u.copy_with(scheme=route.scheme, host=route.host, port=route.port, raw_path=raw.encode("ascii"))
         headers = request.headers.copy()
         headers["host"] = url.netloc.decode("ascii")
         if named:
             del headers[t.TENANT_HEADER]
+        if cross:  # the SDK's keys stay with their origin (§17); the route's headers give this one its own
+            for k in t.CREDENTIAL_HEADERS:
+                if k in headers:
+                    del headers[k]
         for k, v in route.headers:
             headers[k] = v
         if route.model is not None:
