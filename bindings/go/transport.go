@@ -141,26 +141,32 @@ const TenantHeader = "X-Polygate-Tenant"
 // tenantHeader is the value of the request's TenantHeader and whether it has one
 // (a key set on the map directly, not in its canonical form, counts too: net/http
 // would send it as it is). HTTP whitespace around the value (space, tab, CR, LF) is
-// not part of it: what fetch's Headers gives the Node binding, and Python reads.
+// not part of it, and a header given more than once is its values joined by ", "
+// (RFC 9110 §5.3): what fetch's Headers gives the Node binding, and Python reads,
+// so one request names one tenant in all three.
 func tenantHeader(h http.Header) (string, bool) {
-	if v, ok := h[TenantHeader]; ok {
-		return firstValue(v), true
-	}
-	for k, v := range h {
-		if len(k) == len(TenantHeader) && strings.EqualFold(k, TenantHeader) {
-			return firstValue(v), true
+	vs, found := h[TenantHeader]
+	var others []string // keys not in canonical form, in a fixed order
+	for k := range h {
+		if k != TenantHeader && len(k) == len(TenantHeader) && strings.EqualFold(k, TenantHeader) {
+			others = append(others, k)
 		}
 	}
-	return "", false
-}
-
-// firstValue is a header's first value without the HTTP whitespace around it (""
-// for none).
-func firstValue(v []string) string {
-	if len(v) == 0 {
-		return ""
+	if len(others) == 0 && len(vs) <= 1 { // the usual case: no copy made
+		if len(vs) == 0 {
+			return "", found
+		}
+		return strings.Trim(vs[0], " \t\r\n"), true
 	}
-	return strings.Trim(v[0], " \t\r\n")
+	sort.Strings(others)
+	all := append([]string(nil), vs...) // not the caller's slice: trimmed below
+	for _, k := range others {
+		all = append(all, h[k]...)
+	}
+	for i, v := range all {
+		all[i] = strings.Trim(v, " \t\r\n")
+	}
+	return strings.Join(all, ", "), true
 }
 
 // withoutTenantHeader is a copy of h without TenantHeader (under any spelling).
@@ -454,6 +460,9 @@ type parsedRoute struct {
 	scheme, host string
 	// prefix is BaseURL's escaped path without its trailing "/".
 	prefix string
+	// origin is BaseURL's "scheme://host:port" (originKey): a request under a base
+	// URL of another origin leaves its credentials behind (credentialHeaders).
+	origin string
 	// headers are Route.Headers.
 	headers map[string]string
 	// query is Route.Query, sorted by name.
@@ -505,7 +514,19 @@ func parseRoutes(routes map[string]Route, sdkBase string) (*routeTable, error) {
 			return nil, err
 		}
 		pr := &parsedRoute{scheme: u.Scheme, host: u.Host, prefix: strings.TrimRight(u.EscapedPath(), "/"),
-			headers: r.Headers, model: r.Model}
+			origin: originKey(u), headers: r.Headers, model: r.Model}
+		seen := make(map[string]string, len(r.Headers))
+		for k := range r.Headers {
+			c := http.CanonicalHeaderKey(k)
+			if other, dup := seen[c]; dup {
+				a, b := other, k
+				if b < a {
+					a, b = b, a
+				}
+				return nil, invalidArgument("Transport.Routes[%q].Headers: %q and %q name one header; give it once", src, a, b)
+			}
+			seen[c] = k
+		}
 		for k, v := range r.Query {
 			if k == "" {
 				return nil, invalidArgument("Transport.Routes[%q].Query has an empty parameter name", src)
@@ -532,11 +553,19 @@ func under(path, prefix string) bool {
 	return prefix == "" || path == prefix || (strings.HasPrefix(path, prefix) && path[len(prefix)] == '/')
 }
 
-// rebase is the escaped path and raw query of u sent to route: under one of the
-// bases (the SDK's base URL is one of the routes') that prefix is replaced by the
-// route's, else the route's prefix is put in front of the whole path; the route's
-// query replaces same-named parameters.
-func (tb *routeTable) rebase(u *url.URL, route *parsedRoute) (path, query string) {
+// credentialHeaders carry a caller's credentials (HTTP auth, cookies; Azure's,
+// Anthropic's and Gemini's API key headers): they stay with the origin the SDK sent
+// them to (rebase's cross).
+var credentialHeaders = [...]string{"Authorization", "Proxy-Authorization", "Cookie", "Api-Key", "X-Api-Key", "X-Goog-Api-Key"}
+
+// rebase is the escaped path and raw query of u sent to route, and whether that
+// leaves the origin the SDK addressed (cross): under one of the bases (the SDK's
+// base URL is one of the routes') that prefix is replaced by the route's, cross
+// when the route's origin is another (its credentialHeaders are then not sent,
+// DESIGN §17); else the route's prefix is put in front of the whole path (not
+// cross: the routes are its only destinations). The route's query replaces
+// same-named parameters.
+func (tb *routeTable) rebase(u *url.URL, route *parsedRoute) (path, query string, cross bool) {
 	key := originKey(u)
 	path = u.EscapedPath()
 	matched := false
@@ -544,6 +573,7 @@ func (tb *routeTable) rebase(u *url.URL, route *parsedRoute) (path, query string
 		if b.origin == key && under(path, b.prefix) {
 			path = route.prefix + path[len(b.prefix):]
 			matched = true
+			cross = b.origin != route.origin
 			break
 		}
 	}
@@ -557,7 +587,7 @@ func (tb *routeTable) rebase(u *url.URL, route *parsedRoute) (path, query string
 	if len(route.query) > 0 {
 		query = withQuery(query, route.query)
 	}
-	return path, query
+	return path, query, cross
 }
 
 // withQuery is query (raw) without the parameters params names, then params
@@ -605,7 +635,7 @@ func escapeAll(s string) string {
 // routed is req sent to route: its URL re-rooted under the route's base URL, its
 // query and headers set, and its JSON body's model set (the length following).
 func (tb *routeTable) routed(req *http.Request, route *parsedRoute, body []byte) (*http.Request, error) {
-	path, query := tb.rebase(req.URL, route)
+	path, query, cross := tb.rebase(req.URL, route)
 	to, err := url.Parse(route.scheme + "://" + route.host + path)
 	if err != nil {
 		return nil, invalidArgument("Transport.Routes: cannot join %s://%s and %q: %v", route.scheme, route.host, path, err)
@@ -614,6 +644,15 @@ func (tb *routeTable) routed(req *http.Request, route *parsedRoute, body []byte)
 	r2 := req.Clone(req.Context())
 	r2.URL = to
 	r2.Host = ""
+	if cross { // the SDK's keys stay with their origin (DESIGN §17); the route's headers give this one its own
+		for k := range r2.Header {
+			for _, c := range credentialHeaders {
+				if strings.EqualFold(k, c) {
+					delete(r2.Header, k)
+				}
+			}
+		}
+	}
 	for k, v := range route.headers {
 		r2.Header.Set(k, v)
 	}

@@ -190,7 +190,12 @@ func TestTransportTenantHeaderWinsAndIsNeverSent(t *testing.T) {
 					t.Fatalf("routed=%v case %d: %s sent upstream: %v", routed, i, k, got.header)
 				}
 			}
-			if got.header.Get("X-Other") != "kept" || got.header.Get("Authorization") != "Bearer caller" || got.body != tc.body {
+			// Routed to another origin, the SDK's key stays behind (DESIGN §17).
+			wantAuth := "Bearer caller"
+			if routed {
+				wantAuth = ""
+			}
+			if got.header.Get("X-Other") != "kept" || got.header.Get("Authorization") != wantAuth || got.body != tc.body {
 				t.Fatalf("routed=%v case %d: sent %v %q", routed, i, got.header, got.body)
 			}
 			if routed && (got.header.Get("X-Key") == "" || !strings.HasSuffix(got.url, ".invalid/v2/chat/completions?x=1")) {
@@ -371,6 +376,9 @@ func TestTenantHeaderValueIsTrimmedAsHTTPReadsIt(t *testing.T) {
 		{http.Header{TenantHeader: {"a b"}}, "a b", true},
 		{http.Header{TenantHeader: {"acme\r\n"}}, "acme", true},
 		{http.Header{"X-Other": {"x"}}, "", false},
+		// Given twice: one value, joined as fetch's Headers.get joins them.
+		{http.Header{TenantHeader: {" a ", "b"}}, "a, b", true},
+		{http.Header{TenantHeader: {"a"}, "x-polygate-tenant": {"b"}, "X-POLYGATE-TENANT": {"c"}}, "a, c, b", true},
 	} {
 		got, ok := tenantHeader(tc.h)
 		if got != tc.want || ok != tc.ok {

@@ -599,7 +599,7 @@ func TestTransportRoutesRebase(t *testing.T) {
 			"/openai/deployments/d/chat/completions?trace=1&api-version=2024-10-21&k=a%20b%26c%2F%C3%A9"},
 	} {
 		u, _ := url.Parse(c.in)
-		p, q := tb.rebase(u, tb.routes[c.source])
+		p, q, _ := tb.rebase(u, tb.routes[c.source])
 		if q != "" {
 			p += "?" + q
 		}
@@ -610,15 +610,43 @@ func TestTransportRoutesRebase(t *testing.T) {
 	// SDKBaseURL is one more base URL matched like the routes'.
 	tb, _ = parseRoutes(map[string]Route{"az": {BaseURL: "https://r/openai/deployments/d"}}, "https://api.openai.com/v1/")
 	u, _ := url.Parse("https://api.openai.com/v1/chat/completions")
-	if p, _ := tb.rebase(u, tb.routes["az"]); p != "/openai/deployments/d/chat/completions" {
-		t.Errorf("SDKBaseURL: got %q", p)
+	if p, _, cross := tb.rebase(u, tb.routes["az"]); p != "/openai/deployments/d/chat/completions" || !cross {
+		t.Errorf("SDKBaseURL: got %q, cross %v", p, cross)
 	}
 	for _, bad := range []map[string]Route{
 		{"a": {BaseURL: "ftp://h/v1"}}, {"a": {BaseURL: "/v1"}},
 		{"a": {BaseURL: "http://h/v1?api-version=1"}}, {"a": {BaseURL: "http://h", Query: map[string]string{"": "x"}}},
+		{"a": {BaseURL: "http://h", Headers: map[string]string{"Api-Key": "1", "api-key": "2"}}}, // one header twice
 	} {
 		if _, err := parseRoutes(bad, ""); err == nil {
 			t.Errorf("%v: no error", bad)
+		}
+	}
+}
+
+// DESIGN §17: the SDK's credentials stay with the origin it addressed.
+func TestTransportRoutesSayWhenARequestLeavesTheSDKsOrigin(t *testing.T) {
+	tb, err := parseRoutes(map[string]Route{
+		"a": {BaseURL: "http://h/a/v1"}, "b": {BaseURL: "http://h/b/v1"},
+		"vllm": {BaseURL: "http://gpu-1:8000/v1"}, "tls": {BaseURL: "https://h/a/v1"},
+	}, "")
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, c := range []struct {
+		source, in string
+		cross      bool
+	}{
+		{"a", "http://h/a/v1/chat", false},
+		{"b", "http://H:80/a/v1/chat", false}, // same scheme, host and port: another path
+		{"vllm", "http://h/a/v1/chat", true},
+		{"tls", "http://h/a/v1/chat", true},           // another scheme (and port)
+		{"a", "https://h/a/v1/chat", true},            // the SDK addressed tls's base
+		{"vllm", "http://sdk.invalid/v1/chat", false}, // under no base: the routes are its only destinations
+	} {
+		u, _ := url.Parse(c.in)
+		if _, _, cross := tb.rebase(u, tb.routes[c.source]); cross != c.cross {
+			t.Errorf("%s via %s: cross %v, want %v", c.in, c.source, cross, c.cross)
 		}
 	}
 }

@@ -601,6 +601,8 @@ interface RouteIn {
   root: string;
   /** `baseURL`'s path without its trailing `/` (`""` for none). */
   prefix: string;
+  /** `baseURL`'s origin, the port always given (`originKey`): a request under a base URL of another origin leaves its credentials behind. */
+  origin: string;
   /** Extra headers. */
   headers: [string, string][];
   /** Query parameters set on the request, sorted by name. */
@@ -655,7 +657,7 @@ function prepareRoutes(routes: Record<string, Route> | undefined, sdkBaseURL: st
       throw new TypeError(`routes["${src}"].model must be a non-empty string, got ${JSON.stringify(r.model)}`);
     }
     const prefix = u.pathname.replace(/\/+$/, "");
-    m.set(src, { root: u.origin, prefix, headers: stringMap(`routes["${src}"].headers`, r.headers), query, model: r.model });
+    m.set(src, { root: u.origin, prefix, origin: originKey(u), headers: stringMap(`routes["${src}"].headers`, r.headers), query, model: r.model });
     bases.push([originKey(u), prefix]);
   }
   if (sdkBaseURL !== undefined) {
@@ -693,11 +695,20 @@ function withQuery(query: string, params: [string, string][]): string {
 }
 
 /**
- * `url` for `route`: under one of `bases` (the longest first; the SDK's base URL is one
- * of the routes') that prefix is replaced by the route's base URL, else the route's path
- * is put in front of the whole path. The route's query replaces same-named parameters.
+ * Headers that carry a caller's credentials (HTTP auth, cookies; Azure's, Anthropic's
+ * and Gemini's API key headers): they stay with the origin the SDK sent them to.
  */
-function rebase(url: string, route: RouteIn, bases: Base[]): string {
+const CREDENTIAL_HEADERS = ["authorization", "proxy-authorization", "cookie", "api-key", "x-api-key", "x-goog-api-key"] as const;
+
+/**
+ * `[url, cross]`: `url` for `route`, and whether that leaves the origin the SDK
+ * addressed. Under one of `bases` (the longest first; the SDK's base URL is one of the
+ * routes') that prefix is replaced by the route's base URL, `cross` when the route's
+ * origin is another (its `CREDENTIAL_HEADERS` are then not sent, DESIGN §17); else the
+ * route's path is put in front of the whole path (not `cross`: the routes are its only
+ * destinations). The route's query replaces same-named parameters.
+ */
+function rebase(url: string, route: RouteIn, bases: Base[]): [string, boolean] {
   const u = new URL(url);
   const key = originKey(u);
   let path = u.pathname;
@@ -706,7 +717,12 @@ function rebase(url: string, route: RouteIn, bases: Base[]): string {
   if (!path.startsWith("/")) path = `/${path}`;
   let query = u.search.slice(1);
   if (route.query.length > 0) query = withQuery(query, route.query);
-  return route.root + path + (query === "" ? "" : `?${query}`);
+  return [route.root + path + (query === "" ? "" : `?${query}`), hit !== undefined && hit[0] !== route.origin];
+}
+
+/** `headers` without the caller's credentials when the request leaves their origin. */
+function dropCredentials(headers: Headers, cross: boolean): void {
+  if (cross) for (const k of CREDENTIAL_HEADERS) headers.delete(k);
 }
 
 const J_STRING = /"(?:[^"\\]|\\.)*"/sy;
@@ -857,13 +873,14 @@ export function fetch(opts: FetchOptions): FetchLike {
           + `(routes name: ${[...routes.keys()].join(", ") || "nothing"}); add it to routes, or remove it from the scope`,
           scope, permit.source);
       }
-      const to = rebase(url, route, bases);
+      const [to, cross] = rebase(url, route, bases);
       // The route's model, set in a JSON-object body (its length follows: no stale Content-Length).
       const model = route.model === undefined || text === null ? null : setModel(text, route.model);
       const body = model !== null && model !== text ? model : null;
       if (isReq) {
         let r = new Request(to, new Request(input as Request, init));
         if (body !== null) r = new Request(r, { body });
+        dropCredentials(r.headers, cross); // the SDK's keys stay with their origin (DESIGN §17)
         for (const [k, v] of route.headers) r.headers.set(k, v);
         if (body !== null) r.headers.delete("content-length");
         r.headers.delete(TENANT_HEADER);
@@ -871,6 +888,7 @@ export function fetch(opts: FetchOptions): FetchLike {
         sendInit = undefined;
       } else {
         const headers = new Headers(init?.headers);
+        dropCredentials(headers, cross); // the SDK's keys stay with their origin (DESIGN §17)
         for (const [k, v] of route.headers) headers.set(k, v);
         headers.delete(TENANT_HEADER);
         target = to;

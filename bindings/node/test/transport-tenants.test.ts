@@ -105,7 +105,9 @@ describe("transport tenants", () => {
       await ok(fn(URL_, { method: "POST", body: BODY, headers: { "x-polygate-tenant": "initech" } }));
       await ok(fn(URL_, { method: "POST", body: BODY }));
       await ok(f({ tenant: "acme" })(URL_, { method: "POST", body: BODY, headers: { "x-polygate-tenant": "" } }));
-      assert.deepEqual(tenants(), ["globex", "initech", "from-fn", null]);
+      // given twice: one value, joined by ", " (what Python and Go read too)
+      await ok(f()(URL_, { method: "POST", body: BODY, headers: [["x-polygate-tenant", " a "], ["X-Polygate-Tenant", "b"]] }));
+      assert.deepEqual(tenants(), ["globex", "initech", "from-fn", null, "a, b"]);
       assert.equal(calls, 1);
       for (const s of sent) assert.equal(s.headers.get("x-polygate-tenant"), null);
     });

@@ -125,12 +125,16 @@ class _Base:
                 source=source, scope=self.scope)
         lib = self._lib
         u = request.url
-        raw = t.rebase(self._bases, route, u.scheme, u.host, u.port, u.raw_path.decode("ascii"))
+        raw, cross = t.rebase(self._bases, route, u.scheme, u.host, u.port, u.raw_path.decode("ascii"))
         url = u.copy_with(scheme=route.scheme, host=route.host, port=route.port, raw_path=raw.encode("ascii"))
         headers = request.headers.copy()
         headers["host"] = url.netloc.decode("ascii")
         if named:
             del headers[t.TENANT_HEADER]
+        if cross:  # the SDK's keys stay with their origin (§17); the route's headers give this one its own
+            for k in t.CREDENTIAL_HEADERS:
+                if k in headers:
+                    del headers[k]
         for k, v in route.headers:
             headers[k] = v
         if route.model is not None:
@@ -229,16 +233,20 @@ def _triples(headers: Any) -> Any:
 def _tenant_header(request: Any) -> Optional[str]:
     """The request's ``x-polygate-tenant`` value (None: no such header), in one pass
     over the header triples (``Headers.get`` decodes every pair, per lookup: a few
-    µs a request). HTTP whitespace around it (space, tab, CR, LF) is not part of it:
-    what fetch's ``Headers`` gives the Node binding, and the Go binding reads."""
+    µs a request). HTTP whitespace around it (space, tab, CR, LF) is not part of it,
+    and a header given more than once is its values joined by ``", "`` (RFC 9110
+    §5.3): what fetch's ``Headers`` gives the Node binding, and the Go binding
+    reads, so one request names one tenant in all three."""
     h = request.headers
+    found = None
     for _, k, v in (h._list if type(h) in _TRIPLES else _triples(h)):
         if k == _TENANT_B:
             try:
-                return str(v.decode("utf-8")).strip(" \t\r\n")
+                v = str(v.decode("utf-8")).strip(" \t\r\n")
             except UnicodeDecodeError:
                 raise ValueError("the %s header must be UTF-8, got %r" % (t.TENANT_HEADER, v)) from None
-    return None
+            found = v if found is None else found + ", " + v
+    return found
 
 
 def _head(response: Any) -> Tuple[Optional[str], Optional[str], Optional[str], bool]:

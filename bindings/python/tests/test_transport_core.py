@@ -311,7 +311,26 @@ def _rebase(routes, source, url):
     assert r is not None
     u = up.urlsplit(url)
     return t.rebase(t.route_bases(r), r[source], u.scheme, u.hostname, u.port,
-                    u.path + ("?" + u.query if u.query else ""))
+                    u.path + ("?" + u.query if u.query else ""))[0]
+
+
+def test_rebase_says_when_a_request_leaves_the_origin_the_sdk_addressed():
+    """§17: the SDK's credentials stay with their origin; ``cross`` says when not."""
+    import urllib.parse as up
+    r = t.parse_routes({"a": "http://h/a/v1", "b": "http://h/b/v1", "vllm": "http://gpu-1:8000/v1",
+                        "tls": "https://h/a/v1"})
+    assert r is not None
+
+    def cross(source, url):
+        u = up.urlsplit(url)
+        return t.rebase(t.route_bases(r), r[source], u.scheme, u.hostname, u.port, u.path)[1]
+
+    assert not cross("a", "http://h/a/v1/chat")
+    assert not cross("b", "http://H:80/a/v1/chat")  # same scheme, host and port: another path
+    assert cross("vllm", "http://h/a/v1/chat")
+    assert cross("tls", "http://h/a/v1/chat")  # another scheme (and port)
+    assert cross("a", "https://h/a/v1/chat")  # the SDK addressed tls's base: a is another origin
+    assert not cross("vllm", "http://sdk.invalid/v1/chat")  # under no base: the routes are its only destinations
 
 
 def test_rebase_replaces_the_matching_base_url_else_puts_the_path_in_front():
@@ -445,7 +464,9 @@ def test_header_reads_use_the_lowered_triples_and_fall_back_to_raw(lib):
                         ([("accept", "*/*")], None), ([("x-polygate-tenant", "")], ""),
                         # spaces and tabs around a value are not part of it (as Node and Go read it)
                         ([("x-polygate-tenant", " acme\t")], "acme"), ([("x-polygate-tenant", "a b")], "a b"),
-                        ([(b"x-polygate-tenant", b"acme\r\n")], "acme")]:
+                        ([(b"x-polygate-tenant", b"acme\r\n")], "acme"),
+                        # given twice: one value, joined as fetch's Headers.get joins them
+                        ([("x-polygate-tenant", " a "), ("accept", "*/*"), ("X-Polygate-Tenant", "b")], "a, b")]:
         for headers in (mod.Headers(pairs), RawOnly(pairs)):
             assert _gate._tenant_header(Shim(headers)) == want
     with pytest.raises(ValueError):

@@ -158,19 +158,31 @@ def _under(path: str, prefix: str) -> bool:
     return not prefix or path == prefix or (path.startswith(prefix) and path[len(prefix)] == "/")
 
 
-def rebase(bases: Bases, route: Route, scheme: str, host: str, port: Optional[int], raw_path: str) -> str:
-    """The raw path (path and query) of a request for ``route``. A request URL under
+CREDENTIAL_HEADERS = ("authorization", "proxy-authorization", "cookie", "api-key", "x-api-key", "x-goog-api-key")
+"""Headers that carry a caller's credentials (HTTP auth, cookies; Azure's, Anthropic's
+and Gemini's API key headers): they stay with the origin the SDK sent them to
+(:func:`rebase`'s ``cross``)."""
+
+
+def rebase(bases: Bases, route: Route, scheme: str, host: str, port: Optional[int],
+           raw_path: str) -> Tuple[str, bool]:
+    """``(raw path, cross)``: the raw path (path and query) of a request for
+    ``route``, and whether it leaves the origin the SDK addressed. A request URL under
     one of the routes' base URLs (the SDK's own base URL is one of them, as a user
     writes it in ``routes``) has that prefix replaced by the route's: same scheme,
     host and port, and a path prefix ending at a segment boundary (``/v1`` matches
-    ``/v1/chat`` and ``/v1``, not ``/v10``); the longest such base URL wins. A request
-    under none keeps its whole path, with the route's path put in front. The
-    route's ``query`` replaces same-named parameters, the others are kept."""
+    ``/v1/chat`` and ``/v1``, not ``/v10``); the longest such base URL wins; ``cross``
+    when the route's origin is another (its :data:`CREDENTIAL_HEADERS` are then not
+    sent, §17). A request under none keeps its whole path, with the route's path put
+    in front (not ``cross``: the routes are its only destinations). The route's
+    ``query`` replaces same-named parameters, the others are kept."""
     path, _, query = raw_path.partition("?")
     origin = (scheme.lower(), host.lower(), port if port is not None else _DEFAULT_PORT.get(scheme.lower(), 0))
+    cross = False
     for o, prefix in bases:
         if o == origin and _under(path, prefix):
             path = route.prefix + path[len(prefix):]
+            cross = o != route.origin()
             break
     else:
         path = route.prefix + path
@@ -178,7 +190,7 @@ def rebase(bases: Bases, route: Route, scheme: str, host: str, port: Optional[in
         path = "/" + path
     if route.query:
         query = with_query(query, route.query)
-    return path + "?" + query if query else path
+    return (path + "?" + query if query else path), cross
 
 
 def with_query(query: str, params: Tuple[Tuple[str, str], ...]) -> str:
