@@ -102,6 +102,10 @@ fn main() -> ExitCode {
             }
         }
         None => {
+            if cli.autostarted {
+                // §20: nothing of the starting client's but the lock stays open here.
+                daemon::autostart::close_inherited(cli.lock_fd);
+            }
             let config = match cli::load_config(cli.config.as_deref()) {
                 Ok(c) => c,
                 Err(code) => return code,

@@ -853,6 +853,63 @@ async fn socket_activation_takes_the_named_sockets() {
     );
 }
 
+/// §20: an autostarted sidecar keeps nothing its starter left open but the lock: the
+/// write end of a caller's pipe, inherited on fd 7, is closed at start, so the pipe's
+/// reader sees its end (a `cmd | cat` ends) while the sidecar runs on.
+#[tokio::test(flavor = "multi_thread")]
+async fn an_autostarted_sidecar_closes_the_descriptors_it_inherited() {
+    use std::io::Read;
+    use std::os::fd::AsRawFd;
+    use std::os::unix::process::CommandExt;
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("auto.sock");
+    let file = dir.path().join("polygate.toml");
+    std::fs::write(&file, config(&path)).unwrap();
+    // Close-on-exec here, so that no other test's child inherits the write end.
+    let (read_end, write_end) = nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC).unwrap();
+    let w = write_end.as_raw_fd();
+    let mut cmd = sidecar();
+    cmd.arg("--config").arg(&file).arg("--autostarted");
+    // SAFETY: dup2 is async-signal-safe; only fd 7 is touched (dup2 leaves the copy
+    // without close-on-exec, as an inherited descriptor is).
+    unsafe {
+        cmd.pre_exec(move || {
+            if nix::libc::dup2(w, 7) < 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+    let pipe = format!(
+        "pipe:[{}]",
+        nix::sys::stat::fstat(&write_end).unwrap().st_ino
+    );
+    let mut daemon = Daemon::spawn(&mut cmd);
+    drop(write_end);
+    listening(&path, "the autostarted sidecar does not listen").await;
+    let pid = daemon.child.id();
+    let held: Vec<_> = std::fs::read_dir(format!("/proc/{pid}/fd"))
+        .unwrap()
+        .filter_map(|e| std::fs::read_link(e.ok()?.path()).ok())
+        .filter(|target| target.as_os_str() == pipe.as_str())
+        .collect();
+    assert!(
+        held.is_empty(),
+        "the sidecar still holds the inherited {pipe}: {}",
+        daemon.stderr()
+    );
+    let mut reader = std::fs::File::from(read_end);
+    let read = tokio::task::spawn_blocking(move || reader.read(&mut [0u8; 1]));
+    let n = tokio::time::timeout(Duration::from_secs(5), read)
+        .await
+        .expect("the pipe's end within 5 s")
+        .unwrap()
+        .unwrap();
+    assert_eq!(n, 0, "the pipe ended");
+    assert!(daemon.child.try_wait().unwrap().is_none(), "still serving");
+    daemon.terminate().await;
+}
+
 /// §7a: status (table and JSON) shows every configured bucket: level, capacity,
 /// refill per second, debt.
 #[tokio::test(flavor = "multi_thread")]

@@ -147,6 +147,38 @@ impl SocketLock {
     }
 }
 
+/// §20: close every descriptor above 2 that this process inherited, but `keep` (the
+/// lock's, `--lock-fd`). A client's runtime may hold descriptors without
+/// close-on-exec (Go passes on those its own parent gave it; any binding, a pipe a
+/// shell set up), and a detached sidecar holding the write end of a caller's pipe
+/// keeps a `cmd | cat` from ending until it exits (`idle_exit`, 10 minutes). Call it
+/// first thing in `main`, before this process opens anything of its own: every
+/// descriptor above 2 is then inherited. Linux's `/proc/self/fd` is read; where it
+/// is missing nothing is closed.
+pub fn close_inherited(keep: Option<RawFd>) {
+    let Ok(dir) = std::fs::read_dir("/proc/self/fd") else {
+        return;
+    };
+    let fds: Vec<RawFd> = dir
+        .filter_map(|e| e.ok()?.file_name().to_str()?.parse().ok())
+        .collect();
+    // The directory's own descriptor is in the list and closed by now: the F_GETFD
+    // check below skips it.
+    for fd in fds {
+        if fd <= 2 || Some(fd) == keep {
+            continue;
+        }
+        // SAFETY: only borrowed for the F_GETFD check.
+        let open = fcntl(unsafe { BorrowedFd::borrow_raw(fd) }, FcntlArg::F_GETFD).is_ok();
+        if open {
+            // SAFETY: `fd` is open and was inherited (nothing in this process has
+            // opened a descriptor yet, see above), so nothing here owns it; dropping
+            // the OwnedFd closes it.
+            drop(unsafe { OwnedFd::from_raw_fd(fd) });
+        }
+    }
+}
+
 /// Take ownership of the inherited descriptor `fd` after checking that it is open.
 fn inherited(fd: RawFd) -> Result<File, LockError> {
     if fd < 3 {
