@@ -77,8 +77,9 @@ type Route struct {
 // messages); a text/event-stream body passes through unchanged while its usage
 // events are read, and the permit is held until the stream ends; 429 →
 // rate-limited (retry-after-ms, then Retry-After); 408, 409, 5xx → server_error /
-// timeout; transport errors → classified (Classify); other 4xx → error. The
-// response reaches the caller unchanged.
+// timeout; transport errors → classified (Classify); other 4xx → error; 3xx → an
+// uncounted success with no tokens. The response reaches the caller unchanged,
+// but for a routed 3xx's relative Location, made absolute against the URL sent.
 //
 // Tenants (DESIGN §19): a request's tenant is its TenantHeader if it has one, else
 // TenantFunc's answer, else Tenant; the header is removed before the request is
@@ -402,8 +403,29 @@ func (t *Transport) RoundTrip(req *http.Request) (*http.Response, error) {
 		att.transportError(err)
 		return nil, err
 	}
+	if t.Routes != nil && resp.StatusCode >= 300 && resp.StatusCode < 400 {
+		relocate(out.URL, resp.Header)
+	}
 	att.header = resp.Header
 	return att.response(resp)
+}
+
+// relocate makes a routed request's relative Location absolute against the URL
+// actually sent (RFC 9110 §10.2.2: relative to the request's target, DESIGN §17).
+// An http.Client follows redirects above the transport and resolves Location
+// against its own request's URL (the SDK's), which the transport would then route
+// again (a doubled base path); the absolute URL is under the granted route's base
+// URL and is routed as any other request.
+func relocate(sent *url.URL, h http.Header) {
+	loc := h.Get("Location")
+	if loc == "" {
+		return
+	}
+	ref, err := url.Parse(loc)
+	if err != nil || ref.IsAbs() {
+		return // an absolute Location, or one the client will refuse itself
+	}
+	h.Set("Location", sent.ResolveReference(ref).String())
 }
 
 // readSized is io.ReadAll with the buffer sized by a known length (one allocation).
@@ -921,6 +943,13 @@ func (a *attempt) transportError(err error) {
 // status reports a response that is not a 2xx (DESIGN §17 item 4).
 func (a *attempt) status(code int, h http.Header) {
 	switch {
+	case code >= 300 && code < 400:
+		// The source answered but did no work (a redirect's next hop is a call of
+		// its own, a 304 has no completion): an uncounted success with no tokens,
+		// so the breaker does not blame it and the estimate is refunded.
+		a.settle(func(p *Permit) error {
+			return p.hold(outcome{tag: outSuccess, tokens: some(0), countAttempt: false})
+		})
 	case code == http.StatusTooManyRequests:
 		ra := RetryAfterHeader(h, time.Now())
 		a.settle(func(p *Permit) error { return p.RateLimited(a.ctx, ra) })

@@ -23,7 +23,9 @@
  *   stream ends (or is abandoned: then settled with what was seen, else the estimate);
  *   429 → rate-limited (`retry-after-ms`, then `Retry-After`); 408, 409, 5xx → transient
  *   failures; transport errors → classified (`connection`, `timeout`); other 4xx →
- *   `error`. The response reaches the SDK unchanged.
+ *   `error`; a 3xx (`redirect: "manual"`, a 304) → an uncounted success with no
+ *   tokens. The response reaches the SDK unchanged, but for a routed 3xx's relative
+ *   `Location`, made absolute against the URL actually sent.
  * - Tenants (DESIGN §19): the `tenant` option (a string, or a synchronous function of
  *   the request) names the tenant of every request; a request's `x-polygate-tenant`
  *   header wins over it (`""`: the anonymous tenant). The header is never sent upstream.
@@ -427,6 +429,9 @@ class Attempt {
 
 /** A non-2xx status → the report (DESIGN §17 item 4). */
 function reportStatus(att: Attempt, status: number, headers: Headers): Promise<void> {
+  // A 3xx (seen here with `redirect: "manual"`, or a 304): the source answered but did
+  // no work — an uncounted success with no tokens (not blamed, the estimate refunded).
+  if (status >= 300 && status < 400) return att.report((p) => p.success({ tokens: 0, countAttempt: false }));
   if (status === 429) return att.rateLimited(retryAfterOf({ headers }));
   if (status === 408) return att.failure("timeout");
   if (status === 409 || status >= 500) return att.failure("server_error");
@@ -720,6 +725,28 @@ function rebase(url: string, route: RouteIn, bases: Base[]): [string, boolean] {
   return [route.root + path + (query === "" ? "" : `?${query}`), hit !== undefined && hit[0] !== route.origin];
 }
 
+/**
+ * A routed 3xx (the SDK's `redirect: "manual"`; fetch follows the others itself,
+ * below the transport) with its relative `Location` made absolute against the URL
+ * actually sent (RFC 9110 §10.2.2), so a caller following it asks for a URL under the
+ * granted route's base URL, routed as any other, not one resolved against its own.
+ */
+function relocate(up: Response, sent: string): Response {
+  const loc = up.headers.get("location");
+  if (loc === null || /^[A-Za-z][A-Za-z0-9+.-]*:/.test(loc)) return up;
+  let to: string;
+  try {
+    to = new URL(loc, sent).href;
+  } catch {
+    return up; // a Location the URL parser refuses: the caller's to deal with
+  }
+  const headers = new Headers(up.headers);
+  headers.set("location", to);
+  const r = new Response(NULL_BODY.has(up.status) ? null : up.body, { status: up.status, statusText: up.statusText, headers });
+  if (up.url) Object.defineProperty(r, "url", { value: up.url });
+  return r;
+}
+
 /** `headers` without the caller's credentials when the request leaves their origin. */
 function dropCredentials(headers: Headers, cross: boolean): void {
   if (cross) for (const k of CREDENTIAL_HEADERS) headers.delete(k);
@@ -921,6 +948,7 @@ export function fetch(opts: FetchOptions): FetchLike {
       else await att.failure(failKind(e));
       throw e;
     }
+    if (routes !== null && up.status >= 300 && up.status < 400) up = relocate(up, typeof target === "string" ? target : target.url);
     return settleResponse(new Attempt(call, permit, up.headers), up, signal ?? undefined);
   };
 }

@@ -387,6 +387,31 @@ describe("transport through openai-node", () => {
     });
   });
 
+  test("routes: a 3xx under redirect \"manual\" has its relative Location resolved against the URL sent, and is an uncounted success with no tokens", T, async (t) => {
+    await withDaemon(config(["a"]), "memory", t.skip.bind(t), async (client) => {
+      const up = await FakeUpstream.start();
+      try {
+        up.respond({ status: 307, headers: { location: "/openai/deployments/x/chat/completions?api-version=2024" }, json: {} });
+        const f = gatedFetch({
+          scope: "chat", client, routes: {
+            sdk: { baseURL: "https://api.openai.com/v1" },
+            a: { baseURL: `${up.url}/openai/deployments/x`, query: { "api-version": "2024" } },
+          },
+        });
+        const r = await f("https://api.openai.com/v1/chat/completions", { method: "POST", body: '{"model":"m","max_tokens":1500}', redirect: "manual" });
+        assert.equal(r.status, 307);
+        await r.arrayBuffer();
+        assert.equal(up.hits[0]!.url, "/openai/deployments/x/chat/completions?api-version=2024");
+        assert.equal(r.headers.get("location"), `${up.url}/openai/deployments/x/chat/completions?api-version=2024`);
+        const a = (await client.status()).scopes.chat!.sources.a!;
+        assert.deepEqual([a.state, a.streak, a.window_failures, a.window_successes, a.in_flight], ["closed", 0, 0, 0, 0]);
+        assert.ok(a.tokens_available !== null && a.tokens_available >= 5999, `the estimate is refunded: ${a.tokens_available}`);
+      } finally {
+        await up.close();
+      }
+    });
+  });
+
   test("routes: a bad query, model or base URL is a TypeError at construction", () => {
     assert.throws(() => gatedFetch({ scope: "chat", routes: { a: { baseURL: "http://h/v1", query: { v: 1 as unknown as string } } } }), /routes\["a"\]\.query\["v"\] must be a string/);
     assert.throws(() => gatedFetch({ scope: "chat", routes: { a: { baseURL: "http://h/v1", model: "" } } }), /routes\["a"\]\.model/);

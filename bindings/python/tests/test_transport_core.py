@@ -63,6 +63,14 @@ def test_status_outcome(status, kind):
     assert o is not None and o.kind == kind
 
 
+@pytest.mark.parametrize("status", [300, 301, 302, 303, 304, 307, 308])
+def test_a_3xx_is_an_uncounted_success_with_no_tokens(status):
+    """§17 item 4: the source answered (not blamed, as a 4xx error would be) and did
+    no work (a redirect's next hop is its own call): the estimate is refunded."""
+    o = t.status_outcome(status, {"location": "/v1/x"})
+    assert o is not None and o.kind == "rejected" and o.tokens == 0
+
+
 def test_2xx_is_a_success_and_429_is_rate_limited_with_retry_after_ms_first():
     assert t.status_outcome(200, {}) is None and t.status_outcome(201, {}) is None
     o = t.status_outcome(429, {"Retry-After": "20", "retry-after-ms": "2500"})

@@ -321,12 +321,16 @@ def check_estimate(value: Any) -> Tuple[Optional[int], Optional[int]]:
 
 def status_outcome(status: int, headers: Any) -> Optional[Outcome]:
     """The report for a response status: None for 2xx (a success, settled with
-    its usage when the body ends); 429 → rate-limited with ``retry-after-ms`` /
+    its usage when the body ends); 3xx → ``rejected``, an uncounted success with
+    no tokens (the source answered but did no work: a redirect's next hop is a
+    call of its own, a 304 has no completion; the breaker does not count it and
+    the estimate is refunded); 429 → rate-limited with ``retry-after-ms`` /
     ``Retry-After``; 408 → timeout; 409 and 5xx → server_error; any other status
-    → error. (``1xx``/``3xx`` never reach a transport's caller as final answers
-    in practice; they count as error.)"""
+    → error."""
     if 200 <= status < 300:
         return None
+    if 300 <= status < 400:
+        return Outcome.rejected(tokens=0)
     if status == 429:
         return Outcome.rate_limited(retry_after_seconds(headers))
     if status == 408:
