@@ -358,6 +358,19 @@ def test_rebase_replaces_the_matching_base_url_else_puts_the_path_in_front():
     assert _rebase(routes, "bare", "http://sdk/v1/chat") == "/v1/chat"
 
 
+def test_a_base_url_path_is_percent_encoded_as_it_is_sent():
+    """A base URL's path with a space or a non-ASCII character is matched and sent
+    percent-encoded, as httpx sends the SDK's URL and as the Node and Go bindings do;
+    existing escapes are kept."""
+    r = t.parse_routes({"a": "http://h/my dep/v1", "b": "http://g/dép", "c": "http://g/x%2Fy/é%C3%A9"})
+    assert r is not None
+    assert [r[k].prefix for k in "abc"] == ["/my%20dep/v1", "/d%C3%A9p", "/x%2Fy/%C3%A9%C3%A9"]
+    routes = {"a": "http://h/my dep/v1", "b": "http://g/v1", "u": "http://g/dép"}
+    assert _rebase(routes, "b", "http://h/my%20dep/v1/chat") == "/v1/chat"
+    assert _rebase(routes, "u", "http://h/my%20dep/v1/chat") == "/d%C3%A9p/chat"
+    assert _rebase(routes, "u", "http://g/v1/chat").isascii()
+
+
 def test_rebase_sets_the_routes_query():
     routes = {"o": "http://o/v1", "az": {"base_url": "https://r/openai/deployments/d",
                                          "query": {"api-version": "2024-10-21", "k": "a b&c/é"}}}

@@ -72,7 +72,8 @@ class Route(NamedTuple):
     host: str
     port: Optional[int]
     prefix: str
-    """``base_url``'s path without its trailing ``/`` ("" for none)."""
+    """``base_url``'s path, percent-encoded as it is sent (a space as ``%20``, a
+    non-ASCII character as its UTF-8 bytes), without its trailing ``/`` ("" for none)."""
     headers: Tuple[Tuple[str, str], ...]
     """Extra headers (API key, ...): they replace same-named request headers."""
     query: Tuple[Tuple[str, str], ...] = ()
@@ -138,9 +139,23 @@ def parse_routes(routes: Optional[Mapping[str, Any]]) -> Optional[Dict[str, Rout
         model = spec.get("model")
         if model is not None and (not isinstance(model, str) or not model):
             raise ValueError("routes[%r].model must be a non-empty string, got %r" % (source, model))
-        out[source] = Route(parts.scheme, parts.hostname, port, parts.path.rstrip("/"),
+        out[source] = Route(parts.scheme, parts.hostname, port, _path_escaped(parts.path).rstrip("/"),
                             tuple((k, v) for k, v in headers.items()), tuple(sorted(query.items())), model)
     return out
+
+
+# WHATWG's path percent-encode set, as httpx (and fetch's URL, and so the Node binding)
+# applies it: printable ASCII is kept but for space " # < > ? ` { }; "%" is kept, so
+# an existing %XX escape stays as it is.
+_PATH_SAFE = "".join(chr(i) for i in range(0x21, 0x7F) if chr(i) not in '"#<>?`{}')
+
+
+def _path_escaped(path: str) -> str:
+    """A base URL's path as it is sent (and as a request URL's raw path reads): a
+    space, a non-ASCII character (as UTF-8) or a control character percent-encoded,
+    existing escapes kept — the prefix a request's raw path is matched against and
+    put under (:func:`rebase`)."""
+    return quote(path, safe=_PATH_SAFE)
 
 
 Bases = Tuple[Tuple[Tuple[str, str, int], str], ...]
