@@ -398,6 +398,40 @@ def test_set_model_changes_only_the_top_level_model(body, want):
         assert json.loads(got)["model"] == "m2"
 
 
+def test_set_model_leaves_a_body_that_is_not_utf8_as_it_is():
+    """Only strict UTF-8 is rewritten: a UTF-16 body (which json.loads on bytes reads)
+    would be corrupted by a UTF-8 splice."""
+    utf16 = '{"model":"gpt-4o","x":1}'.encode("utf-16-le")
+    assert json.loads(utf16) == {"model": "gpt-4o", "x": 1}  # what made it look like JSON
+    assert t.set_model(utf16, "m2") is None
+    assert t.set_model('{"model":"a"}'.encode("utf-16"), "m2") is None  # with a BOM
+    assert t.set_model(b'{"model":"a","s":"' + bytes([0xFF]) + b'"}', "m2") is None
+    assert t.set_model('{"model":"a","s":"\u00e9"}'.encode(), "m2") == '{"model":"m2","s":"\u00e9"}'.encode()
+
+
+def test_set_model_leaves_nan_and_infinity_as_they_are():
+    """NaN / Infinity are Python's, not JSON's (RFC 8259): such a body is not rewritten."""
+    assert t.set_model(b'{"model":"a","t":NaN}', "m2") is None
+    assert t.set_model(b'{"a":-Infinity}', "m2") is None
+    assert t.set_model(b'{"a":1e999}', "m2") == b'{"model":"m2","a":1e999}'  # a number, however large
+
+
+def test_set_model_leaves_a_body_nested_too_deep_to_parse_as_it_is():
+    """A RecursionError must not escape the transport: the body is sent as it is."""
+    deep = b'{"model":"a","x":' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+    assert t.set_model(deep, "m2") is None
+
+
+def test_a_response_nested_too_deep_to_parse_has_no_usage():
+    """Nor out of the usage readers: an upstream's absurd body leaves the estimate."""
+    deep = b'{"usage":{"total_tokens":1},"x":' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+    assert t.body_usage(b'{"usage":' + b"[" * 100_000 + b"]" * 100_000 + b"}") == t.NO_USAGE
+    assert t.body_usage(b'{"x":' + b"[" * 100_000 + b"]" * 100_000 + b',"usage":{}}') == t.NO_USAGE
+    r = t.UsageReader("text/event-stream")
+    r.feed(b"data: " + deep + b"\n\n")
+    assert r.usage() == t.NO_USAGE
+
+
 # ---------------------------------------------------------------- packaging
 
 

@@ -251,14 +251,23 @@ def _ws(b: bytes, i: int) -> int:
     return m.end() if m is not None else i
 
 
+def _not_json(name: str) -> Any:
+    raise ValueError("%s is not JSON (RFC 8259)" % name)
+
+
 def set_model(body: bytes, model: str) -> Optional[bytes]:
     """``body`` with its top-level ``"model"`` set to ``model`` (added first when it
     has none), every other byte kept; None when the body is not a JSON object (sent
     as it is). Byte-for-byte, not a re-serialisation: the request's other fields,
-    their order and their numbers reach the upstream as the SDK wrote them."""
+    their order and their numbers reach the upstream as the SDK wrote them.
+
+    Only a body that is strict UTF-8 and standard JSON is changed (the bytes are
+    spliced as UTF-8): ``json.loads`` on bytes would also read UTF-16/32 (whose
+    bytes the splice would corrupt) and Python's ``NaN`` / ``Infinity``; a body
+    nested too deep to parse is sent as it is too."""
     try:
-        doc = json.loads(body)
-    except ValueError:
+        doc = json.loads(body.decode("utf-8"), parse_constant=_not_json)
+    except (ValueError, RecursionError):  # UnicodeDecodeError is a ValueError
         return None
     i = _ws(body, 0)
     if not isinstance(doc, dict) or body[i:i + 1] != b"{":  # not a (UTF-8) JSON object
@@ -548,7 +557,7 @@ class UsageReader:
             if line.startswith(b"data:") and _find_usage(line) is not None:
                 try:
                     doc = json.loads(line[5:])
-                except ValueError:
+                except (ValueError, RecursionError):
                     continue
                 self._merge(usage_fields(_usage_in(doc)))
 
@@ -606,11 +615,11 @@ def _json_usage(body: bytes) -> Usage:
                 found = usage_fields(obj)
                 if found != NO_USAGE:
                     return found
-            except (ValueError, StopIteration):
+            except (ValueError, RecursionError, StopIteration):
                 pass
     try:
         doc = json.loads(body)
-    except ValueError:
+    except (ValueError, RecursionError):  # RecursionError: nested too deep to parse
         return NO_USAGE
     return usage_fields(_usage_in(doc))
 
