@@ -138,10 +138,28 @@ const OUTPUT_KEY = /"(?:max_tokens|max_completion_tokens|max_output_tokens)"\s*:
 
 function bodyText(body: unknown): string | null {
   if (typeof body === "string") return body;
-  if (body instanceof ArrayBuffer) return Buffer.from(body).toString("utf8");
-  if (ArrayBuffer.isView(body)) return Buffer.from(body.buffer, body.byteOffset, body.byteLength).toString("utf8");
+  const bytes = bodyBytes(body);
+  if (bytes !== null) return Buffer.from(bytes.buffer, bytes.byteOffset, bytes.byteLength).toString("utf8");
   if (body instanceof URLSearchParams) return body.toString();
   return null;
+}
+
+/** The bytes of a binary body (`ArrayBuffer`, a typed array or `DataView`), else `null`. */
+function bodyBytes(body: unknown): Uint8Array | null {
+  if (body instanceof ArrayBuffer) return new Uint8Array(body);
+  if (ArrayBuffer.isView(body)) return new Uint8Array(body.buffer, body.byteOffset, body.byteLength);
+  return null;
+}
+
+const STRICT_UTF8 = new TextDecoder("utf-8", { fatal: true, ignoreBOM: true });
+
+/** `bytes` as UTF-8 text, or `null` when they are not valid UTF-8 (a route's model is then not set). */
+function strictUtf8(bytes: Uint8Array): string | null {
+  try {
+    return STRICT_UTF8.decode(bytes);
+  } catch {
+    return null;
+  }
 }
 
 function checkCount(v: unknown, what: string): number | undefined {
@@ -853,9 +871,19 @@ export function fetch(opts: FetchOptions): FetchLike {
     const url = isReq ? (input as Request).url : String(input);
     const signal = init?.signal ?? (isReq ? (input as Request).signal : undefined) ?? undefined;
     let text: string | null;
-    if (init?.body !== undefined && init.body !== null) text = bodyText(init.body);
-    else if (isReq && (input as Request).body !== null) text = await (input as Request).clone().text();
-    else text = null;
+    // A binary body's bytes (init's, or the Request's, read here for the estimate): a
+    // route's model is set only in valid UTF-8, and a Request's body is sent as these
+    // bytes (its length known: re-wrapping the Request would send it chunked).
+    let bytes: Uint8Array | null = null;
+    let readReq = false;
+    if (init?.body !== undefined && init.body !== null) {
+      text = bodyText(init.body);
+      bytes = bodyBytes(init.body);
+    } else if (isReq && (input as Request).body !== null) {
+      bytes = new Uint8Array(await (input as Request).clone().arrayBuffer());
+      text = Buffer.from(bytes.buffer, bytes.byteOffset, bytes.byteLength).toString("utf8");
+      readReq = true;
+    } else text = null;
     // The headers the request is sent with: init's replace the Request's (as fetch does).
     const reqHeaders = init?.headers !== undefined ? init.headers : isReq ? (input as Request).headers : undefined;
     const headersOf = (): Headers => new Headers(reqHeaders);
@@ -902,11 +930,14 @@ export function fetch(opts: FetchOptions): FetchLike {
       }
       const [to, cross] = rebase(url, route, bases);
       // The route's model, set in a JSON-object body (its length follows: no stale Content-Length).
-      const model = route.model === undefined || text === null ? null : setModel(text, route.model);
-      const body = model !== null && model !== text ? model : null;
+      // A binary body that is not valid UTF-8 is sent as it is (decoding it would corrupt it).
+      const json = bytes === null ? text : strictUtf8(bytes);
+      const model = route.model === undefined || json === null ? null : setModel(json, route.model);
+      const body = model !== null && model !== json ? model : null;
       if (isReq) {
         let r = new Request(to, new Request(input as Request, init));
         if (body !== null) r = new Request(r, { body });
+        else if (readReq && bytes !== null) r = new Request(r, { body: bytes }); // its length known, not chunked
         dropCredentials(r.headers, cross); // the SDK's keys stay with their origin (DESIGN §17)
         for (const [k, v] of route.headers) r.headers.set(k, v);
         if (body !== null) r.headers.delete("content-length");

@@ -412,6 +412,52 @@ describe("transport through openai-node", () => {
     });
   });
 
+  test("routes: a Request's body is sent with its Content-Length (not chunked) when no model changes it", T, async (t) => {
+    await withDaemon(config(["a"]), "memory", t.skip.bind(t), async (client) => {
+      const up = await FakeUpstream.start();
+      try {
+        up.respond({ json: CHAT_OK }, 2);
+        const body = '{"model":"m","a":1}';
+        const f = gatedFetch({ scope: "chat", client, routes: { a: { baseURL: `${up.url}/v1` } } });
+        await (await f(new Request(`${up.url}/v1/chat/completions`, { method: "POST", body }))).arrayBuffer();
+        await (await f(new Request(`${up.url}/v1/chat/completions`, { method: "POST", body: new ReadableStream({
+          start(c): void {
+            c.enqueue(Buffer.from(body));
+            c.close();
+          },
+        }), duplex: "half" } as RequestInit))).arrayBuffer();
+        for (const hit of up.hits) {
+          assert.equal(hit.url, "/v1/chat/completions");
+          assert.equal(hit.body, body);
+          assert.equal(hit.headers["content-length"], String(body.length));
+          assert.equal(hit.headers["transfer-encoding"], undefined);
+        }
+      } finally {
+        await up.close();
+      }
+    });
+  });
+
+  test("routes: a body that is not valid UTF-8 is sent byte for byte, its model not set", T, async (t) => {
+    await withDaemon(config(["a"]), "memory", t.skip.bind(t), async (client) => {
+      const up = await FakeUpstream.start();
+      try {
+        up.respond({ json: CHAT_OK }, 3);
+        const f = gatedFetch({ scope: "chat", client, routes: { a: { baseURL: `${up.url}/v1`, model: "served" } } });
+        const latin1 = Buffer.from('{"model":"m","s":"caf\u00e9"}', "latin1"); // é as the one byte 0xE9
+        await (await f(`${up.url}/v1/chat/completions`, { method: "POST", body: new Uint8Array(latin1) })).arrayBuffer();
+        await (await f(new Request(`${up.url}/v1/chat/completions`, { method: "POST", body: latin1 }))).arrayBuffer();
+        // valid UTF-8 bytes get the model
+        await (await f(`${up.url}/v1/chat/completions`, { method: "POST", body: Buffer.from('{"model":"m","s":"caf\u00e9"}') })).arrayBuffer();
+        assert.deepEqual(up.hits[0]!.raw, latin1);
+        assert.deepEqual(up.hits[1]!.raw, latin1);
+        assert.equal(up.hits[2]!.body, '{"model":"served","s":"caf\u00e9"}');
+      } finally {
+        await up.close();
+      }
+    });
+  });
+
   test("routes: a bad query, model or base URL is a TypeError at construction", () => {
     assert.throws(() => gatedFetch({ scope: "chat", routes: { a: { baseURL: "http://h/v1", query: { v: 1 as unknown as string } } } }), /routes\["a"\]\.query\["v"\] must be a string/);
     assert.throws(() => gatedFetch({ scope: "chat", routes: { a: { baseURL: "http://h/v1", model: "" } } }), /routes\["a"\]\.model/);
