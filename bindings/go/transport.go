@@ -20,6 +20,7 @@ import (
 	"strings"
 	"sync"
 	"time"
+	"unicode/utf8"
 )
 
 // RefusalMode says what a Transport does when PolyGate ends a call (circuit open,
@@ -693,11 +694,13 @@ func (tb *routeTable) routed(req *http.Request, route *parsedRoute, body []byte)
 }
 
 // setModel is body with its top-level "model" set to model (added first when it
-// has none), every other byte kept; nil when body is not a JSON object (then it
-// is sent as it is). Transport applies it for a Route with a Model.
+// has none), every other byte kept; nil when body is not a JSON object in valid
+// UTF-8 (then it is sent as it is). Transport applies it for a Route with a Model.
 func setModel(body []byte, model string) []byte {
 	i := skipSpace(body, 0)
-	if i >= len(body) || body[i] != '{' || !json.Valid(body) {
+	// Valid UTF-8 only, as the Python and Node bindings (json.Valid accepts any
+	// byte in a string): a Latin-1 or UTF-16 body is sent as it is.
+	if i >= len(body) || body[i] != '{' || !utf8.Valid(body) || !json.Valid(body) {
 		return nil
 	}
 	lit, _ := json.Marshal(model)

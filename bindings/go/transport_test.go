@@ -665,7 +665,7 @@ func TestTransportSetModel(t *testing.T) {
 			t.Errorf("setModel(%s) = %s, want %s", c.in, got, c.want)
 		}
 	}
-	for _, in := range []string{`[{"model":"x"}]`, `"model"`, `{"model":`, ``, "\xff{}"} {
+	for _, in := range []string{`[{"model":"x"}]`, `"model"`, `{"model":`, ``, "\xff{}", "{\"model\":\"a\",\"s\":\"caf\xe9\"}", `{"a":NaN}`} {
 		if got := setModel([]byte(in), "m2"); got != nil {
 			t.Errorf("setModel(%q) = %q, want nil", in, got)
 		}
