@@ -101,8 +101,9 @@ type Transport struct {
 	// Priority names a priority class of the scope (DESIGN §15); "" = its default.
 	Priority string
 	// Routes maps a source to its deployment; nil = the request goes where the
-	// SDK sent it. A granted source missing from Routes is a *RouteMissingError
-	// before anything is sent.
+	// SDK sent it; an empty, non-nil map is an invalid-argument *SidecarError at
+	// every request, before it is admitted. A granted source missing from Routes
+	// is a *RouteMissingError before anything is sent.
 	Routes map[string]Route
 	// SDKBaseURL (optional) is the SDK's base URL ("https://api.openai.com/v1")
 	// when it is none of the Routes' base URLs: matched like theirs, so the part
@@ -530,6 +531,11 @@ func originKey(u *url.URL) string {
 }
 
 func parseRoutes(routes map[string]Route, sdkBase string) (*routeTable, error) {
+	if len(routes) == 0 {
+		// Every grant would be a RouteMissingError: said once, before anything is
+		// admitted, as Python's and Node's constructors say it (nil = no routing).
+		return nil, invalidArgument("Transport.Routes is empty: give each source its Route, or leave Routes nil to send requests where the SDK sent them")
+	}
 	tb := &routeTable{routes: make(map[string]*parsedRoute, len(routes))}
 	for src, r := range routes {
 		u, err := parseBase(fmt.Sprintf("Transport.Routes[%q].BaseURL", src), r.BaseURL)

@@ -14,6 +14,7 @@ import (
 	"io"
 	"net/http"
 	"net/url"
+	"path/filepath"
 	"strconv"
 	"strings"
 	"testing"
@@ -621,6 +622,18 @@ func TestTransportRoutesRebase(t *testing.T) {
 		if _, err := parseRoutes(bad, ""); err == nil {
 			t.Errorf("%v: no error", bad)
 		}
+	}
+}
+
+// An empty Routes (not nil) is refused before admission, as Python's and Node's
+// constructors refuse routes={} — not a RouteMissingError at every grant.
+func TestTransportEmptyRoutesAreRefusedBeforeAdmission(t *testing.T) {
+	tr := &Transport{Scope: "chat", Routes: map[string]Route{}, Path: filepath.Join(t.TempDir(), "no-sidecar.sock")}
+	req, _ := http.NewRequest("POST", "http://h/v1/chat/completions", strings.NewReader(`{}`))
+	_, err := tr.RoundTrip(req)
+	var se *SidecarError
+	if !errors.As(err, &se) || se.Kind != "invalid_argument" || !strings.Contains(se.Message, "Transport.Routes is empty") {
+		t.Fatalf("RoundTrip with empty Routes: %v, want an invalid_argument naming Transport.Routes", err)
 	}
 }
 

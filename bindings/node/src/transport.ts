@@ -95,7 +95,7 @@ export interface FetchOptions {
   path?: string;
   /** A priority class of the scope (DESIGN §15). */
   priority?: string;
-  /** Source → deployment; without it the request goes where the SDK sent it. */
+  /** Source → deployment (at least one: `{}` is a `TypeError`); without it the request goes where the SDK sent it. */
   routes?: Record<string, Route>;
   /**
    * The SDK's base URL (e.g. `https://api.openai.com/v1`) when it is none of the routes'
@@ -667,6 +667,10 @@ function stringMap(what: string, v: unknown): [string, string][] {
 function prepareRoutes(routes: Record<string, Route> | undefined, sdkBaseURL: string | undefined): [Map<string, RouteIn>, Base[]] | null {
   if (routes === undefined) return null;
   if (typeof routes !== "object" || routes === null) throw new TypeError("routes must be an object: source → {baseURL, headers}");
+  // Every grant would be a RouteMissingError: said once, here, as Python's constructor says it.
+  if (Object.keys(routes).length === 0) {
+    throw new TypeError("routes must name at least one source (source → {baseURL, headers}); leave it out to send requests where the SDK sent them");
+  }
   const m = new Map<string, RouteIn>();
   const bases: Base[] = [];
   for (const [src, r] of Object.entries(routes)) {

@@ -458,11 +458,13 @@ describe("transport through openai-node", () => {
     });
   });
 
-  test("routes: a bad query, model or base URL is a TypeError at construction", () => {
+  test("routes: a bad query, model or base URL, or no route at all, is a TypeError at construction", T, () => {
     assert.throws(() => gatedFetch({ scope: "chat", routes: { a: { baseURL: "http://h/v1", query: { v: 1 as unknown as string } } } }), /routes\["a"\]\.query\["v"\] must be a string/);
     assert.throws(() => gatedFetch({ scope: "chat", routes: { a: { baseURL: "http://h/v1", model: "" } } }), /routes\["a"\]\.model/);
     assert.throws(() => gatedFetch({ scope: "chat", routes: { a: { baseURL: "http://h/v1?api-version=1" } } }), /query or fragment/);
     assert.throws(() => gatedFetch({ scope: "chat", routes: { a: { baseURL: "ftp://h/v1" } } }), /http\(s\)/);
+    // an empty routes object would make every grant a RouteMissingError: refused here, as in Python
+    assert.throws(() => gatedFetch({ scope: "chat", routes: {} }), (e: unknown) => e instanceof TypeError && /routes must name at least one source/.test(e.message));
   });
 
   test("the SDK's own retries are admitted one by one", T, async (t) => {
