@@ -625,6 +625,29 @@ func TestTransportRoutesRebase(t *testing.T) {
 	}
 }
 
+// DESIGN §17 item 2: a routed 3xx's relative Location is made absolute against the
+// URL sent; an absolute one, or none, is left as it is.
+func TestTransportRelocateResolvesARelativeLocationAgainstTheURLSent(t *testing.T) {
+	sent, _ := url.Parse("http://g:8080/openai/deployments/x/chat/completions?api-version=1")
+	for _, c := range []struct{ loc, want string }{
+		{"/openai/deployments/x/chat/completions?api-version=2", "http://g:8080/openai/deployments/x/chat/completions?api-version=2"},
+		{"../y/chat", "http://g:8080/openai/deployments/x/y/chat"},
+		{"//h2/v1/chat", "http://h2/v1/chat"},
+		{"https://other/v1/chat", "https://other/v1/chat"},
+	} {
+		h := http.Header{"Location": {c.loc}}
+		relocate(sent, h)
+		if got := h.Get("Location"); got != c.want {
+			t.Errorf("Location %q: got %q, want %q", c.loc, got, c.want)
+		}
+	}
+	h := http.Header{}
+	relocate(sent, h)
+	if _, ok := h["Location"]; ok {
+		t.Errorf("no Location: got %q", h.Get("Location"))
+	}
+}
+
 // An empty Routes (not nil) is refused before admission, as Python's and Node's
 // constructors refuse routes={} — not a RouteMissingError at every grant.
 func TestTransportEmptyRoutesAreRefusedBeforeAdmission(t *testing.T) {

@@ -474,6 +474,26 @@ def test_transport_options_are_checked_at_construction():
     c.close()
 
 
+@pytest.mark.parametrize("lib", ["httpx", "httpx2"])
+def test_a_routed_3xx_location_is_made_absolute_against_the_url_sent(lib):
+    """§17 item 2: relative (path, dot-segments, scheme-relative) → absolute against
+    the URL sent; an absolute one, or none, is left as it is."""
+    mod = pytest.importorskip(lib)
+    from polygate._gate import _Base
+    sent = mod.Request("POST", "http://g:8080/openai/deployments/x/chat/completions?api-version=1")
+    for loc, want in (("/openai/deployments/x/chat/completions?api-version=2",
+                       "http://g:8080/openai/deployments/x/chat/completions?api-version=2"),
+                      ("../y/chat", "http://g:8080/openai/deployments/x/y/chat"),
+                      ("//h2/v1/chat", "http://h2/v1/chat"),
+                      ("https://other/v1/chat", "https://other/v1/chat")):
+        r = mod.Response(307, headers={"location": loc})
+        _Base._relocate(sent, r)
+        assert r.headers["location"] == want, loc
+    r = mod.Response(304)
+    _Base._relocate(sent, r)
+    assert "location" not in r.headers
+
+
 # ---------------------------------------------------------------- the transports' header reads
 
 
