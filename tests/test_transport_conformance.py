@@ -181,7 +181,8 @@ def count_events(data: bytes) -> int:
 
 class SyncRequester:
     def __init__(self, base_url: str, tr: Any) -> None:
-        self.client = httpx.Client(base_url=base_url, transport=tr, timeout=20)
+        # follow_redirects: as the SDKs' clients do (openai and anthropic set it)
+        self.client = httpx.Client(base_url=base_url, transport=tr, timeout=20, follow_redirects=True)
 
     def request(self, step: Dict[str, Any]) -> Seen:
         kw: Dict[str, Any] = {"json": step["json"]} if "json" in step else {}
@@ -206,7 +207,7 @@ class SyncRequester:
 class AsyncRequester:
     def __init__(self, base_url: str, tr: Any, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
-        self.client = httpx2.AsyncClient(base_url=base_url, transport=tr, timeout=20)
+        self.client = httpx2.AsyncClient(base_url=base_url, transport=tr, timeout=20, follow_redirects=True)
 
     async def _request(self, step: Dict[str, Any]) -> Seen:
         kw: Dict[str, Any] = {"json": step["json"]} if "json" in step else {}

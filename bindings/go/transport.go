@@ -20,6 +20,7 @@ import (
 	"strings"
 	"sync"
 	"time"
+	"unicode/utf8"
 )
 
 // RefusalMode says what a Transport does when PolyGate ends a call (circuit open,
@@ -77,8 +78,9 @@ type Route struct {
 // messages); a text/event-stream body passes through unchanged while its usage
 // events are read, and the permit is held until the stream ends; 429 →
 // rate-limited (retry-after-ms, then Retry-After); 408, 409, 5xx → server_error /
-// timeout; transport errors → classified (Classify); other 4xx → error. The
-// response reaches the caller unchanged.
+// timeout; transport errors → classified (Classify); other 4xx → error; 3xx → an
+// uncounted success with no tokens. The response reaches the caller unchanged,
+// but for a routed 3xx's relative Location, made absolute against the URL sent.
 //
 // Tenants (DESIGN §19): a request's tenant is its TenantHeader if it has one, else
 // TenantFunc's answer, else Tenant; the header is removed before the request is
@@ -99,8 +101,9 @@ type Transport struct {
 	// Priority names a priority class of the scope (DESIGN §15); "" = its default.
 	Priority string
 	// Routes maps a source to its deployment; nil = the request goes where the
-	// SDK sent it. A granted source missing from Routes is a *RouteMissingError
-	// before anything is sent.
+	// SDK sent it; an empty, non-nil map is an invalid-argument *SidecarError at
+	// every request, before it is admitted. A granted source missing from Routes
+	// is a *RouteMissingError before anything is sent.
 	Routes map[string]Route
 	// SDKBaseURL (optional) is the SDK's base URL ("https://api.openai.com/v1")
 	// when it is none of the Routes' base URLs: matched like theirs, so the part
@@ -402,8 +405,29 @@ func (t *Transport) RoundTrip(req *http.Request) (*http.Response, error) {
 		att.transportError(err)
 		return nil, err
 	}
+	if t.Routes != nil && resp.StatusCode >= 300 && resp.StatusCode < 400 {
+		relocate(out.URL, resp.Header)
+	}
 	att.header = resp.Header
 	return att.response(resp)
+}
+
+// relocate makes a routed request's relative Location absolute against the URL
+// actually sent (RFC 9110 §10.2.2: relative to the request's target, DESIGN §17).
+// An http.Client follows redirects above the transport and resolves Location
+// against its own request's URL (the SDK's), which the transport would then route
+// again (a doubled base path); the absolute URL is under the granted route's base
+// URL and is routed as any other request.
+func relocate(sent *url.URL, h http.Header) {
+	loc := h.Get("Location")
+	if loc == "" {
+		return
+	}
+	ref, err := url.Parse(loc)
+	if err != nil || ref.IsAbs() {
+		return // an absolute Location, or one the client will refuse itself
+	}
+	h.Set("Location", sent.ResolveReference(ref).String())
 }
 
 // readSized is io.ReadAll with the buffer sized by a known length (one allocation).
@@ -507,6 +531,11 @@ func originKey(u *url.URL) string {
 }
 
 func parseRoutes(routes map[string]Route, sdkBase string) (*routeTable, error) {
+	if len(routes) == 0 {
+		// Every grant would be a RouteMissingError: said once, before anything is
+		// admitted, as Python's and Node's constructors say it (nil = no routing).
+		return nil, invalidArgument("Transport.Routes is empty: give each source its Route, or leave Routes nil to send requests where the SDK sent them")
+	}
 	tb := &routeTable{routes: make(map[string]*parsedRoute, len(routes))}
 	for src, r := range routes {
 		u, err := parseBase(fmt.Sprintf("Transport.Routes[%q].BaseURL", src), r.BaseURL)
@@ -671,11 +700,13 @@ func (tb *routeTable) routed(req *http.Request, route *parsedRoute, body []byte)
 }
 
 // setModel is body with its top-level "model" set to model (added first when it
-// has none), every other byte kept; nil when body is not a JSON object (then it
-// is sent as it is). Transport applies it for a Route with a Model.
+// has none), every other byte kept; nil when body is not a JSON object in valid
+// UTF-8 (then it is sent as it is). Transport applies it for a Route with a Model.
 func setModel(body []byte, model string) []byte {
 	i := skipSpace(body, 0)
-	if i >= len(body) || body[i] != '{' || !json.Valid(body) {
+	// Valid UTF-8 only, as the Python and Node bindings (json.Valid accepts any
+	// byte in a string): a Latin-1 or UTF-16 body is sent as it is.
+	if i >= len(body) || body[i] != '{' || !utf8.Valid(body) || !json.Valid(body) {
 		return nil
 	}
 	lit, _ := json.Marshal(model)
@@ -921,6 +952,13 @@ func (a *attempt) transportError(err error) {
 // status reports a response that is not a 2xx (DESIGN §17 item 4).
 func (a *attempt) status(code int, h http.Header) {
 	switch {
+	case code >= 300 && code < 400:
+		// The source answered but did no work (a redirect's next hop is a call of
+		// its own, a 304 has no completion): an uncounted success with no tokens,
+		// so the breaker does not blame it and the estimate is refunded.
+		a.settle(func(p *Permit) error {
+			return p.hold(outcome{tag: outSuccess, tokens: some(0), countAttempt: false})
+		})
 	case code == http.StatusTooManyRequests:
 		ra := RetryAfterHeader(h, time.Now())
 		a.settle(func(p *Permit) error { return p.RateLimited(a.ctx, ra) })

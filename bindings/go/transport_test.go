@@ -14,6 +14,7 @@ import (
 	"io"
 	"net/http"
 	"net/url"
+	"path/filepath"
 	"strconv"
 	"strings"
 	"testing"
@@ -624,6 +625,41 @@ func TestTransportRoutesRebase(t *testing.T) {
 	}
 }
 
+// DESIGN §17 item 2: a routed 3xx's relative Location is made absolute against the
+// URL sent; an absolute one, or none, is left as it is.
+func TestTransportRelocateResolvesARelativeLocationAgainstTheURLSent(t *testing.T) {
+	sent, _ := url.Parse("http://g:8080/openai/deployments/x/chat/completions?api-version=1")
+	for _, c := range []struct{ loc, want string }{
+		{"/openai/deployments/x/chat/completions?api-version=2", "http://g:8080/openai/deployments/x/chat/completions?api-version=2"},
+		{"../y/chat", "http://g:8080/openai/deployments/x/y/chat"},
+		{"//h2/v1/chat", "http://h2/v1/chat"},
+		{"https://other/v1/chat", "https://other/v1/chat"},
+	} {
+		h := http.Header{"Location": {c.loc}}
+		relocate(sent, h)
+		if got := h.Get("Location"); got != c.want {
+			t.Errorf("Location %q: got %q, want %q", c.loc, got, c.want)
+		}
+	}
+	h := http.Header{}
+	relocate(sent, h)
+	if _, ok := h["Location"]; ok {
+		t.Errorf("no Location: got %q", h.Get("Location"))
+	}
+}
+
+// An empty Routes (not nil) is refused before admission, as Python's and Node's
+// constructors refuse routes={} — not a RouteMissingError at every grant.
+func TestTransportEmptyRoutesAreRefusedBeforeAdmission(t *testing.T) {
+	tr := &Transport{Scope: "chat", Routes: map[string]Route{}, Path: filepath.Join(t.TempDir(), "no-sidecar.sock")}
+	req, _ := http.NewRequest("POST", "http://h/v1/chat/completions", strings.NewReader(`{}`))
+	_, err := tr.RoundTrip(req)
+	var se *SidecarError
+	if !errors.As(err, &se) || se.Kind != "invalid_argument" || !strings.Contains(se.Message, "Transport.Routes is empty") {
+		t.Fatalf("RoundTrip with empty Routes: %v, want an invalid_argument naming Transport.Routes", err)
+	}
+}
+
 // DESIGN §17: the SDK's credentials stay with the origin it addressed.
 func TestTransportRoutesSayWhenARequestLeavesTheSDKsOrigin(t *testing.T) {
 	tb, err := parseRoutes(map[string]Route{
@@ -665,7 +701,7 @@ func TestTransportSetModel(t *testing.T) {
 			t.Errorf("setModel(%s) = %s, want %s", c.in, got, c.want)
 		}
 	}
-	for _, in := range []string{`[{"model":"x"}]`, `"model"`, `{"model":`, ``, "\xff{}"} {
+	for _, in := range []string{`[{"model":"x"}]`, `"model"`, `{"model":`, ``, "\xff{}", "{\"model\":\"a\",\"s\":\"caf\xe9\"}", `{"a":NaN}`} {
 		if got := setModel([]byte(in), "m2"); got != nil {
 			t.Errorf("setModel(%q) = %q, want nil", in, got)
 		}

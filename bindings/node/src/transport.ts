@@ -23,7 +23,9 @@
  *   stream ends (or is abandoned: then settled with what was seen, else the estimate);
  *   429 → rate-limited (`retry-after-ms`, then `Retry-After`); 408, 409, 5xx → transient
  *   failures; transport errors → classified (`connection`, `timeout`); other 4xx →
- *   `error`. The response reaches the SDK unchanged.
+ *   `error`; a 3xx (`redirect: "manual"`, a 304) → an uncounted success with no
+ *   tokens. The response reaches the SDK unchanged, but for a routed 3xx's relative
+ *   `Location`, made absolute against the URL actually sent.
  * - Tenants (DESIGN §19): the `tenant` option (a string, or a synchronous function of
  *   the request) names the tenant of every request; a request's `x-polygate-tenant`
  *   header wins over it (`""`: the anonymous tenant). The header is never sent upstream.
@@ -93,7 +95,7 @@ export interface FetchOptions {
   path?: string;
   /** A priority class of the scope (DESIGN §15). */
   priority?: string;
-  /** Source → deployment; without it the request goes where the SDK sent it. */
+  /** Source → deployment (at least one: `{}` is a `TypeError`); without it the request goes where the SDK sent it. */
   routes?: Record<string, Route>;
   /**
    * The SDK's base URL (e.g. `https://api.openai.com/v1`) when it is none of the routes'
@@ -136,10 +138,28 @@ const OUTPUT_KEY = /"(?:max_tokens|max_completion_tokens|max_output_tokens)"\s*:
 
 function bodyText(body: unknown): string | null {
   if (typeof body === "string") return body;
-  if (body instanceof ArrayBuffer) return Buffer.from(body).toString("utf8");
-  if (ArrayBuffer.isView(body)) return Buffer.from(body.buffer, body.byteOffset, body.byteLength).toString("utf8");
+  const bytes = bodyBytes(body);
+  if (bytes !== null) return Buffer.from(bytes.buffer, bytes.byteOffset, bytes.byteLength).toString("utf8");
   if (body instanceof URLSearchParams) return body.toString();
   return null;
+}
+
+/** The bytes of a binary body (`ArrayBuffer`, a typed array or `DataView`), else `null`. */
+function bodyBytes(body: unknown): Uint8Array | null {
+  if (body instanceof ArrayBuffer) return new Uint8Array(body);
+  if (ArrayBuffer.isView(body)) return new Uint8Array(body.buffer, body.byteOffset, body.byteLength);
+  return null;
+}
+
+const STRICT_UTF8 = new TextDecoder("utf-8", { fatal: true, ignoreBOM: true });
+
+/** `bytes` as UTF-8 text, or `null` when they are not valid UTF-8 (a route's model is then not set). */
+function strictUtf8(bytes: Uint8Array): string | null {
+  try {
+    return STRICT_UTF8.decode(bytes);
+  } catch {
+    return null;
+  }
 }
 
 function checkCount(v: unknown, what: string): number | undefined {
@@ -427,6 +447,9 @@ class Attempt {
 
 /** A non-2xx status → the report (DESIGN §17 item 4). */
 function reportStatus(att: Attempt, status: number, headers: Headers): Promise<void> {
+  // A 3xx (seen here with `redirect: "manual"`, or a 304): the source answered but did
+  // no work — an uncounted success with no tokens (not blamed, the estimate refunded).
+  if (status >= 300 && status < 400) return att.report((p) => p.success({ tokens: 0, countAttempt: false }));
   if (status === 429) return att.rateLimited(retryAfterOf({ headers }));
   if (status === 408) return att.failure("timeout");
   if (status === 409 || status >= 500) return att.failure("server_error");
@@ -644,6 +667,10 @@ function stringMap(what: string, v: unknown): [string, string][] {
 function prepareRoutes(routes: Record<string, Route> | undefined, sdkBaseURL: string | undefined): [Map<string, RouteIn>, Base[]] | null {
   if (routes === undefined) return null;
   if (typeof routes !== "object" || routes === null) throw new TypeError("routes must be an object: source → {baseURL, headers}");
+  // Every grant would be a RouteMissingError: said once, here, as Python's constructor says it.
+  if (Object.keys(routes).length === 0) {
+    throw new TypeError("routes must name at least one source (source → {baseURL, headers}); leave it out to send requests where the SDK sent them");
+  }
   const m = new Map<string, RouteIn>();
   const bases: Base[] = [];
   for (const [src, r] of Object.entries(routes)) {
@@ -718,6 +745,28 @@ function rebase(url: string, route: RouteIn, bases: Base[]): [string, boolean] {
   let query = u.search.slice(1);
   if (route.query.length > 0) query = withQuery(query, route.query);
   return [route.root + path + (query === "" ? "" : `?${query}`), hit !== undefined && hit[0] !== route.origin];
+}
+
+/**
+ * A routed 3xx (the SDK's `redirect: "manual"`; fetch follows the others itself,
+ * below the transport) with its relative `Location` made absolute against the URL
+ * actually sent (RFC 9110 §10.2.2), so a caller following it asks for a URL under the
+ * granted route's base URL, routed as any other, not one resolved against its own.
+ */
+function relocate(up: Response, sent: string): Response {
+  const loc = up.headers.get("location");
+  if (loc === null || /^[A-Za-z][A-Za-z0-9+.-]*:/.test(loc)) return up;
+  let to: string;
+  try {
+    to = new URL(loc, sent).href;
+  } catch {
+    return up; // a Location the URL parser refuses: the caller's to deal with
+  }
+  const headers = new Headers(up.headers);
+  headers.set("location", to);
+  const r = new Response(NULL_BODY.has(up.status) ? null : up.body, { status: up.status, statusText: up.statusText, headers });
+  if (up.url) Object.defineProperty(r, "url", { value: up.url });
+  return r;
 }
 
 /** `headers` without the caller's credentials when the request leaves their origin. */
@@ -826,9 +875,19 @@ export function fetch(opts: FetchOptions): FetchLike {
     const url = isReq ? (input as Request).url : String(input);
     const signal = init?.signal ?? (isReq ? (input as Request).signal : undefined) ?? undefined;
     let text: string | null;
-    if (init?.body !== undefined && init.body !== null) text = bodyText(init.body);
-    else if (isReq && (input as Request).body !== null) text = await (input as Request).clone().text();
-    else text = null;
+    // A binary body's bytes (init's, or the Request's, read here for the estimate): a
+    // route's model is set only in valid UTF-8, and a Request's body is sent as these
+    // bytes (its length known: re-wrapping the Request would send it chunked).
+    let bytes: Uint8Array | null = null;
+    let readReq = false;
+    if (init?.body !== undefined && init.body !== null) {
+      text = bodyText(init.body);
+      bytes = bodyBytes(init.body);
+    } else if (isReq && (input as Request).body !== null) {
+      bytes = new Uint8Array(await (input as Request).clone().arrayBuffer());
+      text = Buffer.from(bytes.buffer, bytes.byteOffset, bytes.byteLength).toString("utf8");
+      readReq = true;
+    } else text = null;
     // The headers the request is sent with: init's replace the Request's (as fetch does).
     const reqHeaders = init?.headers !== undefined ? init.headers : isReq ? (input as Request).headers : undefined;
     const headersOf = (): Headers => new Headers(reqHeaders);
@@ -875,11 +934,14 @@ export function fetch(opts: FetchOptions): FetchLike {
       }
       const [to, cross] = rebase(url, route, bases);
       // The route's model, set in a JSON-object body (its length follows: no stale Content-Length).
-      const model = route.model === undefined || text === null ? null : setModel(text, route.model);
-      const body = model !== null && model !== text ? model : null;
+      // A binary body that is not valid UTF-8 is sent as it is (decoding it would corrupt it).
+      const json = bytes === null ? text : strictUtf8(bytes);
+      const model = route.model === undefined || json === null ? null : setModel(json, route.model);
+      const body = model !== null && model !== json ? model : null;
       if (isReq) {
         let r = new Request(to, new Request(input as Request, init));
         if (body !== null) r = new Request(r, { body });
+        else if (readReq && bytes !== null) r = new Request(r, { body: bytes }); // its length known, not chunked
         dropCredentials(r.headers, cross); // the SDK's keys stay with their origin (DESIGN §17)
         for (const [k, v] of route.headers) r.headers.set(k, v);
         if (body !== null) r.headers.delete("content-length");
@@ -921,6 +983,7 @@ export function fetch(opts: FetchOptions): FetchLike {
       else await att.failure(failKind(e));
       throw e;
     }
+    if (routes !== null && up.status >= 300 && up.status < 400) up = relocate(up, typeof target === "string" ? target : target.url);
     return settleResponse(new Attempt(call, permit, up.headers), up, signal ?? undefined);
   };
 }

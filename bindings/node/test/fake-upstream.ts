@@ -29,6 +29,8 @@ export interface Hit {
   url: string;
   headers: http.IncomingHttpHeaders;
   body: string;
+  /** The body's bytes as received. */
+  raw: Buffer;
 }
 
 const sleep = (ms: number): Promise<void> => new Promise((r) => setTimeout(r, ms));
@@ -62,7 +64,8 @@ export class FakeUpstream {
   private async serve(req: http.IncomingMessage, res: http.ServerResponse): Promise<void> {
     const chunks: Buffer[] = [];
     for await (const c of req) chunks.push(c as Buffer);
-    this.hits.push({ method: req.method ?? "", url: req.url ?? "", headers: req.headers, body: Buffer.concat(chunks).toString("utf8") });
+    const raw = Buffer.concat(chunks);
+    this.hits.push({ method: req.method ?? "", url: req.url ?? "", headers: req.headers, body: raw.toString("utf8"), raw });
     const c = this.queue.shift() ?? { status: 200, json: { ok: true } };
     this.open.add(res);
     res.once("close", () => this.open.delete(res));

@@ -387,11 +387,84 @@ describe("transport through openai-node", () => {
     });
   });
 
-  test("routes: a bad query, model or base URL is a TypeError at construction", () => {
+  test("routes: a 3xx under redirect \"manual\" has its relative Location resolved against the URL sent, and is an uncounted success with no tokens", T, async (t) => {
+    await withDaemon(config(["a"]), "memory", t.skip.bind(t), async (client) => {
+      const up = await FakeUpstream.start();
+      try {
+        up.respond({ status: 307, headers: { location: "/openai/deployments/x/chat/completions?api-version=2024" }, json: {} });
+        const f = gatedFetch({
+          scope: "chat", client, routes: {
+            sdk: { baseURL: "https://api.openai.com/v1" },
+            a: { baseURL: `${up.url}/openai/deployments/x`, query: { "api-version": "2024" } },
+          },
+        });
+        const r = await f("https://api.openai.com/v1/chat/completions", { method: "POST", body: '{"model":"m","max_tokens":1500}', redirect: "manual" });
+        assert.equal(r.status, 307);
+        await r.arrayBuffer();
+        assert.equal(up.hits[0]!.url, "/openai/deployments/x/chat/completions?api-version=2024");
+        assert.equal(r.headers.get("location"), `${up.url}/openai/deployments/x/chat/completions?api-version=2024`);
+        const a = (await client.status()).scopes.chat!.sources.a!;
+        assert.deepEqual([a.state, a.streak, a.window_failures, a.window_successes, a.in_flight], ["closed", 0, 0, 0, 0]);
+        assert.ok(a.tokens_available !== null && a.tokens_available >= 5999, `the estimate is refunded: ${a.tokens_available}`);
+      } finally {
+        await up.close();
+      }
+    });
+  });
+
+  test("routes: a Request's body is sent with its Content-Length (not chunked) when no model changes it", T, async (t) => {
+    await withDaemon(config(["a"]), "memory", t.skip.bind(t), async (client) => {
+      const up = await FakeUpstream.start();
+      try {
+        up.respond({ json: CHAT_OK }, 2);
+        const body = '{"model":"m","a":1}';
+        const f = gatedFetch({ scope: "chat", client, routes: { a: { baseURL: `${up.url}/v1` } } });
+        await (await f(new Request(`${up.url}/v1/chat/completions`, { method: "POST", body }))).arrayBuffer();
+        await (await f(new Request(`${up.url}/v1/chat/completions`, { method: "POST", body: new ReadableStream({
+          start(c): void {
+            c.enqueue(Buffer.from(body));
+            c.close();
+          },
+        }), duplex: "half" } as RequestInit))).arrayBuffer();
+        for (const hit of up.hits) {
+          assert.equal(hit.url, "/v1/chat/completions");
+          assert.equal(hit.body, body);
+          assert.equal(hit.headers["content-length"], String(body.length));
+          assert.equal(hit.headers["transfer-encoding"], undefined);
+        }
+      } finally {
+        await up.close();
+      }
+    });
+  });
+
+  test("routes: a body that is not valid UTF-8 is sent byte for byte, its model not set", T, async (t) => {
+    await withDaemon(config(["a"]), "memory", t.skip.bind(t), async (client) => {
+      const up = await FakeUpstream.start();
+      try {
+        up.respond({ json: CHAT_OK }, 3);
+        const f = gatedFetch({ scope: "chat", client, routes: { a: { baseURL: `${up.url}/v1`, model: "served" } } });
+        const latin1 = Buffer.from('{"model":"m","s":"caf\u00e9"}', "latin1"); // é as the one byte 0xE9
+        await (await f(`${up.url}/v1/chat/completions`, { method: "POST", body: new Uint8Array(latin1) })).arrayBuffer();
+        await (await f(new Request(`${up.url}/v1/chat/completions`, { method: "POST", body: latin1 }))).arrayBuffer();
+        // valid UTF-8 bytes get the model
+        await (await f(`${up.url}/v1/chat/completions`, { method: "POST", body: Buffer.from('{"model":"m","s":"caf\u00e9"}') })).arrayBuffer();
+        assert.deepEqual(up.hits[0]!.raw, latin1);
+        assert.deepEqual(up.hits[1]!.raw, latin1);
+        assert.equal(up.hits[2]!.body, '{"model":"served","s":"caf\u00e9"}');
+      } finally {
+        await up.close();
+      }
+    });
+  });
+
+  test("routes: a bad query, model or base URL, or no route at all, is a TypeError at construction", T, () => {
     assert.throws(() => gatedFetch({ scope: "chat", routes: { a: { baseURL: "http://h/v1", query: { v: 1 as unknown as string } } } }), /routes\["a"\]\.query\["v"\] must be a string/);
     assert.throws(() => gatedFetch({ scope: "chat", routes: { a: { baseURL: "http://h/v1", model: "" } } }), /routes\["a"\]\.model/);
     assert.throws(() => gatedFetch({ scope: "chat", routes: { a: { baseURL: "http://h/v1?api-version=1" } } }), /query or fragment/);
     assert.throws(() => gatedFetch({ scope: "chat", routes: { a: { baseURL: "ftp://h/v1" } } }), /http\(s\)/);
+    // an empty routes object would make every grant a RouteMissingError: refused here, as in Python
+    assert.throws(() => gatedFetch({ scope: "chat", routes: {} }), (e: unknown) => e instanceof TypeError && /routes must name at least one source/.test(e.message));
   });
 
   test("the SDK's own retries are admitted one by one", T, async (t) => {

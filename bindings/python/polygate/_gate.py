@@ -15,6 +15,7 @@ until then.
 from __future__ import annotations
 
 import asyncio
+import re
 import threading
 import time
 import weakref
@@ -149,6 +150,23 @@ class _Base:
         return lib.Request(request.method, url, headers=headers, stream=request.stream,
                            extensions=request.extensions)
 
+    @staticmethod
+    def _relocate(sent: Any, response: Any) -> None:
+        """§17: a routed request's 3xx with a relative ``Location`` gets it made
+        absolute against the URL actually sent (RFC 9110 §10.2.2: relative to the
+        request's target). The HTTP client follows redirects above the transport
+        and would resolve it against the SDK's URL, which the transport then routes
+        again (a doubled base path); the absolute URL is under the granted route's
+        base URL and is routed as any other request."""
+        loc = response.headers.get("location")
+        if loc is None or _ABSOLUTE.match(loc):
+            return
+        try:
+            to = sent.url.join(loc)
+        except Exception:  # a Location the URL parser refuses: the client's to deal with
+            return
+        response.headers["location"] = str(to)
+
     def _refusal(self, request: Any, err: GatewayUnavailableError) -> Any:
         status, headers, body = t.refusal(err, self.scope)
         headers.append(("content-length", str(len(body))))
@@ -174,6 +192,8 @@ class _Base:
             return lambda p: p.success(tokens, input_tokens=inp, output_tokens=out, cached_input_tokens=cached)
         if outcome.kind == "rate_limited":
             return lambda p: p.rate_limited(outcome.retry_after_s)
+        if outcome.kind == "rejected":  # a 3xx: answered, no work done (status_outcome)
+            return lambda p: p.success(0, count_attempt=False)
         return lambda p: p.failure(outcome.kind)
 
     def _error_kind(self, exc: BaseException) -> Optional[str]:
@@ -203,6 +223,7 @@ class _Settlement:
 
 
 _TENANT_B = t.TENANT_HEADER.encode()
+_ABSOLUTE = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*:")  # a URI with a scheme (RFC 3986 §3.1): not relative
 _LIMIT_NAMES_B = tuple(n.encode() for n in LIMIT_PREFIXES)
 
 
@@ -322,6 +343,8 @@ class SyncGate(_Base):
                 permit.failure(kind)
             call.end(_quiet=not isinstance(exc, Exception))
             raise
+        if 300 <= response.status_code < 400 and self.routes is not None:
+            self._relocate(sent, response)
         ctype, cenc, clen, limits = _head(response)
         # §18: the provider's rate-limit headers become the report's observed limits
         # (None when it sent none: then there is nothing to parse). The sidecar applies
@@ -497,6 +520,8 @@ class AsyncGate(_Base):
             else:
                 call._release_now()
             raise
+        if 300 <= response.status_code < 400 and self.routes is not None:
+            self._relocate(sent, response)
         ctype, cenc, clen, limits = _head(response)
         # §18: the provider's rate-limit headers become the report's observed limits
         # (None when it sent none: then there is nothing to parse). The sidecar applies

@@ -63,6 +63,14 @@ def test_status_outcome(status, kind):
     assert o is not None and o.kind == kind
 
 
+@pytest.mark.parametrize("status", [300, 301, 302, 303, 304, 307, 308])
+def test_a_3xx_is_an_uncounted_success_with_no_tokens(status):
+    """§17 item 4: the source answered (not blamed, as a 4xx error would be) and did
+    no work (a redirect's next hop is its own call): the estimate is refunded."""
+    o = t.status_outcome(status, {"location": "/v1/x"})
+    assert o is not None and o.kind == "rejected" and o.tokens == 0
+
+
 def test_2xx_is_a_success_and_429_is_rate_limited_with_retry_after_ms_first():
     assert t.status_outcome(200, {}) is None and t.status_outcome(201, {}) is None
     o = t.status_outcome(429, {"Retry-After": "20", "retry-after-ms": "2500"})
@@ -350,6 +358,19 @@ def test_rebase_replaces_the_matching_base_url_else_puts_the_path_in_front():
     assert _rebase(routes, "bare", "http://sdk/v1/chat") == "/v1/chat"
 
 
+def test_a_base_url_path_is_percent_encoded_as_it_is_sent():
+    """A base URL's path with a space or a non-ASCII character is matched and sent
+    percent-encoded, as httpx sends the SDK's URL and as the Node and Go bindings do;
+    existing escapes are kept."""
+    r = t.parse_routes({"a": "http://h/my dep/v1", "b": "http://g/dép", "c": "http://g/x%2Fy/é%C3%A9"})
+    assert r is not None
+    assert [r[k].prefix for k in "abc"] == ["/my%20dep/v1", "/d%C3%A9p", "/x%2Fy/%C3%A9%C3%A9"]
+    routes = {"a": "http://h/my dep/v1", "b": "http://g/v1", "u": "http://g/dép"}
+    assert _rebase(routes, "b", "http://h/my%20dep/v1/chat") == "/v1/chat"
+    assert _rebase(routes, "u", "http://h/my%20dep/v1/chat") == "/d%C3%A9p/chat"
+    assert _rebase(routes, "u", "http://g/v1/chat").isascii()
+
+
 def test_rebase_sets_the_routes_query():
     routes = {"o": "http://o/v1", "az": {"base_url": "https://r/openai/deployments/d",
                                          "query": {"api-version": "2024-10-21", "k": "a b&c/é"}}}
@@ -375,6 +396,40 @@ def test_set_model_changes_only_the_top_level_model(body, want):
     assert got == want
     if want is not None:
         assert json.loads(got)["model"] == "m2"
+
+
+def test_set_model_leaves_a_body_that_is_not_utf8_as_it_is():
+    """Only strict UTF-8 is rewritten: a UTF-16 body (which json.loads on bytes reads)
+    would be corrupted by a UTF-8 splice."""
+    utf16 = '{"model":"gpt-4o","x":1}'.encode("utf-16-le")
+    assert json.loads(utf16) == {"model": "gpt-4o", "x": 1}  # what made it look like JSON
+    assert t.set_model(utf16, "m2") is None
+    assert t.set_model('{"model":"a"}'.encode("utf-16"), "m2") is None  # with a BOM
+    assert t.set_model(b'{"model":"a","s":"' + bytes([0xFF]) + b'"}', "m2") is None
+    assert t.set_model('{"model":"a","s":"\u00e9"}'.encode(), "m2") == '{"model":"m2","s":"\u00e9"}'.encode()
+
+
+def test_set_model_leaves_nan_and_infinity_as_they_are():
+    """NaN / Infinity are Python's, not JSON's (RFC 8259): such a body is not rewritten."""
+    assert t.set_model(b'{"model":"a","t":NaN}', "m2") is None
+    assert t.set_model(b'{"a":-Infinity}', "m2") is None
+    assert t.set_model(b'{"a":1e999}', "m2") == b'{"model":"m2","a":1e999}'  # a number, however large
+
+
+def test_set_model_leaves_a_body_nested_too_deep_to_parse_as_it_is():
+    """A RecursionError must not escape the transport: the body is sent as it is."""
+    deep = b'{"model":"a","x":' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+    assert t.set_model(deep, "m2") is None
+
+
+def test_a_response_nested_too_deep_to_parse_has_no_usage():
+    """Nor out of the usage readers: an upstream's absurd body leaves the estimate."""
+    deep = b'{"usage":{"total_tokens":1},"x":' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+    assert t.body_usage(b'{"usage":' + b"[" * 100_000 + b"]" * 100_000 + b"}") == t.NO_USAGE
+    assert t.body_usage(b'{"x":' + b"[" * 100_000 + b"]" * 100_000 + b',"usage":{}}') == t.NO_USAGE
+    r = t.UsageReader("text/event-stream")
+    r.feed(b"data: " + deep + b"\n\n")
+    assert r.usage() == t.NO_USAGE
 
 
 # ---------------------------------------------------------------- packaging
@@ -417,6 +472,26 @@ def test_transport_options_are_checked_at_construction():
     c = ph.client("chat", base_url="http://127.0.0.1:1")
     assert isinstance(c, httpx.Client) and isinstance(c._transport, ph.Transport)
     c.close()
+
+
+@pytest.mark.parametrize("lib", ["httpx", "httpx2"])
+def test_a_routed_3xx_location_is_made_absolute_against_the_url_sent(lib):
+    """§17 item 2: relative (path, dot-segments, scheme-relative) → absolute against
+    the URL sent; an absolute one, or none, is left as it is."""
+    mod = pytest.importorskip(lib)
+    from polygate._gate import _Base
+    sent = mod.Request("POST", "http://g:8080/openai/deployments/x/chat/completions?api-version=1")
+    for loc, want in (("/openai/deployments/x/chat/completions?api-version=2",
+                       "http://g:8080/openai/deployments/x/chat/completions?api-version=2"),
+                      ("../y/chat", "http://g:8080/openai/deployments/x/y/chat"),
+                      ("//h2/v1/chat", "http://h2/v1/chat"),
+                      ("https://other/v1/chat", "https://other/v1/chat")):
+        r = mod.Response(307, headers={"location": loc})
+        _Base._relocate(sent, r)
+        assert r.headers["location"] == want, loc
+    r = mod.Response(304)
+    _Base._relocate(sent, r)
+    assert "location" not in r.headers
 
 
 # ---------------------------------------------------------------- the transports' header reads

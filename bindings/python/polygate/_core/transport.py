@@ -72,7 +72,8 @@ class Route(NamedTuple):
     host: str
     port: Optional[int]
     prefix: str
-    """``base_url``'s path without its trailing ``/`` ("" for none)."""
+    """``base_url``'s path, percent-encoded as it is sent (a space as ``%20``, a
+    non-ASCII character as its UTF-8 bytes), without its trailing ``/`` ("" for none)."""
     headers: Tuple[Tuple[str, str], ...]
     """Extra headers (API key, ...): they replace same-named request headers."""
     query: Tuple[Tuple[str, str], ...] = ()
@@ -138,9 +139,23 @@ def parse_routes(routes: Optional[Mapping[str, Any]]) -> Optional[Dict[str, Rout
         model = spec.get("model")
         if model is not None and (not isinstance(model, str) or not model):
             raise ValueError("routes[%r].model must be a non-empty string, got %r" % (source, model))
-        out[source] = Route(parts.scheme, parts.hostname, port, parts.path.rstrip("/"),
+        out[source] = Route(parts.scheme, parts.hostname, port, _path_escaped(parts.path).rstrip("/"),
                             tuple((k, v) for k, v in headers.items()), tuple(sorted(query.items())), model)
     return out
+
+
+# WHATWG's path percent-encode set, as httpx (and fetch's URL, and so the Node binding)
+# applies it: printable ASCII is kept but for space " # < > ? ` { }; "%" is kept, so
+# an existing %XX escape stays as it is.
+_PATH_SAFE = "".join(chr(i) for i in range(0x21, 0x7F) if chr(i) not in '"#<>?`{}')
+
+
+def _path_escaped(path: str) -> str:
+    """A base URL's path as it is sent (and as a request URL's raw path reads): a
+    space, a non-ASCII character (as UTF-8) or a control character percent-encoded,
+    existing escapes kept — the prefix a request's raw path is matched against and
+    put under (:func:`rebase`)."""
+    return quote(path, safe=_PATH_SAFE)
 
 
 Bases = Tuple[Tuple[Tuple[str, str, int], str], ...]
@@ -236,14 +251,23 @@ def _ws(b: bytes, i: int) -> int:
     return m.end() if m is not None else i
 
 
+def _not_json(name: str) -> Any:
+    raise ValueError("%s is not JSON (RFC 8259)" % name)
+
+
 def set_model(body: bytes, model: str) -> Optional[bytes]:
     """``body`` with its top-level ``"model"`` set to ``model`` (added first when it
     has none), every other byte kept; None when the body is not a JSON object (sent
     as it is). Byte-for-byte, not a re-serialisation: the request's other fields,
-    their order and their numbers reach the upstream as the SDK wrote them."""
+    their order and their numbers reach the upstream as the SDK wrote them.
+
+    Only a body that is strict UTF-8 and standard JSON is changed (the bytes are
+    spliced as UTF-8): ``json.loads`` on bytes would also read UTF-16/32 (whose
+    bytes the splice would corrupt) and Python's ``NaN`` / ``Infinity``; a body
+    nested too deep to parse is sent as it is too."""
     try:
-        doc = json.loads(body)
-    except ValueError:
+        doc = json.loads(body.decode("utf-8"), parse_constant=_not_json)
+    except (ValueError, RecursionError):  # UnicodeDecodeError is a ValueError
         return None
     i = _ws(body, 0)
     if not isinstance(doc, dict) or body[i:i + 1] != b"{":  # not a (UTF-8) JSON object
@@ -321,12 +345,16 @@ def check_estimate(value: Any) -> Tuple[Optional[int], Optional[int]]:
 
 def status_outcome(status: int, headers: Any) -> Optional[Outcome]:
     """The report for a response status: None for 2xx (a success, settled with
-    its usage when the body ends); 429 → rate-limited with ``retry-after-ms`` /
+    its usage when the body ends); 3xx → ``rejected``, an uncounted success with
+    no tokens (the source answered but did no work: a redirect's next hop is a
+    call of its own, a 304 has no completion; the breaker does not count it and
+    the estimate is refunded); 429 → rate-limited with ``retry-after-ms`` /
     ``Retry-After``; 408 → timeout; 409 and 5xx → server_error; any other status
-    → error. (``1xx``/``3xx`` never reach a transport's caller as final answers
-    in practice; they count as error.)"""
+    → error."""
     if 200 <= status < 300:
         return None
+    if 300 <= status < 400:
+        return Outcome.rejected(tokens=0)
     if status == 429:
         return Outcome.rate_limited(retry_after_seconds(headers))
     if status == 408:
@@ -529,7 +557,7 @@ class UsageReader:
             if line.startswith(b"data:") and _find_usage(line) is not None:
                 try:
                     doc = json.loads(line[5:])
-                except ValueError:
+                except (ValueError, RecursionError):
                     continue
                 self._merge(usage_fields(_usage_in(doc)))
 
@@ -587,11 +615,11 @@ def _json_usage(body: bytes) -> Usage:
                 found = usage_fields(obj)
                 if found != NO_USAGE:
                     return found
-            except (ValueError, StopIteration):
+            except (ValueError, RecursionError, StopIteration):
                 pass
     try:
         doc = json.loads(body)
-    except ValueError:
+    except (ValueError, RecursionError):  # RecursionError: nested too deep to parse
         return NO_USAGE
     return usage_fields(_usage_in(doc))
 
