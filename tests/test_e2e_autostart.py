@@ -10,10 +10,12 @@ import asyncio
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
 import textwrap
+import threading
 import time
 from pathlib import Path
 from typing import Iterator, List
@@ -190,3 +192,113 @@ def test_sidecar_path_honours_the_override_and_names_what_to_do(monkeypatch, tmp
     exe.write_text("#!/bin/sh\n")
     exe.chmod(0o755)
     assert polygate.sidecar_path() == str(exe)
+
+
+def _quick_idle(sidecar_bin: Path, monkeypatch: pytest.MonkeyPatch, **extra: str) -> None:
+    """The environment of a test: the real binary, and an autostarted sidecar that
+    closes an idle connection and then exits within a second."""
+    env = _env(sidecar_bin, SIDECAR__IDLE_TIMEOUT="300ms", SIDECAR__IDLE_EXIT="300ms", **extra)
+    for k in list(os.environ):
+        if k not in env:
+            monkeypatch.delenv(k)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+
+
+@pytest.mark.timeout(60)
+def test_a_client_with_autostart_starts_the_sidecar_again_after_idle_exit_and_a_kill(
+        run_dir, sidecar_bin, monkeypatch):
+    """A red team saw a client connected with autostart fail forever ("No such file
+    or directory") once its idle connection was closed and the sidecar exited."""
+    sock = run_dir / "s.sock"
+    _quick_idle(sidecar_bin, monkeypatch)
+    c = polygate.connect(str(sock), autostart=True)
+    assert c.status()
+    (first,) = _sidecars_in(run_dir)
+    wait_until(lambda: not _sidecars_in(run_dir) and not sock.exists(), timeout=10,
+               what="idle_timeout, then idle_exit")
+    assert c.status(), "the reconnect starts a sidecar again"
+    (second,) = _sidecars_in(run_dir)
+    assert second != first
+    os.kill(second, signal.SIGKILL)
+    wait_until(lambda: not _sidecars_in(run_dir), timeout=10, what="the killed sidecar to go")
+    assert c.status(), "after a kill -9 too"
+    assert len(_sidecars_in(run_dir)) == 1
+    c.close()
+
+
+@pytest.mark.timeout(60)
+def test_an_asyncio_client_with_autostart_starts_the_sidecar_again_after_idle_exit(run_dir, sidecar_bin, monkeypatch):
+    sock = run_dir / "s.sock"
+    _quick_idle(sidecar_bin, monkeypatch, POLYGATE_AUTOSTART="1")  # the env's autostart is remembered too
+
+    async def main() -> None:
+        c = await polygate.aio.connect(str(sock))
+        try:
+            assert await c.status()
+            while _sidecars_in(run_dir) or sock.exists():
+                await asyncio.sleep(0.05)
+            # two tasks find the loss together: one reconnect, one sidecar
+            a, b = await asyncio.gather(c.status(), c.status())
+            assert a and b
+        finally:
+            await c.close()
+    asyncio.run(asyncio.wait_for(main(), 30))
+    assert len(_sidecars_in(run_dir)) == 1
+
+
+@pytest.mark.timeout(60)
+def test_a_client_without_autostart_does_not_start_one_at_reconnect(run_dir, sidecar_bin, monkeypatch):
+    sock = run_dir / "s.sock"
+    _quick_idle(sidecar_bin, monkeypatch)
+    with polygate.connect(str(sock), autostart=True):
+        pass
+    c = polygate.connect(str(sock))  # the sidecar is there: a plain connect
+    wait_until(lambda: not _sidecars_in(run_dir) and not sock.exists(), timeout=10, what="idle_exit")
+    with pytest.raises(SidecarError, match="cannot connect"):
+        c.status()
+    assert not _sidecars_in(run_dir)
+    c.close()
+
+
+def _going_away(sock: Path) -> "threading.Thread":
+    """A listener on ``sock`` that closes the first connection it accepts, then
+    removes the socket and stops listening: a sidecar caught by idle_exit between
+    a connect and its handshake."""
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(str(sock))
+    listener.listen(16)
+
+    def serve() -> None:
+        conn, _ = listener.accept()
+        conn.close()
+        os.unlink(str(sock))
+        listener.close()
+    t = threading.Thread(target=serve, daemon=True)
+    t.start()
+    return t
+
+
+@pytest.mark.timeout(60)
+def test_autostart_takes_a_connection_closed_by_an_exiting_sidecar_for_none(run_dir, sidecar_bin, monkeypatch):
+    """idle_exit races a connect: the probe got into the backlog of a listener that
+    was closing, and the caller got "Connection reset by peer" (3 in 200 rounds)."""
+    sock = run_dir / "s.sock"
+    _quick_idle(sidecar_bin, monkeypatch)
+    t = _going_away(sock)
+    with polygate.connect(str(sock), autostart=True) as c:
+        assert c.status()
+    t.join(5)
+    assert len(_sidecars_in(run_dir)) == 1
+
+    async def main() -> None:
+        c = await polygate.aio.connect(str(sock), autostart=True)
+        await c.close()
+    for pid in _sidecars_in(run_dir):
+        os.kill(pid, signal.SIGKILL)
+    wait_until(lambda: not _sidecars_in(run_dir), timeout=10, what="the killed sidecar to go")
+    sock.unlink()
+    t = _going_away(sock)
+    asyncio.run(asyncio.wait_for(main(), 30))
+    t.join(5)
+    assert len(_sidecars_in(run_dir)) == 1

@@ -40,11 +40,15 @@ EXIT_BUSY = 75
 """The sidecar's exit status when another process holds the lock (``EX_TEMPFAIL``)."""
 START_TIMEOUT = 10.0
 """How long a start may take when the caller set no timeout, in seconds."""
-_POLL = 0.01
+POLL = 0.01
 _ERROR_LINES = 12
 
 # A connect that fails with one of these means "nobody is serving there".
 _ABSENT = (errno.ENOENT, errno.ECONNREFUSED)
+# ... and with one of these during the connect or the handshake: "a sidecar on its
+# way out" (idle_exit, SIGTERM: the probe got into the backlog of a listener that
+# was closing). With autostart both mean "start one" (DESIGN §20).
+GONE = _ABSENT + (errno.ECONNRESET, errno.EPIPE)
 
 
 def wanted(autostart: Optional[bool]) -> bool:
@@ -104,6 +108,11 @@ def _answers(path: str) -> bool:
         s.close()
 
 
+def bound(timeout: Optional[float]) -> float:
+    """The bound of a start, in seconds: ``timeout``, else :data:`START_TIMEOUT`."""
+    return timeout if timeout is not None else START_TIMEOUT
+
+
 def ensure(path: str, timeout: Optional[float]) -> None:
     """Return once a sidecar answers on ``path``, starting one if none does (see
     the module text). ``timeout``: the bound in seconds (``None``: 10 s)."""
@@ -111,7 +120,7 @@ def ensure(path: str, timeout: Optional[float]) -> None:
         return
     path = os.path.abspath(path)
     lock_path = path + ".lock"
-    deadline = time.monotonic() + (timeout if timeout is not None else START_TIMEOUT)
+    deadline = time.monotonic() + bound(timeout)
     directory = os.path.dirname(path)
     try:
         os.makedirs(directory, mode=0o700, exist_ok=True)
@@ -138,7 +147,7 @@ def ensure(path: str, timeout: Optional[float]) -> None:
                 "past the timeout" % (path, lock_path),
                 kind="connection",
             )
-        time.sleep(_POLL)
+        time.sleep(POLL)
 
 
 def _try_lock(lock_path: str) -> Optional[int]:
@@ -218,7 +227,7 @@ def _wait(proc: "subprocess.Popen[bytes]", path: str, log_path: str, deadline: f
                 % (path, _first_lines(log_path), log_path),
                 kind="connection",
             )
-        time.sleep(_POLL)
+        time.sleep(POLL)
 
 
 def _first_lines(log_path: str) -> str:
