@@ -302,3 +302,15 @@ def test_autostart_takes_a_connection_closed_by_an_exiting_sidecar_for_none(run_
     asyncio.run(asyncio.wait_for(main(), 30))
     t.join(5)
     assert len(_sidecars_in(run_dir)) == 1
+
+
+@pytest.mark.timeout(60)
+def test_autostart_works_with_stdin_stdout_and_stderr_closed(run_dir, sidecar_bin):
+    """With fd 0 closed the lock file got fd 0, which the child's stdin replaced
+    ("--lock-fd 0: expected a descriptor above 2")."""
+    sock = run_dir / "s.sock"
+    script = "import polygate, sys; c = polygate.connect(sys.argv[1], autostart=True); c.status(); c.close()"
+    r = subprocess.run(["sh", "-c", 'exec "$0" -c "$1" "$2" 0<&- 1>&- 2>"$3"', sys.executable, script, str(sock),
+                        str(run_dir / "err")], env=_env(sidecar_bin), timeout=30)
+    assert r.returncode == 0, (run_dir / "err").read_text()
+    assert len(_sidecars_in(run_dir)) == 1

@@ -154,7 +154,7 @@ def _try_lock(lock_path: str) -> Optional[int]:
     """``lock_path`` opened and locked (exclusive, not waiting), or ``None`` when
     another process holds it or the file was replaced under us."""
     try:
-        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        fd = _above_stdio(os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600))
     except OSError as e:
         raise SidecarError("autostart: cannot open the lock file %s: %s" % (lock_path, e),
                            kind="connection") from None
@@ -175,6 +175,18 @@ def _try_lock(lock_path: str) -> Optional[int]:
         os.close(fd)
         return None
     return fd
+
+
+def _above_stdio(fd: int) -> int:
+    """``fd``, moved above 2 if it is not: with this process's stdin, stdout or
+    stderr closed, ``os.open`` returns 0, 1 or 2, which the child's own stdio
+    would replace (the sidecar refuses ``--lock-fd`` 0 to 2)."""
+    if fd > 2:
+        return fd
+    try:
+        return fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, 3)
+    finally:
+        os.close(fd)
 
 
 def _spawn(path: str, lock_fd: int) -> "tuple[subprocess.Popen[bytes], str]":
