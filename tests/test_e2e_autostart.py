@@ -314,3 +314,26 @@ def test_autostart_works_with_stdin_stdout_and_stderr_closed(run_dir, sidecar_bi
                         str(run_dir / "err")], env=_env(sidecar_bin), timeout=30)
     assert r.returncode == 0, (run_dir / "err").read_text()
     assert len(_sidecars_in(run_dir)) == 1
+
+
+@pytest.mark.timeout(60)
+def test_the_autostarted_sidecar_does_not_get_the_callers_service_manager_variables(run_dir, sidecar_bin, monkeypatch):
+    """It sent READY=1 / STOPPING=1 to the caller's NOTIFY_SOCKET."""
+    notify = run_dir / "notify"
+    recv = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    recv.bind(str(notify))
+    recv.settimeout(1.5)
+    manager = dict(NOTIFY_SOCKET=str(notify), WATCHDOG_USEC="1000000", WATCHDOG_PID=str(os.getpid()),
+                   LISTEN_FDS="1", LISTEN_PID=str(os.getpid()), LISTEN_FDNAMES="x")
+    _quick_idle(sidecar_bin, monkeypatch, **manager)
+    sock = run_dir / "s.sock"
+    with polygate.connect(str(sock), autostart=True) as c:
+        assert c.status()
+        (pid,) = _sidecars_in(run_dir)
+        env = Path("/proc", str(pid), "environ").read_bytes().split(b"\0")
+        assert not [e for e in env if e.split(b"=")[0].decode() in manager], env
+        with pytest.raises(socket.timeout):
+            print("the sidecar notified:", recv.recv(4096))
+    recv.close()
+    for k, v in manager.items():
+        assert os.environ[k] == v, "the caller's own environment is untouched"

@@ -49,6 +49,10 @@ _ABSENT = (errno.ENOENT, errno.ECONNREFUSED)
 # way out" (idle_exit, SIGTERM: the probe got into the backlog of a listener that
 # was closing). With autostart both mean "start one" (DESIGN §20).
 GONE = _ABSENT + (errno.ECONNRESET, errno.EPIPE)
+# The caller's service-manager protocol is the caller's: an autostarted sidecar
+# must not send READY=1 / STOPPING=1 to its NOTIFY_SOCKET, nor take its sockets.
+CHILD_ENV_DROPPED = ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID", "LISTEN_FDS", "LISTEN_PID",
+                     "LISTEN_FDNAMES")
 
 
 def wanted(autostart: Optional[bool]) -> bool:
@@ -189,6 +193,14 @@ def _above_stdio(fd: int) -> int:
         os.close(fd)
 
 
+def child_env(path: str) -> "dict[str, str]":
+    """The sidecar's environment: this process's, bound to ``path``, without the
+    caller's service-manager variables (:data:`CHILD_ENV_DROPPED`)."""
+    env = {k: v for k, v in os.environ.items() if k not in CHILD_ENV_DROPPED}
+    env["SIDECAR__SOCKET"] = path
+    return env
+
+
 def _spawn(path: str, lock_fd: int) -> "tuple[subprocess.Popen[bytes], str]":
     """Start the sidecar detached on ``path`` with the locked ``lock_fd``."""
     binary = sidecar_path()
@@ -196,8 +208,7 @@ def _spawn(path: str, lock_fd: int) -> "tuple[subprocess.Popen[bytes], str]":
     config = os.environ.get(CONFIG_ENV)
     if config:
         args[1:1] = ["--config", os.path.abspath(config)]
-    env = dict(os.environ)
-    env["SIDECAR__SOCKET"] = path
+    env = child_env(path)
     log_path = path + ".log"
     try:
         log = open(log_path, "wb")  # we hold the lock: nobody else writes it now
