@@ -337,3 +337,19 @@ def test_the_autostarted_sidecar_does_not_get_the_callers_service_manager_variab
     recv.close()
     for k, v in manager.items():
         assert os.environ[k] == v, "the caller's own environment is untouched"
+
+
+@pytest.mark.timeout(30)
+def test_autostart_names_a_socket_path_too_long_for_sun_path(run_dir, sidecar_bin, monkeypatch):
+    """A relative path whose absolute form is over 107 bytes skipped autostart and
+    reported ENOENT."""
+    deep = run_dir / ("d" * 60) / ("e" * 60)
+    deep.mkdir(parents=True)
+    monkeypatch.chdir(deep)
+    for k, v in _env(sidecar_bin).items():
+        monkeypatch.setenv(k, v)
+    with pytest.raises(SidecarError) as e:
+        polygate.connect("s.sock", autostart=True, timeout=5)
+    msg = str(e.value)
+    assert str(deep / "s.sock") in msg and "107" in msg, msg
+    assert not _sidecars_in(run_dir)

@@ -49,6 +49,8 @@ _ABSENT = (errno.ENOENT, errno.ECONNREFUSED)
 # way out" (idle_exit, SIGTERM: the probe got into the backlog of a listener that
 # was closing). With autostart both mean "start one" (DESIGN §20).
 GONE = _ABSENT + (errno.ECONNRESET, errno.EPIPE)
+SUN_PATH_MAX = 107
+"""The longest Unix socket path, in bytes (``sun_path`` is 108 with its NUL)."""
 # The caller's service-manager protocol is the caller's: an autostarted sidecar
 # must not send READY=1 / STOPPING=1 to its NOTIFY_SOCKET, nor take its sockets.
 CHILD_ENV_DROPPED = ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID", "LISTEN_FDS", "LISTEN_PID",
@@ -123,6 +125,13 @@ def ensure(path: str, timeout: Optional[float]) -> None:
     if _answers(path):
         return
     path = os.path.abspath(path)
+    size = len(os.fsencode(path))
+    if size > SUN_PATH_MAX:
+        raise SidecarError(
+            "autostart: the socket path %s is %d bytes, longer than the %d bytes a Unix socket path may "
+            "have (sun_path): use a shorter one" % (path, size, SUN_PATH_MAX),
+            kind="connection",
+        )
     lock_path = path + ".lock"
     deadline = time.monotonic() + bound(timeout)
     directory = os.path.dirname(path)
