@@ -353,3 +353,36 @@ def test_autostart_names_a_socket_path_too_long_for_sun_path(run_dir, sidecar_bi
     msg = str(e.value)
     assert str(deep / "s.sock") in msg and "107" in msg, msg
     assert not _sidecars_in(run_dir)
+
+
+@pytest.mark.timeout(30)
+def test_a_sidecar_killed_by_a_signal_is_named_so_and_the_log_is_0600(run_dir, monkeypatch):
+    crash = run_dir / "polygate-sidecar"
+    crash.write_text("#!/bin/sh\necho about to crash >&2\nkill -SEGV $$\n")
+    crash.chmod(0o755)
+    for k, v in _env(crash).items():
+        monkeypatch.setenv(k, v)
+    sock = run_dir / "s.sock"
+    old = os.umask(0o022)
+    try:
+        with pytest.raises(SidecarError) as e:
+            polygate.connect(str(sock), autostart=True, timeout=5)
+    finally:
+        os.umask(old)
+    msg = str(e.value)
+    assert "killed by signal 11 (SIGSEGV)" in msg and "about to crash" in msg, msg
+    assert os.stat(str(sock) + ".log").st_mode & 0o777 == 0o600
+
+
+@pytest.mark.timeout(30)
+def test_sidecar_path_names_a_packaged_binary_that_is_not_executable(monkeypatch, tmp_path):
+    monkeypatch.delenv("POLYGATE_SIDECAR", raising=False)
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    scripts = tmp_path / "bin"
+    scripts.mkdir()
+    (scripts / "polygate-sidecar").write_text("#!/bin/sh\n")
+    (scripts / "polygate-sidecar").chmod(0o644)
+    monkeypatch.setattr(polygate._autostart, "_script_dirs", lambda: [str(scripts)])
+    with pytest.raises(SidecarError) as e:
+        polygate.sidecar_path()
+    assert str(scripts / "polygate-sidecar") in str(e.value) and "not executable" in str(e.value), e.value

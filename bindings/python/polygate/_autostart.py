@@ -22,6 +22,7 @@ import errno
 import fcntl
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -71,13 +72,22 @@ def sidecar_path() -> str:
     env = os.environ.get(SIDECAR_ENV)
     if env:
         return env
+    not_executable = None
     for scripts in _script_dirs():
         candidate = os.path.join(scripts, BINARY)
-        if os.path.isfile(candidate) and os.access(candidate, os.X_OK):
-            return candidate
+        if os.path.isfile(candidate):
+            if os.access(candidate, os.X_OK):
+                return candidate
+            not_executable = not_executable or candidate
     found = shutil.which(BINARY)
     if found:
         return found
+    if not_executable is not None:
+        raise SidecarError(
+            "%s is not executable (chmod +x it, reinstall the platform wheel of polygate, "
+            "or set $%s)" % (not_executable, SIDECAR_ENV),
+            kind="connection",
+        )
     raise SidecarError(
         "no %s binary: install the platform wheel of polygate (it carries one), put it on PATH, "
         "or set $%s" % (BINARY, SIDECAR_ENV),
@@ -220,7 +230,13 @@ def _spawn(path: str, lock_fd: int) -> "tuple[subprocess.Popen[bytes], str]":
     env = child_env(path)
     log_path = path + ".log"
     try:
-        log = open(log_path, "wb")  # we hold the lock: nobody else writes it now
+        # we hold the lock: nobody else writes it now; 0600 as the lock file
+        log_fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        try:
+            os.fchmod(log_fd, 0o600)  # one an older start left with the umask's mode
+        except OSError:
+            pass
+        log = os.fdopen(log_fd, "wb")
     except OSError as e:
         raise SidecarError("autostart: cannot open the log file %s: %s" % (log_path, e),
                            kind="connection") from None
@@ -247,8 +263,8 @@ def _wait(proc: "subprocess.Popen[bytes]", path: str, log_path: str, deadline: f
             return False
         if code is not None:
             raise SidecarError(
-                "autostart: the sidecar exited with status %d before listening on %s:\n%s\n(log: %s)"
-                % (code, path, _first_lines(log_path), log_path),
+                "autostart: the sidecar %s before listening on %s:\n%s\n(log: %s)"
+                % (exit_text(code), path, _first_lines(log_path), log_path),
                 kind="connection",
             )
         if time.monotonic() > deadline:
@@ -260,6 +276,18 @@ def _wait(proc: "subprocess.Popen[bytes]", path: str, log_path: str, deadline: f
                 kind="connection",
             )
         time.sleep(POLL)
+
+
+def exit_text(code: int) -> str:
+    """How the sidecar ended, from ``Popen.returncode``: "exited with status 1" or
+    "was killed by signal 11 (SIGSEGV)" (the words of the Go and Node bindings)."""
+    if code >= 0:
+        return "exited with status %d" % code
+    try:
+        name = signal.Signals(-code).name
+    except ValueError:
+        name = "unknown"
+    return "was killed by signal %d (%s)" % (-code, name)
 
 
 def _first_lines(log_path: str) -> str:
