@@ -262,16 +262,21 @@ def test_a_client_without_autostart_does_not_start_one_at_reconnect(run_dir, sid
 
 
 def _going_away(sock: Path) -> "threading.Thread":
-    """A listener on ``sock`` that closes the first connection it accepts, then
-    removes the socket and stops listening: a sidecar caught by idle_exit between
-    a connect and its handshake."""
+    """A listener on ``sock`` that closes the first connection that says Hello,
+    then removes the socket and stops listening: a sidecar caught by idle_exit
+    between a connect (a probe's, which says nothing, passes) and its handshake."""
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(str(sock))
     listener.listen(16)
 
     def serve() -> None:
-        conn, _ = listener.accept()
-        conn.close()
+        while True:
+            conn, _ = listener.accept()
+            conn.settimeout(5)
+            said = conn.recv(1)
+            conn.close()
+            if said:
+                break
         os.unlink(str(sock))
         listener.close()
     t = threading.Thread(target=serve, daemon=True)
