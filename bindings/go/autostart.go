@@ -17,6 +17,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"io"
 	"net"
 	"os"
 	"os/exec"
@@ -78,6 +79,51 @@ func answers(path string) bool {
 
 func autostartError(format string, args ...any) *SidecarError {
 	return &SidecarError{Kind: "connection", Message: "autostart: " + fmt.Sprintf(format, args...)}
+}
+
+// dialAutostart is dial; with autostart, a connect or handshake that finds no
+// sidecar (nothing listening, or one exiting after idle_exit that refused, reset
+// or closed the connection) runs ensureSidecar, whose lock makes one sidecar of
+// any number of concurrent starters, and dials again; ctx bounds it all (10 s
+// when ctx has no deadline).
+func dialAutostart(ctx context.Context, path, name string, autostart bool) (*conn, error) {
+	if !autostart {
+		return dial(ctx, path, name)
+	}
+	if _, ok := ctx.Deadline(); !ok {
+		var cancel context.CancelFunc
+		ctx, cancel = context.WithTimeout(ctx, autostartTimeout)
+		defer cancel()
+	}
+	for tries := 0; ; tries++ {
+		c, err := dial(ctx, path, name)
+		if err == nil || !sidecarGone(err) || ctx.Err() != nil {
+			return c, err
+		}
+		if tries > 0 { // a listener still closing: let it go
+			select {
+			case <-ctx.Done():
+				return nil, err
+			case <-time.After(autostartPoll):
+			}
+		}
+		if err := ensureSidecar(ctx, path); err != nil {
+			return nil, err
+		}
+	}
+}
+
+// sidecarGone reports whether a dial's error means "no sidecar there": nothing
+// listening (ENOENT, ECONNREFUSED) or one on its way out (reset, broken pipe,
+// EOF during the handshake).
+func sidecarGone(err error) bool {
+	for _, e := range []error{syscall.ENOENT, syscall.ECONNREFUSED, syscall.ECONNRESET, syscall.EPIPE,
+		io.EOF, io.ErrUnexpectedEOF} {
+		if errors.Is(err, e) {
+			return true
+		}
+	}
+	return false
 }
 
 // ensureSidecar returns once a sidecar answers on path, starting one if none does.
