@@ -22,6 +22,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"slices"
 	"strings"
 	"syscall"
 	"time"
@@ -40,6 +41,24 @@ const (
 	autostartPoll     = 10 * time.Millisecond
 	autostartErrLines = 12
 )
+
+// childEnvDropped are the caller's service-manager variables: an autostarted
+// sidecar must not send READY=1 / STOPPING=1 to the caller's NOTIFY_SOCKET, nor
+// take its socket-activation descriptors.
+var childEnvDropped = []string{"NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID", "LISTEN_FDS", "LISTEN_PID", "LISTEN_FDNAMES"}
+
+// childEnv is the sidecar's environment: this process's without childEnvDropped,
+// bound to sock.
+func childEnv(sock string) []string {
+	var env []string
+	for _, kv := range os.Environ() {
+		k, _, _ := strings.Cut(kv, "=")
+		if !slices.Contains(childEnvDropped, k) {
+			env = append(env, kv)
+		}
+	}
+	return append(env, "SIDECAR__SOCKET="+sock)
+}
 
 func autostartWanted(opt bool) bool {
 	if opt {
@@ -220,7 +239,7 @@ func startLocked(ctx context.Context, sock string, lock *os.File) (bool, error) 
 	cmd.Dir = "/"
 	cmd.Stdout, cmd.Stderr = logf, logf
 	cmd.ExtraFiles = []*os.File{lock}
-	cmd.Env = append(os.Environ(), "SIDECAR__SOCKET="+sock)
+	cmd.Env = childEnv(sock)
 	cmd.SysProcAttr = &syscall.SysProcAttr{Setsid: true}
 	err = cmd.Start()
 	logf.Close()

@@ -309,3 +309,44 @@ func TestAutostartTakesAConnectionClosedByAnExitingSidecarForNone(t *testing.T) 
 		t.Fatalf("started %d times, want 1", n)
 	}
 }
+
+// The autostarted sidecar sent READY=1 / STOPPING=1 to the caller's NOTIFY_SOCKET.
+func TestAutostartSidecarDoesNotGetTheCallersServiceManagerVariables(t *testing.T) {
+	dir, sock := autostartEnv(t)
+	notify := filepath.Join(dir, "notify")
+	recv, err := net.ListenUnixgram("unixgram", &net.UnixAddr{Name: notify, Net: "unixgram"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer recv.Close()
+	manager := map[string]string{"NOTIFY_SOCKET": notify, "WATCHDOG_USEC": "1000000", "WATCHDOG_PID": fmt.Sprint(os.Getpid()),
+		"LISTEN_FDS": "1", "LISTEN_PID": fmt.Sprint(os.Getpid()), "LISTEN_FDNAMES": "x"}
+	for k, v := range manager {
+		t.Setenv(k, v)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+	defer cancel()
+	c, err := DialOptions(ctx, sock, Options{Autostart: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	environ, err := os.ReadFile(fmt.Sprintf("/proc/%d/environ", lastStart(t, dir)))
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, kv := range strings.Split(string(environ), "\x00") {
+		if k, _, _ := strings.Cut(kv, "="); manager[k] != "" {
+			t.Errorf("the sidecar got the caller's %s", kv)
+		}
+	}
+	_ = recv.SetReadDeadline(time.Now().Add(1500 * time.Millisecond))
+	if n, err := recv.Read(make([]byte, 4096)); err == nil {
+		t.Errorf("the sidecar notified the caller's service manager (%d bytes)", n)
+	}
+	for k, v := range manager {
+		if os.Getenv(k) != v {
+			t.Errorf("the caller's own %s changed", k)
+		}
+	}
+}
