@@ -36,7 +36,8 @@ const (
 	// ConfigEnv names the configuration file an autostarted sidecar reads.
 	ConfigEnv = "POLYGATE_CONFIG"
 
-	exitBusy          = 75 // the sidecar found the lock held (EX_TEMPFAIL)
+	exitBusy          = 75  // the sidecar found the lock held (EX_TEMPFAIL)
+	sunPathMax        = 107 // the longest Unix socket path in bytes (sun_path is 108 with its NUL)
 	autostartTimeout  = 10 * time.Second
 	autostartPoll     = 10 * time.Millisecond
 	autostartErrLines = 12
@@ -163,6 +164,10 @@ func ensureSidecar(ctx context.Context, path string) error {
 	if err := os.MkdirAll(filepath.Dir(abs), 0o700); err != nil {
 		return autostartError("cannot create the socket directory: %v", err)
 	}
+	if len(abs) > sunPathMax {
+		return autostartError("the socket path %s is %d bytes, longer than the %d bytes a Unix socket path may have (sun_path): use a shorter one",
+			abs, len(abs), sunPathMax)
+	}
 	lockPath := abs + ".lock"
 	for {
 		if answers(abs) {
@@ -259,12 +264,11 @@ func startLocked(ctx context.Context, sock string, lock *os.File) (bool, error) 
 		}
 		select {
 		case <-exited:
-			code := cmd.ProcessState.ExitCode()
-			if code == exitBusy {
+			if cmd.ProcessState.ExitCode() == exitBusy {
 				return false, nil
 			}
 			return false, autostartError("the sidecar exited with status %d before listening on %s:\n%s\n(log: %s)",
-				code, sock, firstLines(logPath), logPath)
+				cmd.ProcessState.ExitCode(), sock, firstLines(logPath), logPath)
 		case <-ctx.Done():
 			_ = cmd.Process.Kill()
 			<-exited

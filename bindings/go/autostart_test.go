@@ -350,3 +350,37 @@ func TestAutostartSidecarDoesNotGetTheCallersServiceManagerVariables(t *testing.
 		}
 	}
 }
+
+// A relative path whose absolute form is over 107 bytes skipped autostart and
+// reported ENOENT; a long absolute path said only "connect: invalid argument".
+func TestAutostartNamesASocketPathTooLongForSunPath(t *testing.T) {
+	dir, _ := autostartEnv(t)
+	deep := filepath.Join(dir, strings.Repeat("d", 60), strings.Repeat("e", 60))
+	if err := os.MkdirAll(deep, 0o700); err != nil {
+		t.Fatal(err)
+	}
+	wd, _ := os.Getwd()
+	if err := os.Chdir(deep); err != nil {
+		t.Fatal(err)
+	}
+	defer os.Chdir(wd)
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	for _, p := range []string{"s.sock", filepath.Join(deep, "s.sock")} {
+		for _, auto := range []bool{true, false} {
+			_, err := DialOptions(ctx, p, Options{Autostart: auto})
+			if err == nil || !strings.Contains(err.Error(), "107") {
+				if p == "s.sock" && !auto {
+					continue // a short relative path: only ENOENT, as any missing socket
+				}
+				t.Errorf("%s (autostart %v): want the 107-byte limit named, got %v", p, auto, err)
+			} else if !strings.Contains(err.Error(), filepath.Join(deep, "s.sock")) && !strings.Contains(err.Error(), p) {
+				t.Errorf("%s: the path is not named: %v", p, err)
+			}
+		}
+	}
+	if n := len(starts(dir)); n != 0 {
+		t.Fatalf("started %d times", n)
+	}
+}
+
