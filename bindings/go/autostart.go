@@ -267,8 +267,8 @@ func startLocked(ctx context.Context, sock string, lock *os.File) (bool, error) 
 			if cmd.ProcessState.ExitCode() == exitBusy {
 				return false, nil
 			}
-			return false, autostartError("the sidecar exited with status %d before listening on %s:\n%s\n(log: %s)",
-				cmd.ProcessState.ExitCode(), sock, firstLines(logPath), logPath)
+			return false, autostartError("the sidecar %s before listening on %s:\n%s\n(log: %s)",
+				exitText(cmd.ProcessState), sock, firstLines(logPath), logPath)
 		case <-ctx.Done():
 			_ = cmd.Process.Kill()
 			<-exited
@@ -277,6 +277,28 @@ func startLocked(ctx context.Context, sock string, lock *os.File) (bool, error) 
 		case <-tick.C:
 		}
 	}
+}
+
+// exitText is how the sidecar ended: "exited with status 1" or "was killed by
+// signal 11 (SIGSEGV)" (the words of the Python and Node bindings).
+func exitText(ps *os.ProcessState) string {
+	if ws, ok := ps.Sys().(syscall.WaitStatus); ok && ws.Signaled() {
+		sig := ws.Signal()
+		name, ok := signalNames[sig]
+		if !ok {
+			name = "unknown"
+		}
+		return fmt.Sprintf("was killed by signal %d (%s)", int(sig), name)
+	}
+	return fmt.Sprintf("exited with status %d", ps.ExitCode())
+}
+
+var signalNames = map[syscall.Signal]string{
+	syscall.SIGHUP: "SIGHUP", syscall.SIGINT: "SIGINT", syscall.SIGQUIT: "SIGQUIT", syscall.SIGILL: "SIGILL",
+	syscall.SIGTRAP: "SIGTRAP", syscall.SIGABRT: "SIGABRT", syscall.SIGBUS: "SIGBUS", syscall.SIGFPE: "SIGFPE",
+	syscall.SIGKILL: "SIGKILL", syscall.SIGUSR1: "SIGUSR1", syscall.SIGSEGV: "SIGSEGV", syscall.SIGUSR2: "SIGUSR2",
+	syscall.SIGPIPE: "SIGPIPE", syscall.SIGALRM: "SIGALRM", syscall.SIGTERM: "SIGTERM", syscall.SIGXCPU: "SIGXCPU",
+	syscall.SIGXFSZ: "SIGXFSZ", syscall.SIGSYS: "SIGSYS",
 }
 
 func firstLines(logPath string) string {

@@ -384,3 +384,18 @@ func TestAutostartNamesASocketPathTooLongForSunPath(t *testing.T) {
 	}
 }
 
+// A sidecar killed by a signal before listening was reported as "status -1".
+func TestAutostartNamesTheSignalThatKilledTheSidecar(t *testing.T) {
+	dir, sock := autostartEnv(t)
+	crash := filepath.Join(dir, "crash")
+	if err := os.WriteFile(crash, []byte("#!/bin/sh\necho about to crash >&2\nkill -SEGV $$\n"), 0o755); err != nil {
+		t.Fatal(err)
+	}
+	t.Setenv(SidecarEnv, crash)
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	_, err := DialOptions(ctx, sock, Options{Autostart: true})
+	if err == nil || !strings.Contains(err.Error(), "killed by signal 11 (SIGSEGV)") || !strings.Contains(err.Error(), "about to crash") {
+		t.Fatalf("want the signal named and the log's lines, got %v", err)
+	}
+}
