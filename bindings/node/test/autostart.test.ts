@@ -5,6 +5,7 @@
 
 import * as assert from "node:assert/strict";
 import * as fs from "node:fs";
+import * as net from "node:net";
 import * as path from "node:path";
 import { afterEach, describe, test } from "node:test";
 
@@ -41,9 +42,46 @@ afterEach(() => {
 function setup(): { dir: string; sock: string } {
   const dir = tempDir("pg-auto-");
   dirs.push(dir);
+  const bin = sidecarBin(); // before $POLYGATE_SIDECAR_BIN goes with the other POLYGATE_ variables
   for (const k of Object.keys(process.env)) if (k.includes("__") || k.startsWith("POLYGATE_")) delete process.env[k];
-  process.env.POLYGATE_SIDECAR = sidecarBin();
+  process.env.POLYGATE_SIDECAR = bin;
   return { dir, sock: path.join(dir, "run", "s.sock") };
+}
+
+/** An autostarted sidecar that closes an idle connection and then exits within a second. */
+function quickIdle(): void {
+  process.env.SIDECAR__IDLE_TIMEOUT = "300ms";
+  process.env.SIDECAR__IDLE_EXIT = "300ms";
+}
+
+async function waitFor(what: string, cond: () => boolean): Promise<void> {
+  const until = Date.now() + 10_000;
+  while (!cond()) {
+    if (Date.now() > until) assert.fail(`timed out waiting for ${what}`);
+    await sleep(20);
+  }
+}
+
+/**
+ * A listener on `sock` that closes the first connection that says Hello, then stops
+ * listening and removes the socket: a sidecar caught by idle_exit between a connect
+ * (a probe's, which says nothing, passes) and its handshake.
+ */
+async function goingAway(sock: string): Promise<{ done: Promise<void> }> {
+  fs.mkdirSync(path.dirname(sock), { recursive: true });
+  const server = net.createServer();
+  const done = new Promise<void>((resolve) => {
+    server.on("connection", (c) => {
+      c.on("error", () => {});
+      c.once("data", () => {
+        c.destroy();
+        server.close(() => resolve());
+        fs.rmSync(sock, { force: true });
+      });
+    });
+  });
+  await new Promise<void>((r) => server.listen(sock, r));
+  return { done }; // not the promise itself: an async function's result would adopt it
 }
 
 describe("autostart", { timeout: 60_000 }, () => {
@@ -97,5 +135,73 @@ describe("autostart", { timeout: 60_000 }, () => {
     await assert.rejects(sidecarPath(), /POLYGATE_SIDECAR/);
     fs.writeFileSync(path.join(dir, "polygate-sidecar"), "#!/bin/sh\n", { mode: 0o755 });
     assert.equal(await sidecarPath(), path.join(dir, "polygate-sidecar"));
+  });
+
+  // A red team saw a client connected with autostart fail forever (ENOENT) once
+  // idle_timeout closed its connection and idle_exit stopped the sidecar.
+  test("a client with autostart starts the sidecar again after idle_exit and after a kill -9", async () => {
+    const { dir, sock } = setup();
+    quickIdle();
+    const c = await connect(sock, { autostart: true });
+    try {
+      await c.status();
+      const [first] = sidecarsIn(dir);
+      await waitFor("idle_timeout, then idle_exit", () => sidecarsIn(dir).length === 0 && !fs.existsSync(sock));
+      await c.status();
+      const [second] = sidecarsIn(dir);
+      assert.ok(second !== undefined && second !== first, "a new sidecar");
+      process.kill(second, "SIGKILL");
+      await waitFor("the killed sidecar to go", () => sidecarsIn(dir).length === 0);
+      await sleep(200); // the client sees its connection close (a request already on it would fail)
+      await c.status();
+      assert.equal(sidecarsIn(dir).length, 1);
+    } finally {
+      await c.close();
+    }
+  });
+
+  test("POLYGATE_AUTOSTART=1 is remembered too: two calls that find the loss together make one sidecar", async () => {
+    const { dir, sock } = setup();
+    quickIdle();
+    process.env.POLYGATE_AUTOSTART = "1";
+    const c = await connect(sock);
+    try {
+      await c.status();
+      await waitFor("idle_exit", () => sidecarsIn(dir).length === 0 && !fs.existsSync(sock));
+      await Promise.all([c.status(), c.status()]);
+      assert.equal(sidecarsIn(dir).length, 1);
+    } finally {
+      await c.close();
+    }
+  });
+
+  test("a client without autostart does not start one at reconnect", async () => {
+    const { dir, sock } = setup();
+    quickIdle();
+    await (await connect(sock, { autostart: true })).close();
+    const c = await connect(sock); // the sidecar is there: a plain connect
+    try {
+      await waitFor("idle_exit", () => sidecarsIn(dir).length === 0 && !fs.existsSync(sock));
+      await assert.rejects(c.status(), /cannot connect/);
+      assert.deepEqual(sidecarsIn(dir), []);
+    } finally {
+      await c.close();
+    }
+  });
+
+  // idle_exit raced a new connect: the probe got into the backlog of a listener that
+  // was closing, and the caller got "ECONNRESET" / "connection lost".
+  test("autostart takes a connection closed by an exiting sidecar for none", async () => {
+    const { dir, sock } = setup();
+    quickIdle();
+    const { done } = await goingAway(sock);
+    const c = await connect(sock, { autostart: true, timeoutMs: 10_000 });
+    try {
+      await done;
+      await c.status();
+      assert.equal(sidecarsIn(dir).length, 1);
+    } finally {
+      await c.close();
+    }
   });
 });
