@@ -29,6 +29,18 @@ export const CONFIG_ENV = "POLYGATE_CONFIG";
 const EXIT_BUSY = 75;
 const POLL_MS = 10;
 const ERROR_LINES = 12;
+/**
+ * The caller's service-manager variables: an autostarted sidecar must not send
+ * READY=1 / STOPPING=1 to the caller's NOTIFY_SOCKET, nor take its sockets.
+ */
+const CHILD_ENV_DROPPED = ["NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID", "LISTEN_FDS", "LISTEN_PID", "LISTEN_FDNAMES"];
+
+/** The sidecar's environment: this process's without {@link CHILD_ENV_DROPPED}, bound to `sock`. */
+function childEnv(sock: string): NodeJS.ProcessEnv {
+  const env: NodeJS.ProcessEnv = { ...process.env, SIDECAR__SOCKET: sock };
+  for (const k of CHILD_ENV_DROPPED) delete env[k];
+  return env;
+}
 
 /** `opt` as given, else `$POLYGATE_AUTOSTART`. */
 export function autostartWanted(opt: boolean | undefined): boolean {
@@ -122,7 +134,7 @@ export async function ensureSidecar(socketPath: string, timeoutMs: number): Prom
         detached: true,
         cwd: "/",
         stdio: ["ignore", log, log],
-        env: { ...process.env, SIDECAR__SOCKET: sock },
+        env: childEnv(sock),
       });
     } finally {
       fs.closeSync(log);

@@ -4,6 +4,7 @@
 // (like idle_exit) removes socket and lock.
 
 import * as assert from "node:assert/strict";
+import { spawn } from "node:child_process";
 import * as fs from "node:fs";
 import * as net from "node:net";
 import * as path from "node:path";
@@ -202,6 +203,41 @@ describe("autostart", { timeout: 60_000 }, () => {
       assert.equal(sidecarsIn(dir).length, 1);
     } finally {
       await c.close();
+    }
+  });
+
+  // It sent READY=1 / STOPPING=1 to the caller's NOTIFY_SOCKET.
+  test("the autostarted sidecar does not get the caller's service-manager variables", async () => {
+    const { dir, sock } = setup();
+    const notify = path.join(dir, "notify");
+    // Node.js has no AF_UNIX datagram socket: a python3 receiver counts what arrives.
+    const recv = spawn("python3", ["-c", [
+      "import socket, sys",
+      "s = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM); s.bind(sys.argv[1]); s.settimeout(3)",
+      "print('ready', flush=True)",
+      "try: print('got', s.recv(4096))",
+      "except socket.timeout: print('nothing')",
+    ].join("\n"), notify], { stdio: ["ignore", "pipe", "inherit"] });
+    let out = "";
+    recv.stdout.on("data", (b: Buffer) => { out += b.toString(); });
+    const exited = new Promise<void>((r) => recv.once("exit", () => r()));
+    await waitFor("the receiver", () => out.includes("ready"));
+    const manager: Record<string, string> = {
+      NOTIFY_SOCKET: notify, WATCHDOG_USEC: "1000000", WATCHDOG_PID: String(process.pid),
+      LISTEN_FDS: "1", LISTEN_PID: String(process.pid), LISTEN_FDNAMES: "x",
+    };
+    Object.assign(process.env, manager);
+    const c = await connect(sock, { autostart: true });
+    try {
+      const [pid] = sidecarsIn(dir);
+      const env = fs.readFileSync(`/proc/${pid}/environ`, "utf8").split("\0");
+      assert.deepEqual(env.filter((kv) => kv.split("=")[0]! in manager), [], "the caller's variables stay the caller's");
+      await exited;
+      assert.match(out, /nothing/, `the sidecar notified the caller's service manager: ${out}`);
+      for (const [k, v] of Object.entries(manager)) assert.equal(process.env[k], v, "the caller's own environment is untouched");
+    } finally {
+      await c.close();
+      recv.kill();
     }
   });
 });
