@@ -120,10 +120,25 @@ export async function ensureSidecar(socketPath: string, timeoutMs: number): Prom
     throw new SidecarError(`autostart: cannot create the socket directory ${path.dirname(sock)}: ${String(e)}`);
   }
   const binary = await sidecarPath();
+  const lockPath = `${sock}.lock`;
   for (;;) {
     if (await answers(sock)) return;
-    // Several Node.js starters may append here at once: read from where ours began.
-    const log = fs.openSync(logPath, "a", 0o600);
+    const held = lockHeld(lockPath);
+    if (held === true) {
+      // A live process holds the lock: a sidecar starting (or exiting), or another
+      // client's start. Wait for the socket (or the lock's release), as Python and Go
+      // do, rather than start sidecars that find it held and exit 75.
+      if (Date.now() > deadline) {
+        throw new SidecarError(
+          `autostart: no sidecar answers on ${sock} and another process holds ${lockPath} (starting one?) past the timeout`);
+      }
+      await sleep(POLL_MS);
+      continue;
+    }
+    // Nobody holds the lock: the log is this start's (as in Python and Go). Several
+    // Node.js starters may write it at once (O_APPEND): read from where ours began.
+    const { O_WRONLY, O_CREAT, O_APPEND, O_TRUNC } = fs.constants;
+    const log = fs.openSync(logPath, O_WRONLY | O_CREAT | O_APPEND | (held === false ? O_TRUNC : 0), 0o600);
     const from = fs.fstatSync(log).size;
     const args = ["--autostarted"];
     const config = process.env[CONFIG_ENV];
@@ -167,10 +182,41 @@ export async function ensureSidecar(socketPath: string, timeoutMs: number): Prom
       await sleep(POLL_MS);
     }
     if (Date.now() > deadline) {
-      throw new SidecarError(`autostart: no sidecar answers on ${sock} and another process holds ${sock}.lock past the timeout`);
+      throw new SidecarError(
+        `autostart: no sidecar answers on ${sock} and another process holds ${lockPath} (starting one?) past the timeout`);
     }
     await sleep(5 * POLL_MS);
   }
+}
+
+/**
+ * Whether a process holds an `flock` on `lockPath`, read from Linux's /proc/locks
+ * (Node.js has no `flock` to try); `false` when there is no such file, `null` when
+ * it cannot tell (no /proc/locks: the sidecar's own lock still decides, exit 75).
+ */
+function lockHeld(lockPath: string): boolean | null {
+  let st: fs.BigIntStats;
+  try {
+    st = fs.statSync(lockPath, { bigint: true });
+  } catch {
+    return false;
+  }
+  let locks: string;
+  try {
+    locks = fs.readFileSync("/proc/locks", "utf8");
+  } catch {
+    return null;
+  }
+  // st_dev as glibc encodes it; /proc/locks prints MAJOR:MINOR:INODE, in hex, hex, decimal.
+  const major = ((st.dev >> 8n) & 0xfffn) | ((st.dev >> 32n) & ~0xfffn);
+  const minor = (st.dev & 0xffn) | ((st.dev >> 12n) & ~0xffn);
+  const want = `${major.toString(16).padStart(2, "0")}:${minor.toString(16).padStart(2, "0")}:${st.ino}`;
+  for (const line of locks.split("\n")) {
+    // "1: FLOCK  ADVISORY  WRITE 4352 fe:00:9986476 0 EOF" ("1: -> FLOCK ..." is a waiter)
+    const f = line.trim().split(/\s+/);
+    if (f[1] === "FLOCK" && f[5] === want) return true;
+  }
+  return false;
 }
 
 function firstLines(logPath: string, from: number): string {

@@ -240,4 +240,46 @@ describe("autostart", { timeout: 60_000 }, () => {
       recv.kill();
     }
   });
+
+  // Node.js spawned sidecars in a loop while another live process held the lock (47
+  // in 3 s, each exiting 75) and ended with "no sidecar listened ... (it wrote nothing)".
+  test("with the lock held by another live process, no sidecar is started and the error names the lock", async () => {
+    const { dir, sock } = setup();
+    const wrapper = path.join(dir, "polygate-sidecar");
+    fs.writeFileSync(wrapper, `#!/bin/sh\necho $$ >> ${dir}/starts\nexec ${process.env.POLYGATE_SIDECAR} "$@"\n`, { mode: 0o755 });
+    process.env.POLYGATE_SIDECAR = wrapper;
+    fs.mkdirSync(path.dirname(sock), { recursive: true });
+    const holder = spawn("python3", ["-c", [
+      "import fcntl, os, sys, time",
+      "fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT, 0o600); fcntl.flock(fd, fcntl.LOCK_EX)",
+      "print('locked', flush=True); time.sleep(30)",
+    ].join("\n"), `${sock}.lock`], { stdio: ["ignore", "pipe", "inherit"] });
+    let out = "";
+    holder.stdout.on("data", (b: Buffer) => { out += b.toString(); });
+    try {
+      await waitFor("the lock holder", () => out.includes("locked"));
+      const t0 = Date.now();
+      await assert.rejects(connect(sock, { autostart: true, timeoutMs: 1500 }),
+        (e: unknown) => e instanceof SidecarError && /another process holds \S+s\.sock\.lock \(starting one\?\)/.test(e.message));
+      assert.ok(Date.now() - t0 < 5000);
+      const started = fs.existsSync(path.join(dir, "starts")) ? fs.readFileSync(path.join(dir, "starts"), "utf8") : "";
+      assert.equal(started, "", "no sidecar is started while another process holds the lock");
+    } finally {
+      holder.kill();
+    }
+  });
+
+  test("SOCKET.log holds one start's log, not every start's", async () => {
+    const { dir, sock } = setup();
+    await (await connect(sock, { autostart: true })).close();
+    const [pid] = sidecarsIn(dir);
+    process.kill(pid!, "SIGTERM");
+    await waitFor("the sidecar to exit", () => sidecarsIn(dir).length === 0 && !fs.existsSync(`${sock}.lock`));
+    fs.appendFileSync(`${sock}.log`, "A LINE OF THE FIRST START\n");
+    await (await connect(sock, { autostart: true })).close();
+    const log = fs.readFileSync(`${sock}.log`, "utf8");
+    assert.ok(!log.includes("A LINE OF THE FIRST START"), log);
+    assert.equal(fs.statSync(`${sock}.log`).mode & 0o777, 0o600);
+  });
+
 });
