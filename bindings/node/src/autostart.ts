@@ -15,6 +15,7 @@
 import { spawn } from "node:child_process";
 import * as fs from "node:fs";
 import * as net from "node:net";
+import * as os from "node:os";
 import * as path from "node:path";
 
 import { SidecarError } from "./errors.js";
@@ -155,9 +156,13 @@ export async function ensureSidecar(socketPath: string, timeoutMs: number): Prom
       fs.closeSync(log);
     }
     let exit: number | null | undefined;
+    let exitText = "";
     let spawnError: Error | undefined;
     child.once("exit", (code, signal) => {
-      exit = code ?? (signal ? 128 : 1);
+      exit = code ?? -1;
+      exitText = signal !== null
+        ? `was killed by signal ${os.constants.signals[signal] ?? "?"} (${signal})`
+        : `exited with status ${String(code)}`;
     });
     child.once("error", (e) => {
       spawnError = e;
@@ -169,7 +174,7 @@ export async function ensureSidecar(socketPath: string, timeoutMs: number): Prom
       if (exit === EXIT_BUSY) break; // another start holds the lock: look again
       if (exit !== undefined) {
         throw new SidecarError(
-          `autostart: the sidecar exited with status ${exit} before listening on ${sock}:\n`
+          `autostart: the sidecar ${exitText} before listening on ${sock}:\n`
             + `${firstLines(logPath, from)}\n(log: ${logPath})`,
         );
       }

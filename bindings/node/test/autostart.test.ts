@@ -282,4 +282,14 @@ describe("autostart", { timeout: 60_000 }, () => {
     assert.equal(fs.statSync(`${sock}.log`).mode & 0o777, 0o600);
   });
 
+  // A signal death was reported as "status 128".
+  test("a sidecar killed by a signal before listening is named so", async () => {
+    const { dir, sock } = setup();
+    const crash = path.join(dir, "crash");
+    fs.writeFileSync(crash, "#!/bin/sh\necho about to crash >&2\nkill -SEGV $$\n", { mode: 0o755 });
+    process.env.POLYGATE_SIDECAR = crash;
+    await assert.rejects(connect(sock, { autostart: true, timeoutMs: 5000 }),
+      (e: unknown) => e instanceof SidecarError && e.message.includes("killed by signal 11 (SIGSEGV)")
+        && e.message.includes("about to crash"));
+  });
 });
