@@ -357,6 +357,10 @@ def test_autostart_names_a_socket_path_too_long_for_sun_path(run_dir, sidecar_bi
         polygate.connect("s.sock", autostart=True, timeout=5)
     msg = str(e.value)
     assert str(deep / "s.sock") in msg and "107" in msg, msg
+    for autostart in (True, False):  # a long absolute path: "AF_UNIX path too long" alone before
+        with pytest.raises(SidecarError) as e:
+            polygate.connect(str(deep / "s.sock"), autostart=autostart, timeout=5)
+        assert str(deep / "s.sock") in str(e.value) and "107" in str(e.value), e.value
     assert not _sidecars_in(run_dir)
 
 

@@ -31,6 +31,7 @@ import threading
 import time
 from typing import List, Optional
 
+from ._core.errmap import SUN_PATH_MAX
 from .errors import SidecarError
 
 AUTOSTART_ENV = "POLYGATE_AUTOSTART"
@@ -50,8 +51,6 @@ _ABSENT = (errno.ENOENT, errno.ECONNREFUSED)
 # way out" (idle_exit, SIGTERM: the probe got into the backlog of a listener that
 # was closing). With autostart both mean "start one" (DESIGN §20).
 GONE = _ABSENT + (errno.ECONNRESET, errno.EPIPE)
-SUN_PATH_MAX = 107
-"""The longest Unix socket path, in bytes (``sun_path`` is 108 with its NUL)."""
 # The caller's service-manager protocol is the caller's: an autostarted sidecar
 # must not send READY=1 / STOPPING=1 to its NOTIFY_SOCKET, nor take its sockets.
 CHILD_ENV_DROPPED = ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID", "LISTEN_FDS", "LISTEN_PID",
