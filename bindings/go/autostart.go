@@ -10,7 +10,8 @@ package polygate
 // (SIDECAR__SOCKET). The locked descriptor is inherited: the lock becomes the
 // sidecar's until it exits, so concurrent starters make exactly one sidecar. Its
 // stderr goes to SOCKET.log; if it exits before listening, Dial returns a
-// *SidecarError carrying its first lines and the log path.
+// *SidecarError carrying its first lines and the log path. A Client dialled with
+// autostart runs this again at any reconnect that finds no sidecar (dialAutostart).
 
 import (
 	"bytes"

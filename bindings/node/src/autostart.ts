@@ -7,7 +7,9 @@
  * as `polygate-sidecar --autostarted` on the embedded default configuration (or
  * `$POLYGATE_CONFIG`), bound to this socket (`SIDECAR__SOCKET`). A sidecar that finds
  * the lock held (another client is starting one, or one is serving) exits 75, and
- * the client keeps connecting. The sidecar's stderr goes to `SOCKET.log`; if it dies
+ * the client keeps connecting; while /proc/locks shows the lock held, the client
+ * starts nothing and waits for the socket. A client connected with autostart runs
+ * this again at any reconnect that finds no sidecar (`dial` in client.ts). The sidecar's stderr goes to `SOCKET.log`; if it dies
  * before listening, the caller gets a {@link SidecarError} with its first lines and
  * the log path.
  */

@@ -11,7 +11,9 @@ once exactly one starts a sidecar and the others connect to it. The sidecar's
 stderr goes to ``SOCKET.log``; if it exits before it listens, the caller gets a
 :class:`~polygate.errors.SidecarError` carrying its first lines and the log path.
 An autostarted sidecar exits after ``sidecar.idle_exit`` (10 min unless set)
-without a connection, removing socket and lock file.
+without a connection, removing socket and lock file; a client connected with
+autostart runs :func:`ensure` again at any reconnect that finds no sidecar
+(``_sync._dial``, ``aio._dial``).
 
 Blocking; :mod:`polygate.aio` runs it in a thread.
 """
