@@ -10,17 +10,20 @@ package polygate
 // (SIDECAR__SOCKET). The locked descriptor is inherited: the lock becomes the
 // sidecar's until it exits, so concurrent starters make exactly one sidecar. Its
 // stderr goes to SOCKET.log; if it exits before listening, Dial returns a
-// *SidecarError carrying its first lines and the log path.
+// *SidecarError carrying its first lines and the log path. A Client dialled with
+// autostart runs this again at any reconnect that finds no sidecar (dialAutostart).
 
 import (
 	"bytes"
 	"context"
 	"errors"
 	"fmt"
+	"io"
 	"net"
 	"os"
 	"os/exec"
 	"path/filepath"
+	"slices"
 	"strings"
 	"syscall"
 	"time"
@@ -34,11 +37,30 @@ const (
 	// ConfigEnv names the configuration file an autostarted sidecar reads.
 	ConfigEnv = "POLYGATE_CONFIG"
 
-	exitBusy          = 75 // the sidecar found the lock held (EX_TEMPFAIL)
+	exitBusy          = 75  // the sidecar found the lock held (EX_TEMPFAIL)
+	sunPathMax        = 107 // the longest Unix socket path in bytes (sun_path is 108 with its NUL)
 	autostartTimeout  = 10 * time.Second
 	autostartPoll     = 10 * time.Millisecond
 	autostartErrLines = 12
 )
+
+// childEnvDropped are the caller's service-manager variables: an autostarted
+// sidecar must not send READY=1 / STOPPING=1 to the caller's NOTIFY_SOCKET, nor
+// take its socket-activation descriptors.
+var childEnvDropped = []string{"NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID", "LISTEN_FDS", "LISTEN_PID", "LISTEN_FDNAMES"}
+
+// childEnv is the sidecar's environment: this process's without childEnvDropped,
+// bound to sock.
+func childEnv(sock string) []string {
+	var env []string
+	for _, kv := range os.Environ() {
+		k, _, _ := strings.Cut(kv, "=")
+		if !slices.Contains(childEnvDropped, k) {
+			env = append(env, kv)
+		}
+	}
+	return append(env, "SIDECAR__SOCKET="+sock)
+}
 
 func autostartWanted(opt bool) bool {
 	if opt {
@@ -80,6 +102,51 @@ func autostartError(format string, args ...any) *SidecarError {
 	return &SidecarError{Kind: "connection", Message: "autostart: " + fmt.Sprintf(format, args...)}
 }
 
+// dialAutostart is dial; with autostart, a connect or handshake that finds no
+// sidecar (nothing listening, or one exiting after idle_exit that refused, reset
+// or closed the connection) runs ensureSidecar, whose lock makes one sidecar of
+// any number of concurrent starters, and dials again; ctx bounds it all (10 s
+// when ctx has no deadline).
+func dialAutostart(ctx context.Context, path, name string, autostart bool) (*conn, error) {
+	if !autostart {
+		return dial(ctx, path, name)
+	}
+	if _, ok := ctx.Deadline(); !ok {
+		var cancel context.CancelFunc
+		ctx, cancel = context.WithTimeout(ctx, autostartTimeout)
+		defer cancel()
+	}
+	for tries := 0; ; tries++ {
+		c, err := dial(ctx, path, name)
+		if err == nil || !sidecarGone(err) || ctx.Err() != nil {
+			return c, err
+		}
+		if tries > 0 { // a listener still closing: let it go
+			select {
+			case <-ctx.Done():
+				return nil, err
+			case <-time.After(autostartPoll):
+			}
+		}
+		if err := ensureSidecar(ctx, path); err != nil {
+			return nil, err
+		}
+	}
+}
+
+// sidecarGone reports whether a dial's error means "no sidecar there": nothing
+// listening (ENOENT, ECONNREFUSED) or one on its way out (reset, broken pipe,
+// EOF during the handshake).
+func sidecarGone(err error) bool {
+	for _, e := range []error{syscall.ENOENT, syscall.ECONNREFUSED, syscall.ECONNRESET, syscall.EPIPE,
+		io.EOF, io.ErrUnexpectedEOF} {
+		if errors.Is(err, e) {
+			return true
+		}
+	}
+	return false
+}
+
 // ensureSidecar returns once a sidecar answers on path, starting one if none does.
 // ctx bounds it (10 s when ctx has no deadline).
 func ensureSidecar(ctx context.Context, path string) error {
@@ -97,6 +164,10 @@ func ensureSidecar(ctx context.Context, path string) error {
 	}
 	if err := os.MkdirAll(filepath.Dir(abs), 0o700); err != nil {
 		return autostartError("cannot create the socket directory: %v", err)
+	}
+	if len(abs) > sunPathMax {
+		return autostartError("the socket path %s is %d bytes, longer than the %d bytes a Unix socket path may have (sun_path): use a shorter one",
+			abs, len(abs), sunPathMax)
 	}
 	lockPath := abs + ".lock"
 	for {
@@ -174,7 +245,7 @@ func startLocked(ctx context.Context, sock string, lock *os.File) (bool, error) 
 	cmd.Dir = "/"
 	cmd.Stdout, cmd.Stderr = logf, logf
 	cmd.ExtraFiles = []*os.File{lock}
-	cmd.Env = append(os.Environ(), "SIDECAR__SOCKET="+sock)
+	cmd.Env = childEnv(sock)
 	cmd.SysProcAttr = &syscall.SysProcAttr{Setsid: true}
 	err = cmd.Start()
 	logf.Close()
@@ -194,12 +265,11 @@ func startLocked(ctx context.Context, sock string, lock *os.File) (bool, error) 
 		}
 		select {
 		case <-exited:
-			code := cmd.ProcessState.ExitCode()
-			if code == exitBusy {
+			if cmd.ProcessState.ExitCode() == exitBusy {
 				return false, nil
 			}
-			return false, autostartError("the sidecar exited with status %d before listening on %s:\n%s\n(log: %s)",
-				code, sock, firstLines(logPath), logPath)
+			return false, autostartError("the sidecar %s before listening on %s:\n%s\n(log: %s)",
+				exitText(cmd.ProcessState), sock, firstLines(logPath), logPath)
 		case <-ctx.Done():
 			_ = cmd.Process.Kill()
 			<-exited
@@ -208,6 +278,28 @@ func startLocked(ctx context.Context, sock string, lock *os.File) (bool, error) 
 		case <-tick.C:
 		}
 	}
+}
+
+// exitText is how the sidecar ended: "exited with status 1" or "was killed by
+// signal 11 (SIGSEGV)" (the words of the Python and Node bindings).
+func exitText(ps *os.ProcessState) string {
+	if ws, ok := ps.Sys().(syscall.WaitStatus); ok && ws.Signaled() {
+		sig := ws.Signal()
+		name, ok := signalNames[sig]
+		if !ok {
+			name = "unknown"
+		}
+		return fmt.Sprintf("was killed by signal %d (%s)", int(sig), name)
+	}
+	return fmt.Sprintf("exited with status %d", ps.ExitCode())
+}
+
+var signalNames = map[syscall.Signal]string{
+	syscall.SIGHUP: "SIGHUP", syscall.SIGINT: "SIGINT", syscall.SIGQUIT: "SIGQUIT", syscall.SIGILL: "SIGILL",
+	syscall.SIGTRAP: "SIGTRAP", syscall.SIGABRT: "SIGABRT", syscall.SIGBUS: "SIGBUS", syscall.SIGFPE: "SIGFPE",
+	syscall.SIGKILL: "SIGKILL", syscall.SIGUSR1: "SIGUSR1", syscall.SIGSEGV: "SIGSEGV", syscall.SIGUSR2: "SIGUSR2",
+	syscall.SIGPIPE: "SIGPIPE", syscall.SIGALRM: "SIGALRM", syscall.SIGTERM: "SIGTERM", syscall.SIGXCPU: "SIGXCPU",
+	syscall.SIGXFSZ: "SIGXFSZ", syscall.SIGSYS: "SIGSYS",
 }
 
 func firstLines(logPath string) string {

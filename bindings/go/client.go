@@ -62,6 +62,10 @@ type Client struct {
 	path string
 	name string
 
+	// autostart: every dial that finds no sidecar starts one (DESIGN §20), not only
+	// the first.
+	autostart bool
+
 	mu     sync.Mutex
 	cur    *conn
 	closed bool
@@ -75,8 +79,9 @@ type Options struct {
 	// "polygate-go/<ClientVersion>".
 	ClientName string
 	// Autostart: when nothing answers on the socket, start a sidecar for it
-	// first ($POLYGATE_SIDECAR or polygate-sidecar on PATH; DESIGN §20). Off
-	// unless set here or by POLYGATE_AUTOSTART=1.
+	// first ($POLYGATE_SIDECAR or polygate-sidecar on PATH; DESIGN §20), and
+	// again at any reconnect that finds none (it exited after idle_exit, or was
+	// killed). Off unless set here or by POLYGATE_AUTOSTART=1.
 	Autostart bool
 }
 
@@ -107,12 +112,7 @@ func DialOptions(ctx context.Context, path string, o Options) (*Client, error) {
 	if !utf8.ValidString(name) {
 		return nil, invalidArgument("ClientName %q is not valid UTF-8", name)
 	}
-	if autostartWanted(o.Autostart) {
-		if err := ensureSidecar(ctx, path); err != nil {
-			return nil, err
-		}
-	}
-	c := &Client{path: path, name: name}
+	c := &Client{path: path, name: name, autostart: autostartWanted(o.Autostart)}
 	if _, err := c.conn(ctx); err != nil {
 		return nil, err
 	}
@@ -144,7 +144,7 @@ func (c *Client) conn(ctx context.Context) (*conn, error) {
 	if cur != nil && !cur.dead.Load() {
 		return cur, nil
 	}
-	nc, err := dial(ctx, c.path, c.name)
+	nc, err := dialAutostart(ctx, c.path, c.name, c.autostart)
 	if err != nil {
 		return nil, err
 	}

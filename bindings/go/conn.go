@@ -92,6 +92,9 @@ func connectError(path string, err error) *SidecarError {
 	hint := ""
 	if errors.Is(err, os.ErrNotExist) {
 		hint = " (is polygate-sidecar running? set $" + SocketEnv + " or pass the path to Dial)"
+	} else if len(path) > sunPathMax {
+		hint = fmt.Sprintf(" (the path is %d bytes, longer than the %d bytes a Unix socket path may have (sun_path): use a shorter one)",
+			len(path), sunPathMax)
 	} else if errors.Is(err, os.ErrPermission) {
 		hint = " (this user may not open the socket: ask the sidecar's operator to admit it " +
 			"(socket_mode, the socket directory's group), or set $" + SocketEnv +

@@ -145,7 +145,7 @@ const TenantHeader = "X-Polygate-Tenant"
 // (a key set on the map directly, not in its canonical form, counts too: net/http
 // would send it as it is). HTTP whitespace around the value (space, tab, CR, LF) is
 // not part of it, and a header given more than once is its values joined by ", "
-// (RFC 9110 §5.3): what fetch's Headers gives the Node binding, and Python reads,
+// (RFC 9110, section 5.3): what fetch's Headers gives the Node binding, and Python reads,
 // so one request names one tenant in all three.
 func tenantHeader(h http.Header) (string, bool) {
 	vs, found := h[TenantHeader]
@@ -413,7 +413,7 @@ func (t *Transport) RoundTrip(req *http.Request) (*http.Response, error) {
 }
 
 // relocate makes a routed request's relative Location absolute against the URL
-// actually sent (RFC 9110 §10.2.2: relative to the request's target, DESIGN §17).
+// actually sent (RFC 9110, section 10.2.2: relative to the request's target, DESIGN §17).
 // An http.Client follows redirects above the transport and resolves Location
 // against its own request's URL (the SDK's), which the transport would then route
 // again (a doubled base path); the absolute URL is under the granted route's base

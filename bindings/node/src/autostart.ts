@@ -7,7 +7,9 @@
  * as `polygate-sidecar --autostarted` on the embedded default configuration (or
  * `$POLYGATE_CONFIG`), bound to this socket (`SIDECAR__SOCKET`). A sidecar that finds
  * the lock held (another client is starting one, or one is serving) exits 75, and
- * the client keeps connecting. The sidecar's stderr goes to `SOCKET.log`; if it dies
+ * the client keeps connecting; while /proc/locks shows the lock held, the client
+ * starts nothing and waits for the socket. A client connected with autostart runs
+ * this again at any reconnect that finds no sidecar (`dial` in client.ts). The sidecar's stderr goes to `SOCKET.log`; if it dies
  * before listening, the caller gets a {@link SidecarError} with its first lines and
  * the log path.
  */
@@ -15,6 +17,7 @@
 import { spawn } from "node:child_process";
 import * as fs from "node:fs";
 import * as net from "node:net";
+import * as os from "node:os";
 import * as path from "node:path";
 
 import { SidecarError } from "./errors.js";
@@ -29,6 +32,18 @@ export const CONFIG_ENV = "POLYGATE_CONFIG";
 const EXIT_BUSY = 75;
 const POLL_MS = 10;
 const ERROR_LINES = 12;
+/**
+ * The caller's service-manager variables: an autostarted sidecar must not send
+ * READY=1 / STOPPING=1 to the caller's NOTIFY_SOCKET, nor take its sockets.
+ */
+const CHILD_ENV_DROPPED = ["NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID", "LISTEN_FDS", "LISTEN_PID", "LISTEN_FDNAMES"];
+
+/** The sidecar's environment: this process's without {@link CHILD_ENV_DROPPED}, bound to `sock`. */
+function childEnv(sock: string): NodeJS.ProcessEnv {
+  const env: NodeJS.ProcessEnv = { ...process.env, SIDECAR__SOCKET: sock };
+  for (const k of CHILD_ENV_DROPPED) delete env[k];
+  return env;
+}
 
 /** `opt` as given, else `$POLYGATE_AUTOSTART`. */
 export function autostartWanted(opt: boolean | undefined): boolean {
@@ -108,10 +123,25 @@ export async function ensureSidecar(socketPath: string, timeoutMs: number): Prom
     throw new SidecarError(`autostart: cannot create the socket directory ${path.dirname(sock)}: ${String(e)}`);
   }
   const binary = await sidecarPath();
+  const lockPath = `${sock}.lock`;
   for (;;) {
     if (await answers(sock)) return;
-    // Several Node.js starters may append here at once: read from where ours began.
-    const log = fs.openSync(logPath, "a", 0o600);
+    const held = lockHeld(lockPath);
+    if (held === true) {
+      // A live process holds the lock: a sidecar starting (or exiting), or another
+      // client's start. Wait for the socket (or the lock's release), as Python and Go
+      // do, rather than start sidecars that find it held and exit 75.
+      if (Date.now() > deadline) {
+        throw new SidecarError(
+          `autostart: no sidecar answers on ${sock} and another process holds ${lockPath} (starting one?) past the timeout`);
+      }
+      await sleep(POLL_MS);
+      continue;
+    }
+    // Nobody holds the lock: the log is this start's (as in Python and Go). Several
+    // Node.js starters may write it at once (O_APPEND): read from where ours began.
+    const { O_WRONLY, O_CREAT, O_APPEND, O_TRUNC } = fs.constants;
+    const log = fs.openSync(logPath, O_WRONLY | O_CREAT | O_APPEND | (held === false ? O_TRUNC : 0), 0o600);
     const from = fs.fstatSync(log).size;
     const args = ["--autostarted"];
     const config = process.env[CONFIG_ENV];
@@ -122,15 +152,19 @@ export async function ensureSidecar(socketPath: string, timeoutMs: number): Prom
         detached: true,
         cwd: "/",
         stdio: ["ignore", log, log],
-        env: { ...process.env, SIDECAR__SOCKET: sock },
+        env: childEnv(sock),
       });
     } finally {
       fs.closeSync(log);
     }
     let exit: number | null | undefined;
+    let exitText = "";
     let spawnError: Error | undefined;
     child.once("exit", (code, signal) => {
-      exit = code ?? (signal ? 128 : 1);
+      exit = code ?? -1;
+      exitText = signal !== null
+        ? `was killed by signal ${os.constants.signals[signal] ?? "?"} (${signal})`
+        : `exited with status ${String(code)}`;
     });
     child.once("error", (e) => {
       spawnError = e;
@@ -142,7 +176,7 @@ export async function ensureSidecar(socketPath: string, timeoutMs: number): Prom
       if (exit === EXIT_BUSY) break; // another start holds the lock: look again
       if (exit !== undefined) {
         throw new SidecarError(
-          `autostart: the sidecar exited with status ${exit} before listening on ${sock}:\n`
+          `autostart: the sidecar ${exitText} before listening on ${sock}:\n`
             + `${firstLines(logPath, from)}\n(log: ${logPath})`,
         );
       }
@@ -155,10 +189,41 @@ export async function ensureSidecar(socketPath: string, timeoutMs: number): Prom
       await sleep(POLL_MS);
     }
     if (Date.now() > deadline) {
-      throw new SidecarError(`autostart: no sidecar answers on ${sock} and another process holds ${sock}.lock past the timeout`);
+      throw new SidecarError(
+        `autostart: no sidecar answers on ${sock} and another process holds ${lockPath} (starting one?) past the timeout`);
     }
     await sleep(5 * POLL_MS);
   }
+}
+
+/**
+ * Whether a process holds an `flock` on `lockPath`, read from Linux's /proc/locks
+ * (Node.js has no `flock` to try); `false` when there is no such file, `null` when
+ * it cannot tell (no /proc/locks: the sidecar's own lock still decides, exit 75).
+ */
+function lockHeld(lockPath: string): boolean | null {
+  let st: fs.BigIntStats;
+  try {
+    st = fs.statSync(lockPath, { bigint: true });
+  } catch {
+    return false;
+  }
+  let locks: string;
+  try {
+    locks = fs.readFileSync("/proc/locks", "utf8");
+  } catch {
+    return null;
+  }
+  // st_dev as glibc encodes it; /proc/locks prints MAJOR:MINOR:INODE, in hex, hex, decimal.
+  const major = ((st.dev >> 8n) & 0xfffn) | ((st.dev >> 32n) & ~0xfffn);
+  const minor = (st.dev & 0xffn) | ((st.dev >> 12n) & ~0xffn);
+  const want = `${major.toString(16).padStart(2, "0")}:${minor.toString(16).padStart(2, "0")}:${st.ino}`;
+  for (const line of locks.split("\n")) {
+    // "1: FLOCK  ADVISORY  WRITE 4352 fe:00:9986476 0 EOF" ("1: -> FLOCK ..." is a waiter)
+    const f = line.trim().split(/\s+/);
+    if (f[1] === "FLOCK" && f[5] === want) return true;
+  }
+  return false;
 }
 
 function firstLines(logPath: string, from: number): string {

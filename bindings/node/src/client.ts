@@ -91,7 +91,10 @@ export interface ConnectOptions {
   clientName?: string;
   /** Bound on connecting + the Hello/Welcome handshake, in milliseconds (default 10000). */
   timeoutMs?: number;
-  /** When nothing answers on the socket, start the packaged sidecar first (DESIGN §20); default `$POLYGATE_AUTOSTART`. */
+  /**
+   * When nothing answers on the socket, start the packaged sidecar first, and again
+   * at any reconnect that finds none (DESIGN §20); default `$POLYGATE_AUTOSTART`.
+   */
   autostart?: boolean;
 }
 
@@ -341,6 +344,32 @@ class Request implements Pending {
   }
 }
 
+/** A connect or connection that fails with one of these found no sidecar, or one on its way out. */
+const GONE_CODES = ["ENOENT", "ECONNREFUSED", "ECONNRESET", "EPIPE"];
+/** The errors of connections the sidecar's side ended (see {@link GONE_CODES}). */
+const goneErrors = new WeakSet<object>();
+
+/**
+ * {@link Connection.open}; with autostart, a connect or handshake that finds no
+ * sidecar (nothing listening, or one exiting after `idle_exit` that refused, reset or
+ * closed the connection) starts one ({@link ensureSidecar}) and tries again, all
+ * within `timeoutMs` (10 s). @internal
+ */
+export async function dial(path: string, opts: ConnectOptions): Promise<Connection> {
+  if (opts.autostart !== true) return Connection.open(path, opts);
+  const deadline = Date.now() + (opts.timeoutMs ?? 10_000);
+  for (let tries = 0; ; tries++) {
+    try {
+      return await Connection.open(path, opts);
+    } catch (e) {
+      const left = deadline - Date.now();
+      if (typeof e !== "object" || e === null || !goneErrors.has(e) || left <= 0) throw e;
+      if (tries > 0) await new Promise((r) => setTimeout(r, Math.min(left, 10))); // a listener still closing
+      await ensureSidecar(path, left);
+    }
+  }
+}
+
 /** One socket to the sidecar, after a successful handshake. @internal */
 export class Connection {
   readonly path: string;
@@ -375,7 +404,14 @@ export class Connection {
     this.sock.on("error", (e: Error) => {
       this.sockError = e;
     });
-    this.sock.on("close", () => this.die(this.closeReason()));
+    this.sock.on("close", () => {
+      if (this.dead !== null) return;
+      const err = this.closeReason();
+      // Not closed by us: refused, reset, EOF... "no sidecar there", or one on its way out.
+      const code = (this.sockError as NodeJS.ErrnoException | null)?.code;
+      if (!this.closedByClient && (code === undefined || GONE_CODES.includes(code))) goneErrors.add(err);
+      this.die(err);
+    });
   }
 
   /**
@@ -1160,7 +1196,7 @@ export class Client {
     const c = this.conn;
     if (c !== null && c.dead === null) return Promise.resolve(c);
     if (this.connecting === null) {
-      this.connecting = Connection.open(this.path, this.opts).then(
+      this.connecting = dial(this.path, this.opts).then(
         (conn) => {
           this.connecting = null;
           if (this.closedByUser) {
@@ -1371,7 +1407,6 @@ function statusFromJson(doc: unknown): Status {
 /** Connect to the sidecar: `path`, else `$POLYGATE_SOCKET`, else {@link defaultSocket} for this uid. */
 export async function connect(path?: string | null, opts: ConnectOptions = {}): Promise<Client> {
   const p = resolvePath(path);
-  if (autostartWanted(opts.autostart)) await ensureSidecar(p, opts.timeoutMs ?? 10_000);
-  const conn = await Connection.open(p, opts);
-  return new Client(p, conn, opts);
+  const o = { ...opts, autostart: autostartWanted(opts.autostart) }; // every reconnect does the same
+  return new Client(p, await dial(p, o), o);
 }

@@ -750,7 +750,7 @@ function rebase(url: string, route: RouteIn, bases: Base[]): [string, boolean] {
 /**
  * A routed 3xx (the SDK's `redirect: "manual"`; fetch follows the others itself,
  * below the transport) with its relative `Location` made absolute against the URL
- * actually sent (RFC 9110 §10.2.2), so a caller following it asks for a URL under the
+ * actually sent (RFC 9110, section 10.2.2), so a caller following it asks for a URL under the
  * granted route's base URL, routed as any other, not one resolved against its own.
  */
 function relocate(up: Response, sent: string): Response {

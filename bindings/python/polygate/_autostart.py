@@ -11,7 +11,9 @@ once exactly one starts a sidecar and the others connect to it. The sidecar's
 stderr goes to ``SOCKET.log``; if it exits before it listens, the caller gets a
 :class:`~polygate.errors.SidecarError` carrying its first lines and the log path.
 An autostarted sidecar exits after ``sidecar.idle_exit`` (10 min unless set)
-without a connection, removing socket and lock file.
+without a connection, removing socket and lock file; a client connected with
+autostart runs :func:`ensure` again at any reconnect that finds no sidecar
+(``_sync._dial``, ``aio._dial``).
 
 Blocking; :mod:`polygate.aio` runs it in a thread.
 """
@@ -22,6 +24,7 @@ import errno
 import fcntl
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -30,6 +33,7 @@ import threading
 import time
 from typing import List, Optional
 
+from ._core.errmap import SUN_PATH_MAX
 from .errors import SidecarError
 
 AUTOSTART_ENV = "POLYGATE_AUTOSTART"
@@ -40,11 +44,19 @@ EXIT_BUSY = 75
 """The sidecar's exit status when another process holds the lock (``EX_TEMPFAIL``)."""
 START_TIMEOUT = 10.0
 """How long a start may take when the caller set no timeout, in seconds."""
-_POLL = 0.01
+POLL = 0.01
 _ERROR_LINES = 12
 
 # A connect that fails with one of these means "nobody is serving there".
 _ABSENT = (errno.ENOENT, errno.ECONNREFUSED)
+# ... and with one of these during the connect or the handshake: "a sidecar on its
+# way out" (idle_exit, SIGTERM: the probe got into the backlog of a listener that
+# was closing). With autostart both mean "start one" (DESIGN §20).
+GONE = _ABSENT + (errno.ECONNRESET, errno.EPIPE)
+# The caller's service-manager protocol is the caller's: an autostarted sidecar
+# must not send READY=1 / STOPPING=1 to its NOTIFY_SOCKET, nor take its sockets.
+CHILD_ENV_DROPPED = ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID", "LISTEN_FDS", "LISTEN_PID",
+                     "LISTEN_FDNAMES")
 
 
 def wanted(autostart: Optional[bool]) -> bool:
@@ -61,13 +73,22 @@ def sidecar_path() -> str:
     env = os.environ.get(SIDECAR_ENV)
     if env:
         return env
+    not_executable = None
     for scripts in _script_dirs():
         candidate = os.path.join(scripts, BINARY)
-        if os.path.isfile(candidate) and os.access(candidate, os.X_OK):
-            return candidate
+        if os.path.isfile(candidate):
+            if os.access(candidate, os.X_OK):
+                return candidate
+            not_executable = not_executable or candidate
     found = shutil.which(BINARY)
     if found:
         return found
+    if not_executable is not None:
+        raise SidecarError(
+            "%s is not executable (chmod +x it, reinstall the platform wheel of polygate, "
+            "or set $%s)" % (not_executable, SIDECAR_ENV),
+            kind="connection",
+        )
     raise SidecarError(
         "no %s binary: install the platform wheel of polygate (it carries one), put it on PATH, "
         "or set $%s" % (BINARY, SIDECAR_ENV),
@@ -104,14 +125,26 @@ def _answers(path: str) -> bool:
         s.close()
 
 
+def bound(timeout: Optional[float]) -> float:
+    """The bound of a start, in seconds: ``timeout``, else :data:`START_TIMEOUT`."""
+    return timeout if timeout is not None else START_TIMEOUT
+
+
 def ensure(path: str, timeout: Optional[float]) -> None:
     """Return once a sidecar answers on ``path``, starting one if none does (see
     the module text). ``timeout``: the bound in seconds (``None``: 10 s)."""
     if _answers(path):
         return
     path = os.path.abspath(path)
+    size = len(os.fsencode(path))
+    if size > SUN_PATH_MAX:
+        raise SidecarError(
+            "autostart: the socket path %s is %d bytes, longer than the %d bytes a Unix socket path may "
+            "have (sun_path): use a shorter one" % (path, size, SUN_PATH_MAX),
+            kind="connection",
+        )
     lock_path = path + ".lock"
-    deadline = time.monotonic() + (timeout if timeout is not None else START_TIMEOUT)
+    deadline = time.monotonic() + bound(timeout)
     directory = os.path.dirname(path)
     try:
         os.makedirs(directory, mode=0o700, exist_ok=True)
@@ -138,14 +171,14 @@ def ensure(path: str, timeout: Optional[float]) -> None:
                 "past the timeout" % (path, lock_path),
                 kind="connection",
             )
-        time.sleep(_POLL)
+        time.sleep(POLL)
 
 
 def _try_lock(lock_path: str) -> Optional[int]:
     """``lock_path`` opened and locked (exclusive, not waiting), or ``None`` when
     another process holds it or the file was replaced under us."""
     try:
-        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        fd = _above_stdio(os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600))
     except OSError as e:
         raise SidecarError("autostart: cannot open the lock file %s: %s" % (lock_path, e),
                            kind="connection") from None
@@ -168,6 +201,26 @@ def _try_lock(lock_path: str) -> Optional[int]:
     return fd
 
 
+def _above_stdio(fd: int) -> int:
+    """``fd``, moved above 2 if it is not: with this process's stdin, stdout or
+    stderr closed, ``os.open`` returns 0, 1 or 2, which the child's own stdio
+    would replace (the sidecar refuses ``--lock-fd`` 0 to 2)."""
+    if fd > 2:
+        return fd
+    try:
+        return fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, 3)
+    finally:
+        os.close(fd)
+
+
+def child_env(path: str) -> "dict[str, str]":
+    """The sidecar's environment: this process's, bound to ``path``, without the
+    caller's service-manager variables (:data:`CHILD_ENV_DROPPED`)."""
+    env = {k: v for k, v in os.environ.items() if k not in CHILD_ENV_DROPPED}
+    env["SIDECAR__SOCKET"] = path
+    return env
+
+
 def _spawn(path: str, lock_fd: int) -> "tuple[subprocess.Popen[bytes], str]":
     """Start the sidecar detached on ``path`` with the locked ``lock_fd``."""
     binary = sidecar_path()
@@ -175,11 +228,16 @@ def _spawn(path: str, lock_fd: int) -> "tuple[subprocess.Popen[bytes], str]":
     config = os.environ.get(CONFIG_ENV)
     if config:
         args[1:1] = ["--config", os.path.abspath(config)]
-    env = dict(os.environ)
-    env["SIDECAR__SOCKET"] = path
+    env = child_env(path)
     log_path = path + ".log"
     try:
-        log = open(log_path, "wb")  # we hold the lock: nobody else writes it now
+        # we hold the lock: nobody else writes it now; 0600 as the lock file
+        log_fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        try:
+            os.fchmod(log_fd, 0o600)  # one an older start left with the umask's mode
+        except OSError:
+            pass
+        log = os.fdopen(log_fd, "wb")
     except OSError as e:
         raise SidecarError("autostart: cannot open the log file %s: %s" % (log_path, e),
                            kind="connection") from None
@@ -206,8 +264,8 @@ def _wait(proc: "subprocess.Popen[bytes]", path: str, log_path: str, deadline: f
             return False
         if code is not None:
             raise SidecarError(
-                "autostart: the sidecar exited with status %d before listening on %s:\n%s\n(log: %s)"
-                % (code, path, _first_lines(log_path), log_path),
+                "autostart: the sidecar %s before listening on %s:\n%s\n(log: %s)"
+                % (exit_text(code), path, _first_lines(log_path), log_path),
                 kind="connection",
             )
         if time.monotonic() > deadline:
@@ -218,7 +276,19 @@ def _wait(proc: "subprocess.Popen[bytes]", path: str, log_path: str, deadline: f
                 % (path, _first_lines(log_path), log_path),
                 kind="connection",
             )
-        time.sleep(_POLL)
+        time.sleep(POLL)
+
+
+def exit_text(code: int) -> str:
+    """How the sidecar ended, from ``Popen.returncode``: "exited with status 1" or
+    "was killed by signal 11 (SIGSEGV)" (the words of the Go and Node bindings)."""
+    if code >= 0:
+        return "exited with status %d" % code
+    try:
+        name = signal.Signals(-code).name
+    except ValueError:
+        name = "unknown"
+    return "was killed by signal %d (%s)" % (-code, name)
 
 
 def _first_lines(log_path: str) -> str:

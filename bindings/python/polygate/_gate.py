@@ -153,7 +153,7 @@ class _Base:
     @staticmethod
     def _relocate(sent: Any, response: Any) -> None:
         """§17: a routed request's 3xx with a relative ``Location`` gets it made
-        absolute against the URL actually sent (RFC 9110 §10.2.2: relative to the
+        absolute against the URL actually sent (RFC 9110, section 10.2.2: relative to the
         request's target). The HTTP client follows redirects above the transport
         and would resolve it against the SDK's URL, which the transport then routes
         again (a doubled base path); the absolute URL is under the granted route's
@@ -223,7 +223,7 @@ class _Settlement:
 
 
 _TENANT_B = t.TENANT_HEADER.encode()
-_ABSOLUTE = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*:")  # a URI with a scheme (RFC 3986 §3.1): not relative
+_ABSOLUTE = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*:")  # a URI with a scheme (RFC 3986, section 3.1): not relative
 _LIMIT_NAMES_B = tuple(n.encode() for n in LIMIT_PREFIXES)
 
 
@@ -255,8 +255,8 @@ def _tenant_header(request: Any) -> Optional[str]:
     """The request's ``x-polygate-tenant`` value (None: no such header), in one pass
     over the header triples (``Headers.get`` decodes every pair, per lookup: a few
     µs a request). HTTP whitespace around it (space, tab, CR, LF) is not part of it,
-    and a header given more than once is its values joined by ``", "`` (RFC 9110
-    §5.3): what fetch's ``Headers`` gives the Node binding, and the Go binding
+    and a header given more than once is its values joined by ``", "`` (RFC 9110,
+    section 5.3): what fetch's ``Headers`` gives the Node binding, and the Go binding
     reads, so one request names one tenant in all three."""
     h = request.headers
     found = None

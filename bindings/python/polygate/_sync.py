@@ -133,6 +133,7 @@ class _Connection:
         self._reading = False
         self._close_fd = False  # close() came while a leader was reading: it closes the fd
         self._dead: Optional[SidecarError] = None
+        self.gone = False  # _dead says the sidecar closed or reset the connection (not us, not a bad frame)
         self._fatal: Optional[PolyGateError] = None  # an id-0 error, explains the close
         self._decoder = _wire.FrameDecoder(_core.MAX_INCOMING_FRAME)
         self._buf = bytearray(_RECV_SIZE)
@@ -157,7 +158,7 @@ class _Connection:
                 self.sock.sendall(data, _SEND_FLAGS)
             except OSError as e:
                 # The sidecar never got the whole frame, so it cannot have applied it.
-                self._die(_core.lost_error(self.path, e))
+                self._die(_core.lost_error(self.path, e), gone=True)
                 raise _core.NotSent(self._dead_error()) from None
             except BaseException:  # an interrupt inside sendall: part of the frame may be out
                 self._die(SidecarError("interrupted while writing to the sidecar at %s; the connection "
@@ -306,13 +307,13 @@ class _Connection:
         try:
             n = self.sock.recv_into(self._buf)
             if n == 0:
-                self._die(_core.closed_error(self.path, self._fatal))
+                self._die(_core.closed_error(self.path, self._fatal), gone=True)
                 return False
             self._dispatch(self._decoder.feed(self._view[:n]))
         except InterruptedError:
             pass
         except OSError as e:
-            self._die(_core.lost_error(self.path, e))
+            self._die(_core.lost_error(self.path, e), gone=True)
             return False
         except _wire.WireError as e:
             self._die(_core.undecodable_error(e))
@@ -382,11 +383,12 @@ class _Connection:
         if close_fd:
             self._close_socket()
 
-    def _die(self, err: SidecarError) -> None:
+    def _die(self, err: SidecarError, gone: bool = False) -> None:
         events = []
         with self._lock:
             if self._dead is None:
                 self._dead = err
+                self.gone = gone
             pending, self._pending = self._pending, {}
             for slot in pending.values():
                 slot.error = self._dead
@@ -543,13 +545,16 @@ class Client(_core.WelcomeInfo[_Connection]):
 
     A lost connection (the sidecar closed it — idle timeout, restart — or it
     failed) fails what was in flight on it; the next use reconnects (same path,
-    client name and timeout). :meth:`close` is final."""
+    client name and timeout; a client connected with autostart starts the
+    sidecar again when the reconnect finds none). :meth:`close` is final."""
 
-    def __init__(self, conn: _Connection, client_name: Optional[str], timeout: Optional[float]) -> None:
+    def __init__(self, conn: _Connection, client_name: Optional[str], timeout: Optional[float],
+                 autostart: bool = False) -> None:
         self._conn = conn  # the live connection; replaced (never mutated) by a reconnect
         self.path = conn.path
         self._client_name = client_name
         self._timeout = timeout
+        self._autostart = autostart  # every reconnect that finds no sidecar starts one (DESIGN §20)
         self._closed = False  # close() was called: no reconnect, ever
         self._lock = threading.Lock()  # _closed and the swap of _conn (held briefly)
         self._dial_lock = threading.Lock()  # one reconnect at a time; the others wait for its result
@@ -576,7 +581,7 @@ class Client(_core.WelcomeInfo[_Connection]):
             # hand its waiters the error of an older one
             self._dial_error = None
             try:
-                new = _open(self.path, self._client_name, self._timeout, self._opened)
+                new = _dial(self.path, self._client_name, self._timeout, self._autostart, self._opened)
             except SidecarError as e:
                 self._dial_error = e
                 raise
@@ -771,20 +776,55 @@ def connect(path: Optional[str] = None, *, client_name: Optional[str] = None,
     which are refused with a clear error). The client reconnects by itself
     after a lost connection.
     ``autostart`` (default ``$POLYGATE_AUTOSTART``): when nothing answers on the
-    socket, start the bundled sidecar for it first (DESIGN §20, :mod:`polygate._autostart`).
+    socket, start the bundled sidecar for it first (DESIGN §20, :mod:`polygate._autostart`),
+    and again at any reconnect that finds none (it exited after ``idle_exit``, or
+    was killed).
     """
     path = _core.resolve_path(path)
-    if _autostart.wanted(autostart):
-        _autostart.ensure(path, timeout)
-    return Client(_open(path, client_name, timeout), client_name, timeout)
+    auto = _autostart.wanted(autostart)
+    return Client(_dial(path, client_name, timeout, auto), client_name, timeout, auto)
+
+
+class _Gone(Exception):
+    """Internal to :func:`_dial`: the connect or the handshake found no sidecar, or
+    one on its way out (refused, reset, closed); ``error`` is what to raise."""
+
+    def __init__(self, error: SidecarError) -> None:
+        super().__init__(error.message)
+        self.error = error
+
+
+def _dial(path: str, client_name: Optional[str], timeout: Optional[float], autostart: bool,
+          opened: Optional[Callable[[_Connection], None]] = None) -> _Connection:
+    """:func:`_open`; with ``autostart``, a connect or handshake that finds no
+    sidecar (none there, or one exiting after ``idle_exit`` that reset the
+    connection) starts one (:func:`_autostart.ensure`, whose lock makes one of any
+    number of concurrent starters) and tries again, within ``timeout`` (10 s if
+    None) for the whole."""
+    if not autostart:
+        return _open(path, client_name, timeout, opened)
+    deadline = time.monotonic() + _autostart.bound(timeout)
+    tries = 0
+    while True:
+        try:
+            return _open(path, client_name, timeout, opened, gone=True)
+        except _Gone as g:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise g.error from None
+            if tries:
+                time.sleep(min(left, _autostart.POLL))  # a listener still closing: let it go
+            tries += 1
+            _autostart.ensure(path, left)
 
 
 def _open(path: str, client_name: Optional[str], timeout: Optional[float],
-          opened: Optional[Callable[[_Connection], None]] = None) -> _Connection:
+          opened: Optional[Callable[[_Connection], None]] = None, gone: bool = False) -> _Connection:
     """A new connection with its handshake done (``connect`` and every reconnect);
     ``opened`` learns of the connection before its handshake. ``Hello`` says 3;
     a sidecar that refuses it but speaks 2 (it closes the connection) gets a
-    second connection saying 2 (PROTOCOL.md §15)."""
+    second connection saying 2 (PROTOCOL.md §15). ``gone``: a connect or
+    handshake that finds no sidecar raises :class:`_Gone`."""
     version = _wire.PROTOCOL_VERSION
     while True:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -794,6 +834,8 @@ def _open(path: str, client_name: Optional[str], timeout: Optional[float],
             sock.settimeout(None)
         except OSError as e:
             sock.close()
+            if gone and e.errno in _autostart.GONE:
+                raise _Gone(_core.connect_error(path, e)) from None
             raise _core.connect_error(path, e) from None
         conn = _Connection(sock, path)
         try:
@@ -805,6 +847,11 @@ def _open(path: str, client_name: Optional[str], timeout: Optional[float],
             conn.close()
             version = fallback.version
             continue
+        except SidecarError as e:
+            conn.close()
+            if gone and conn.gone:
+                raise _Gone(e) from None
+            raise
         except BaseException:
             conn.close()
             raise

@@ -98,6 +98,7 @@ class _Connection(asyncio.BufferedProtocol):
         # bytes per read: an mmap + munmap for every reply)
         self._rbuf = memoryview(bytearray(_RECV_SIZE))
         self._dead: Optional[SidecarError] = None
+        self.gone = False  # _dead says the sidecar closed or reset the connection (not us, not a bad frame)
         self._fatal: Optional[PolyGateError] = None
         self._lost = self._loop.create_future()  # resolved by connection_lost
 
@@ -121,9 +122,9 @@ class _Connection(asyncio.BufferedProtocol):
 
     def connection_lost(self, exc: Optional[Exception]) -> None:
         if exc is not None:
-            self._die(_core.lost_error(self.path, exc))
+            self._die(_core.lost_error(self.path, exc), gone=True)
         else:
-            self._die(_core.closed_error(self.path, self._fatal))
+            self._die(_core.closed_error(self.path, self._fatal), gone=True)
         if not self._lost.done():
             self._lost.set_result(None)
 
@@ -215,9 +216,10 @@ class _Connection(asyncio.BufferedProtocol):
         else:
             fut.set_result(reply)
 
-    def _die(self, err: SidecarError) -> None:
+    def _die(self, err: SidecarError, gone: bool = False) -> None:
         if self._dead is None:
             self._dead = err
+            self.gone = gone
         pending, self._pending = self._pending, {}
         # frames queued but not yet written never left: their requests were not applied
         unsent = {int.from_bytes(f[4:12], "little") for f in self._out}
@@ -353,13 +355,16 @@ class Client(_core.WelcomeInfo[_Connection]):
 
     A lost connection (the sidecar closed it — idle timeout, restart — or it
     failed) fails what was in flight on it; the next use reconnects (same path,
-    client name and timeout). :meth:`close` is final."""
+    client name and timeout; a client connected with autostart starts the
+    sidecar again when the reconnect finds none). :meth:`close` is final."""
 
-    def __init__(self, conn: _Connection, client_name: Optional[str], timeout: Optional[float]) -> None:
+    def __init__(self, conn: _Connection, client_name: Optional[str], timeout: Optional[float],
+                 autostart: bool = False) -> None:
         self._conn = conn  # the live connection; replaced (never mutated) by a reconnect
         self.path = conn.path
         self._client_name = client_name
         self._timeout = timeout
+        self._autostart = autostart  # every reconnect that finds no sidecar starts one (DESIGN §20)
         self._closed = False  # close() was called: no reconnect, ever
         self._dialing: "Optional[asyncio.Task[_Connection]]" = None  # the reconnect every task awaits
         self._opening: Optional[_Connection] = None  # its connection, before the handshake is done
@@ -386,7 +391,7 @@ class Client(_core.WelcomeInfo[_Connection]):
 
     async def _dial(self) -> _Connection:
         try:
-            new = await _open(self.path, self._client_name, self._timeout, self._opened)
+            new = await _dial(self.path, self._client_name, self._timeout, self._autostart, self._opened)
         finally:
             self._dialing = None  # the next use after a failed dial tries again
             self._opening = None
@@ -532,15 +537,46 @@ async def connect(path: Optional[str] = None, *, client_name: Optional[str] = No
                   timeout: Optional[float] = 10.0, autostart: Optional[bool] = None) -> Client:
     """Connect and handshake; see :func:`polygate.connect` (the client
     reconnects by itself after a lost connection; ``autostart`` as there, the
-    start run in a thread)."""
+    start run in a thread, again at any reconnect that finds no sidecar)."""
     path = _core.resolve_path(path)
-    if _autostart.wanted(autostart):
-        await asyncio.get_running_loop().run_in_executor(None, _autostart.ensure, path, timeout)
-    return Client(await _open(path, client_name, timeout), client_name, timeout)
+    auto = _autostart.wanted(autostart)
+    return Client(await _dial(path, client_name, timeout, auto), client_name, timeout, auto)
+
+
+class _Gone(Exception):
+    """Internal to :func:`_dial`: the connect or the handshake found no sidecar, or
+    one on its way out (refused, reset, closed); ``error`` is what to raise."""
+
+    def __init__(self, error: SidecarError) -> None:
+        super().__init__(error.message)
+        self.error = error
+
+
+async def _dial(path: str, client_name: Optional[str], timeout: Optional[float], autostart: bool,
+                opened: Optional[Callable[[_Connection], None]] = None) -> _Connection:
+    """:func:`_open`; with ``autostart``, a connect or handshake that finds no
+    sidecar starts one (:func:`polygate._sync._dial`, the start run in a thread)
+    and tries again, within ``timeout`` (10 s if None) for the whole."""
+    if not autostart:
+        return await _open(path, client_name, timeout, opened)
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + _autostart.bound(timeout)
+    tries = 0
+    while True:
+        try:
+            return await _open(path, client_name, timeout, opened, gone=True)
+        except _Gone as g:
+            left = deadline - loop.time()
+            if left <= 0:
+                raise g.error from None
+            if tries:
+                await asyncio.sleep(min(left, _autostart.POLL))  # a listener still closing: let it go
+            tries += 1
+            await loop.run_in_executor(None, _autostart.ensure, path, left)
 
 
 async def _open(path: str, client_name: Optional[str], timeout: Optional[float],
-                opened: Optional[Callable[[_Connection], None]] = None) -> _Connection:
+                opened: Optional[Callable[[_Connection], None]] = None, gone: bool = False) -> _Connection:
     """A new connection with its handshake done (``connect`` and every reconnect);
     ``opened`` learns of the connection as soon as it exists. ``Hello`` says 3;
     a sidecar that refuses it but speaks 2 gets a second connection saying 2."""
@@ -559,6 +595,8 @@ async def _open(path: str, client_name: Optional[str], timeout: Optional[float],
             raise SidecarError("cannot connect to the PolyGate sidecar at %s: timed out" % path,
                                kind="connection") from None
         except OSError as e:
+            if gone and e.errno in _autostart.GONE:
+                raise _Gone(_core.connect_error(path, e)) from None
             raise _core.connect_error(path, e) from None
         try:
             reply = await asyncio.wait_for(conn.request(_core.hello(client_name, version)), timeout)
@@ -571,6 +609,11 @@ async def _open(path: str, client_name: Optional[str], timeout: Optional[float],
             await conn.close()
             raise SidecarError("no Welcome from the sidecar at %s within %ss" % (path, timeout),
                                kind="connection") from None
+        except SidecarError as e:
+            await conn.close()
+            if gone and conn.gone:
+                raise _Gone(e) from None
+            raise
         except BaseException:
             await conn.close()
             raise

@@ -3,6 +3,7 @@ exceptions of :mod:`polygate.errors`. No I/O here."""
 
 from __future__ import annotations
 
+import os
 import re
 from typing import Any, Dict, Optional
 
@@ -61,12 +62,20 @@ def protocol_error(message: str) -> SidecarError:
     return SidecarError(message, kind="protocol")
 
 
+SUN_PATH_MAX = 107
+"""The longest Unix socket path, in bytes (``sun_path`` is 108 with its NUL)."""
+
+
 def connect_error(path: str, exc: OSError) -> SidecarError:
     """Why :func:`connect` failed, naming the socket path (and a hint when it is missing)."""
     reason = exc.strerror or str(exc) or type(exc).__name__
     hint = ""
+    size = len(os.fsencode(path))
     if isinstance(exc, FileNotFoundError):
         hint = " (is polygate-sidecar running? set $%s or pass path=)" % SOCKET_ENV
+    elif size > SUN_PATH_MAX:
+        hint = (" (the path is %d bytes, longer than the %d bytes a Unix socket path may have (sun_path): "
+                "use a shorter one)" % (size, SUN_PATH_MAX))
     elif isinstance(exc, PermissionError):
         hint = (
             " (this user may not open the socket: ask the sidecar's operator to admit it "
