@@ -383,8 +383,10 @@ func (t *Transport) RoundTrip(req *http.Request) (*http.Response, error) {
 		return nil, err
 	}
 	att.call, att.permit = call, p
+	var route *parsedRoute
 	if t.Routes != nil {
-		route, ok := t.table.routes[p.Source]
+		var ok bool
+		route, ok = t.table.routes[p.Source]
 		if !ok {
 			att.settle(func(p *Permit) error { return p.Cancel(att.ctx) })
 			names := make([]string, 0, len(t.Routes))
@@ -405,29 +407,62 @@ func (t *Transport) RoundTrip(req *http.Request) (*http.Response, error) {
 		att.transportError(err)
 		return nil, err
 	}
-	if t.Routes != nil && resp.StatusCode >= 300 && resp.StatusCode < 400 {
-		relocate(out.URL, resp.Header)
+	if route != nil && resp.StatusCode >= 300 && resp.StatusCode < 400 {
+		relocate(req.URL, out.URL, route, resp.Header)
 	}
 	att.header = resp.Header
 	return att.response(resp)
 }
 
-// relocate makes a routed request's relative Location absolute against the URL
-// actually sent (RFC 9110, section 10.2.2: relative to the request's target, DESIGN §17).
-// An http.Client follows redirects above the transport and resolves Location
-// against its own request's URL (the SDK's), which the transport would then route
-// again (a doubled base path); the absolute URL is under the granted route's base
-// URL and is routed as any other request.
-func relocate(sent *url.URL, h http.Header) {
+// relocate writes a routed request's 3xx Location as the SDK's own URL (DESIGN
+// §17). Resolved against the URL actually sent (RFC 9110, section 10.2.2: relative
+// to the request's target), a target under the granted route's base URL has that
+// prefix replaced by the one the SDK's request (sdk) was under: an http.Client
+// follows redirects above the transport, and a Location left relative would be
+// resolved against the SDK's URL and routed twice (a doubled base path), one made
+// absolute on the route's host would be sent there with the SDK's keys (the client
+// drops only Authorization and cookies on another origin). Any other target is
+// made absolute.
+func relocate(sdk, sent *url.URL, route *parsedRoute, h http.Header) {
 	loc := h.Get("Location")
 	if loc == "" {
 		return
 	}
 	ref, err := url.Parse(loc)
-	if err != nil || ref.IsAbs() {
-		return // an absolute Location, or one the client will refuse itself
+	if err != nil {
+		return // one the client will refuse itself
 	}
-	h.Set("Location", sent.ResolveReference(ref).String())
+	to := sent.ResolveReference(ref)
+	if back := sdkLocation(sdk, sent, route, to); back != "" {
+		h.Set("Location", back)
+	} else if !ref.IsAbs() {
+		h.Set("Location", to.String())
+	}
+}
+
+// sdkLocation is target (absolute) under the SDK's base URL, for a target under
+// route's base URL (the origin sent went to, and its prefix); "" for any other.
+func sdkLocation(sdk, sent *url.URL, route *parsedRoute, target *url.URL) string {
+	tp, sp, kp := target.EscapedPath(), sent.EscapedPath(), sdk.EscapedPath()
+	if originKey(target) != originKey(sent) || !under(tp, route.prefix) || !strings.HasPrefix(sp, route.prefix) {
+		return ""
+	}
+	rest := sp[len(route.prefix):]
+	if !strings.HasSuffix(kp, rest) {
+		return ""
+	}
+	path := kp[:len(kp)-len(rest)] + tp[len(route.prefix):]
+	if !strings.HasPrefix(path, "/") {
+		path = "/" + path
+	}
+	out := sdk.Scheme + "://" + sdk.Host + path
+	if target.RawQuery != "" {
+		out += "?" + target.RawQuery
+	}
+	if target.Fragment != "" {
+		out += "#" + target.EscapedFragment()
+	}
+	return out
 }
 
 // readSized is io.ReadAll with the buffer sized by a known length (one allocation).

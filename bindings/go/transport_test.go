@@ -625,26 +625,44 @@ func TestTransportRoutesRebase(t *testing.T) {
 	}
 }
 
-// DESIGN §17 item 2: a routed 3xx's relative Location is made absolute against the
-// URL sent; an absolute one, or none, is left as it is.
-func TestTransportRelocateResolvesARelativeLocationAgainstTheURLSent(t *testing.T) {
+// DESIGN §17 item 2: resolved against the URL sent, a routed 3xx's Location under
+// the granted route's base URL is written back under the SDK's base URL; one
+// elsewhere is made absolute; an absolute one elsewhere, or none, is left as it is.
+func TestTransportRelocateWritesTheLocationBackAsTheSDKsURL(t *testing.T) {
+	tb, err := parseRoutes(map[string]Route{
+		"openai": {BaseURL: "https://api.openai.com/v1"}, "az": {BaseURL: "http://g:8080/openai/deployments/x"},
+	}, "")
+	if err != nil {
+		t.Fatal(err)
+	}
+	sdk, _ := url.Parse("https://api.openai.com/v1/chat/completions")
 	sent, _ := url.Parse("http://g:8080/openai/deployments/x/chat/completions?api-version=1")
 	for _, c := range []struct{ loc, want string }{
-		{"/openai/deployments/x/chat/completions?api-version=2", "http://g:8080/openai/deployments/x/chat/completions?api-version=2"},
-		{"../y/chat", "http://g:8080/openai/deployments/x/y/chat"},
+		{"/openai/deployments/x/chat/completions?api-version=2", "https://api.openai.com/v1/chat/completions?api-version=2"},
+		{"../y/chat", "https://api.openai.com/v1/y/chat"},
+		{"http://G:8080/openai/deployments/x/z", "https://api.openai.com/v1/z"},
+		{"/openai/deployments/other/chat", "http://g:8080/openai/deployments/other/chat"},
 		{"//h2/v1/chat", "http://h2/v1/chat"},
 		{"https://other/v1/chat", "https://other/v1/chat"},
 	} {
 		h := http.Header{"Location": {c.loc}}
-		relocate(sent, h)
+		relocate(sdk, sent, tb.routes["az"], h)
 		if got := h.Get("Location"); got != c.want {
 			t.Errorf("Location %q: got %q, want %q", c.loc, got, c.want)
 		}
 	}
 	h := http.Header{}
-	relocate(sent, h)
+	relocate(sdk, sent, tb.routes["az"], h)
 	if _, ok := h["Location"]; ok {
 		t.Errorf("no Location: got %q", h.Get("Location"))
+	}
+	// Under no base URL (the route's path put in front): back to the SDK's origin.
+	sdk2, _ := url.Parse("http://sdk.invalid/chat")
+	sent2, _ := url.Parse("http://g:8080/openai/deployments/x/chat")
+	h = http.Header{"Location": {"/openai/deployments/x/chat2"}}
+	relocate(sdk2, sent2, tb.routes["az"], h)
+	if got := h.Get("Location"); got != "http://sdk.invalid/chat2" {
+		t.Errorf("put in front: got %q", got)
 	}
 }
 

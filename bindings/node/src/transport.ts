@@ -749,24 +749,40 @@ function rebase(url: string, route: RouteIn, bases: Base[]): [string, boolean] {
 
 /**
  * A routed 3xx (the SDK's `redirect: "manual"`; fetch follows the others itself,
- * below the transport) with its relative `Location` made absolute against the URL
- * actually sent (RFC 9110, section 10.2.2), so a caller following it asks for a URL under the
- * granted route's base URL, routed as any other, not one resolved against its own.
+ * below the transport) with its `Location` written as the SDK's own URL. Resolved
+ * against the URL actually sent (RFC 9110, section 10.2.2), a target under the
+ * granted route's base URL has that prefix replaced by the one the SDK's request
+ * (`sdk`) was under, so a caller following it asks for its own URL again, admitted
+ * and routed as any other (its credentials ruled for its own grant) — not one
+ * resolved against its own URL and routed twice, nor the route's host's URL sent
+ * with the SDK's keys. Any other target is made absolute.
  */
-function relocate(up: Response, sent: string): Response {
+function relocate(up: Response, sdk: string, sent: string, route: RouteIn): Response {
   const loc = up.headers.get("location");
-  if (loc === null || /^[A-Za-z][A-Za-z0-9+.-]*:/.test(loc)) return up;
-  let to: string;
+  if (loc === null) return up;
+  let to: URL;
   try {
-    to = new URL(loc, sent).href;
+    to = new URL(loc, sent);
   } catch {
     return up; // a Location the URL parser refuses: the caller's to deal with
   }
+  const back = sdkLocation(new URL(sdk), new URL(sent), route, to);
+  if (back === null && /^[A-Za-z][A-Za-z0-9+.-]*:/.test(loc)) return up;
   const headers = new Headers(up.headers);
-  headers.set("location", to);
+  headers.set("location", back ?? to.href);
   const r = new Response(NULL_BODY.has(up.status) ? null : up.body, { status: up.status, statusText: up.statusText, headers });
   if (up.url) Object.defineProperty(r, "url", { value: up.url });
   return r;
+}
+
+/** `target` under the SDK's base URL, for a target under `route`'s base URL (the origin `sent` went to); `null` for any other. */
+function sdkLocation(sdk: URL, sent: URL, route: RouteIn, target: URL): string | null {
+  if (originKey(target) !== originKey(sent) || !under(target.pathname, route.prefix) || !sent.pathname.startsWith(route.prefix)) return null;
+  const rest = sent.pathname.slice(route.prefix.length);
+  if (!sdk.pathname.endsWith(rest)) return null;
+  let path = sdk.pathname.slice(0, sdk.pathname.length - rest.length) + target.pathname.slice(route.prefix.length);
+  if (!path.startsWith("/")) path = `/${path}`;
+  return sdk.origin + path + target.search + target.hash;
 }
 
 /** `headers` without the caller's credentials when the request leaves their origin. */
@@ -923,8 +939,10 @@ export function fetch(opts: FetchOptions): FetchLike {
 
     let target: string | Request = isReq ? (input as Request) : url;
     let sendInit = init;
+    let granted: RouteIn | undefined;
     if (routes !== null) {
       const route = routes.get(permit.source);
+      granted = route;
       if (route === undefined) {
         await new Attempt(call, permit, null).cancel();
         throw new RouteMissingError(
@@ -983,7 +1001,9 @@ export function fetch(opts: FetchOptions): FetchLike {
       else await att.failure(failKind(e));
       throw e;
     }
-    if (routes !== null && up.status >= 300 && up.status < 400) up = relocate(up, typeof target === "string" ? target : target.url);
+    if (granted !== undefined && up.status >= 300 && up.status < 400) {
+      up = relocate(up, url, typeof target === "string" ? target : target.url, granted);
+    }
     return settleResponse(new Attempt(call, permit, up.headers), up, signal ?? undefined);
   };
 }

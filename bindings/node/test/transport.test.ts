@@ -387,7 +387,7 @@ describe("transport through openai-node", () => {
     });
   });
 
-  test("routes: a 3xx under redirect \"manual\" has its relative Location resolved against the URL sent, and is an uncounted success with no tokens", T, async (t) => {
+  test("routes: a 3xx under redirect \"manual\" has its Location written back as the SDK's URL, and is an uncounted success with no tokens", T, async (t) => {
     await withDaemon(config(["a"]), "memory", t.skip.bind(t), async (client) => {
       const up = await FakeUpstream.start();
       try {
@@ -402,7 +402,8 @@ describe("transport through openai-node", () => {
         assert.equal(r.status, 307);
         await r.arrayBuffer();
         assert.equal(up.hits[0]!.url, "/openai/deployments/x/chat/completions?api-version=2024");
-        assert.equal(r.headers.get("location"), `${up.url}/openai/deployments/x/chat/completions?api-version=2024`);
+        // written back as the SDK's own URL: following it is a call admitted and routed again
+        assert.equal(r.headers.get("location"), "https://api.openai.com/v1/chat/completions?api-version=2024");
         const a = (await client.status()).scopes.chat!.sources.a!;
         assert.deepEqual([a.state, a.streak, a.window_failures, a.window_successes, a.in_flight], ["closed", 0, 0, 0, 0]);
         assert.ok(a.tokens_available !== null && a.tokens_available >= 5999, `the estimate is refunded: ${a.tokens_available}`);

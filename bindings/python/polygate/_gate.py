@@ -150,22 +150,30 @@ class _Base:
         return lib.Request(request.method, url, headers=headers, stream=request.stream,
                            extensions=request.extensions)
 
-    @staticmethod
-    def _relocate(sent: Any, response: Any) -> None:
-        """§17: a routed request's 3xx with a relative ``Location`` gets it made
-        absolute against the URL actually sent (RFC 9110, section 10.2.2: relative to the
-        request's target). The HTTP client follows redirects above the transport
-        and would resolve it against the SDK's URL, which the transport then routes
-        again (a doubled base path); the absolute URL is under the granted route's
-        base URL and is routed as any other request."""
+    def _relocate(self, request: Any, sent: Any, response: Any, source: str) -> None:
+        """§17: a routed request's 3xx ``Location``, made the SDK's own URL. Resolved
+        against the URL actually sent (RFC 9110, section 10.2.2: relative to the
+        request's target), a target under the granted route's base URL is written
+        back under the base URL the SDK's request was under
+        (:func:`~polygate._core.transport.sdk_location`): the HTTP client follows
+        redirects above the transport, and a Location left relative would be
+        resolved against the SDK's URL and routed twice (a doubled base path), one
+        made absolute on the route's host would be sent there with the SDK's keys
+        (the client drops only ``Authorization`` and ``Cookie`` on another origin).
+        Any other target is made absolute."""
         loc = response.headers.get("location")
-        if loc is None or _ABSOLUTE.match(loc):
+        route = self.routes.get(source) if self.routes is not None else None
+        if loc is None or route is None:
             return
         try:
-            to = sent.url.join(loc)
+            to = str(sent.url.join(loc))
         except Exception:  # a Location the URL parser refuses: the client's to deal with
             return
-        response.headers["location"] = str(to)
+        back = t.sdk_location(str(request.url), str(sent.url), route, to)
+        if back is not None:
+            response.headers["location"] = back
+        elif not _ABSOLUTE.match(loc):
+            response.headers["location"] = to
 
     def _refusal(self, request: Any, err: GatewayUnavailableError) -> Any:
         status, headers, body = t.refusal(err, self.scope)
@@ -344,7 +352,7 @@ class SyncGate(_Base):
             call.end(_quiet=not isinstance(exc, Exception))
             raise
         if 300 <= response.status_code < 400 and self.routes is not None:
-            self._relocate(sent, response)
+            self._relocate(request, sent, response, permit.source)
         ctype, cenc, clen, limits = _head(response)
         # §18: the provider's rate-limit headers become the report's observed limits
         # (None when it sent none: then there is nothing to parse). The sidecar applies
@@ -521,7 +529,7 @@ class AsyncGate(_Base):
                 call._release_now()
             raise
         if 300 <= response.status_code < 400 and self.routes is not None:
-            self._relocate(sent, response)
+            self._relocate(request, sent, response, permit.source)
         ctype, cenc, clen, limits = _head(response)
         # §18: the provider's rate-limit headers become the report's observed limits
         # (None when it sent none: then there is nothing to parse). The sidecar applies

@@ -475,23 +475,38 @@ def test_transport_options_are_checked_at_construction():
 
 
 @pytest.mark.parametrize("lib", ["httpx", "httpx2"])
-def test_a_routed_3xx_location_is_made_absolute_against_the_url_sent(lib):
-    """§17 item 2: relative (path, dot-segments, scheme-relative) → absolute against
-    the URL sent; an absolute one, or none, is left as it is."""
+def test_a_routed_3xx_location_is_written_back_as_the_sdks_url(lib):
+    """§17 item 2: resolved against the URL sent (path, dot-segments,
+    scheme-relative), a Location under the granted route's base URL is written back
+    under the base URL the SDK's request was under (so the next hop is routed, and
+    its credentials ruled, as any request); one elsewhere is made absolute; an
+    absolute one elsewhere, or none, is left as it is."""
+    import types
     mod = pytest.importorskip(lib)
     from polygate._gate import _Base
+    gate = types.SimpleNamespace(routes=t.parse_routes({
+        "openai": "https://api.openai.com/v1", "az": "http://g:8080/openai/deployments/x"}))
+    sdk = mod.Request("POST", "https://api.openai.com/v1/chat/completions")
     sent = mod.Request("POST", "http://g:8080/openai/deployments/x/chat/completions?api-version=1")
     for loc, want in (("/openai/deployments/x/chat/completions?api-version=2",
-                       "http://g:8080/openai/deployments/x/chat/completions?api-version=2"),
-                      ("../y/chat", "http://g:8080/openai/deployments/x/y/chat"),
+                       "https://api.openai.com/v1/chat/completions?api-version=2"),
+                      ("../y/chat", "https://api.openai.com/v1/y/chat"),  # against .../x/chat/completions
+                      ("http://G:8080/openai/deployments/x/z", "https://api.openai.com/v1/z"),
+                      ("/openai/deployments/other/chat", "http://g:8080/openai/deployments/other/chat"),
                       ("//h2/v1/chat", "http://h2/v1/chat"),
                       ("https://other/v1/chat", "https://other/v1/chat")):
         r = mod.Response(307, headers={"location": loc})
-        _Base._relocate(sent, r)
+        _Base._relocate(gate, sdk, sent, r, "az")  # type: ignore[arg-type]
         assert r.headers["location"] == want, loc
     r = mod.Response(304)
-    _Base._relocate(sent, r)
+    _Base._relocate(gate, sdk, sent, r, "az")  # type: ignore[arg-type]
     assert "location" not in r.headers
+    # Under no base URL (the route's path put in front): back to the SDK's origin, the path without it.
+    sdk2 = mod.Request("POST", "http://sdk.invalid/chat")
+    sent2 = mod.Request("POST", "http://g:8080/openai/deployments/x/chat")
+    r = mod.Response(302, headers={"location": "/openai/deployments/x/chat2"})
+    _Base._relocate(gate, sdk2, sent2, r, "az")  # type: ignore[arg-type]
+    assert r.headers["location"] == "http://sdk.invalid/chat2"
 
 
 # ---------------------------------------------------------------- the transports' header reads

@@ -208,6 +208,36 @@ def rebase(bases: Bases, route: Route, scheme: str, host: str, port: Optional[in
     return (path + "?" + query if query else path), cross
 
 
+def _origin_of(parts: Any) -> Tuple[str, str, int]:
+    scheme = parts.scheme.lower()
+    return scheme, (parts.hostname or "").lower(), parts.port if parts.port is not None else _DEFAULT_PORT.get(scheme, 0)
+
+
+def sdk_location(sdk_url: str, sent_url: str, route: Route, target: str) -> Optional[str]:
+    """§17: a routed 3xx's ``Location`` (``target``, absolute) as the SDK's own URL:
+    a target under the granted route's base URL (the origin ``sent_url`` went to,
+    and its path prefix) has that prefix replaced by the one the SDK's request
+    ``sdk_url`` was under, so the client follows the redirect to the SDK's origin
+    and the next hop is admitted and routed as any request (its credentials kept or
+    left behind by the rule for its own grant), never sent with the SDK's keys to
+    the route's host as a request under that host's own base URL. None: a target
+    elsewhere (left absolute)."""
+    t, sent, sdk = urlsplit(target), urlsplit(sent_url), urlsplit(sdk_url)
+    try:
+        if _origin_of(t) != _origin_of(sent) or not _under(t.path, route.prefix):
+            return None
+    except ValueError:  # a bad port
+        return None
+    rest = sent.path[len(route.prefix):] if sent.path.startswith(route.prefix) else None
+    if rest is None or not sdk.path.endswith(rest):
+        return None
+    path = sdk.path[:len(sdk.path) - len(rest)] + t.path[len(route.prefix):]
+    if not path.startswith("/"):
+        path = "/" + path
+    return "%s://%s%s%s%s" % (sdk.scheme, sdk.netloc, path, "?" + t.query if t.query else "",
+                              "#" + t.fragment if t.fragment else "")
+
+
 def with_query(query: str, params: Tuple[Tuple[str, str], ...]) -> str:
     """``query`` (raw, no ``?``) without its parameters named in ``params``, then
     ``params`` percent-encoded (everything but ``A-Za-z0-9-._~``)."""
