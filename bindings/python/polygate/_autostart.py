@@ -53,6 +53,18 @@ _ABSENT = (errno.ENOENT, errno.ECONNREFUSED)
 # way out" (idle_exit, SIGTERM: the probe got into the backlog of a listener that
 # was closing). With autostart both mean "start one" (DESIGN §20).
 GONE = _ABSENT + (errno.ECONNRESET, errno.EPIPE)
+
+
+class Gone(Exception):
+    """Internal to the clients' dials (``_sync._dial``, ``aio._dial``): the connect
+    or the handshake found no sidecar, or one on its way out (refused, reset,
+    closed: :data:`GONE`); ``error`` is what to raise."""
+
+    def __init__(self, error: SidecarError) -> None:
+        super().__init__(error.message)
+        self.error = error
+
+
 # The caller's service-manager protocol is the caller's: an autostarted sidecar
 # must not send READY=1 / STOPPING=1 to its NOTIFY_SOCKET, nor take its sockets.
 CHILD_ENV_DROPPED = ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID", "LISTEN_FDS", "LISTEN_PID",

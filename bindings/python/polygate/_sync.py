@@ -785,15 +785,6 @@ def connect(path: Optional[str] = None, *, client_name: Optional[str] = None,
     return Client(_dial(path, client_name, timeout, auto), client_name, timeout, auto)
 
 
-class _Gone(Exception):
-    """Internal to :func:`_dial`: the connect or the handshake found no sidecar, or
-    one on its way out (refused, reset, closed); ``error`` is what to raise."""
-
-    def __init__(self, error: SidecarError) -> None:
-        super().__init__(error.message)
-        self.error = error
-
-
 def _dial(path: str, client_name: Optional[str], timeout: Optional[float], autostart: bool,
           opened: Optional[Callable[[_Connection], None]] = None) -> _Connection:
     """:func:`_open`; with ``autostart``, a connect or handshake that finds no
@@ -808,7 +799,7 @@ def _dial(path: str, client_name: Optional[str], timeout: Optional[float], autos
     while True:
         try:
             return _open(path, client_name, timeout, opened, gone=True)
-        except _Gone as g:
+        except _autostart.Gone as g:
             left = deadline - time.monotonic()
             if left <= 0:
                 raise g.error from None
@@ -824,7 +815,7 @@ def _open(path: str, client_name: Optional[str], timeout: Optional[float],
     ``opened`` learns of the connection before its handshake. ``Hello`` says 3;
     a sidecar that refuses it but speaks 2 (it closes the connection) gets a
     second connection saying 2 (PROTOCOL.md §15). ``gone``: a connect or
-    handshake that finds no sidecar raises :class:`_Gone`."""
+    handshake that finds no sidecar raises :class:`_autostart.Gone`."""
     version = _wire.PROTOCOL_VERSION
     while True:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -835,7 +826,7 @@ def _open(path: str, client_name: Optional[str], timeout: Optional[float],
         except OSError as e:
             sock.close()
             if gone and e.errno in _autostart.GONE:
-                raise _Gone(_core.connect_error(path, e)) from None
+                raise _autostart.Gone(_core.connect_error(path, e)) from None
             raise _core.connect_error(path, e) from None
         conn = _Connection(sock, path)
         try:
@@ -850,7 +841,7 @@ def _open(path: str, client_name: Optional[str], timeout: Optional[float],
         except SidecarError as e:
             conn.close()
             if gone and conn.gone:
-                raise _Gone(e) from None
+                raise _autostart.Gone(e) from None
             raise
         except BaseException:
             conn.close()

@@ -543,15 +543,6 @@ async def connect(path: Optional[str] = None, *, client_name: Optional[str] = No
     return Client(await _dial(path, client_name, timeout, auto), client_name, timeout, auto)
 
 
-class _Gone(Exception):
-    """Internal to :func:`_dial`: the connect or the handshake found no sidecar, or
-    one on its way out (refused, reset, closed); ``error`` is what to raise."""
-
-    def __init__(self, error: SidecarError) -> None:
-        super().__init__(error.message)
-        self.error = error
-
-
 async def _dial(path: str, client_name: Optional[str], timeout: Optional[float], autostart: bool,
                 opened: Optional[Callable[[_Connection], None]] = None) -> _Connection:
     """:func:`_open`; with ``autostart``, a connect or handshake that finds no
@@ -565,7 +556,7 @@ async def _dial(path: str, client_name: Optional[str], timeout: Optional[float],
     while True:
         try:
             return await _open(path, client_name, timeout, opened, gone=True)
-        except _Gone as g:
+        except _autostart.Gone as g:
             left = deadline - loop.time()
             if left <= 0:
                 raise g.error from None
@@ -596,7 +587,7 @@ async def _open(path: str, client_name: Optional[str], timeout: Optional[float],
                                kind="connection") from None
         except OSError as e:
             if gone and e.errno in _autostart.GONE:
-                raise _Gone(_core.connect_error(path, e)) from None
+                raise _autostart.Gone(_core.connect_error(path, e)) from None
             raise _core.connect_error(path, e) from None
         try:
             reply = await asyncio.wait_for(conn.request(_core.hello(client_name, version)), timeout)
@@ -612,7 +603,7 @@ async def _open(path: str, client_name: Optional[str], timeout: Optional[float],
         except SidecarError as e:
             await conn.close()
             if gone and conn.gone:
-                raise _Gone(e) from None
+                raise _autostart.Gone(e) from None
             raise
         except BaseException:
             await conn.close()

@@ -89,10 +89,17 @@ class Route(NamedTuple):
 
     def origin(self) -> Tuple[str, str, int]:
         """``(scheme, host, port)`` with the scheme's default port filled in."""
-        return self.scheme, self.host, self.port if self.port is not None else _DEFAULT_PORT[self.scheme]
+        return _origin(self.scheme, self.host, self.port)
 
 
 _DEFAULT_PORT = {"http": 80, "https": 443}
+
+
+def _origin(scheme: str, host: str, port: Optional[int]) -> Tuple[str, str, int]:
+    """A URL's origin as the routes compare it: scheme and host lower-cased, the
+    scheme's default port filled in (0 for another scheme)."""
+    scheme = scheme.lower()
+    return scheme, host.lower(), port if port is not None else _DEFAULT_PORT.get(scheme, 0)
 _ROUTE_KEYS = ("base_url", "headers", "query", "model")
 
 
@@ -192,7 +199,7 @@ def rebase(bases: Bases, route: Route, scheme: str, host: str, port: Optional[in
     in front (not ``cross``: the routes are its only destinations). The route's
     ``query`` replaces same-named parameters, the others are kept."""
     path, _, query = raw_path.partition("?")
-    origin = (scheme.lower(), host.lower(), port if port is not None else _DEFAULT_PORT.get(scheme.lower(), 0))
+    origin = _origin(scheme, host, port)
     cross = False
     for o, prefix in bases:
         if o == origin and _under(path, prefix):
@@ -209,8 +216,8 @@ def rebase(bases: Bases, route: Route, scheme: str, host: str, port: Optional[in
 
 
 def _origin_of(parts: Any) -> Tuple[str, str, int]:
-    scheme = parts.scheme.lower()
-    return scheme, (parts.hostname or "").lower(), parts.port if parts.port is not None else _DEFAULT_PORT.get(scheme, 0)
+    """:func:`_origin` of a ``urlsplit`` result."""
+    return _origin(parts.scheme, parts.hostname or "", parts.port)
 
 
 def sdk_location(sdk_url: str, sent_url: str, route: Route, target: str) -> Optional[str]:
